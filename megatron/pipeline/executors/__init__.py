@@ -1,0 +1,1 @@
+"""Executors of op streams: the distributed runtime and the single-process emulator."""

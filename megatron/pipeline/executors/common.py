@@ -1,0 +1,48 @@
+"""What both tensor executors share: op dispatch to a worker and report cadence."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megatron.pipeline.comm import Message, op_recvs, op_sends
+from megatron.pipeline.ir import Op, OpKind
+from megatron.pipeline.report import StageReport
+from megatron.pipeline.worker import StageWorker
+
+
+class ReportSink(Protocol):
+    def submit(self, report: StageReport, replica: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReportCadence:
+    """Report after update k when ``(k + 1) % interval == 0`` or k is the final update."""
+
+    interval: int
+    final_update: int | None = None
+
+    def due(self, update: int) -> bool:
+        return (update + 1) % self.interval == 0 or update == self.final_update
+
+
+def run_compute_op(
+    worker: StageWorker, op: Op, inputs: dict[Message, torch.Tensor]
+) -> dict[Message, torch.Tensor]:
+    """Run F or BW on ``worker`` with received tensors; return the tensors to send."""
+    layout = worker.layout
+    received = [inputs[m] for m in op_recvs(op, layout)]
+    received_tensor = received[0] if received else None
+    if op.kind is OpKind.F:
+        out = worker.forward(op, received_tensor)
+    elif op.kind is OpKind.BW:
+        out = worker.backward(op, received_tensor)
+    else:
+        raise NotImplementedError(f"stage {op.stage}: op kind {op.kind.value} is not supported yet ({op})")
+    sends = op_sends(op, layout)
+    return {sends[0]: out} if sends else {}
+
+
+MaybeReport = Callable[[StageWorker, Op], None]

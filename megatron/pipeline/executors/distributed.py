@@ -1,0 +1,210 @@
+"""The distributed runtime: one process per stage, op streams over torch.distributed P2P.
+
+Receives are posted a few ops ahead (in op order, so per-peer FIFO matching is preserved)
+to overlap communication with compute; sends are non-blocking and reaped as they complete;
+activations are freed by the worker as soon as their backward ran. Every wait has a
+timeout, and any failure is raised as :class:`PipelineRuntimeError` naming stage and op.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron.pipeline.comm import Message, op_recvs
+from megatron.pipeline.executors.common import ReportCadence, ReportSink, run_compute_op
+from megatron.pipeline.ir import Op, OpKind
+from megatron.pipeline.parallel import StageGroups
+from megatron.pipeline.report import StageReport
+from megatron.pipeline.worker import StageWorker
+
+
+class PipelineRuntimeError(RuntimeError):
+    """A failure in the pipeline runtime; the message names the stage, rank and op."""
+
+
+class P2PChannel:
+    """Point-to-point messages of one stage, with receives posted ahead of use."""
+
+    def __init__(self, worker: StageWorker, groups: StageGroups, timeout: timedelta):
+        self.worker = worker
+        self.groups = groups
+        self.timeout = timeout
+        self._posted: dict[Message, tuple[dist.Work | None, torch.Tensor]] = {}
+        self._local: dict[Message, torch.Tensor] = {}  # stage sending to itself
+        self._sends: deque[tuple[dist.Work, torch.Tensor, Message]] = deque()
+
+    def _peer(self, stage: int) -> int:
+        return self.groups.layout.rank(stage, self.groups.dp_rank)
+
+    def post(self, msg: Message) -> None:
+        if msg.src_stage == msg.dst_stage:
+            return
+        shape, dtype = self.worker.recv_spec(msg)
+        buf = torch.empty(shape, dtype=dtype, device=self.worker.setup.device)
+        self._posted[msg] = (dist.irecv(buf, src=self._peer(msg.src_stage)), buf)
+
+    def wait(self, msg: Message) -> torch.Tensor:
+        if msg in self._local:
+            return self._local.pop(msg)
+        if msg not in self._posted:
+            self.post(msg)
+        work, buf = self._posted.pop(msg)
+        try:
+            work.wait(self.timeout)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise PipelineRuntimeError(
+                f"receiving {msg} from stage {msg.src_stage} (rank {self._peer(msg.src_stage)}) "
+                f"failed (receive timeout {self.timeout.total_seconds():.0f}s): {exc}"
+            ) from exc
+        return buf
+
+    def send(self, msg: Message, tensor: torch.Tensor) -> None:
+        if msg.src_stage == msg.dst_stage:
+            self._local[msg] = tensor.clone()
+            return
+        tensor = tensor.contiguous()
+        self._sends.append((dist.isend(tensor, dst=self._peer(msg.dst_stage)), tensor, msg))
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+
+    def flush(self) -> None:
+        while self._sends:
+            work, _, msg = self._sends.popleft()
+            try:
+                work.wait(self.timeout)
+            except Exception as exc:  # noqa: BLE001
+                raise PipelineRuntimeError(f"sending {msg} failed or timed out: {exc}") from exc
+
+
+class DistributedExecutor:
+    """Runs this rank's stage stream; the other stages run in their own processes."""
+
+    def __init__(
+        self,
+        worker: StageWorker,
+        groups: StageGroups,
+        cadence: ReportCadence,
+        sink: ReportSink,
+        timeout: timedelta,
+        prefetch_ops: int = 4,
+    ):
+        self.worker = worker
+        self.groups = groups
+        self.cadence = cadence
+        self.sink = sink
+        self.timeout = timeout
+        self.prefetch_ops = prefetch_ops
+        self.channel = P2PChannel(worker, groups, timeout)
+
+    # -- optimizer step ---------------------------------------------------------------
+    def _all_reduce_data_parallel_grads(self) -> None:
+        dp = self.groups.layout.data_parallel_size
+        if dp == 1:
+            return
+        params = self.worker.setup.optimizer.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.groups.data_parallel)
+        flat /= dp
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+
+    def _optimizer_step(self, op: Op) -> None:
+        self._all_reduce_data_parallel_grads()
+        own = self.worker.grad_sq_norm()
+        if op.sync and self.groups.layout.pipeline_size > 1:
+            mine = torch.tensor([own], dtype=torch.float64, device=self.worker.setup.device)
+            gathered = [torch.empty_like(mine) for _ in range(self.groups.layout.pipeline_size)]
+            dist.all_gather(gathered, mine, group=self.groups.pipeline)
+            norms = [float(t) for t in gathered]  # stage order, like the emulator
+        else:
+            norms = [own]
+        self.worker.apply_update(op, norms)
+        if self.cadence.due(op.update):
+            self.sink.submit(self.worker.take_report(op.update), replica=self.groups.dp_rank)
+
+    # -- main loop -----------------------------------------------------------------
+    def run(self, stream: Iterable[Op]) -> None:
+        ops: Iterator[Op] = iter(stream)
+        window: deque[Op] = deque()
+        layout = self.worker.layout
+        current: Op | None = None
+        try:
+            while True:
+                for op in itertools.islice(ops, self.prefetch_ops - len(window)):
+                    window.append(op)
+                    for msg in op_recvs(op, layout):
+                        self.channel.post(msg)
+                if not window:
+                    break
+                current = window.popleft()
+                if current.kind is OpKind.OPT:
+                    self._optimizer_step(current)
+                    continue
+                inputs = {m: self.channel.wait(m) for m in op_recvs(current, layout)}
+                for msg, tensor in run_compute_op(self.worker, current, inputs).items():
+                    self.channel.send(msg, tensor)
+            current = None
+            self.channel.flush()
+        except PipelineRuntimeError as exc:
+            raise PipelineRuntimeError(self._where(current) + str(exc)) from exc
+        except Exception as exc:
+            raise PipelineRuntimeError(self._where(current) + f"{type(exc).__name__}: {exc}") from exc
+
+    def _where(self, op: Op | None) -> str:
+        what = f"at {op}" if op is not None else "while draining sends"
+        return f"stage {self.groups.stage} (rank {self.groups.rank}) {what}: "
+
+
+class SideChannelReports:
+    """Ships every rank's :class:`StageReport` to the logging rank over a gloo side group.
+
+    Non-logging ranks ``isend`` and move on. The logging rank is stage 0 / replica 0: in
+    every schedule here stage 0 is the last to finish an update, so the others' reports
+    for that update have already been sent when it collects them.
+    """
+
+    def __init__(self, groups: StageGroups, collector: "ReportSink | None", timeout: timedelta, logging_rank: int = 0):
+        self.groups = groups
+        self.collector = collector
+        self.timeout = timeout
+        self.logging_rank = logging_rank
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def submit(self, report: StageReport, replica: int) -> None:
+        if self.groups.rank != self.logging_rank:
+            t = report.to_tensor()
+            self._sends.append((dist.isend(t, dst=self.logging_rank, group=self.groups.reports), t))
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+            return
+        assert self.collector is not None
+        self.collector.submit(report, replica)
+        for rank in range(self.groups.layout.world_size):
+            if rank == self.logging_rank:
+                continue
+            buf = torch.empty(StageReport.size(), dtype=torch.float64)
+            work = dist.irecv(buf, src=rank, group=self.groups.reports)
+            try:
+                work.wait(self.timeout)
+            except Exception as exc:  # noqa: BLE001
+                stage = self.groups.layout.coords(rank)[0]
+                raise PipelineRuntimeError(
+                    f"collecting statistics of update {report.update} from stage {stage} (rank {rank}) "
+                    f"failed (timeout {self.timeout.total_seconds():.0f}s): {exc}"
+                ) from exc
+            self.collector.submit(StageReport.from_tensor(buf), self.groups.layout.coords(rank)[1])
+
+    def flush(self) -> None:
+        for work, _ in self._sends:
+            work.wait(self.timeout)
+        self._sends = []

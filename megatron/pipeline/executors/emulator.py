@@ -1,0 +1,56 @@
+"""The emulator: every stage of any schedule in one process, with real tensors.
+
+It replays the same per-stage op streams as the distributed runtime, with the same
+:class:`~megatron.pipeline.worker.StageWorker` per stage and each stage's own dropout RNG,
+so losses and parameters are bitwise those of a distributed run (fp32, CPU, one thread).
+It runs depths no machine here has (N=16, 32) on tiny models.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from megatron.pipeline.comm import Message
+from megatron.pipeline.executors.common import ReportCadence, ReportSink, run_compute_op
+from megatron.pipeline.ir import Op, OpKind, PipelineLayout
+from megatron.pipeline.replay import ReplayEngine
+from megatron.pipeline.worker import StageWorker
+
+
+class Emulator:
+    def __init__(
+        self,
+        workers: list[StageWorker],
+        layout: PipelineLayout,
+        cadence: ReportCadence,
+        sink: ReportSink,
+    ):
+        self.workers = workers
+        self.layout = layout
+        self.cadence = cadence
+        self.sink = sink
+
+    def _execute(self, op: Op, inputs: dict[Message, torch.Tensor]) -> dict[Message, torch.Tensor]:
+        worker = self.workers[op.stage]
+        if op.kind is OpKind.OPT:  # stage-local step
+            worker.apply_update(op, [worker.grad_sq_norm()])
+            self._maybe_report(worker, op)
+            return {}
+        # Copy what crosses a stage boundary: a distributed receiver gets its own buffer.
+        outputs = run_compute_op(worker, op, inputs)
+        return {m: t.clone() for m, t in outputs.items()}
+
+    def _execute_sync(self, ops: list[Op]) -> None:
+        norms = [self.workers[op.stage].grad_sq_norm() for op in ops]
+        for op in ops:
+            self.workers[op.stage].apply_update(op, norms)
+        for op in ops:
+            self._maybe_report(self.workers[op.stage], op)
+
+    def _maybe_report(self, worker: StageWorker, op: Op) -> None:
+        if self.cadence.due(op.update):
+            self.sink.submit(worker.take_report(op.update), replica=0)
+
+    def run(self, streams: list[Iterable[Op]]) -> None:
+        ReplayEngine(streams, self.layout, self._execute, self._execute_sync).run()

@@ -1,0 +1,53 @@
+"""Activation-memory accounting that works on any device.
+
+Counts the bytes autograd saves for backward per micro-batch (parameters excluded, each
+storage once), so the runtime can report in-flight activation memory on CPU as well as
+GPU, and tests can compare it with the timing simulator's prediction.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+
+class ActivationMeter:
+    """Live and peak activation bytes / micro-batch counts of one stage."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor]):
+        self._param_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._live: dict[object, int] = {}
+        self.peak_bytes = 0
+        self.peak_count = 0
+
+    @contextlib.contextmanager
+    def record(self, key: object) -> Iterator[None]:
+        """Attribute everything autograd saves inside the block to ``key``."""
+        seen: set[int] = set()
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._param_storages and ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self._live[key] = self._live.get(key, 0) + total
+        self.peak_bytes = max(self.peak_bytes, sum(self._live.values()))
+        self.peak_count = max(self.peak_count, len(self._live))
+
+    def release(self, key: object) -> None:
+        self._live.pop(key, None)
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    def reset_peaks(self) -> None:
+        self.peak_bytes = sum(self._live.values())
+        self.peak_count = len(self._live)

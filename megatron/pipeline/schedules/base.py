@@ -1,0 +1,114 @@
+"""Schedule base classes and the shared micro-batch orders.
+
+A schedule turns a :class:`ScheduleConfig` into one op stream per stage. Synchronous
+schedules repeat an iteration body followed by a pipeline-wide optimizer step; asynchronous
+schedules are unbounded streams with stage-local steps, drained only where asked.
+"""
+from __future__ import annotations
+
+import abc
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from megatron.pipeline.ir import BW, F, OPT, Op, PipelineLayout
+
+
+class ScheduleConfigError(ValueError):
+    """A configuration a schedule cannot run; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """What every schedule is generated from.
+
+    ``num_microbatches`` is the number of micro-batches per optimizer update of a stage
+    (``m`` for synchronous schedules, the accumulation factor ``a`` for PACI).
+    ``num_iterations=None`` asks an asynchronous schedule for an unbounded stream.
+    ``drain_every`` (asynchronous only) drains the pipeline after every that many updates,
+    e.g. before evaluation or a checkpoint.
+    """
+
+    num_stages: int
+    num_microbatches: int
+    num_iterations: int | None = 1
+    num_chunks: int = 1
+    drain_every: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return PipelineLayout(self.num_stages, self.num_chunks)
+
+
+class Schedule(abc.ABC):
+    """A generator of per-stage op streams."""
+
+    name: ClassVar[str]
+    asynchronous: ClassVar[bool] = False
+
+    def __init__(self, config: ScheduleConfig):
+        self.check_config(config)
+        self.config = config
+
+    @classmethod
+    def check_config(cls, config: ScheduleConfig) -> None:
+        """Raise :class:`ScheduleConfigError` (one line) if this schedule cannot run ``config``."""
+        if config.num_stages < 1:
+            raise ScheduleConfigError(f"{cls.name}: need at least one pipeline stage")
+        if config.num_microbatches < 1:
+            raise ScheduleConfigError(f"{cls.name}: need at least one micro-batch per iteration")
+        if config.num_chunks != 1:
+            raise ScheduleConfigError(f"{cls.name}: supports one model chunk per stage only")
+        if config.num_iterations is None and not cls.asynchronous:
+            raise ScheduleConfigError(f"{cls.name}: a synchronous schedule needs a finite iteration count")
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return self.config.layout
+
+    @abc.abstractmethod
+    def stage_ops(self, stage: int) -> Iterator[Op]:
+        """The op stream of one stage."""
+
+    def streams(self) -> list[Iterator[Op]]:
+        return [self.stage_ops(s) for s in range(self.config.num_stages)]
+
+
+class SynchronousSchedule(Schedule):
+    """Iteration body over ``m`` micro-batches, then a pipeline-wide optimizer step."""
+
+    @abc.abstractmethod
+    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
+        """The ops of one iteration on one stage (no optimizer step)."""
+
+    def stage_ops(self, stage: int) -> Iterator[Op]:
+        m = self.config.num_microbatches
+        assert self.config.num_iterations is not None
+        for it in range(self.config.num_iterations):
+            yield from self.iteration_ops(stage, range(it * m, (it + 1) * m))
+            yield OPT(stage, it, sync=True)
+
+
+def one_f_one_b(stage: int, num_stages: int, microbatches: Iterable[int]) -> Iterator[Op]:
+    """Megatron's non-interleaved 1F1B order over any (possibly unbounded) micro-batch sequence.
+
+    ``num_stages - stage - 1`` warm-up forwards, then one forward and one backward in turn,
+    then the cool-down backwards. Lazy, so asynchronous schedules can run it forever.
+    """
+    warmup = num_stages - stage - 1
+    unresolved: deque[int] = deque()
+    for mb in microbatches:
+        yield F(stage, mb)
+        unresolved.append(mb)
+        if len(unresolved) > warmup:
+            yield BW(stage, unresolved.popleft())
+    while unresolved:
+        yield BW(stage, unresolved.popleft())
+
+
+def microbatch_range(start: int, count: int | None) -> Iterable[int]:
+    """``range(start, start + count)``, or an endless count when ``count`` is None."""
+    return itertools.count(start) if count is None else range(start, start + count)

@@ -1,0 +1,201 @@
+"""One pipeline stage's computation, independent of how messages travel.
+
+The distributed runtime and the emulator both drive a :class:`StageWorker` op by op, so the
+numbers they produce can only differ if the op order or the inputs differ.
+
+Weight-version semantics: a stage's version is the number of optimizer updates it has
+applied. Updates write through ``p.data`` (see the optimizer), so a micro-batch whose
+forward ran on version v and whose backward runs after an update uses the *current*
+weights in backward (PipeDream without stashing); the drift ``v_backward - v_forward`` is
+recorded for every backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from megatron.pipeline.comm import Message
+from megatron.pipeline.ir import Op, PipelineLayout
+from megatron.pipeline.memory import ActivationMeter
+from megatron.pipeline.report import StageReport
+
+Batch = dict[str, torch.Tensor]
+
+
+class StageOptimizer(Protocol):
+    step_count: int
+
+    def parameters(self) -> list[torch.nn.Parameter]: ...
+    def grad_sq_norm(self) -> torch.Tensor: ...
+    def clip_coef(self, total_norm: float, max_norm: float) -> float: ...
+    def step(self, lr: float, grad_scale: float = 1.0) -> None: ...
+    def zero_grad(self) -> None: ...
+
+
+class LRPolicy(Protocol):
+    def lr(self, step: int) -> float: ...
+
+
+@dataclass
+class StageSetup:
+    """Everything a stage needs to compute; built by the trainer (or a benchmark)."""
+
+    stage: int
+    layout: PipelineLayout
+    chunks: list[torch.nn.Module]  # chunk c is virtual stage c * num_stages + stage
+    optimizer: StageOptimizer
+    lr_schedule: LRPolicy
+    microbatches_per_update: int  # losses are scaled by 1/a so a window sums to a mean
+    batch_fn: Callable[[int], Batch]  # global micro-batch index -> this replica's batch
+    loss_fn: Callable[[torch.Tensor, Batch], tuple[torch.Tensor, int]]
+    activation_shape: tuple[int, ...]
+    activation_dtype: torch.dtype
+    device: torch.device
+    clip_grad: float = 0.0
+    seed: int = 1234
+
+
+class StageWorker:
+    """Executes F / BW / OPT for one stage and keeps its statistics."""
+
+    def __init__(self, setup: StageSetup, isolate_rng: bool = False):
+        self.setup = setup
+        self.stage = setup.stage
+        self.layout = setup.layout
+        self._stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._fwd_version: dict[tuple[int, int], int] = {}
+        self.meter = ActivationMeter(setup.optimizer.parameters())
+        self.drift_histogram: Counter[int] = Counter()
+        self.update_log: list[dict[str, Any]] = []  # per update: lr, norm, skipped
+        # Dropout RNG: stage s starts from seed + 100 * s (Megatron's convention). The
+        # emulator runs all stages in one process and swaps the state per op.
+        self._isolate_rng = isolate_rng
+        self._rng = torch.Generator().manual_seed(setup.seed + 100 * setup.stage).get_state()
+        if not isolate_rng:
+            torch.manual_seed(setup.seed + 100 * setup.stage)
+        self._reset_interval()
+
+    # -- helpers ---------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.setup.optimizer.step_count
+
+    def _reset_interval(self) -> None:
+        self._losses: list[torch.Tensor] = []
+        self._tokens = 0
+        self._drifts: list[int] = []
+        self._updates = 0
+        self._skipped = 0
+        self._last_lr = 0.0
+        self._last_norm = 0.0
+        self.meter.reset_peaks()
+        if self.setup.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.setup.device)
+
+    @contextlib.contextmanager
+    def _rng_scope(self) -> Iterator[None]:
+        if not self._isolate_rng:
+            yield
+            return
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self._rng)
+        try:
+            yield
+        finally:
+            self._rng = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+    def _needs_batch(self, chunk: int) -> bool:
+        return self.layout.is_first(self.stage, chunk) or self.layout.is_last(self.stage, chunk)
+
+    def recv_spec(self, msg: Message) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of a tensor this stage receives."""
+        return self.setup.activation_shape, self.setup.activation_dtype
+
+    # -- ops ---------------------------------------------------------------------------
+    def forward(self, op: Op, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Run F; return the activation to send (None on the last virtual stage)."""
+        key = (op.microbatch, op.chunk)
+        batch = self.setup.batch_fn(op.microbatch) if self._needs_batch(op.chunk) else {}
+        x = None if received is None else received.detach().requires_grad_(True)
+        self._fwd_version[key] = self.version
+        with self._rng_scope(), self.meter.record(key):
+            out = self.setup.chunks[op.chunk](x, batch)
+            if self.layout.is_last(self.stage, op.chunk):
+                loss, num_tokens = self.setup.loss_fn(out, batch)
+                self._losses.append(loss.detach())
+                self._tokens += num_tokens
+                out = loss / self.setup.microbatches_per_update
+        self._stash[key] = (x, out)
+        if self.layout.is_last(self.stage, op.chunk):
+            return None
+        return out.detach()
+
+    def backward(self, op: Op, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """Run a fused backward (BW); return the input gradient to send (None on the first)."""
+        key = (op.microbatch, op.chunk)
+        x, out = self._stash.pop(key)
+        with self._rng_scope():
+            if grad_output is None:
+                torch.autograd.backward(out)
+            else:
+                torch.autograd.backward(out, grad_output)
+        self.meter.release(key)
+        drift = self.version - self._fwd_version.pop(key)
+        self._drifts.append(drift)
+        self.drift_histogram[drift] += 1
+        return None if x is None else x.grad
+
+    def grad_sq_norm(self) -> float:
+        """This stage's squared gradient norm (inf/nan if any gradient is not finite)."""
+        return float(self.setup.optimizer.grad_sq_norm())
+
+    def apply_update(self, op: Op, stage_sq_norms: list[float]) -> None:
+        """OPT: step with the norm over ``stage_sq_norms`` (all stages if sync, else own).
+
+        Non-finite gradients skip the update (the version does not advance) and are logged.
+        """
+        total_sq = math.fsum(stage_sq_norms)
+        opt = self.setup.optimizer
+        self._updates += 1
+        if not math.isfinite(total_sq):
+            self._skipped += 1
+            self.update_log.append({"update": op.update, "skipped": True})
+        else:
+            norm = math.sqrt(total_sq)
+            scale = opt.clip_coef(norm, self.setup.clip_grad) if self.setup.clip_grad > 0 else 1.0
+            lr = self.setup.lr_schedule.lr(opt.step_count + 1)
+            opt.step(lr, grad_scale=scale)
+            self._last_lr, self._last_norm = lr, norm
+            self.update_log.append({"update": op.update, "skipped": False, "lr": lr, "grad_norm": norm})
+        opt.zero_grad()
+
+    def take_report(self, update: int) -> StageReport:
+        """Statistics since the previous report; resets the interval."""
+        loss_sum = float(torch.stack(self._losses).sum()) if self._losses else 0.0
+        mem = torch.cuda.max_memory_allocated(self.setup.device) if self.setup.device.type == "cuda" else 0
+        report = StageReport(
+            stage=self.stage,
+            update=update,
+            updates=self._updates,
+            skipped=self._skipped,
+            loss_sum=loss_sum,
+            loss_count=len(self._losses),
+            tokens=self._tokens,
+            lr=self._last_lr,
+            grad_norm=self._last_norm,
+            drift_max=max(self._drifts, default=0),
+            drift_sum=sum(self._drifts),
+            drift_count=len(self._drifts),
+            act_peak_count=self.meter.peak_count,
+            act_peak_bytes=self.meter.peak_bytes,
+            mem_peak_bytes=int(mem),
+        )
+        self._reset_interval()
+        return report

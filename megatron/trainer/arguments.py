@@ -1,0 +1,202 @@
+"""Megatron-LM-style command-line flags and their validation.
+
+Every check runs before any process group or worker process exists, and every failure is
+one line naming the flag, so a bad launch on a 64-GPU job fails in a second, not after
+the rendezvous.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, schedule_class
+
+
+class ArgumentError(ValueError):
+    """A bad flag combination; the message is one line for the user."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=256, help="vocabulary size for --mock-data")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--bf16", action="store_true", help="bf16 model and activations (fp32 master weights)")
+    g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
+                   help="auto: Transformer Engine layer spec on GPU when installed, else the local spec with SDPA attention")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--mock-data", action="store_true", help="synthetic, learnable token sequences (the default when no data path is given)")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=["adamw"], default="adamw")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="replicas per stage; default: WORLD_SIZE / (PP x TP) under torchrun, else 1")
+    g.add_argument("--pipeline-schedule", default="1f1b", help="1f1b, gpipe, ... (see docs/schedules)")
+    g.add_argument("--pipeline-executor", choices=["distributed", "emulator"], default="distributed",
+                   help="emulator: all stages in this one process, bitwise the same numbers")
+    g.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
+                   help="explicit number of layers per stage (default: even split)")
+    g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
+                   help="how long a stage waits for one activation/gradient before failing")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per process (default: cores / local processes)")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration")
+    g.add_argument("--log-weight-version-drift", action="store_true")
+    g.add_argument("--dump-final-params", default=None, metavar="DIR",
+                   help="write each stage's final parameters (by global name) to DIR/stageS.pt")
+
+
+def build_parser(description: str = "Megatron-Async pretraining") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    _add_model_args(p)
+    _add_training_args(p)
+    _add_parallel_args(p)
+    _add_logging_args(p)
+    return p
+
+
+def _world_size_from_env() -> int | None:
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+
+
+def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill derived values (data-parallel size, global batch, defaults) in place."""
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    if pp < 1 or tp < 1:
+        raise ArgumentError("--pipeline-model-parallel-size and --tensor-model-parallel-size must be >= 1")
+    world = _world_size_from_env()
+    if args.data_parallel_size is None:
+        if world is not None and args.pipeline_executor == "distributed":
+            if world % (pp * tp):
+                raise ArgumentError(f"WORLD_SIZE={world} is not divisible by pipeline {pp} x tensor {tp}")
+            args.data_parallel_size = world // (pp * tp)
+        else:
+            args.data_parallel_size = 1
+    dp = args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.data_path is None:
+        args.mock_data = True
+    args.world_size = pp * tp * dp
+    args.num_microbatches = args.global_batch_size // max(1, args.micro_batch_size * dp)
+    return args
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Raise :class:`ArgumentError` with one line for the first problem found."""
+    pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
+    world = _world_size_from_env()
+    if args.tensor_model_parallel_size != 1:
+        raise ArgumentError("--tensor-model-parallel-size > 1 is not supported yet (pipeline and data parallelism are)")
+    if world is not None and args.pipeline_executor == "distributed" and world != args.world_size:
+        raise ArgumentError(f"WORLD_SIZE={world} but pipeline {pp} x data {dp} needs {args.world_size} processes")
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "vocab_size", "log_interval"):
+        if getattr(args, flag) < 1:
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+    if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError("--num-attention-heads must be divisible by --num-query-groups")
+    if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
+        raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    if args.pipeline_layer_split is not None:
+        split = args.pipeline_layer_split
+        if len(split) != pp:
+            raise ArgumentError(f"--pipeline-layer-split has {len(split)} entries for {pp} pipeline stages")
+        if sum(split) != args.num_layers or min(split) < 1:
+            raise ArgumentError(f"--pipeline-layer-split {split} must be positive and sum to --num-layers {args.num_layers}")
+    elif args.num_layers % pp:
+        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} (or pass --pipeline-layer-split)")
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp}")
+    if args.pipeline_executor == "emulator" and dp != 1:
+        raise ArgumentError("--pipeline-executor emulator runs one data-parallel replica; use --data-parallel-size 1")
+    if not (0.0 <= args.hidden_dropout < 1.0 and 0.0 <= args.attention_dropout < 1.0):
+        raise ArgumentError("dropout probabilities must be in [0, 1)")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        raise ArgumentError("--lr-warmup-iters exceeds --lr-decay-iters")
+    if args.clip_grad < 0:
+        raise ArgumentError("--clip-grad must be >= 0")
+    if args.data_path:
+        raise ArgumentError("--data-path is not supported yet; use --mock-data")
+    if args.device == "cuda" or args.bf16:
+        import torch
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ArgumentError("--device cuda but no CUDA device is available")
+    if args.distributed_backend == "nccl" and args.device == "cpu":
+        raise ArgumentError("--distributed-backend nccl needs --device cuda")
+    try:
+        schedule_class(args.pipeline_schedule).check_config(schedule_config(args))
+    except ScheduleConfigError as exc:
+        raise ArgumentError(f"--pipeline-schedule: {exc}") from None
+
+
+def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
+    return ScheduleConfig(
+        num_stages=args.pipeline_model_parallel_size,
+        num_microbatches=args.num_microbatches,
+        num_iterations=args.train_iters,
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse, derive and validate; exits with status 2 and one line on a bad combination."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    try:
+        finalize_args(args)
+        validate_args(args)
+    except ArgumentError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    return args

@@ -1,0 +1,70 @@
+"""GPT pretraining on megatron-core's GPTModel, split into pipeline stages."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+
+import torch
+
+from megatron.trainer.data.mock import MockGPTData
+from megatron.trainer.models.gpt import GPTModelArgs, GPTStage, build_gpt_stage, gpt_loss, split_layers
+from megatron.trainer.task import Batch, microbatch_sample_indices
+
+
+def gpt_model_args(args: argparse.Namespace) -> GPTModelArgs:
+    impl = {"auto": None, "local": False, "transformer_engine": True}[args.transformer_impl]
+    return GPTModelArgs(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        vocab_size=args.vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        position_embedding_type=args.position_embedding_type,
+        bf16=args.bf16,
+        use_transformer_engine=impl,
+    )
+
+
+class GPTTask:
+    name = "gpt"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        return None
+
+    def build_stage(self, args: argparse.Namespace, stage: int, device: torch.device) -> list[torch.nn.Module]:
+        pp = args.pipeline_model_parallel_size
+        layers = split_layers(args.num_layers, pp, args.pipeline_layer_split)[stage]
+        chunk = build_gpt_stage(
+            gpt_model_args(args), layers, pre_process=stage == 0, post_process=stage == pp - 1,
+            seed=args.seed, device=device,
+        )
+        return [chunk]
+
+    def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for chunk in chunks:
+            assert isinstance(chunk, GPTStage)
+            yield from chunk.global_named_parameters()
+
+    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device) -> Callable[[int], Batch]:
+        data = MockGPTData(args.seq_length, args.vocab_size, args.seed)
+        mbs, dp = args.micro_batch_size, args.data_parallel_size
+
+        def get(microbatch: int) -> Batch:
+            batch = data.micro_batch(microbatch_sample_indices(microbatch, mbs, dp_rank, dp))
+            return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+        return get
+
+    def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
+        return gpt_loss(output, batch)
+
+    def activation_spec(self, args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        return (args.seq_length, args.micro_batch_size, args.hidden_size), dtype

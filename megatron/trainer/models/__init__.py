@@ -1,0 +1,1 @@
+"""Pipeline-stage models built from megatron-core components."""

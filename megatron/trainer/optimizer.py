@@ -1,0 +1,353 @@
+"""Stage-local AdamW for asynchronous pipeline training.
+
+Each pipeline stage owns a subset of the model's parameters and steps its own
+optimizer on its own clock.  Asynchronous schedules apply an update *between* a
+micro-batch's forward and its backward, so the update must not touch autograd's
+version counter of the parameters: otherwise the in-flight backward raises
+"one of the variables needed for gradient computation has been modified by an
+inplace operation".  We therefore write every update through ``p.data`` (a
+tensor sharing ``p``'s storage but carrying its own version counter).
+
+Consequence worth knowing: the in-flight backward then reads the *updated*
+weight values from the shared storage (activations came from the old weights,
+the weight factor of the backward from the new ones).  That is exactly the
+weight inconsistency that asynchronous pipeline schedules accept by design; if
+a schedule needs the old values it must stash them itself.
+
+The update is the same arithmetic, in the same order, as PyTorch's
+single-tensor (``foreach=False``) ``torch.optim.AdamW``, so fp32 runs match it
+bitwise.  bf16/fp16 parameters get fp32 master weights; the optimizer state
+lives in the master's dtype.  Nothing here is CUDA-specific: every tensor is
+created on its parameter's device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+NoDecayFn = Callable[[str, Parameter], bool]
+
+# Parameter dtypes that get a separate fp32 master copy.  Other dtypes (fp32,
+# fp64) are precise enough to be their own master, exactly like torch.optim.
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def default_no_decay(name: str, param: Parameter) -> bool:
+    """Megatron convention: no weight decay for biases and 1-D params (norm scales).
+
+    Decaying those pulls normalisation gains and biases toward zero, which hurts
+    rather than regularises; Megatron-LM excludes them by default.
+    """
+    return name.endswith("bias") or param.ndim == 1
+
+
+@dataclass
+class _Slot:
+    """Everything the optimizer keeps for one parameter.
+
+    ``master`` is None when the parameter is its own master (fp32/fp64); we then
+    fetch ``param.data`` at every use instead of caching an alias, so that a
+    later ``param.data = ...`` (e.g. ``module.to(device)``) cannot leave us
+    updating a stale tensor.
+    """
+
+    name: str
+    param: Parameter
+    decay: bool
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    master: Optional[Tensor]
+
+    def target(self) -> Tensor:
+        """The full-precision tensor the Adam arithmetic is applied to."""
+        return self.master if self.master is not None else self.param.data
+
+
+def _make_slot(name: str, param: Parameter, decay: bool) -> _Slot:
+    """Allocate master copy (if needed) and zeroed moments, on the param's device."""
+    master: Optional[Tensor] = None
+    if param.dtype in _LOW_PRECISION:
+        master = param.detach().to(dtype=torch.float32, copy=True)
+    reference = master if master is not None else param.detach()
+    return _Slot(
+        name=name,
+        param=param,
+        decay=decay,
+        exp_avg=torch.zeros_like(reference, memory_format=torch.preserve_format),
+        exp_avg_sq=torch.zeros_like(reference, memory_format=torch.preserve_format),
+        master=master,
+    )
+
+
+def _check_unique(named: list[tuple[str, Parameter]]) -> None:
+    """Reject duplicate names or tied (shared) parameters.
+
+    A tied parameter listed twice would be stepped twice per update; state
+    dicts keyed by name would silently collide on duplicate names.
+    """
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError("StageAdamW: duplicate parameter names")
+    if len({id(p) for _, p in named}) != len(named):
+        raise ValueError("StageAdamW: the same parameter is listed twice (tied weights?)")
+
+
+def _check_hyperparams(lr: float, weight_decay: float, betas: tuple[float, float], eps: float) -> None:
+    """Validate constructor hyper-parameters with one-line messages."""
+    if not lr >= 0.0:
+        raise ValueError(f"StageAdamW: lr must be >= 0, got {lr}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"StageAdamW: weight_decay must be >= 0, got {weight_decay}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"StageAdamW: betas must be in [0, 1), got {betas}")
+    if not eps >= 0.0:
+        raise ValueError(f"StageAdamW: eps must be >= 0, got {eps}")
+
+
+class StageAdamW:
+    """AdamW over one stage's parameters, with fp32 master weights when params are bf16/fp16.
+
+    Why not ``torch.optim.AdamW``: it updates ``p`` in place under ``no_grad``,
+    which bumps the version counter and breaks in-flight backwards of an
+    asynchronous pipeline; and it has no master weights for bf16 params.
+
+    Conventions chosen here:
+
+    * The learning rate is passed to every :meth:`step` (the stage's scheduler
+      is a pure function of its local step, see ``lr_schedule.LRSchedule``);
+      ``lr`` given to the constructor is only validated and kept as a default
+      for callers that want one.
+    * A parameter whose ``.grad`` is None at step time is treated as having a
+      zero gradient (Megatron semantics: every param owns a zeroed grad buffer),
+      so a single ``step_count`` drives bias correction for all parameters.
+      ``torch.optim.AdamW`` would skip such a parameter instead.
+    * Parameters with ``requires_grad=False`` are not optimised.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[tuple[str, Parameter]],
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        no_decay_fn: Optional[NoDecayFn] = None,
+    ) -> None:
+        betas = (float(betas[0]), float(betas[1]))
+        _check_hyperparams(lr, weight_decay, betas, eps)
+        named = [(name, p) for name, p in params if p.requires_grad]
+        _check_unique(named)
+        no_decay = no_decay_fn if no_decay_fn is not None else default_no_decay
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.betas = betas
+        self.eps = float(eps)
+        self.step_count: int = 0
+        self._slots = [_make_slot(name, p, not no_decay(name, p)) for name, p in named]
+
+    # ------------------------------------------------------------------ params
+
+    def parameters(self) -> list[Parameter]:
+        """The parameters this optimizer updates, in construction order."""
+        return [slot.param for slot in self._slots]
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        """(name, parameter) pairs, in construction order."""
+        return [(slot.name, slot.param) for slot in self._slots]
+
+    @property
+    def no_decay_names(self) -> frozenset[str]:
+        """Names of parameters excluded from weight decay (for logging and tests)."""
+        return frozenset(slot.name for slot in self._slots if not slot.decay)
+
+    def master_weight(self, name: str) -> Tensor:
+        """The full-precision tensor updated for ``name`` (the param's data if fp32)."""
+        for slot in self._slots:
+            if slot.name == name:
+                return slot.target()
+        raise KeyError(name)
+
+    def _device(self) -> torch.device:
+        """Where scalar reductions live: the (first) parameter's device."""
+        return self._slots[0].param.device if self._slots else torch.device("cpu")
+
+    # ------------------------------------------------------------ grad checks
+
+    def _grads(self) -> list[Tensor]:
+        """Existing gradients, detached (None grads are skipped: they count as 0)."""
+        return [slot.param.grad.detach() for slot in self._slots if slot.param.grad is not None]
+
+    def grad_sq_norm(self) -> Tensor:
+        """Sum of squares of all grads as an fp32 scalar on the params' device.
+
+        Returned as a tensor (no host sync) so that a pipeline-parallel caller
+        can all-reduce it across stages before taking the square root.  Each
+        grad is cast to fp32 before squaring because fp16 squares overflow.
+        """
+        device = self._device()
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in self._grads():
+            total += grad.float().square().sum().to(device)
+        return total
+
+    def grads_finite(self) -> bool:
+        """True when no grad holds inf/NaN.
+
+        Checked element-wise rather than via ``grad_sq_norm``: a sum of squares
+        of large but finite grads can itself overflow to inf.
+        """
+        device = self._device()
+        flags = [torch.isfinite(grad).all().to(device) for grad in self._grads()]
+        if not flags:
+            return True
+        return bool(torch.stack(flags).all().item())
+
+    @staticmethod
+    def clip_coef(total_norm: float, max_norm: float) -> float:
+        """Megatron's clip factor: ``max_norm / (total_norm + 1e-6)`` if below 1, else 1.
+
+        The 1e-6 keeps a zero norm from dividing by zero.  A NaN ``total_norm``
+        yields 1.0, so check :meth:`grads_finite` before trusting the result.
+        """
+        if not max_norm > 0.0:
+            raise ValueError(f"clip_coef: max_norm must be > 0, got {max_norm}")
+        coef = max_norm / (total_norm + 1e-6)
+        return coef if coef < 1.0 else 1.0
+
+    # ------------------------------------------------------------------- step
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """Apply one AdamW update with learning rate ``lr``.
+
+        Grads are multiplied by ``grad_scale`` (the clip coefficient) out of
+        place, so ``p.grad`` is left untouched.  Weight decay is decoupled
+        (``p *= 1 - lr*wd`` before the Adam update), bias correction uses the
+        incremented ``step_count``, and the operation order mirrors
+        ``torch.optim.adam._single_tensor_adam`` for bitwise parity.
+        """
+        if not (math.isfinite(lr) and lr >= 0.0):
+            raise ValueError(f"StageAdamW.step: lr must be finite and >= 0, got {lr}")
+        if not (math.isfinite(grad_scale) and grad_scale >= 0.0):
+            raise ValueError(f"StageAdamW.step: grad_scale must be finite and >= 0, got {grad_scale}")
+        self.step_count += 1
+        step_size, bias_correction2_sqrt = self._bias_corrections(lr)
+        with torch.no_grad():
+            for slot in self._slots:
+                self._update(slot, lr, grad_scale, step_size, bias_correction2_sqrt)
+
+    def _bias_corrections(self, lr: float) -> tuple[float, float]:
+        """(lr / (1 - beta1^t), sqrt(1 - beta2^t)) exactly as torch computes them.
+
+        torch keeps the step in a float tensor and reads it back as a Python
+        float, so we raise the betas to a float too.
+        """
+        beta1, beta2 = self.betas
+        step = float(self.step_count)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        return lr / bias_correction1, bias_correction2**0.5
+
+    def _update(
+        self, slot: _Slot, lr: float, grad_scale: float, step_size: float, bias_correction2_sqrt: float
+    ) -> None:
+        """One parameter's AdamW update, written through master / ``p.data`` only."""
+        beta1, beta2 = self.betas
+        target = slot.target()
+        grad = self._scaled_grad(slot, target, grad_scale)
+        if slot.decay and self.weight_decay != 0:
+            target.mul_(1 - lr * self.weight_decay)
+        slot.exp_avg.lerp_(grad, 1 - beta1)
+        slot.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (slot.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        target.addcdiv_(slot.exp_avg, denom, value=-step_size)
+        if slot.master is not None:
+            slot.param.data.copy_(slot.master)
+
+    @staticmethod
+    def _scaled_grad(slot: _Slot, target: Tensor, grad_scale: float) -> Tensor:
+        """The grad in the master's dtype, times ``grad_scale``; zeros if the grad is None.
+
+        Skips the multiply when ``grad_scale == 1`` so unclipped steps stay
+        bitwise identical to torch.optim.AdamW.
+        """
+        grad = slot.param.grad
+        if grad is None:
+            return torch.zeros_like(target)
+        grad = grad.detach().to(dtype=target.dtype)
+        if grad_scale != 1.0:
+            grad = grad * grad_scale
+        return grad
+
+    def zero_grad(self) -> None:
+        """Zero existing grads in place (None grads stay None).
+
+        In place rather than ``p.grad = None`` because grads accumulate across
+        micro-batches into long-lived buffers (Megatron's grad-buffer model):
+        keeping them avoids re-allocation every step and keeps any reference a
+        communication hook holds to the buffer valid.
+        """
+        for slot in self._slots:
+            grad = slot.param.grad
+            if grad is None:
+                continue
+            if grad.grad_fn is not None:  # left by backward(create_graph=True)
+                grad.detach_()
+            else:
+                grad.requires_grad_(False)
+            grad.zero_()
+
+    # ------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        """Snapshot (cloned tensors) of step_count, moments and fp32 masters, keyed by name.
+
+        Cloned so that continued training does not mutate a dict that is still
+        being written to disk.  Masters are stored only for bf16/fp16 params:
+        an fp32 param is its own master and is saved with the model.
+        """
+        params: dict[str, dict[str, Tensor]] = {}
+        for slot in self._slots:
+            entry = {"exp_avg": slot.exp_avg.clone(), "exp_avg_sq": slot.exp_avg_sq.clone()}
+            if slot.master is not None:
+                entry["master"] = slot.master.clone()
+            params[slot.name] = entry
+        return {"step_count": self.step_count, "params": params}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore a :meth:`state_dict` snapshot exactly.
+
+        Values are copied into the live buffers, so a checkpoint saved on one
+        device loads onto params on another.  Restored masters are also copied
+        into ``p.data`` to re-establish the invariant ``p == master.to(p.dtype)``.
+        """
+        entries = sd["params"]
+        expected = {slot.name for slot in self._slots}
+        if set(entries) != expected:
+            missing, extra = sorted(expected - set(entries)), sorted(set(entries) - expected)
+            raise ValueError(f"StageAdamW.load_state_dict: missing {missing}, unexpected {extra}")
+        for slot in self._slots:
+            _load_slot(slot, entries[slot.name])
+        self.step_count = int(sd["step_count"])
+
+
+def _load_slot(slot: _Slot, entry: dict[str, Tensor]) -> None:
+    """Copy one parameter's saved state into its live buffers."""
+    if (slot.master is not None) != ("master" in entry):
+        raise ValueError(f"StageAdamW.load_state_dict: master-weight mismatch for {slot.name}")
+    pairs = [(slot.exp_avg, entry["exp_avg"]), (slot.exp_avg_sq, entry["exp_avg_sq"])]
+    if slot.master is not None:
+        pairs.append((slot.master, entry["master"]))
+    for live, saved in pairs:
+        if live.shape != saved.shape:
+            raise ValueError(f"StageAdamW.load_state_dict: shape mismatch for {slot.name}")
+    with torch.no_grad():
+        for live, saved in pairs:
+            live.copy_(saved)
+        if slot.master is not None:
+            slot.param.data.copy_(slot.master)

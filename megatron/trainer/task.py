@@ -1,0 +1,40 @@
+"""The seam between the generic trainer and a model family (GPT, BERT, synthetic)."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+
+class PretrainTask(Protocol):
+    """What ``pretrain_gpt.py`` / ``pretrain_bert.py`` plug into :func:`training.pretrain`."""
+
+    name: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Model-family flags beyond the common ones (may do nothing)."""
+
+    def build_stage(self, args: argparse.Namespace, stage: int, device: torch.device) -> list[torch.nn.Module]:
+        """The model chunks of one stage, chunk c being virtual stage c * PP + stage."""
+
+    def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Parameters by name in the unsplit model (checkpoints, comparisons)."""
+
+    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device) -> Callable[[int], Batch]:
+        """Global micro-batch index -> this data-parallel replica's micro-batch."""
+
+    def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
+        """Last stage's output -> (mean loss of the micro-batch, tokens counted)."""
+
+    def activation_spec(self, args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of tensors crossing stage boundaries."""
+
+
+def microbatch_sample_indices(microbatch: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[int]:
+    """Megatron's pretraining sampler: consecutive samples, each micro-batch split over DP ranks."""
+    base = (microbatch * dp_size + dp_rank) * micro_batch_size
+    return list(range(base, base + micro_batch_size))

@@ -1,0 +1,193 @@
+"""The pretraining driver: flags -> stages -> schedule -> executor -> logs.
+
+``pretrain(task, argv)`` validates every flag first, then either runs all stages in this
+process (``--pipeline-executor emulator``), runs this rank's stage (under torchrun or our
+launcher), or spawns one process per rank on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.pipeline.executors.common import ReportCadence
+from megatron.pipeline.executors.distributed import DistributedExecutor, PipelineRuntimeError, SideChannelReports
+from megatron.pipeline.executors.emulator import Emulator
+from megatron.pipeline.ir import PipelineLayout
+from megatron.pipeline.parallel import RankLayout, StageGroups
+from megatron.pipeline.schedules import build_schedule
+from megatron.pipeline.worker import StageSetup, StageWorker
+from megatron.trainer.arguments import build_parser, parse_args, schedule_config
+from megatron.trainer.launcher import free_port, is_worker_process, launch_local
+from megatron.trainer.logger import ReportCollector, TrainingLogger
+from megatron.trainer.lr_schedule import LRSchedule
+from megatron.trainer.optimizer import StageAdamW
+from megatron.trainer.task import PretrainTask
+
+
+def resolve_device(args: argparse.Namespace, local_rank: int) -> torch.device:
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_threads(args: argparse.Namespace, local_processes: int) -> None:
+    threads = args.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_processes))
+    torch.set_num_threads(threads)
+
+
+def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
+                 device: torch.device, isolate_rng: bool) -> StageWorker:
+    chunks = task.build_stage(args, stage, device)
+    optimizer = StageAdamW(
+        list(task.named_parameters(chunks)), lr=args.lr, weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+    )
+    schedule = LRSchedule(
+        max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
+        decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
+    )
+    shape, dtype = task.activation_spec(args)
+    setup = StageSetup(
+        stage=stage,
+        layout=PipelineLayout(args.pipeline_model_parallel_size),
+        chunks=chunks,
+        optimizer=optimizer,
+        lr_schedule=schedule,
+        microbatches_per_update=args.num_microbatches,
+        batch_fn=task.batch_fn(args, dp_rank, device),
+        loss_fn=task.loss_fn,
+        activation_shape=shape,
+        activation_dtype=dtype,
+        device=device,
+        clip_grad=args.clip_grad,
+        seed=args.seed,
+    )
+    return StageWorker(setup, isolate_rng=isolate_rng)
+
+
+def make_logger(args: argparse.Namespace) -> TrainingLogger:
+    return TrainingLogger(
+        num_stages=args.pipeline_model_parallel_size,
+        train_iters=args.train_iters,
+        samples_per_iteration=args.global_batch_size,
+        tokens_per_iteration=args.global_batch_size * args.seq_length,
+        log_drift=args.log_weight_version_drift,
+        json_path=args.log_json,
+    )
+
+
+def dump_parameters(task: PretrainTask, worker: StageWorker, directory: str) -> None:
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {name: p.detach().cpu().clone() for name, p in task.named_parameters(worker.setup.chunks)}
+    torch.save(state, path / f"stage{worker.stage}.pt")
+
+
+def _print_drift_histograms(workers: list[StageWorker]) -> None:
+    for w in workers:
+        hist = ", ".join(f"{d}: {n}" for d, n in sorted(w.drift_histogram.items()))
+        print(f" weight-version drift histogram, stage {w.stage}: {{{hist}}}", flush=True)
+
+
+def _init_megatron_parallel_state() -> None:
+    """megatron-core modules read TP/PP sizes from its parallel state; our runtime pipelines
+    by itself, so megatron sees one pipeline stage."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+
+
+def run_emulator(task: PretrainTask, args: argparse.Namespace) -> int:
+    set_threads(args, 1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    _init_megatron_parallel_state()
+    device = resolve_device(args, 0)
+    pp = args.pipeline_model_parallel_size
+    workers = [build_worker(task, args, s, 0, device, isolate_rng=True) for s in range(pp)]
+    logger = make_logger(args)
+    collector = ReportCollector(pp, logger.log_update)
+    schedule = build_schedule(args.pipeline_schedule, schedule_config(args))
+    cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
+    Emulator(workers, schedule.layout, cadence, collector).run(schedule.streams())
+    logger.close()
+    if args.log_weight_version_drift:
+        _print_drift_histograms(workers)
+    if args.dump_final_params:
+        for w in workers:
+            dump_parameters(task, w, args.dump_final_params)
+    return 0
+
+
+def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))
+    device = resolve_device(args, local_rank)
+    backend = args.distributed_backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size)
+    groups = StageGroups.create(layout, timeout)
+    _init_megatron_parallel_state()
+    stage, dp_rank, _ = layout.coords(rank)
+    try:
+        worker = build_worker(task, args, stage, dp_rank, device, isolate_rng=False)
+        logger = make_logger(args) if rank == 0 else None
+        collector = ReportCollector(layout.world_size, logger.log_update) if logger else None
+        p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
+        reports = SideChannelReports(groups, collector, p2p_timeout)
+        schedule = build_schedule(args.pipeline_schedule, schedule_config(args))
+        cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
+        DistributedExecutor(worker, groups, cadence, reports, p2p_timeout).run(schedule.stage_ops(stage))
+        reports.flush()
+        if logger:
+            logger.close()
+        if args.log_weight_version_drift and dp_rank == 0:
+            _print_drift_histograms([worker])
+        if args.dump_final_params and dp_rank == 0:
+            dump_parameters(task, worker, args.dump_final_params)
+    except PipelineRuntimeError as exc:
+        _fail(f"[megatron-async] error: {exc}")
+    except Exception as exc:  # noqa: BLE001 - any failure must end this rank, not hang it
+        traceback.print_exc()
+        _fail(f"[megatron-async] error: stage {stage} (rank {rank}): {type(exc).__name__}: {exc}")
+    dist.barrier(group=groups.reports)
+    dist.destroy_process_group()
+    return 0
+
+
+def _fail(message: str) -> None:
+    """Exit this rank now: a clean shutdown could wait forever on a dead peer."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | None = None) -> int:
+    """Entry point of ``pretrain_*.py``; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(f"Megatron-Async {task.name} pretraining")
+    task.add_arguments(parser)
+    args = parse_args(argv, parser)
+    if args.pipeline_executor == "emulator":
+        return run_emulator(task, args)
+    if is_worker_process():
+        return run_distributed(task, args)
+    if args.world_size == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+        return run_distributed(task, args)
+    return launch_local(args.world_size, [script or sys.argv[0], *argv])

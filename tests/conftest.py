@@ -1,0 +1,49 @@
+"""Shared pytest fixtures and marker handling."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def megatron_world1():
+    """gloo world of size 1 plus megatron parallel state (TP = PP = 1), once per session.
+
+    Megatron modules look up their (trivial) tensor-parallel group at construction, so any test
+    that builds a megatron-core model needs this. Our runtime does the pipelining itself, hence
+    megatron's pipeline size stays 1. The timeout keeps a wedged collective from hanging CI.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``@pytest.mark.gpu`` tests cleanly on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
