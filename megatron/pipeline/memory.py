@@ -18,8 +18,10 @@ class ActivationMeter:
     def __init__(self, parameters: Iterable[torch.Tensor]):
         self._param_storages = {p.untyped_storage().data_ptr() for p in parameters}
         self._live: dict[object, int] = {}
-        self.peak_bytes = 0
+        self.peak_bytes = 0  # since the last reset_peaks (one logging interval)
         self.peak_count = 0
+        self.run_peak_bytes = 0  # over the whole run
+        self.run_peak_count = 0
 
     @contextlib.contextmanager
     def record(self, key: object) -> Iterator[None]:
@@ -40,6 +42,8 @@ class ActivationMeter:
         self._live[key] = self._live.get(key, 0) + total
         self.peak_bytes = max(self.peak_bytes, sum(self._live.values()))
         self.peak_count = max(self.peak_count, len(self._live))
+        self.run_peak_bytes = max(self.run_peak_bytes, self.peak_bytes)
+        self.run_peak_count = max(self.run_peak_count, self.peak_count)
 
     def release(self, key: object) -> None:
         self._live.pop(key, None)

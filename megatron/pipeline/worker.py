@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ class StageSetup:
     device: torch.device
     clip_grad: float = 0.0
     seed: int = 1234
+    # Testing hook: poison this stage's gradients before these local updates (0-based), to
+    # exercise the non-finite skip path end to end.
+    inject_nonfinite_updates: frozenset[int] = frozenset()
 
 
 class StageWorker:
@@ -152,8 +156,13 @@ class StageWorker:
         self.drift_histogram[drift] += 1
         return None if x is None else x.grad
 
-    def grad_sq_norm(self) -> float:
-        """This stage's squared gradient norm (inf/nan if any gradient is not finite)."""
+    def grad_sq_norm(self, op: Op) -> float:
+        """This stage's squared gradient norm before update ``op`` (inf/nan if not finite)."""
+        if op.update in self.setup.inject_nonfinite_updates:
+            for p in self.setup.optimizer.parameters():
+                if p.grad is not None:
+                    p.grad.view(-1)[0] = float("nan")
+                    break
         return float(self.setup.optimizer.grad_sq_norm())
 
     def apply_update(self, op: Op, stage_sq_norms: list[float]) -> None:
@@ -167,6 +176,11 @@ class StageWorker:
         if not math.isfinite(total_sq):
             self._skipped += 1
             self.update_log.append({"update": op.update, "skipped": True})
+            print(
+                f"[megatron-async] stage {self.stage}: skipped update {op.update} "
+                f"(non-finite gradients, squared norm {total_sq}); weights unchanged",
+                file=sys.stderr, flush=True,
+            )
         else:
             norm = math.sqrt(total_sq)
             scale = opt.clip_coef(norm, self.setup.clip_grad) if self.setup.clip_grad > 0 else 1.0

@@ -83,6 +83,8 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration")
     g.add_argument("--log-weight-version-drift", action="store_true")
+    g.add_argument("--inject-nonfinite-grad", action="append", default=[], metavar="STAGE:UPDATE",
+                   help="testing: poison STAGE's gradients before its local update UPDATE (0-based); repeatable")
     g.add_argument("--dump-final-params", default=None, metavar="DIR",
                    help="write each stage's final parameters (by global name) to DIR/stageS.pt")
 
@@ -176,6 +178,15 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError("--device cuda but no CUDA device is available")
     if args.distributed_backend == "nccl" and args.device == "cpu":
         raise ArgumentError("--distributed-backend nccl needs --device cuda")
+    args.nonfinite_injections = {}
+    for spec in args.inject_nonfinite_grad:
+        try:
+            stage, update = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise ArgumentError(f"--inject-nonfinite-grad expects STAGE:UPDATE, got {spec!r}") from None
+        if not 0 <= stage < pp:
+            raise ArgumentError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
+        args.nonfinite_injections.setdefault(stage, set()).add(update)
     try:
         schedule_class(args.pipeline_schedule).check_config(schedule_config(args))
     except ScheduleConfigError as exc:

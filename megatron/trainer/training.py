@@ -70,6 +70,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         device=device,
         clip_grad=args.clip_grad,
         seed=args.seed,
+        inject_nonfinite_updates=frozenset(args.nonfinite_injections.get(stage, ())),
     )
     return StageWorker(setup, isolate_rng=isolate_rng)
 
@@ -107,12 +108,14 @@ def _init_megatron_parallel_state() -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
-def run_emulator(task: PretrainTask, args: argparse.Namespace) -> int:
+def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
+    """Train all stages in this process; return the stage workers (weights, statistics)."""
     set_threads(args, 1)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    _init_megatron_parallel_state()
+    if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
+        _init_megatron_parallel_state()
     device = resolve_device(args, 0)
     pp = args.pipeline_model_parallel_size
     workers = [build_worker(task, args, s, 0, device, isolate_rng=True) for s in range(pp)]
@@ -127,7 +130,7 @@ def run_emulator(task: PretrainTask, args: argparse.Namespace) -> int:
     if args.dump_final_params:
         for w in workers:
             dump_parameters(task, w, args.dump_final_params)
-    return 0
+    return workers
 
 
 def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
@@ -141,7 +144,8 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size)
     groups = StageGroups.create(layout, timeout)
-    _init_megatron_parallel_state()
+    if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
+        _init_megatron_parallel_state()
     stage, dp_rank, _ = layout.coords(rank)
     try:
         worker = build_worker(task, args, stage, dp_rank, device, isolate_rng=False)
@@ -183,7 +187,8 @@ def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | No
     task.add_arguments(parser)
     args = parse_args(argv, parser)
     if args.pipeline_executor == "emulator":
-        return run_emulator(task, args)
+        emulate(task, args)
+        return 0
     if is_worker_process():
         return run_distributed(task, args)
     if args.world_size == 1:

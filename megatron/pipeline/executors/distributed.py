@@ -121,7 +121,7 @@ class DistributedExecutor:
 
     def _optimizer_step(self, op: Op) -> None:
         self._all_reduce_data_parallel_grads()
-        own = self.worker.grad_sq_norm()
+        own = self.worker.grad_sq_norm(op)
         if op.sync and self.groups.layout.pipeline_size > 1:
             mine = torch.tensor([own], dtype=torch.float64, device=self.worker.setup.device)
             gathered = [torch.empty_like(mine) for _ in range(self.groups.layout.pipeline_size)]

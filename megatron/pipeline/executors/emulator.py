@@ -34,7 +34,7 @@ class Emulator:
     def _execute(self, op: Op, inputs: dict[Message, torch.Tensor]) -> dict[Message, torch.Tensor]:
         worker = self.workers[op.stage]
         if op.kind is OpKind.OPT:  # stage-local step
-            worker.apply_update(op, [worker.grad_sq_norm()])
+            worker.apply_update(op, [worker.grad_sq_norm(op)])
             self._maybe_report(worker, op)
             return {}
         # Copy what crosses a stage boundary: a distributed receiver gets its own buffer.
@@ -42,7 +42,7 @@ class Emulator:
         return {m: t.clone() for m, t in outputs.items()}
 
     def _execute_sync(self, ops: list[Op]) -> None:
-        norms = [self.workers[op.stage].grad_sq_norm() for op in ops]
+        norms = [self.workers[op.stage].grad_sq_norm(op) for op in ops]
         for op in ops:
             self.workers[op.stage].apply_update(op, norms)
         for op in ops:

@@ -6,11 +6,13 @@ from megatron.pipeline.schedules.base import (
     ScheduleConfig,
     ScheduleConfigError,
     SynchronousSchedule,
+    AsynchronousSchedule,
 )
 from megatron.pipeline.schedules.gpipe import GPipe
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
+from megatron.pipeline.schedules.paci import PACI, Async1F1B
 
-SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (OneFOneBFlush, GPipe)}
+SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (OneFOneBFlush, GPipe, PACI, Async1F1B)}
 
 
 def register(cls: type[Schedule]) -> type[Schedule]:
@@ -38,6 +40,7 @@ __all__ = [
     "ScheduleConfig",
     "ScheduleConfigError",
     "SynchronousSchedule",
+    "AsynchronousSchedule",
     "build_schedule",
     "register",
     "schedule_class",

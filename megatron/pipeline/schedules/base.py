@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from megatron.pipeline.ir import BW, F, OPT, Op, PipelineLayout
+from megatron.pipeline.ir import BW, F, OPT, Op, OpKind, PipelineLayout
 
 
 class ScheduleConfigError(ValueError):
@@ -112,3 +112,54 @@ def one_f_one_b(stage: int, num_stages: int, microbatches: Iterable[int]) -> Ite
 def microbatch_range(start: int, count: int | None) -> Iterable[int]:
     """``range(start, start + count)``, or an endless count when ``count`` is None."""
     return itertools.count(start) if count is None else range(start, start + count)
+
+
+class AsynchronousSchedule(Schedule):
+    """An unbounded (or long) stream with stage-local optimizer steps and no flush.
+
+    Each stage steps after every ``a = num_microbatches`` of its own backwards. The stream
+    is cut into segments of ``drain_every`` updates (the whole run when None); each segment
+    is one pipeline fill / steady state / drain, so a drain happens only at the end of
+    training or where the trainer asks (evaluation, checkpoint).
+
+    Drain rule: drain points fall on update boundaries, so when a segment ends every stage
+    has applied all of the segment's updates and no partial gradient accumulation is
+    pending; nothing is dropped and nothing is carried over.
+    """
+
+    asynchronous = True
+
+    @abc.abstractmethod
+    def segment_ops(self, stage: int, microbatches: Iterable[int]) -> Iterator[Op]:
+        """Compute ops (no optimizer steps) of one drained segment on one stage."""
+
+    def stage_ops(self, stage: int) -> Iterator[Op]:
+        a = self.config.num_microbatches
+        for first_update, updates in self._segments():
+            mbs = microbatch_range(first_update * a, None if updates is None else updates * a)
+            for op in self.segment_ops(stage, mbs):
+                yield op
+                if op.kind in (OpKind.BW, OpKind.W) and self._closes_window(op):
+                    yield OPT(stage, op.microbatch // a, sync=False)
+
+    def _closes_window(self, op: Op) -> bool:
+        """True when ``op`` is the last gradient contribution of an accumulation window."""
+        if op.kind is OpKind.W or (op.kind is OpKind.BW and not self.deferred_weight_grads):
+            return (op.microbatch + 1) % self.config.num_microbatches == 0
+        return False
+
+    #: schedules that split B/W step after the W, not the B
+    deferred_weight_grads: ClassVar[bool] = False
+
+    def _segments(self) -> Iterator[tuple[int, int | None]]:
+        total, every = self.config.num_iterations, self.config.drain_every
+        if total is None and every is None:
+            yield 0, None
+            return
+        start = 0
+        while total is None or start < total:
+            length = every if every is not None else total - start  # type: ignore[operator]
+            if total is not None:
+                length = min(length, total - start)
+            yield start, length
+            start += length

@@ -1,0 +1,64 @@
+"""Helpers for tests that train tiny GPTs through the trainer (emulator or distributed)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY_GPT = [
+    "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--vocab-size", "32",
+    "--micro-batch-size", "1", "--num-threads", "1", "--lr", "1e-2", "--lr-warmup-iters", "1",
+]
+
+
+def tiny_args(num_stages: int, schedule: str, accumulation: int, iters: int, *extra: str) -> list[str]:
+    """Flags of a tiny GPT run with ``accumulation`` micro-batches per update."""
+    return [
+        *TINY_GPT, "--num-layers", str(num_stages), "--pipeline-model-parallel-size", str(num_stages),
+        "--pipeline-schedule", schedule, "--global-batch-size", str(accumulation),
+        "--train-iters", str(iters), "--log-interval", "1", *extra,
+    ]
+
+
+def emulate(argv: list[str]):
+    """Run the emulator in this process (needs the ``megatron_world1`` fixture); return workers."""
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.gpt_task import GPTTask
+    from megatron.trainer.training import emulate as run
+
+    return run(GPTTask(), parse_args(argv))
+
+
+def final_params(workers) -> dict[str, torch.Tensor]:
+    out = {}
+    for w in workers:
+        for name, p in _named(w):
+            out[name] = p.detach().clone()
+    return out
+
+
+def _named(worker):
+    from megatron.trainer.gpt_task import GPTTask
+
+    return GPTTask().named_parameters(worker.setup.chunks)
+
+
+def run_pretrain(argv: list[str], out_dir: Path, timeout: float = 240) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Run ``pretrain_gpt.py`` as a subprocess; return its JSON records and final parameters."""
+    log, dump = out_dir / "log.jsonl", out_dir / "params"
+    cmd = [sys.executable, str(REPO / "pretrain_gpt.py"), *argv, "--log-json", str(log), "--dump-final-params", str(dump)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    params: dict[str, torch.Tensor] = {}
+    for f in sorted(dump.glob("stage*.pt")):
+        params.update(torch.load(f))
+    return records, params
