@@ -58,18 +58,25 @@ class StageGroups:
                 f"{layout.data_parallel_size} x tensor {layout.tensor_parallel_size}"
             )
         stage, dp, tp = layout.coords(rank)
-        pipeline = data_parallel = None
-        for d in range(layout.data_parallel_size):
-            for t in range(layout.tensor_parallel_size):
-                ranks = [layout.rank(s, d, t) for s in range(layout.pipeline_size)]
-                group = dist.new_group(ranks, timeout=timeout)
-                if (d, t) == (dp, tp):
-                    pipeline = group
-        for s in range(layout.pipeline_size):
-            for t in range(layout.tensor_parallel_size):
-                ranks = [layout.rank(s, d, t) for d in range(layout.data_parallel_size)]
-                group = dist.new_group(ranks, timeout=timeout)
-                if (s, t) == (stage, tp):
-                    data_parallel = group
+        pipeline = _create_and_pick(
+            {(d, t): [layout.rank(s, d, t) for s in range(layout.pipeline_size)]
+             for d in range(layout.data_parallel_size) for t in range(layout.tensor_parallel_size)},
+            (dp, tp), timeout)
+        data_parallel = _create_and_pick(
+            {(s, t): [layout.rank(s, d, t) for d in range(layout.data_parallel_size)]
+             for s in range(layout.pipeline_size) for t in range(layout.tensor_parallel_size)},
+            (stage, tp), timeout)
         reports = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
         return cls(layout, rank, pipeline, data_parallel, reports)
+
+
+def _create_and_pick(
+    groups: dict[tuple[int, int], list[int]], mine: tuple[int, int], timeout: timedelta
+) -> dist.ProcessGroup | None:
+    """Create every group (a collective call, same order on all ranks); return this rank's."""
+    picked = None
+    for key, ranks in groups.items():
+        group = dist.new_group(ranks, timeout=timeout)
+        if key == mine:
+            picked = group
+    return picked
