@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, schedule_class
+from megatron.pipeline.schedules.interleaved import GROUP_OPTION
 
 
 class ArgumentError(ValueError):
@@ -70,6 +71,11 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="emulator: all stages in this one process, bitwise the same numbers")
     g.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
                    help="explicit number of layers per stage (default: even split)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="K",
+                   help="interleaved-1f1b: K layers per model chunk, so each stage holds "
+                        "num-layers / (PP x K) chunks (virtual stage c x PP + s is chunk c of stage s)")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved-1f1b: consecutive micro-batches per chunk (default: PP)")
     g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
@@ -125,6 +131,9 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.data_path is None:
         args.mock_data = True
     args.world_size = pp * tp * dp
+    # Model chunks per stage (Megatron's virtual pipeline size); checked in validate_args.
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    args.num_model_chunks = max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1
     args.num_microbatches = args.global_batch_size // max(1, args.micro_batch_size * dp)
     return args
 
@@ -155,6 +164,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--pipeline-layer-split {split} must be positive and sum to --num-layers {args.num_layers}")
     elif args.num_layers % pp:
         raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} (or pass --pipeline-layer-split)")
+    _validate_virtual_stages(args)
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
@@ -193,11 +203,45 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--pipeline-schedule: {exc}") from None
 
 
+def _validate_virtual_stages(args: argparse.Namespace) -> None:
+    """Interleaving: chunks only with a schedule that runs them, and an even layer split.
+
+    ``--num-layers-per-virtual-pipeline-stage`` is required by ``interleaved-1f1b`` and
+    rejected with every other schedule unless it gives one chunk per stage (then it changes
+    nothing). Interleaving needs at least two chunks per stage (the schedule checks that).
+    """
+    pp, per_chunk = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    flag = "--num-layers-per-virtual-pipeline-stage"
+    interleaved = args.pipeline_schedule == "interleaved-1f1b"
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None and not interleaved:
+        raise ArgumentError("--microbatch-group-size-per-virtual-pipeline-stage needs --pipeline-schedule interleaved-1f1b")
+    if per_chunk is None:
+        if interleaved:
+            raise ArgumentError(f"--pipeline-schedule interleaved-1f1b needs {flag} (model chunks per stage)")
+        return
+    if per_chunk < 1:
+        raise ArgumentError(f"{flag} must be >= 1")
+    if args.pipeline_layer_split is not None:
+        raise ArgumentError(f"{flag} needs an even layer split; drop --pipeline-layer-split")
+    if args.num_layers % (pp * per_chunk):
+        raise ArgumentError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+            f"{flag} {per_chunk}")
+    if args.num_model_chunks > 1 and not interleaved:
+        raise ArgumentError(
+            f"{flag} {per_chunk} gives {args.num_model_chunks} model chunks per stage, which only "
+            f"--pipeline-schedule interleaved-1f1b runs (not {args.pipeline_schedule})")
+
+
 def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
+    group = getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None)
     return ScheduleConfig(
         num_stages=args.pipeline_model_parallel_size,
         num_microbatches=args.num_microbatches,
         num_iterations=args.train_iters,
+        num_chunks=getattr(args, "num_model_chunks", 1),
+        options={} if group is None else {GROUP_OPTION: group},
     )
 
 

@@ -39,13 +39,24 @@ class GPTTask:
         return None
 
     def build_stage(self, args: argparse.Namespace, stage: int, device: torch.device) -> list[torch.nn.Module]:
-        pp = args.pipeline_model_parallel_size
-        layers = split_layers(args.num_layers, pp, args.pipeline_layer_split)[stage]
-        chunk = build_gpt_stage(
-            gpt_model_args(args), layers, pre_process=stage == 0, post_process=stage == pp - 1,
-            seed=args.seed, device=device,
-        )
-        return [chunk]
+        """Chunk c of ``stage`` owns the global layers of virtual stage c * PP + stage.
+
+        With V chunks per stage the model is split evenly into PP * V virtual stages; the
+        embedding lives on virtual stage 0 only, the output layer and loss on the last one.
+        Initial weights depend only on global names, so any split starts identically.
+        """
+        pp, chunks = args.pipeline_model_parallel_size, getattr(args, "num_model_chunks", 1)
+        split = args.pipeline_layer_split if chunks == 1 else None
+        virtual_layers = split_layers(args.num_layers, pp * chunks, split)
+        model_args = gpt_model_args(args)
+        built = []
+        for c in range(chunks):
+            v = c * pp + stage
+            built.append(build_gpt_stage(
+                model_args, virtual_layers[v], pre_process=v == 0, post_process=v == pp * chunks - 1,
+                seed=args.seed, device=device,
+            ))
+        return built
 
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         for chunk in chunks:

@@ -47,6 +47,10 @@ def set_threads(args: argparse.Namespace, local_processes: int) -> None:
 def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
                  device: torch.device, isolate_rng: bool) -> StageWorker:
     chunks = task.build_stage(args, stage, device)
+    layout = PipelineLayout(args.pipeline_model_parallel_size, getattr(args, "num_model_chunks", 1))
+    if len(chunks) != layout.num_chunks:
+        raise ValueError(f"task {task.name} built {len(chunks)} model chunks for stage {stage}, "
+                         f"the pipeline layout has {layout.num_chunks}")
     optimizer = StageAdamW(
         list(task.named_parameters(chunks)), lr=args.lr, weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
@@ -58,7 +62,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
     shape, dtype = task.activation_spec(args)
     setup = StageSetup(
         stage=stage,
-        layout=PipelineLayout(args.pipeline_model_parallel_size),
+        layout=layout,
         chunks=chunks,
         optimizer=optimizer,
         lr_schedule=schedule,
@@ -143,7 +147,10 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size)
-    groups = StageGroups.create(layout, timeout)
+    # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
+    # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
+    p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
+    groups = StageGroups.create(layout, p2p_timeout)
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
     stage, dp_rank, _ = layout.coords(rank)
@@ -151,7 +158,6 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         worker = build_worker(task, args, stage, dp_rank, device, isolate_rng=False)
         logger = make_logger(args) if rank == 0 else None
         collector = ReportCollector(layout.world_size, logger.log_update) if logger else None
-        p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
         reports = SideChannelReports(groups, collector, p2p_timeout)
         schedule = build_schedule(args.pipeline_schedule, schedule_config(args))
         cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)

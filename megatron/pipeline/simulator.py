@@ -1,0 +1,444 @@
+"""Timing simulator: replays op streams with timestamps instead of tensors.
+
+The model is the event model behind the Zero Bubble paper's Table 5 (Qi et al., §5.2 and
+App. G), generalised to our IR and runtime:
+
+* **Replay.** Streams are replayed by :class:`~megatron.pipeline.replay.ReplayEngine`, so the
+  simulator obeys exactly the runtime's rules (non-blocking sends, blocking receives, FIFO per
+  stage pair, a ``sync`` OPT is a collective). The payload of a message is its *arrival time*:
+  the end of the sending op plus the sender's ``t_comm``. Communication takes no compute time
+  on either side and any number of messages may be in flight.
+* **Ops.** A stage runs its ops strictly in stream order, one at a time, without preemption.
+  An op starts at ``max(stage free, arrival of each of its inputs)`` and lasts ``t_f``, ``t_b``
+  (input gradient only), ``t_w`` (deferred weight gradient), ``t_bw`` (fused backward, default
+  ``t_b + t_w``) or ``t_opt`` (optimizer step, default 0) of its stage (:class:`OpCosts`;
+  one set for all stages or one per stage).
+* **Synchronous OPT.** All stages enter the collective together, at the latest of their free
+  times, and all leave it at ``start + max_s t_opt[s]``. A stage-local OPT (asynchronous
+  schedules) starts when its stage is free.
+* **Per-stage span** (Zero Bubble App. G, objective (3)): from the start of the stage's first op
+  to the end of its last op. The wait in front of the *final* synchronous OPT of the run is not
+  counted (that OPT counts as starting right after the stage's previous op), so a one-iteration
+  synchronous schedule is measured exactly like the paper's flush-free iteration; waits at
+  earlier synchronous steps are real bubbles and do count. ``busy`` is the sum of the stage's op
+  durations and ``bubble = span - busy``.
+* **Bubble rate** (Zero Bubble §5.2, Table 5): ``(cost - ideal) / cost`` with
+  ``cost = max_s span[s]`` ("the largest execution time of all stages", each stage's own span,
+  not the global makespan) and ``ideal = max_s busy[s]``, which equals the paper's
+  ``m (T_F + T_B + T_W)`` when all stages have the same costs.
+* **Makespan**: end of the last op of any stage; all streams start at time 0.
+* **Activation memory**, in units of ``M_B`` (the activations one micro-batch keeps on a stage
+  for its backward) with ``M_W = m_w * M_B`` kept from a split B until its W (Zero Bubble
+  App. G): F adds ``M_B``, B turns ``M_B`` into ``M_W`` (adds ``M_W - M_B``), W frees ``M_W``,
+  a fused BW frees ``M_B``. The peak is taken after each op. ``m_w`` defaults to 1/2, the
+  reference scheduler's units (F = +2, B = -1, W = -1).
+* **Several model chunks per stage** (interleaved schedules): costs and ``M_B`` are per op, i.e.
+  per (micro-batch, chunk); pass per-chunk times.
+* **Weight-version drift** of a micro-batch on a stage: the number of optimizer steps the stage
+  applied between the micro-batch's F and its B (or BW). Always 0 for synchronous schedules.
+
+Unbounded (asynchronous) streams are simulated up to a cap: ``max_microbatches = M`` keeps the
+ops of micro-batches ``0 .. M-1`` (and the OPTs among them, plus the OPTs that directly follow
+the stage's last such op) and ends each stage's stream once its last of those micro-batches
+finished its backward and weight gradient. Every stage drops the same micro-batches, so the
+messages still match. ``max_ops`` bounds how many ops are read from one stream (an error, not a
+truncation, if exceeded), to catch a stream that never completes the capped micro-batches.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, NamedTuple
+
+from megatron.pipeline.comm import Message
+from megatron.pipeline.ir import Op, OpKind, PipelineLayout
+from megatron.pipeline.replay import ReplayEngine, ScheduleError
+
+
+# ------------------------------------------------------------------------------ costs
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    """Per-op costs of one stage (times in any unit, memory in units of ``M_B``).
+
+    The default (``t_f = t_b = t_w = 1``, ``t_comm = 0``) is the Zero Bubble reference's
+    placeholder before profiling; pass profiled times for real schedules.
+    """
+
+    t_f: float = 1.0
+    t_b: float = 1.0
+    t_w: float = 1.0
+    t_bw: float | None = None  # fused backward; None means t_b + t_w
+    t_comm: float = 0.0  # time from the end of a sending op to the arrival of its message
+    t_opt: float = 0.0
+    m_w: float = 0.5  # M_W / M_B: activation memory kept between B and W
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None and (not isinstance(v, (int, float)) or v < 0 or math.isnan(v)):
+                raise ValueError(f"OpCosts.{f.name} must be a non-negative number, got {v!r}")
+        if self.m_w > 1:
+            raise ValueError(f"OpCosts.m_w = M_W / M_B must be <= 1, got {self.m_w}")
+
+    @property
+    def fused_backward(self) -> float:
+        return self.t_b + self.t_w if self.t_bw is None else self.t_bw
+
+    def duration(self, kind: OpKind) -> float:
+        if kind is OpKind.F:
+            return self.t_f
+        if kind is OpKind.B:
+            return self.t_b
+        if kind is OpKind.W:
+            return self.t_w
+        if kind is OpKind.BW:
+            return self.fused_backward
+        return self.t_opt
+
+    def memory_delta(self, kind: OpKind) -> float:
+        """Change of activation memory (units of M_B) when an op of ``kind`` finishes."""
+        if kind is OpKind.F:
+            return 1.0
+        if kind is OpKind.B:
+            return self.m_w - 1.0
+        if kind is OpKind.W:
+            return -self.m_w
+        if kind is OpKind.BW:
+            return -1.0
+        return 0.0
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "OpCosts":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown cost field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**{k: (None if v is None else float(v)) for k, v in values.items()})
+
+
+CostsLike = OpCosts | Sequence[OpCosts] | Mapping[str, Any] | None
+
+
+def stage_costs(costs: CostsLike, num_stages: int) -> tuple[OpCosts, ...]:
+    """Normalise ``costs`` to one :class:`OpCosts` per stage.
+
+    Accepts None (the default costs), one ``OpCosts`` for every stage, a sequence of one per
+    stage, or a profile mapping as read from JSON (see :func:`costs_from_profile`).
+    """
+    if costs is None:
+        return (OpCosts(),) * num_stages
+    if isinstance(costs, OpCosts):
+        return (costs,) * num_stages
+    if isinstance(costs, Mapping):
+        return costs_from_profile(costs, num_stages)
+    per_stage = tuple(costs)
+    if len(per_stage) != num_stages or not all(isinstance(c, OpCosts) for c in per_stage):
+        raise ValueError(f"need one OpCosts per stage ({num_stages}), got {len(per_stage)} entries")
+    return per_stage
+
+
+def costs_from_profile(profile: Mapping[str, Any], num_stages: int) -> tuple[OpCosts, ...]:
+    """Per-stage costs from a profile mapping.
+
+    Format: top-level ``OpCosts`` fields apply to every stage (``{"t_f": 18.5, "t_b": 18.1,
+    "t_w": 9.3, "t_comm": 0.6}``); an optional ``"stages"`` entry overrides fields per stage,
+    either as a list with one (possibly partial) mapping per stage or as a mapping from stage
+    index to such a mapping (``{"stages": {"0": {"t_f": 12.0}}}``).
+    """
+    base = {k: v for k, v in profile.items() if k != "stages"}
+    overrides: dict[int, Mapping[str, Any]] = {}
+    stages = profile.get("stages")
+    if isinstance(stages, Sequence) and not isinstance(stages, str):
+        if len(stages) != num_stages:
+            raise ValueError(f"profile lists {len(stages)} stages, the pipeline has {num_stages}")
+        overrides = dict(enumerate(stages))
+    elif isinstance(stages, Mapping):
+        overrides = {int(k): v for k, v in stages.items()}
+        bad = [s for s in overrides if not 0 <= s < num_stages]
+        if bad:
+            raise ValueError(f"profile has costs for stage {bad[0]}, the pipeline has {num_stages} stages")
+    elif stages is not None:
+        raise ValueError("profile 'stages' must be a list or a mapping of per-stage costs")
+    return tuple(OpCosts.from_dict({**base, **overrides.get(s, {})}) for s in range(num_stages))
+
+
+def load_profile(path: str) -> dict[str, Any]:
+    """Read a JSON cost profile (format: :func:`costs_from_profile`)."""
+    with open(path) as f:
+        profile = json.load(f)
+    if not isinstance(profile, dict):
+        raise ValueError(f"{path}: a cost profile is a JSON object")
+    return profile
+
+
+# ------------------------------------------------------------------------------ result
+
+
+class OpSpan(NamedTuple):
+    start: float
+    end: float
+    op: Op
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate_streams` returns; all lists are indexed by stage."""
+
+    spans: list[list[OpSpan]]
+    makespan: float
+    busy: list[float]
+    stage_span: list[float]
+    peak_memory: list[float]  # units of M_B
+    drift: list[dict[int, int]]  # stage -> {micro-batch: optimizer steps between F and B/BW}
+    costs: tuple[OpCosts, ...] = field(repr=False, default=())
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.spans)
+
+    @property
+    def bubble(self) -> list[float]:
+        return [span - busy for span, busy in zip(self.stage_span, self.busy)]
+
+    @property
+    def cost(self) -> float:
+        """The paper's cost: the largest per-stage span."""
+        return max(self.stage_span, default=0.0)
+
+    @property
+    def ideal(self) -> float:
+        return max(self.busy, default=0.0)
+
+    @property
+    def bubble_rate(self) -> float:
+        """Zero Bubble's bubble rate ``(cost - ideal) / cost``."""
+        return (self.cost - self.ideal) / self.cost if self.cost > 0 else 0.0
+
+    @property
+    def stage_bubble_rate(self) -> list[float]:
+        return [(s - b) / s if s > 0 else 0.0 for s, b in zip(self.stage_span, self.busy)]
+
+    @property
+    def max_drift(self) -> list[int]:
+        return [max(d.values(), default=0) for d in self.drift]
+
+    def to_dict(self, with_spans: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "num_stages": self.num_stages,
+            "makespan": self.makespan,
+            "cost": self.cost,
+            "ideal": self.ideal,
+            "bubble_rate": self.bubble_rate,
+            "stages": [
+                {
+                    "stage": s,
+                    "busy": self.busy[s],
+                    "span": self.stage_span[s],
+                    "bubble": self.bubble[s],
+                    "bubble_rate": self.stage_bubble_rate[s],
+                    "peak_memory": self.peak_memory[s],
+                    "max_drift": self.max_drift[s],
+                    "ops": len(self.spans[s]),
+                }
+                for s in range(self.num_stages)
+            ],
+            "costs": [asdict(c) for c in self.costs],
+        }
+        if with_spans:
+            out["spans"] = [
+                [
+                    {"start": sp.start, "end": sp.end, "kind": sp.op.kind.value,
+                     "microbatch": sp.op.microbatch, "chunk": sp.op.chunk, "update": sp.op.update}
+                    for sp in spans
+                ]
+                for spans in self.spans
+            ]
+        return out
+
+
+# ------------------------------------------------------------------------------ simulation
+
+
+def cap_stream(
+    stream: Iterable[Op], max_microbatches: int, num_chunks: int = 1, max_ops: int | None = None
+) -> Iterator[Op]:
+    """The ops of micro-batches ``< max_microbatches`` of one stage's (possibly unbounded) stream.
+
+    Ends the stream once every one of those micro-batches has been forwarded and has finished
+    its backward (BW, or B and W), after passing on the OPTs that directly follow.
+    """
+    need = max_microbatches * num_chunks
+    forwarded = 0
+    open_keys: set[tuple[int, int]] = set()
+    done = need == 0
+    read = 0
+    for op in stream:
+        read += 1
+        if max_ops is not None and read > max_ops:
+            raise ScheduleError(
+                f"stage {op.stage}: read {max_ops} ops without completing micro-batches "
+                f"0..{max_microbatches - 1}; raise max_ops or lower max_microbatches"
+            )
+        if op.kind is OpKind.OPT:
+            yield op
+            continue
+        if done:
+            return
+        if op.microbatch >= max_microbatches:
+            continue
+        key = (op.microbatch, op.chunk)
+        if op.kind is OpKind.F:
+            forwarded += 1
+            open_keys.add(key)
+        elif op.kind is OpKind.BW or op.kind is OpKind.W:
+            open_keys.discard(key)
+        yield op
+        if forwarded == need and not open_keys:
+            done = True
+
+
+def _limit_ops(stream: Iterable[Op], max_ops: int) -> Iterator[Op]:
+    for i, op in enumerate(stream):
+        if i >= max_ops:
+            raise ScheduleError(f"stage {op.stage}: stream longer than max_ops = {max_ops}")
+        yield op
+
+
+class _SameForEvery:
+    """Outputs of a simulated op: every message it sends arrives at the same time."""
+
+    __slots__ = ("arrival",)
+
+    def __init__(self, arrival: float):
+        self.arrival = arrival
+
+    def __contains__(self, msg: object) -> bool:
+        return True
+
+    def __getitem__(self, msg: object) -> float:
+        return self.arrival
+
+
+def simulate_streams(
+    streams: Sequence[Iterable[Op]],
+    layout: PipelineLayout,
+    costs: CostsLike = None,
+    *,
+    max_microbatches: int | None = None,
+    max_ops: int | None = None,
+) -> SimulationResult:
+    """Replay ``streams`` with timestamps (model: module docstring).
+
+    Raises :class:`~megatron.pipeline.replay.ScheduleError` for streams that cannot run.
+    """
+    n = layout.num_stages
+    per_stage = stage_costs(costs, n)
+    if max_microbatches is not None:
+        streams = [cap_stream(s, max_microbatches, layout.num_chunks, max_ops) for s in streams]
+    elif max_ops is not None:
+        streams = [_limit_ops(s, max_ops) for s in streams]
+
+    free = [0.0] * n
+    spans: list[list[OpSpan]] = [[] for _ in range(n)]
+    busy = [0.0] * n
+    mem = [0.0] * n
+    peak = [0.0] * n
+    versions = [0] * n
+    version_at_f: list[dict[tuple[int, int], int]] = [{} for _ in range(n)]
+    drift: list[dict[int, int]] = [{} for _ in range(n)]
+    comm = [c.t_comm for c in per_stage]
+
+    durations = [{k: c.duration(k) for k in OpKind} for c in per_stage]
+    deltas = [{k: c.memory_delta(k) for k in OpKind} for c in per_stage]
+
+    def execute(op: Op, inputs: dict[Message, Any]) -> _SameForEvery:
+        s = op.stage
+        start = free[s]
+        for arrival in inputs.values():
+            if arrival > start:
+                start = arrival
+        kind = op.kind
+        duration = durations[s][kind]
+        end = start + duration
+        free[s] = end
+        busy[s] += duration
+        spans[s].append(OpSpan(start, end, op))
+        if kind is OpKind.OPT:
+            versions[s] += 1
+        else:
+            mem[s] += deltas[s][kind]
+            if mem[s] > peak[s]:
+                peak[s] = mem[s]
+            if kind is OpKind.F:
+                version_at_f[s][(op.microbatch, op.chunk)] = versions[s]
+            elif kind is OpKind.B or kind is OpKind.BW:
+                d = versions[s] - version_at_f[s].pop((op.microbatch, op.chunk), versions[s])
+                if d > drift[s].get(op.microbatch, -1):
+                    drift[s][op.microbatch] = d
+        return _SameForEvery(end + comm[s])
+
+    def execute_sync(ops: list[Op]) -> None:
+        start = max(free[op.stage] for op in ops)
+        end = start + max(per_stage[op.stage].t_opt for op in ops)
+        for op in ops:
+            s = op.stage
+            free[s] = end
+            busy[s] += per_stage[s].t_opt
+            spans[s].append(OpSpan(start, end, op))
+            versions[s] += 1
+
+    ReplayEngine(list(streams), layout, execute, execute_sync).run()
+
+    stage_span = []
+    for s in range(n):
+        ops = spans[s]
+        if not ops:
+            stage_span.append(0.0)
+            continue
+        last_end = ops[-1].end
+        if ops[-1].op.kind is OpKind.OPT and ops[-1].op.sync:
+            before = ops[-2].end if len(ops) > 1 else ops[-1].start
+            last_end = before + per_stage[s].t_opt
+        stage_span.append(last_end - ops[0].start)
+    makespan = max((ops[-1].end for ops in spans if ops), default=0.0)
+    return SimulationResult(spans, makespan, busy, stage_span, peak, drift, per_stage)
+
+
+def simulate_schedule(
+    schedule: Any,
+    costs: CostsLike = None,
+    *,
+    max_microbatches: int | None = None,
+    max_ops: int | None = None,
+) -> SimulationResult:
+    """Simulate a :class:`~megatron.pipeline.schedules.base.Schedule`.
+
+    ``costs`` defaults to the schedule's ``config.options["costs"]``, else :class:`OpCosts()`.
+    An unbounded schedule (``num_iterations=None``) needs ``max_microbatches``.
+    """
+    config = schedule.config
+    if costs is None:
+        costs = config.options.get("costs")
+    if config.num_iterations is None and max_microbatches is None:
+        raise ValueError(f"{schedule.name}: unbounded stream; pass max_microbatches to simulate it")
+    return simulate_streams(
+        schedule.streams(), schedule.layout, costs,
+        max_microbatches=max_microbatches, max_ops=max_ops,
+    )
+
+
+__all__ = [
+    "OpCosts",
+    "OpSpan",
+    "SimulationResult",
+    "cap_stream",
+    "costs_from_profile",
+    "load_profile",
+    "simulate_schedule",
+    "simulate_streams",
+    "stage_costs",
+]

@@ -1,0 +1,196 @@
+"""Simulate a registered pipeline schedule with given op costs and report its bubble and memory.
+
+    python tools/simulate_schedule.py --schedule zb-2p --stages 8 --microbatches 24 \\
+        --t-f 18.522 --t-b 18.086 --t-w 9.337 --t-comm 0.601
+    python tools/simulate_schedule.py --schedule paci --stages 4 --microbatches 2 --iterations 8 --json
+    python tools/simulate_schedule.py --schedule zb-h1 --stages 4 --microbatches 8 --png zb_h1.png
+
+Costs: ``--profile FILE.json`` (``{"t_f": .., "t_b": .., "t_w": .., "t_comm": .., "stages": [..]}``,
+see ``megatron.pipeline.simulator.costs_from_profile``), then the ``--t-*`` flags override the
+profile's values for every stage. Defaults: t_f = t_b = t_w = 1, t_comm = 0, t_bw = t_b + t_w,
+t_opt = 0, m_w = M_W / M_B = 0.5. ``--microbatches`` is m per iteration for synchronous
+schedules and the accumulation factor a for asynchronous ones (``--iterations`` then counts
+updates; the stream drains after the last one).
+
+Memory is in units of M_B (one micro-batch's activations on a stage); the bubble rate is Zero
+Bubble's: (largest per-stage span - busy time) / largest per-stage span. ``--png`` needs
+matplotlib (``pip install 'megatron-async[tools]'``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from megatron.pipeline.ir import OpKind  # noqa: E402
+from megatron.pipeline.replay import ScheduleError  # noqa: E402
+from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, build_schedule  # noqa: E402
+from megatron.pipeline.simulator import (  # noqa: E402
+    SimulationResult,
+    costs_from_profile,
+    load_profile,
+    simulate_schedule,
+)
+
+COST_FLAGS = ("t_f", "t_b", "t_w", "t_bw", "t_comm", "t_opt", "m_w")
+COLORS = {
+    OpKind.F: "#7fa7d9",
+    OpKind.B: "#f2b880",
+    OpKind.W: "#9fd39b",
+    OpKind.BW: "#e99a9a",
+    OpKind.OPT: "#b0b0b0",
+}
+MATPLOTLIB_MISSING = (
+    "error: --png needs matplotlib, which is not installed; "
+    "pip install 'megatron-async[tools]' (or pip install matplotlib)"
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schedule", required=True, choices=sorted(SCHEDULES))
+    ap.add_argument("--stages", type=int, required=True)
+    ap.add_argument("--microbatches", type=int, required=True, help="m per iteration (a for async schedules)")
+    ap.add_argument("--iterations", type=int, default=1, help="iterations (async: optimizer updates)")
+    ap.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedules)")
+    for name in COST_FLAGS:
+        ap.add_argument("--" + name.replace("_", "-"), type=float, default=None, dest=name)
+    ap.add_argument("--profile", help="JSON file with (per-stage) costs")
+    ap.add_argument("--memory-limit", type=float, default=None,
+                    help="activation memory limit in units of M_B (zb-1p / zb-2p; default N or 2N)")
+    ap.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    ap.add_argument("--png", help="draw the timeline to this file (needs matplotlib)")
+    return ap.parse_args(argv)
+
+
+def build_costs(args: argparse.Namespace) -> dict[str, Any]:
+    profile: dict[str, Any] = load_profile(args.profile) if args.profile else {}
+    flags = {k: getattr(args, k) for k in COST_FLAGS if getattr(args, k) is not None}
+    return {**profile, **flags}
+
+
+def format_table(name: str, args: argparse.Namespace, result: SimulationResult, asynchronous: bool) -> str:
+    unit = "updates" if asynchronous else "iterations"
+    lines = [
+        f"{name}: {args.stages} stages, {args.microbatches} micro-batches, {args.iterations} {unit}",
+        "",
+    ]
+    header = f"{'stage':>5} {'busy':>12} {'span':>12} {'bubble':>12} {'bubble %':>9} {'peak mem (M_B)':>15}"
+    if asynchronous:
+        header += f" {'max drift':>10}"
+    lines.append(header)
+    for s in range(result.num_stages):
+        row = (
+            f"{s:>5} {result.busy[s]:>12.4f} {result.stage_span[s]:>12.4f} {result.bubble[s]:>12.4f} "
+            f"{100 * result.stage_bubble_rate[s]:>8.2f}% {result.peak_memory[s]:>15.3f}"
+        )
+        if asynchronous:
+            row += f" {result.max_drift[s]:>10d}"
+        lines.append(row)
+    lines += [
+        "",
+        f"makespan     {result.makespan:.4f}",
+        f"cost         {result.cost:.4f}  (largest per-stage span)",
+        f"bubble rate  {result.bubble_rate:.4f}",
+        f"peak memory  {max(result.peak_memory, default=0.0):.3f} M_B",
+    ]
+    if asynchronous:
+        lines.append(f"max drift    {max(result.max_drift, default=0)}")
+    return "\n".join(lines)
+
+
+def draw_timeline(result: SimulationResult, path: str, title: str) -> None:
+    """Paper-style timeline: one row per stage, one colored box per op, micro-batch inside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    n = result.num_stages
+    makespan = result.makespan or 1.0
+    ops = sum(len(s) for s in result.spans)
+    width = min(60.0, max(8.0, ops / n * 0.35))
+    fig, ax = plt.subplots(figsize=(width, 0.5 * n + 1.2))
+    px_per_unit = width * 72 / makespan
+    for s, spans in enumerate(result.spans):
+        y = n - 1 - s
+        for sp in spans:
+            w = sp.end - sp.start
+            kind = sp.op.kind
+            if w <= 0:
+                ax.plot([sp.start, sp.start], [y + 0.05, y + 0.95], color="black", linewidth=1.5)
+                continue
+            ax.add_patch(plt.Rectangle((sp.start, y + 0.05), w, 0.9, facecolor=COLORS[kind],
+                                       edgecolor="black", linewidth=0.4))
+            label = f"#{sp.op.update}" if kind is OpKind.OPT else str(sp.op.microbatch)
+            if w * px_per_unit >= 6 * len(label):
+                ax.text(sp.start + w / 2, y + 0.5, label, ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, makespan)
+    ax.set_ylim(0, n)
+    ax.set_yticks([n - 1 - s + 0.5 for s in range(n)])
+    ax.set_yticklabels([f"stage {s}" for s in range(n)])
+    ax.set_xlabel("time")
+    ax.set_title(title, fontsize=9)
+    used = {sp.op.kind for spans in result.spans for sp in spans}
+    ax.legend(handles=[Patch(facecolor=COLORS[k], edgecolor="black", label=k.value) for k in COLORS if k in used],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(used), fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(MATPLOTLIB_MISSING, file=sys.stderr)
+            return 2
+    try:
+        costs = build_costs(args)
+        options: dict[str, Any] = {"costs": costs_from_profile(costs, args.stages)}
+        if args.memory_limit is not None:
+            options["memory_limit"] = args.memory_limit
+        config = ScheduleConfig(
+            args.stages, args.microbatches, num_iterations=args.iterations, num_chunks=args.chunks, options=options
+        )
+        schedule = build_schedule(args.schedule, config)
+        result = simulate_schedule(schedule)
+    except (ScheduleConfigError, ScheduleError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    asynchronous = schedule.asynchronous
+    if args.json:
+        out = {
+            "schedule": args.schedule,
+            "microbatches": args.microbatches,
+            "iterations": args.iterations,
+            "chunks": args.chunks,
+            "asynchronous": asynchronous,
+            **result.to_dict(),
+        }
+        if args.memory_limit is not None or hasattr(schedule, "memory_limit"):
+            out["memory_limit"] = getattr(schedule, "memory_limit", args.memory_limit)
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_table(args.schedule, args, result, asynchronous))
+    if args.png:
+        title = (f"{args.schedule}: N={args.stages}, m={args.microbatches}, "
+                 f"bubble rate {result.bubble_rate:.4f}")
+        draw_timeline(result, args.png, title)
+        if not args.json:
+            print(f"timeline written to {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
