@@ -48,6 +48,26 @@ class ActivationMeter:
     def release(self, key: object) -> None:
         self._live.pop(key, None)
 
+    def retain_only(self, key: object, tensors: Iterable[torch.Tensor]) -> None:
+        """``key`` now holds only ``tensors`` (e.g. what a deferred W keeps after its B).
+
+        Counted like saved tensors (parameters excluded, each storage once); with nothing
+        left the key is released.
+        """
+        seen: set[int] = set()
+        total = 0
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._param_storages and ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+        if not seen:
+            self.release(key)
+            return
+        self._live[key] = total
+        self.peak_bytes = max(self.peak_bytes, sum(self._live.values()))
+        self.run_peak_bytes = max(self.run_peak_bytes, self.peak_bytes)
+
     @property
     def live_count(self) -> int:
         return len(self._live)

@@ -8,6 +8,19 @@ applied. Updates write through ``p.data`` (see the optimizer), so a micro-batch 
 forward ran on version v and whose backward runs after an update uses the *current*
 weights in backward (PipeDream without stashing); the drift ``v_backward - v_forward`` is
 recorded for every backward.
+
+B/W split (Zero Bubble): op ``B`` is a backward with weight-gradient deferral on (see
+:mod:`megatron.pipeline.wgrad`): it sends the same input gradient as ``BW``, layers that
+support deferral queue ``(x, dy)`` instead of computing their weight gradients, and the
+queue is kept per (micro-batch, chunk) until op ``W`` runs it. Modules without such layers
+compute everything in B and their W is a no-op. Drift is recorded at B (or BW): that is when
+the micro-batch's backward reads the weights.
+
+Activation accounting (:class:`ActivationMeter`): a BW releases its micro-batch. A B shrinks
+it to what W still holds (the queued ``x`` and ``dy`` tensors; ``dy`` was not saved by the
+forward, so it is counted from B on) and W releases it; a micro-batch with nothing queued
+is released at B already. So ``peak_count`` counts micro-batches holding any activation
+memory, including those waiting only for W, and ``peak_bytes`` sees M_W, not M_B, for them.
 """
 from __future__ import annotations
 
@@ -25,6 +38,7 @@ from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.memory import ActivationMeter
 from megatron.pipeline.report import StageReport
+from megatron.pipeline.wgrad import DeferredWeightGrads, defer_weight_grads
 
 Batch = dict[str, torch.Tensor]
 
@@ -66,7 +80,7 @@ class StageSetup:
 
 
 class StageWorker:
-    """Executes F / BW / OPT for one stage and keeps its statistics."""
+    """Executes F / B / W / BW / OPT for one stage and keeps its statistics."""
 
     def __init__(self, setup: StageSetup, isolate_rng: bool = False):
         self.setup = setup
@@ -74,6 +88,7 @@ class StageWorker:
         self.layout = setup.layout
         self._stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._fwd_version: dict[tuple[int, int], int] = {}
+        self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # B done, W pending
         self.meter = ActivationMeter(setup.optimizer.parameters())
         self.drift_histogram: Counter[int] = Counter()
         self.update_log: list[dict[str, Any]] = []  # per update: lr, norm, skipped
@@ -143,14 +158,34 @@ class StageWorker:
 
     def backward(self, op: Op, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Run a fused backward (BW); return the input gradient to send (None on the first)."""
+        return self._backward(op, grad_output, defer=False)
+
+    def backward_input(self, op: Op, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """Run B: the backward with weight gradients deferred to W; return what BW returns."""
+        return self._backward(op, grad_output, defer=True)
+
+    def weight_grad(self, op: Op) -> None:
+        """Run W: the weight gradients B deferred for this micro-batch and chunk."""
+        key = (op.microbatch, op.chunk)
+        deferred = self._deferred.pop(key, None)
+        if deferred is None:
+            raise RuntimeError(f"stage {self.stage}: {op} has no preceding B of its micro-batch")
+        deferred.run()
+        self.meter.release(key)
+
+    def _backward(self, op: Op, grad_output: torch.Tensor | None, defer: bool) -> torch.Tensor | None:
         key = (op.microbatch, op.chunk)
         x, out = self._stash.pop(key)
-        with self._rng_scope():
+        with self._rng_scope(), (defer_weight_grads() if defer else contextlib.nullcontext()) as deferred:
             if grad_output is None:
                 torch.autograd.backward(out)
             else:
                 torch.autograd.backward(out, grad_output)
-        self.meter.release(key)
+        if deferred is None:
+            self.meter.release(key)
+        else:
+            self._deferred[key] = deferred
+            self.meter.retain_only(key, deferred.tensors())
         drift = self.version - self._fwd_version.pop(key)
         self._drifts.append(drift)
         self.drift_histogram[drift] += 1
@@ -158,6 +193,12 @@ class StageWorker:
 
     def grad_sq_norm(self, op: Op) -> float:
         """This stage's squared gradient norm before update ``op`` (inf/nan if not finite)."""
+        if self._deferred:
+            mb, chunk = min(self._deferred)
+            raise RuntimeError(
+                f"stage {self.stage}: {op} while the weight gradients of micro-batch {mb} "
+                f"(chunk {chunk}) are still deferred (its W has not run)"
+            )
         if op.update in self.setup.inject_nonfinite_updates:
             for p in self.setup.optimizer.parameters():
                 if p.grad is not None:

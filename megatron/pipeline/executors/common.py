@@ -31,7 +31,10 @@ class ReportCadence:
 def run_compute_op(
     worker: StageWorker, op: Op, inputs: dict[Message, torch.Tensor]
 ) -> dict[Message, torch.Tensor]:
-    """Run F or BW on ``worker`` with received tensors; return the tensors to send."""
+    """Run F, B, W or BW on ``worker`` with received tensors; return the tensors to send.
+
+    B sends the input gradient exactly like BW; W receives and sends nothing.
+    """
     layout = worker.layout
     received = [inputs[m] for m in op_recvs(op, layout)]
     received_tensor = received[0] if received else None
@@ -39,6 +42,11 @@ def run_compute_op(
         out = worker.forward(op, received_tensor)
     elif op.kind is OpKind.BW:
         out = worker.backward(op, received_tensor)
+    elif op.kind is OpKind.B:
+        out = worker.backward_input(op, received_tensor)
+    elif op.kind is OpKind.W:
+        worker.weight_grad(op)
+        out = None
     else:
         raise NotImplementedError(f"stage {op.stage}: op kind {op.kind.value} is not supported yet ({op})")
     sends = op_sends(op, layout)

@@ -25,6 +25,7 @@ from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 from megatron.trainer.models.rope import make_rotary_device_agnostic
 from megatron.trainer.models.sdpa_attention import SDPAAttention
+from megatron.trainer.models.split_linear import with_split_linears
 
 
 @dataclass
@@ -99,7 +100,8 @@ def resolve_use_transformer_engine(requested: bool | None) -> bool:
 
 
 def _layer_spec(args: GPTModelArgs, use_te: bool) -> ModuleSpec:
-    """Megatron's GPT layer spec; the local one gets our device-agnostic core attention."""
+    """Megatron's GPT layer spec; the local one gets our device-agnostic core attention and
+    our split linears (plain linears unless a B/W-split backward defers their weight grads)."""
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -108,7 +110,7 @@ def _layer_spec(args: GPTModelArgs, use_te: bool) -> ModuleSpec:
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization=args.normalization)
     spec.submodules.self_attention.submodules.core_attention = SDPAAttention
-    return spec
+    return with_split_linears(spec)
 
 
 def _transformer_config(args: GPTModelArgs, num_stage_layers: int) -> TransformerConfig:
