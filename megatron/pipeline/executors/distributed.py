@@ -7,7 +7,6 @@ timeout, and any failure is raised as :class:`PipelineRuntimeError` naming stage
 """
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -81,6 +80,13 @@ class P2PChannel:
                 raise PipelineRuntimeError(f"sending {msg} failed or timed out: {exc}") from exc
 
 
+def _is_barrier(op: Op) -> bool:
+    """Ops the prefetch window must not look past: what a stream yields after a pipeline-wide
+    step may depend on that step's outcome (profiled costs, post-validation), so later ops
+    are pulled from the generator only once the barrier has run."""
+    return op.kind is OpKind.OPT and op.sync
+
+
 class DistributedExecutor:
     """Runs this rank's stage stream; the other stages run in their own processes."""
 
@@ -141,7 +147,10 @@ class DistributedExecutor:
         current: Op | None = None
         try:
             while True:
-                for op in itertools.islice(ops, self.prefetch_ops - len(window)):
+                while len(window) < self.prefetch_ops and not (window and _is_barrier(window[-1])):
+                    op = next(ops, None)
+                    if op is None:
+                        break
                     window.append(op)
                     for msg in op_recvs(op, layout):
                         self.channel.post(msg)
