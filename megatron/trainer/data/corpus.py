@@ -1,0 +1,62 @@
+"""An offline English text corpus: the documentation topics that ship with CPython.
+
+``pydoc_data.topics.topics`` maps ~80 help topics ("assignment", "if", "types", ...) to
+their reference-manual text: about half a megabyte of English prose and code, present in
+every CPython installation, so tokenizers and small models can be trained without a
+download.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+
+GRANULARITIES = ("topic", "paragraph")
+
+
+def pydoc_corpus(granularity: str = "topic") -> list[str]:
+    """The corpus as documents: one per help topic, or one per blank-line separated paragraph.
+
+    Topics come in sorted order so the corpus is the same on every run.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    from pydoc_data.topics import topics
+
+    texts = [topics[name].strip() for name in sorted(topics)]
+    if granularity == "topic":
+        return [t for t in texts if t]
+    paragraphs = (p.strip() for t in texts for p in re.split(r"\n\s*\n", t))
+    return [p for p in paragraphs if p]
+
+
+def write_jsonl(documents: Iterable[str], path: str | os.PathLike, key: str = "text") -> int:
+    """Write one ``{key: document}`` JSON object per line; return the number written."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in documents:
+            f.write(json.dumps({key: doc}, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def read_texts(paths: Iterable[str | os.PathLike], json_keys: Iterable[str] = ("text",)) -> Iterator[str]:
+    """Texts from ``.jsonl``/``.json`` files (the given keys of each line) or plain text files."""
+    keys = list(json_keys)
+    for path in paths:
+        name = os.fspath(path)
+        with open(name, encoding="utf-8") as f:
+            if name.endswith((".jsonl", ".json")):
+                for line_number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"{name}:{line_number}: not JSON ({exc.msg})") from None
+                    for key in keys:
+                        if key in record:
+                            yield str(record[key])
+            else:
+                yield from f

@@ -1,0 +1,306 @@
+"""Real GPT training data: megatron-core's ``GPTDataset`` (and ``BlendedDataset``) on indexed
+``.bin``/``.idx`` files written by ``tools/preprocess_data.py``.
+
+Three layers:
+
+* checks that run in the launching process, before any rank exists
+  (:func:`parse_data_path`, :func:`parse_split`, :func:`inspect_prefix`,
+  :func:`check_data`), each failure a :class:`DataError` with one line naming the file;
+* :func:`build_gpt_datasets`, the train/valid/test datasets through megatron-core's
+  ``BlendedMegatronDatasetBuilder``;
+* :class:`GPTDataSource`, samples by index -> our micro-batch dict.
+
+Distributed building. The builder is collective when ``torch.distributed`` is initialised:
+rank 0 builds each dataset (and writes the index cache), then all ranks meet in a barrier
+on the default group, then the other ranks build (reading rank 0's cache). Every rank of
+our world (PP x DP processes, each building its own data source) therefore calls
+:func:`build_gpt_datasets` exactly once, at the same point of start-up, with the same
+configuration, and ``is_built_on_rank`` is True everywhere: each stage needs random access
+to the same sample order. Only rank 0 writes the cache, so there is no race on it. The
+cache (``--data-cache-path``, default megatron-core's ``<prefix>/cache/GPTDataset_indices``)
+must be visible to all ranks, i.e. on a shared file system for multi-node runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+import torch
+
+SplitMatrix = Sequence["tuple[float, float] | None"]
+
+
+class DataError(ValueError):
+    """Unusable training data; the message is one line naming the file or flag."""
+
+
+# --------------------------------------------------------------------------------------------
+# Flag parsing and file checks (launching process)
+# --------------------------------------------------------------------------------------------
+
+def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron's ``--data-path``: ``PREFIX [PREFIX ...]`` or ``W1 PREFIX1 W2 PREFIX2 ...``.
+
+    Returns ``(prefixes, weights)``; ``weights`` is None without weights (then several
+    prefixes are blended in proportion to their sizes).
+    """
+    items = [str(x).strip() for x in data_path if str(x).strip()]
+    if not items:
+        raise DataError("--data-path needs a dataset prefix (or weight/prefix pairs)")
+
+    def as_weight(text: str) -> float | None:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    if len(items) % 2 == 1:
+        return items, None
+    weights = [as_weight(x) for x in items[0::2]]
+    if all(w is None for w in weights):
+        return items, None
+    if any(w is None for w in weights):
+        bad = next(x for x, w in zip(items[0::2], weights) if w is None)
+        raise DataError(f"--data-path mixes weighted and unweighted prefixes ({bad!r} is not a weight)")
+    if any(w < 0 or not numpy.isfinite(w) for w in weights) or sum(weights) <= 0:
+        raise DataError(f"--data-path weights must be >= 0 with a positive sum, got {weights}")
+    return items[1::2], [float(w) for w in weights]
+
+
+def parse_split(split: str) -> list[tuple[float, float] | None]:
+    """Megatron's ``--split`` "train,valid,test" weights -> megatron-core's split matrix: per
+    split the (begin, end) fraction of each dataset's sequences, or None for an empty share."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+    )
+
+    parts = re.findall(r"[.0-9]+", split)  # what megatron-core itself accepts
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if "-" in split or not 1 <= len(weights) <= 3 or not all(numpy.isfinite(weights)):
+        raise DataError(f"--split {split!r}: expected up to three non-negative numbers, e.g. 969,30,1")
+    weights += [0.0] * (3 - len(weights))
+    if weights[0] <= 0:
+        raise DataError(f"--split {split!r}: the training share must be positive")
+    total = sum(weights)
+    return convert_split_vector_to_split_matrix([w / total for w in weights])
+
+
+def split_ranges(num_sequences: int, split_matrix: SplitMatrix) -> list[tuple[int, int] | None]:
+    """The sequence index range of each split, rounded as megatron-core rounds it."""
+    return [
+        None if bounds is None else (int(round(bounds[0] * num_sequences)), int(round(bounds[1] * num_sequences)))
+        for bounds in split_matrix
+    ]
+
+
+@dataclass
+class PrefixInfo:
+    prefix: str
+    num_sequences: int
+    num_documents: int
+    dtype: Any  # token dtype of the .bin file
+    split_tokens: list[int | None]  # tokens in each split (None where the split is absent)
+
+
+def inspect_prefix(prefix: str, split_matrix: SplitMatrix) -> PrefixInfo:
+    """Open one indexed dataset with megatron-core, check it against its .bin file, and count
+    the tokens of each split."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+
+    idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise DataError(f"--data-path {prefix}: missing {path}")
+    try:
+        dataset = IndexedDataset(prefix, multimodal=False, mmap=True)
+    except OSError as exc:  # unreadable, not malformed
+        raise DataError(f"{exc.filename or idx_path}: {exc.strerror or exc}") from None
+    except (AssertionError, ValueError, IndexError, struct.error, TypeError, KeyError) as exc:
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise DataError(f"{idx_path}: corrupt or not a megatron-core index file ({detail})") from None
+    lengths = pointers = None  # views into the index's mmap: dropped before the dataset below
+    try:
+        lengths = dataset.sequence_lengths
+        dtype = dataset.index.dtype
+        pointers = dataset.index.sequence_pointers
+        num_documents = len(dataset.document_indices) - 1
+        if lengths.size and (lengths.min() < 0 or pointers.min() < 0):
+            raise DataError(f"{idx_path}: corrupt index (negative sequence length or offset)")
+        expected = int(pointers[-1]) + int(lengths[-1]) * dataset.index.dtype_size if lengths.size else 0
+        actual = os.path.getsize(bin_path)
+        if actual < expected:
+            raise DataError(f"{bin_path}: truncated ({actual} bytes, {idx_path} describes {expected})")
+        split_tokens = [
+            None if r is None else int(lengths[r[0]:r[1]].sum(dtype=numpy.int64))
+            for r in split_ranges(int(lengths.size), split_matrix)
+        ]
+        num_sequences = int(lengths.size)
+    finally:
+        del lengths, pointers, dataset
+    return PrefixInfo(prefix, num_sequences, num_documents, dtype, split_tokens)
+
+
+def check_token_ids(infos: Sequence[PrefixInfo], vocab_size: int, max_tokens: int = 1 << 22) -> None:
+    """The first ``max_tokens`` ids of every dataset are below the tokenizer's vocabulary: data
+    preprocessed with another tokenizer fails here, not as an embedding index error on a rank."""
+    for info in infos:
+        bin_path = info.prefix + ".bin"
+        if os.path.getsize(bin_path) == 0:
+            continue
+        tokens = numpy.memmap(bin_path, dtype=info.dtype, mode="r")
+        try:
+            head = tokens[:max_tokens]
+            largest = int(head.max()) if head.size else 0
+        finally:
+            del tokens
+        if largest >= vocab_size:
+            raise DataError(
+                f"{bin_path}: token id {largest} is outside the tokenizer's vocabulary of {vocab_size} "
+                f"(preprocessed with another tokenizer?)")
+
+
+def check_data(
+    prefixes: Sequence[str], split_matrix: SplitMatrix, seq_length: int
+) -> list[PrefixInfo]:
+    """Every prefix readable, and its training split long enough for one sample."""
+    infos = [inspect_prefix(p, split_matrix) for p in prefixes]
+    for info in infos:
+        train_tokens = info.split_tokens[0] or 0
+        if train_tokens < seq_length + 1:
+            raise DataError(
+                f"--data-path {info.prefix}: its training split has {train_tokens} tokens "
+                f"({info.num_documents} documents), fewer than --seq-length {seq_length} + 1")
+    return infos
+
+
+def usable_splits(infos: Sequence[PrefixInfo], seq_length: int) -> list[bool]:
+    """Which splits have at least one sample's worth of tokens in every prefix.
+
+    megatron-core loops forever on a split without tokens, so empty valid/test splits (a
+    small corpus with ``--split 969,30,1``) are skipped instead.
+    """
+    usable = [True, True, True]
+    for info in infos:
+        for i, tokens in enumerate(info.split_tokens):
+            if tokens is None or tokens < seq_length + 1:
+                usable[i] = False
+    return usable
+
+
+# --------------------------------------------------------------------------------------------
+# Building (every rank)
+# --------------------------------------------------------------------------------------------
+
+def default_split_sizes(args: argparse.Namespace) -> list[int]:
+    """Samples per split: the whole run for train; one global batch x ``--eval-iters`` (when a
+    later evaluation feature defines it, else 1) for valid and test."""
+    gbs = args.global_batch_size
+    eval_iters = max(1, int(getattr(args, "eval_iters", 1) or 1))
+    return [args.train_iters * gbs, eval_iters * gbs, eval_iters * gbs]
+
+
+def gpt_dataset_config(args: argparse.Namespace, tokenizer: Any) -> Any:
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    prefixes, weights = parse_data_path(args.data_path)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=(prefixes, weights),
+        split=args.split,
+        path_to_cache=getattr(args, "data_cache_path", None),
+        tokenizer=tokenizer,
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+        # The full [s, s] mask is only needed when documents must not attend to each other;
+        # otherwise our attention is causal by itself.
+        create_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+        mid_level_dataset_surplus=0.005,
+    )
+
+
+_BUILT: dict[tuple, tuple[Any, Any, Any]] = {}
+
+
+def build_gpt_datasets(
+    args: argparse.Namespace, tokenizer: Any = None, sizes: Sequence[int] | None = None
+) -> tuple[Any, Any, Any]:
+    """(train, valid, test) megatron-core datasets; valid/test are None when their split is
+    empty (for some prefix). Collective when ``torch.distributed`` is initialised: call on
+    every rank. Built once per process for the same arguments (the emulator builds all
+    stages in one process)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    if tokenizer is None:
+        from megatron.trainer.tokenizer import tokenizer_from_args
+
+        tokenizer = tokenizer_from_args(args)
+    sizes = list(sizes) if sizes is not None else default_split_sizes(args)
+    key = (tuple(args.data_path), args.split, args.seq_length, args.seed, tuple(sizes),
+           getattr(args, "data_cache_path", None), bool(getattr(args, "reset_position_ids", False)),
+           bool(getattr(args, "reset_attention_mask", False)), bool(getattr(args, "eod_mask_loss", False)),
+           repr(dict(tokenizer.unique_identifiers)))
+    if key in _BUILT:
+        return _BUILT[key]
+    prefixes, _ = parse_data_path(args.data_path)
+    split_matrix = parse_split(args.split)
+    infos = check_data(prefixes, split_matrix, args.seq_length)
+    usable = usable_splits(infos, args.seq_length)
+    config = gpt_dataset_config(args, tokenizer)
+    for i, ok in enumerate(usable):
+        if not ok:
+            config.split_matrix[i] = None  # megatron-core skips a None split
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
+    train, valid, test = builder.build()
+    if train is None or len(train) < sizes[0]:
+        have = 0 if train is None else len(train)
+        raise DataError(f"--data-path: built {have} training samples, need {sizes[0]}")
+    _BUILT[key] = (train, valid, test)
+    return train, valid, test
+
+
+# --------------------------------------------------------------------------------------------
+# Samples -> micro-batches
+# --------------------------------------------------------------------------------------------
+
+class GPTDataSource:
+    """Micro-batches from a megatron-core GPT dataset, by sample index (a pure function)."""
+
+    def __init__(self, dataset: Any, keep_attention_mask: bool = False) -> None:
+        self.dataset = dataset
+        self.keep_attention_mask = keep_attention_mask
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def sample(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self.dataset):
+            raise IndexError(f"sample {index} outside the dataset's {len(self.dataset)} samples")
+        raw = self.dataset[index]
+        out = {
+            "tokens": raw["tokens"].to(torch.int64),
+            "labels": raw["labels"].to(torch.int64),
+            "loss_mask": raw["loss_mask"].to(torch.float32),
+            "position_ids": raw["position_ids"].to(torch.int64),
+        }
+        if self.keep_attention_mask and raw.get("attention_mask") is not None:
+            out["attention_mask"] = raw["attention_mask"]  # [1, s, s] bool, True = masked out
+        return out
+
+    def micro_batch(self, sample_indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Samples stacked to ``[b, s]`` (attention mask ``[b, 1, s, s]``)."""
+        if len(sample_indices) == 0:
+            raise ValueError("a micro-batch needs at least one sample index")
+        samples = [self.sample(int(i)) for i in sample_indices]
+        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}

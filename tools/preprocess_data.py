@@ -1,0 +1,229 @@
+"""Tokenize a JSONL corpus into megatron-core indexed datasets (Megatron-LM's preprocess_data.py).
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file tok/vocab.json --merge-file tok/merges.txt \\
+        --append-eod --workers 4
+
+For every ``--json-keys`` field K this writes ``{output-prefix}_{K}_document.bin`` and
+``.idx`` (``_sentence`` with ``--split-sentences``), which ``--data-path
+{output-prefix}_{K}_document`` then trains on. Each input line is one JSON object, one
+document. Files appear only when complete (written under a temporary name, then renamed).
+
+``--split-sentences`` uses a small built-in rule-based splitter (sentence-final ``.!?``
+followed by whitespace and a capital, digit, quote or bracket; blank lines), no NLTK
+download. Sentences lose their surrounding whitespace as with Megatron-LM's NLTK splitter;
+``--keep-newlines`` keeps each sentence's trailing whitespace, so the sentences of a
+document concatenate back to its exact text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Only light imports at module level: worker processes start before torch is imported.
+from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[A-Z0-9])|\n\s*\n")
+
+
+class InputError(ValueError):
+    """A bad input line; the message is one line with file and line number."""
+
+
+def split_sentences(text: str, keep_whitespace: bool = False) -> list[str]:
+    """Rule-based sentence split. With ``keep_whitespace`` the pieces concatenate to ``text``."""
+    pieces, start = [], 0
+    for match in _SENTENCE_END.finditer(text):
+        # Closing quotes/brackets after the full stop belong to the sentence, whitespace after.
+        end = match.start() + len(match.group(0)) - len(match.group(0).lstrip("\"')]"))
+        cut = match.end() if keep_whitespace else end
+        pieces.append(text[start:cut])
+        start = match.end()
+    pieces.append(text[start:])
+    if keep_whitespace:
+        return [p for p in pieces if p]
+    return [p.strip() for p in pieces if p.strip()]
+
+
+class Encoder:
+    """Per-process tokenizer state; ``encode`` turns one JSON line into token ids per key."""
+
+    tokenizer: Any = None
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def initializer(self) -> None:
+        Encoder.tokenizer = build_tokenizer(
+            self.args.tokenizer_type, vocab_file=self.args.vocab_file, merge_file=self.args.merge_file,
+            tokenizer_model=self.args.tokenizer_model, vocab_size=self.args.vocab_size,
+        )
+
+    def encode(self, numbered_line: tuple[int, str]) -> tuple[dict[str, list[int]], dict[str, list[int]], int]:
+        line_number, line = numbered_line
+        where = f"{self.args.input}:{line_number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: not a JSON object ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{where}: not a JSON object")
+        ids, lens = {}, {}
+        for key in self.args.json_keys:
+            if key not in record:
+                raise InputError(f"{where}: no {key!r} field (--json-keys {' '.join(self.args.json_keys)})")
+            text = str(record[key])
+            if self.args.split_sentences:
+                sentences = split_sentences(text, keep_whitespace=self.args.keep_newlines)
+            else:
+                sentences = [text]
+            doc_ids: list[int] = []
+            sentence_lens: list[int] = []
+            for sentence in sentences:
+                try:
+                    sentence_ids = Encoder.tokenizer.tokenize(sentence)
+                except TokenizerError as exc:
+                    raise InputError(f"{where}: {exc}") from None
+                if sentence_ids:
+                    doc_ids.extend(sentence_ids)
+                    sentence_lens.append(len(sentence_ids))
+            if doc_ids and self.args.append_eod:
+                doc_ids.append(Encoder.tokenizer.eod)
+                sentence_lens[-1] += 1
+            ids[key], lens[key] = doc_ids, sentence_lens
+        return ids, lens, len(line)
+
+
+def _numbered_lines(path: str):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{path}:{number}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+            if line.strip():
+                yield number, line
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="JSONL file, one JSON object (document) per line")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="fields to extract, one dataset each")
+    g.add_argument("--split-sentences", action="store_true", help="store each sentence as its own sequence")
+    g.add_argument("--keep-newlines", action="store_true", help="with --split-sentences: keep whitespace between sentences")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json or BERT vocab.txt")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
+    g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json (or its directory)")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: number of ids")
+    g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="path prefix of the .bin/.idx files")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    g.add_argument("--chunk-size", type=int, default=32, help="documents per task sent to a worker")
+    g.add_argument("--log-interval", type=int, default=1000, help="report progress every N documents")
+    args = p.parse_args(argv)
+    if args.workers < 1 or args.chunk_size < 1 or args.log_interval < 1:
+        p.error("--workers, --chunk-size and --log-interval must be >= 1")
+    if args.keep_newlines and not args.split_sentences:
+        p.error("--keep-newlines needs --split-sentences")
+    if not os.path.isfile(args.input):
+        p.error(f"--input {args.input}: no such file")
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    if not os.path.isdir(out_dir):
+        p.error(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist")
+    try:
+        # Load once here: bad tokenizer files fail before any worker starts.
+        args.tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
+                                         args.tokenizer_model, args.vocab_size)
+    except TokenizerError as exc:
+        p.error(str(exc))
+    return args
+
+
+def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
+    level = "sentence" if args.split_sentences else "document"
+    return {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args(argv)
+    vocab_size = args.tokenizer.vocab_size
+    del args.tokenizer  # workers build their own; keep the Namespace picklable and small
+    encoder = Encoder(args)
+    start = time.monotonic()
+    pool = None
+    if args.workers > 1:
+        # Workers tokenize with one thread each; start them before torch is imported here.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        pool = multiprocessing.Pool(args.workers, initializer=encoder.initializer)
+        encoded = pool.imap(encoder.encode, _numbered_lines(args.input), args.chunk_size)
+    else:
+        encoder.initializer()
+        encoded = map(encoder.encode, _numbered_lines(args.input))
+
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    prefixes = output_prefixes(args)
+    dtype = DType.optimal_dtype(vocab_size)
+    builders = {key: IndexedDatasetBuilder(prefix + ".bin.tmp", dtype=dtype) for key, prefix in prefixes.items()}
+    total_bytes = documents = tokens = 0
+    try:
+        for documents, (ids, lens, nbytes) in enumerate(encoded, 1):
+            total_bytes += nbytes
+            for key, doc in ids.items():
+                builders[key].add_document(doc, lens[key])
+                tokens += len(doc)
+            if documents % args.log_interval == 0:
+                elapsed = max(time.monotonic() - start, 1e-9)
+                print(f"Processed {documents} documents ({documents / elapsed:.1f} docs/s, "
+                      f"{total_bytes / elapsed / 1024 / 1024:.2f} MB/s).", file=sys.stderr, flush=True)
+    except InputError as exc:
+        _abort(pool, builders, prefixes)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except BaseException:
+        _abort(pool, builders, prefixes)
+        raise
+    if pool is not None:
+        pool.close()
+        pool.join()
+    for key, prefix in prefixes.items():
+        builders[key].finalize(prefix + ".idx.tmp")
+        os.replace(prefix + ".bin.tmp", prefix + ".bin")
+        os.replace(prefix + ".idx.tmp", prefix + ".idx")
+    elapsed = time.monotonic() - start
+    print(f"Done: {documents} documents, {tokens} tokens in {elapsed:.1f} s; wrote "
+          + ", ".join(f"{p}.bin/.idx" for p in prefixes.values()), flush=True)
+    return 0
+
+
+def _abort(pool: Any, builders: dict[str, Any], prefixes: dict[str, str]) -> None:
+    if pool is not None:
+        pool.terminate()
+        pool.join()
+    for key, prefix in prefixes.items():
+        builders[key].data_file.close()
+        for suffix in (".bin.tmp", ".idx.tmp"):
+            try:
+                os.remove(prefix + suffix)
+            except FileNotFoundError:
+                pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

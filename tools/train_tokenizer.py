@@ -1,0 +1,115 @@
+"""Train a byte-level BPE tokenizer (GPT-2 style) with the Hugging Face ``tokenizers`` library.
+
+    python tools/train_tokenizer.py --output-dir tok --vocab-size 8192           # pydoc corpus
+    python tools/train_tokenizer.py --output-dir tok --input corpus.jsonl --json-keys text
+    python tools/train_tokenizer.py --output-dir tok --vocab-size 1024 --wordpiece
+
+Writes ``tokenizer.json`` (+ ``tokenizer_config.json``), for ``--tokenizer-type
+HuggingFaceTokenizer --tokenizer-model tok/tokenizer.json``, and GPT-2-style ``vocab.json`` +
+``merges.txt`` for ``--tokenizer-type GPT2BPETokenizer --vocab-file tok/vocab.json
+--merge-file tok/merges.txt``. ``--wordpiece`` also trains a BERT WordPiece ``vocab.txt``
+(``--tokenizer-type BertWordPieceLowerCase --vocab-file tok/vocab.txt``).
+
+Without ``--input`` the corpus is CPython's own documentation topics (``pydoc_data``), so this
+runs offline. Inputs ending in ``.jsonl``/``.json`` are read one JSON object per line (the
+``--json-keys`` fields); other files are plain text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from megatron.trainer.data.corpus import pydoc_corpus, read_texts  # noqa: E402
+from megatron.trainer.tokenizer.tokenizer import GPT2_EOD  # noqa: E402
+
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _texts(args: argparse.Namespace) -> list[str]:
+    if not args.input:
+        return pydoc_corpus("topic")
+    for path in args.input:
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: --input {path}: no such file")
+    return list(read_texts(args.input, args.json_keys))
+
+
+def train_bpe(texts: list[str], vocab_size: int, min_frequency: int, output_dir: str) -> list[str]:
+    """Train GPT-2-style byte-level BPE; write tokenizer.json, vocab.json, merges.txt."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[GPT2_EOD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: lossless on any text
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    written = list(tok.model.save(output_dir))  # vocab.json, merges.txt
+    path = os.path.join(output_dir, "tokenizer.json")
+    tok.save(path)
+    config = os.path.join(output_dir, "tokenizer_config.json")
+    with open(config, "w", encoding="utf-8") as f:
+        json.dump({"eos_token": GPT2_EOD, "bos_token": GPT2_EOD, "unk_token": GPT2_EOD}, f, indent=2)
+    return [path, config, *written]
+
+
+def train_wordpiece(texts: list[str], vocab_size: int, min_frequency: int, lower_case: bool, output_dir: str) -> str:
+    """Train BERT WordPiece; write vocab.txt (one token per line, id = line number)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lower_case, strip_accents=lower_case)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=BERT_SPECIALS,
+        continuing_subword_prefix="##", show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    vocab = tok.get_vocab()
+    path = os.path.join(output_dir, "vocab.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
+            f.write(token + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--input", nargs="*", default=None, help="text or JSONL files (default: the pydoc corpus)")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to read")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary, 256 bytes + merges + <|endoftext|>")
+    p.add_argument("--min-frequency", type=int, default=2)
+    p.add_argument("--wordpiece", action="store_true", help="also train a BERT WordPiece vocab.txt")
+    p.add_argument("--wordpiece-vocab-size", type=int, default=None, help="default: --vocab-size")
+    p.add_argument("--wordpiece-case", action="store_true", help="case-preserving WordPiece (BertWordPieceCase)")
+    args = p.parse_args(argv)
+    if args.vocab_size < 258:
+        p.error("--vocab-size must be at least 258 (256 byte tokens, <|endoftext|>, one merge)")
+    texts = _texts(args)
+    if not texts:
+        p.error("the input has no text")
+    os.makedirs(args.output_dir, exist_ok=True)
+    written = train_bpe(texts, args.vocab_size, args.min_frequency, args.output_dir)
+    if args.wordpiece:
+        size = args.wordpiece_vocab_size or args.vocab_size
+        written.append(train_wordpiece(texts, size, args.min_frequency, not args.wordpiece_case, args.output_dir))
+    chars = sum(len(t) for t in texts)
+    print(f"trained on {len(texts)} texts ({chars} characters); wrote {', '.join(written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
