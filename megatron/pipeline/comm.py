@@ -14,6 +14,11 @@ from megatron.pipeline.ir import BACKWARD_KINDS, Op, OpKind, PipelineLayout
 class MsgKind(str, enum.Enum):
     ACT = "act"  # forward activation, virtual stage v -> v + 1
     GRAD = "grad"  # gradient of that activation, v + 1 -> v
+    # Optimizer post-validation, between physical stages (chunk 0); ``microbatch`` holds
+    # the update index. Both carry the per-stage squared gradient norms (float64, one per
+    # stage; stages the partial state has not reached yet are 0).
+    PARTIAL_STATE = "partial_state"  # PSTEP: stage s -> s + 1
+    GLOBAL_STATE = "global_state"  # VALIDATE: stage s + 1 -> s
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +31,8 @@ class Message:
     dst_chunk: int
 
     def __str__(self) -> str:
+        if self.kind in (MsgKind.PARTIAL_STATE, MsgKind.GLOBAL_STATE):
+            return f"{self.kind.value}(update {self.microbatch}) s{self.src_stage}->s{self.dst_stage}"
         return (
             f"{self.kind.value}(mb{self.microbatch}) s{self.src_stage}.c{self.src_chunk}"
             f"->s{self.dst_stage}.c{self.dst_chunk}"
@@ -38,10 +45,22 @@ def _message(kind: MsgKind, mb: int, src_v: int, dst_v: int, layout: PipelineLay
     return Message(kind, mb, src_stage, dst_stage, src_chunk, dst_chunk)
 
 
+def _state_message(kind: MsgKind, update: int, src: int, dst: int) -> Message:
+    return Message(kind, update, src, dst, 0, 0)
+
+
 def op_recvs(op: Op, layout: PipelineLayout) -> list[Message]:
-    """Messages ``op`` must receive before it can run."""
+    """Messages ``op`` must receive before it can run.
+
+    A ``DRAIN`` receives exactly what the ``F`` of its micro-batch and chunk receives.
+    """
+    s, last = op.stage, layout.num_stages - 1
+    if op.kind is OpKind.PSTEP:
+        return [_state_message(MsgKind.PARTIAL_STATE, op.update, s - 1, s)] if s > 0 else []
+    if op.kind is OpKind.VALIDATE:
+        return [_state_message(MsgKind.GLOBAL_STATE, op.update, s + 1, s)] if s < last else []
     v = layout.virtual(op.stage, op.chunk)
-    if op.kind is OpKind.F and v > 0:
+    if op.kind in (OpKind.F, OpKind.DRAIN) and v > 0:
         return [_message(MsgKind.ACT, op.microbatch, v - 1, v, layout)]
     if op.kind in BACKWARD_KINDS and v < layout.num_virtual_stages - 1:
         return [_message(MsgKind.GRAD, op.microbatch, v + 1, v, layout)]
@@ -50,6 +69,11 @@ def op_recvs(op: Op, layout: PipelineLayout) -> list[Message]:
 
 def op_sends(op: Op, layout: PipelineLayout) -> list[Message]:
     """Messages ``op`` produces when it finishes."""
+    s, last = op.stage, layout.num_stages - 1
+    if op.kind is OpKind.PSTEP:
+        return [_state_message(MsgKind.PARTIAL_STATE, op.update, s, s + 1)] if s < last else []
+    if op.kind is OpKind.VALIDATE:
+        return [_state_message(MsgKind.GLOBAL_STATE, op.update, s, s - 1)] if s > 0 else []
     v = layout.virtual(op.stage, op.chunk)
     if op.kind is OpKind.F and v < layout.num_virtual_stages - 1:
         return [_message(MsgKind.ACT, op.microbatch, v, v + 1, layout)]

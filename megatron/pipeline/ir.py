@@ -18,6 +18,15 @@ class OpKind(str, enum.Enum):
     W = "W"  # deferred weight-gradient computation of an earlier B
     BW = "BW"  # fused backward: input and weight gradients together
     OPT = "OPT"  # optimizer step of this stage (stage-local unless ``sync``)
+    # Optimizer post-validation (Zero Bubble §4; megatron.pipeline.post_validation):
+    PSTEP = "PSTEP"  # partial global state s-1 -> s -> s+1, optimistic step, grads kept
+    VALIDATE = "VALIDATE"  # full global state s+1 -> s -> s-1; keep / redo / skip the step
+    DISCARD = "DISCARD"  # drop a forward run on invalid weights (its stash and loss)
+    DRAIN = "DRAIN"  # receive and drop a stale activation the upstream stage will re-send
+
+
+#: ops that post-validation adds to a synchronous stream
+POST_VALIDATION_KINDS = (OpKind.PSTEP, OpKind.VALIDATE, OpKind.DISCARD, OpKind.DRAIN)
 
 
 BACKWARD_KINDS = (OpKind.B, OpKind.BW)
@@ -31,7 +40,9 @@ class Op:
     iteration), so asynchronous streams that never flush still name every micro-batch
     uniquely. For ``OPT``, ``update`` is the 0-based index of the local update it applies
     and ``sync`` marks a pipeline-wide step (all stages take it together, so gradient
-    clipping and skip decisions can use the global gradient norm).
+    clipping and skip decisions can use the global gradient norm). ``PSTEP`` and
+    ``VALIDATE`` name an update the same way; ``DISCARD`` and ``DRAIN`` a micro-batch and
+    chunk like ``F``.
     """
 
     kind: OpKind
@@ -44,6 +55,8 @@ class Op:
     def __str__(self) -> str:
         if self.kind is OpKind.OPT:
             return f"OPT#{self.update}{'(sync)' if self.sync else ''}@s{self.stage}"
+        if self.kind in (OpKind.PSTEP, OpKind.VALIDATE):
+            return f"{self.kind.value}#{self.update}@s{self.stage}"
         chunk = f".c{self.chunk}" if self.chunk else ""
         return f"{self.kind.value}{self.microbatch}{chunk}@s{self.stage}"
 
@@ -68,6 +81,22 @@ def BW(stage: int, mb: int, chunk: int = 0) -> Op:
 
 def OPT(stage: int, update: int, sync: bool) -> Op:
     return Op(OpKind.OPT, stage, update=update, sync=sync)
+
+
+def PSTEP(stage: int, update: int) -> Op:
+    return Op(OpKind.PSTEP, stage, update=update)
+
+
+def VALIDATE(stage: int, update: int) -> Op:
+    return Op(OpKind.VALIDATE, stage, update=update)
+
+
+def DISCARD(stage: int, mb: int, chunk: int = 0) -> Op:
+    return Op(OpKind.DISCARD, stage, mb, chunk)
+
+
+def DRAIN(stage: int, mb: int, chunk: int = 0) -> Op:
+    return Op(OpKind.DRAIN, stage, mb, chunk)
 
 
 @dataclass(frozen=True, slots=True)

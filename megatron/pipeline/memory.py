@@ -68,6 +68,10 @@ class ActivationMeter:
         self.peak_bytes = max(self.peak_bytes, sum(self._live.values()))
         self.run_peak_bytes = max(self.run_peak_bytes, self.peak_bytes)
 
+    def live_bytes(self, key: object) -> int:
+        """Bytes ``key`` holds now (0 once released)."""
+        return self._live.get(key, 0)
+
     @property
     def live_count(self) -> int:
         return len(self._live)

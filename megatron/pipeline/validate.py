@@ -4,15 +4,31 @@ Reports deadlocks, unmatched or misordered point-to-point messages (via
 :class:`~megatron.pipeline.replay.ReplayEngine`) and per-stage dependency violations
 (backward before forward, W without B, a micro-batch run twice, work left undone), always
 naming the stage and the op.
+
+Post-validated streams (:mod:`megatron.pipeline.post_validation`) are checked too: only
+forwards run between a stage's PSTEP and its VALIDATE (nothing may touch the gradients the
+validation needs), a replaying VALIDATE is followed by a DISCARD of exactly those forwards
+before anything else, and the DRAINs and re-sent activations line up FIFO (the replay
+engine checks that). The validator decides the outcome of every VALIDATE itself.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from megatron.pipeline.comm import Message, op_sends
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
+from megatron.pipeline.post_validation import ValidationOutcomes
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
+
+ReplayPolicy = Callable[[int], bool]  # update -> whether its VALIDATE replays
+
+#: outcome patterns :func:`validate_schedule` checks a post-validated schedule under
+REPLAY_POLICIES: dict[str, ReplayPolicy] = {
+    "never": lambda update: False,
+    "always": lambda update: True,
+    "alternating": lambda update: update % 2 == 0,
+}
 
 
 class _StageChecker:
@@ -25,17 +41,58 @@ class _StageChecker:
         self.awaiting_w: set[tuple[int, int]] = set()
         self.weighted: set[tuple[int, int]] = set()
         self.updates = 0
+        # post-validation
+        self.pending: int | None = None  # update stepped (PSTEP) but not validated yet
+        self.prevalidation: list[tuple[int, int]] = []  # forwards run since that PSTEP
+        self.must_discard: set[tuple[int, int]] = set()  # after a replaying VALIDATE
+        self.replaying = False  # between a replaying VALIDATE and the next backward
 
-    def check(self, op: Op) -> None:
+    def check(self, op: Op, replay: bool = False) -> None:
         key = (op.microbatch, op.chunk)
 
         def fail(why: str) -> None:
             raise ScheduleError(f"stage {self.stage}: {op} {why}")
 
+        if self.must_discard and op.kind is not OpKind.DISCARD:
+            pending = sorted(self.must_discard)[0]
+            fail(f"runs before the replay discarded the pre-validation forward of micro-batch {pending[0]}")
+        if self.pending is not None and op.kind not in (OpKind.F, OpKind.VALIDATE):
+            fail(f"runs between PSTEP #{self.pending} and its VALIDATE (only forwards may: the "
+                 f"validation needs the gradients and the weights of that update)")
+        if op.kind in (OpKind.B, OpKind.BW, OpKind.W, OpKind.OPT, OpKind.PSTEP):
+            self.replaying = False
+
         if op.kind is OpKind.F:
             if key in self.forwarded:
                 fail("runs a forward twice")
             self.forwarded.add(key)
+            if self.pending is not None:
+                self.prevalidation.append(key)
+        elif op.kind is OpKind.DISCARD:
+            if key not in self.must_discard:
+                fail("discards a forward that is not a pre-validation forward of a replaying VALIDATE")
+            self.must_discard.discard(key)
+            self.forwarded.discard(key)
+        elif op.kind is OpKind.DRAIN:
+            if not self.replaying:
+                fail("drains an activation outside the replay after a VALIDATE")
+        elif op.kind is OpKind.PSTEP:
+            if op.update != self.updates:
+                fail(f"is update {op.update} but {self.updates} updates were applied before it")
+            if self.awaiting_w:
+                pending = sorted(self.awaiting_w)[0]
+                fail(f"steps while the weight gradient of micro-batch {pending[0]} is still deferred")
+            self.updates += 1
+            self.pending = op.update
+            self.prevalidation = []
+        elif op.kind is OpKind.VALIDATE:
+            if self.pending != op.update:
+                fail(f"but the update awaiting validation is {self.pending}")
+            self.pending = None
+            if replay:
+                self.must_discard = set(self.prevalidation)
+                self.replaying = True
+            self.prevalidation = []
         elif op.kind in (OpKind.B, OpKind.BW):
             if key not in self.forwarded:
                 fail("runs before the forward of its micro-batch")
@@ -68,19 +125,33 @@ class _StageChecker:
         if self.awaiting_w:
             mb, chunk = sorted(self.awaiting_w)[0]
             raise ScheduleError(f"stage {self.stage}: B{mb}.c{chunk} never gets its W")
+        if self.pending is not None:
+            raise ScheduleError(f"stage {self.stage}: PSTEP #{self.pending} is never validated")
 
 
 def validate_streams(
-    streams: list[Iterable[Op]], layout: PipelineLayout, forward_only: bool = False
+    streams: list[Iterable[Op]],
+    layout: PipelineLayout,
+    forward_only: bool = False,
+    outcomes: ValidationOutcomes | None = None,
+    replay_policy: ReplayPolicy | None = None,
 ) -> list[int]:
     """Replay the streams; raise :class:`ScheduleError` on any violation.
 
-    Returns the number of ops per stage. Streams must be finite.
+    Returns the number of ops per stage. Streams must be finite. For post-validated streams
+    pass the ``outcomes`` object their generators read: each VALIDATE records
+    ``replay_policy(update)`` (default: never replay) before the stream moves on.
     """
     checkers = [_StageChecker(s) for s in range(layout.num_stages)]
+    policy = replay_policy or REPLAY_POLICIES["never"]
 
     def execute(op: Op, inputs: dict[Message, Any]) -> dict[Message, Any]:
-        checkers[op.stage].check(op)
+        replay = False
+        if op.kind is OpKind.VALIDATE:
+            replay = policy(op.update)
+            if outcomes is not None:
+                outcomes.record(op.update, replay)
+        checkers[op.stage].check(op, replay)
         return {msg: None for msg in op_sends(op, layout)}
 
     def execute_sync(ops: list[Op]) -> None:
@@ -94,6 +165,26 @@ def validate_streams(
     return engine.ops_executed
 
 
-def validate_schedule(schedule: Any) -> list[int]:
-    """Validate a :class:`~megatron.pipeline.schedules.base.Schedule` (finite config)."""
-    return validate_streams(schedule.streams(), schedule.layout)
+def validate_schedule(schedule: Any, replay_policies: Iterable[str] | None = None) -> list[int]:
+    """Validate a :class:`~megatron.pipeline.schedules.base.Schedule` (finite config).
+
+    A post-validated schedule is validated once per outcome pattern (by default every
+    pattern in :data:`REPLAY_POLICIES`); the op counts of the first are returned.
+    """
+    if not getattr(schedule, "post_validated", False):
+        return validate_streams(schedule.streams(), schedule.layout)
+    original = schedule.validation_outcomes
+    counts: list[int] | None = None
+    try:
+        for name in replay_policies or REPLAY_POLICIES:
+            outcomes = schedule.validation_outcomes = ValidationOutcomes()
+            try:
+                got = validate_streams(schedule.streams(), schedule.layout, outcomes=outcomes,
+                                       replay_policy=REPLAY_POLICIES[name])
+            except ScheduleError as exc:
+                raise ScheduleError(f"{exc} (post-validation outcomes: {name} replay)") from exc
+            counts = got if counts is None else counts
+    finally:
+        schedule.validation_outcomes = original
+    assert counts is not None
+    return counts

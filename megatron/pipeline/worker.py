@@ -37,6 +37,7 @@ import torch
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.memory import ActivationMeter
+from megatron.pipeline.post_validation import PostValidationState, is_state_message, state_spec
 from megatron.pipeline.report import StageReport
 from megatron.pipeline.wgrad import DeferredWeightGrads, defer_weight_grads
 
@@ -50,6 +51,7 @@ class StageOptimizer(Protocol):
     def grad_sq_norm(self) -> torch.Tensor: ...
     def clip_coef(self, total_norm: float, max_norm: float) -> float: ...
     def step(self, lr: float, grad_scale: float = 1.0) -> None: ...
+    def rollback(self, lr: float, grad_scale: float = 1.0) -> None: ...
     def zero_grad(self) -> None: ...
 
 
@@ -77,6 +79,9 @@ class StageSetup:
     # Testing hook: poison this stage's gradients before these local updates (0-based), to
     # exercise the non-finite skip path end to end.
     inject_nonfinite_updates: frozenset[int] = frozenset()
+    # Testing hook: the loss of these global micro-batches becomes NaN (last stage only), so
+    # every stage's gradients turn non-finite.
+    inject_nonfinite_losses: frozenset[int] = frozenset()
 
 
 class StageWorker:
@@ -92,6 +97,13 @@ class StageWorker:
         self.meter = ActivationMeter(setup.optimizer.parameters())
         self.drift_histogram: Counter[int] = Counter()
         self.update_log: list[dict[str, Any]] = []  # per update: lr, norm, skipped
+        self.post_validation = PostValidationState()  # see megatron.pipeline.post_validation
+        # (micro-batch, chunk) -> (loss, tokens) on the last stage, until reported: a report
+        # for update k takes the micro-batches of updates <= k only (with post-validation the
+        # next iteration's warm-up forwards run before update k is final and reported).
+        self._losses: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        # Times F / B / W while a profiled Zero Bubble schedule profiles (megatron.pipeline.profiling).
+        self.profiler: Any = None
         # Dropout RNG: stage s starts from seed + 100 * s (Megatron's convention). The
         # emulator runs all stages in one process and swaps the state per op.
         self._isolate_rng = isolate_rng
@@ -106,8 +118,6 @@ class StageWorker:
         return self.setup.optimizer.step_count
 
     def _reset_interval(self) -> None:
-        self._losses: list[torch.Tensor] = []
-        self._tokens = 0
         self._drifts: list[int] = []
         self._updates = 0
         self._skipped = 0
@@ -135,7 +145,38 @@ class StageWorker:
 
     def recv_spec(self, msg: Message) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of a tensor this stage receives."""
+        if is_state_message(msg):
+            return state_spec(self.layout)
         return self.setup.activation_shape, self.setup.activation_dtype
+
+    def rng_state(self) -> Any:
+        """This stage's dropout RNG state (post-validation rewinds it for a replay)."""
+        if self._isolate_rng:
+            return self._rng.clone()
+        state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if self.setup.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.setup.device)
+            from megatron.core import tensor_parallel
+
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            if tracker.is_initialized():
+                state["tracker"] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                    for k, v in tracker.get_states().items()}
+        return state
+
+    def set_rng_state(self, state: Any) -> None:
+        if self._isolate_rng:
+            self._rng = state.clone()
+            return
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.setup.device)
+        if "tracker" in state:
+            from megatron.core import tensor_parallel
+
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            tracker.set_states({k: v.clone() if isinstance(v, torch.Tensor) else v
+                                for k, v in state["tracker"].items()})
 
     # -- ops ---------------------------------------------------------------------------
     def forward(self, op: Op, received: torch.Tensor | None) -> torch.Tensor | None:
@@ -148,13 +189,25 @@ class StageWorker:
             out = self.setup.chunks[op.chunk](x, batch)
             if self.layout.is_last(self.stage, op.chunk):
                 loss, num_tokens = self.setup.loss_fn(out, batch)
-                self._losses.append(loss.detach())
-                self._tokens += num_tokens
+                if op.microbatch in self.setup.inject_nonfinite_losses:
+                    loss = loss * float("nan")
+                self._losses[key] = (loss.detach(), num_tokens)
                 out = loss / self.setup.microbatches_per_update
         self._stash[key] = (x, out)
         if self.layout.is_last(self.stage, op.chunk):
             return None
         return out.detach()
+
+    def discard_forward(self, op: Op) -> None:
+        """DISCARD: forget a forward that ran on invalid weights (post-validation replays it)."""
+        key = (op.microbatch, op.chunk)
+        if key not in self._stash:
+            raise RuntimeError(f"stage {self.stage}: {op} but micro-batch {op.microbatch} "
+                               f"(chunk {op.chunk}) has no stashed forward")
+        del self._stash[key]
+        self._fwd_version.pop(key, None)
+        self._losses.pop(key, None)
+        self.meter.release(key)
 
     def backward(self, op: Op, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Run a fused backward (BW); return the input gradient to send (None on the first)."""
@@ -213,27 +266,38 @@ class StageWorker:
         """
         total_sq = math.fsum(stage_sq_norms)
         opt = self.setup.optimizer
-        self._updates += 1
         if not math.isfinite(total_sq):
-            self._skipped += 1
-            self.update_log.append({"update": op.update, "skipped": True})
-            print(
-                f"[megatron-async] stage {self.stage}: skipped update {op.update} "
-                f"(non-finite gradients, squared norm {total_sq}); weights unchanged",
-                file=sys.stderr, flush=True,
-            )
+            self.record_update(op.update, total_sq, None)
         else:
             norm = math.sqrt(total_sq)
             scale = opt.clip_coef(norm, self.setup.clip_grad) if self.setup.clip_grad > 0 else 1.0
             lr = self.setup.lr_schedule.lr(opt.step_count + 1)
             opt.step(lr, grad_scale=scale)
-            self._last_lr, self._last_norm = lr, norm
-            self.update_log.append({"update": op.update, "skipped": False, "lr": lr, "grad_norm": norm})
+            self.record_update(op.update, total_sq, lr)
         opt.zero_grad()
+
+    def record_update(self, update: int, total_sq: float, lr: float | None) -> None:
+        """Statistics of update ``update``: applied with ``lr``, or skipped when ``lr`` is None."""
+        self._updates += 1
+        if lr is None:
+            self._skipped += 1
+            self.update_log.append({"update": update, "skipped": True})
+            print(
+                f"[megatron-async] stage {self.stage}: skipped update {update} "
+                f"(non-finite gradients, squared norm {total_sq}); weights unchanged",
+                file=sys.stderr, flush=True,
+            )
+        else:
+            norm = math.sqrt(total_sq)
+            self._last_lr, self._last_norm = lr, norm
+            self.update_log.append({"update": update, "skipped": False, "lr": lr, "grad_norm": norm})
 
     def take_report(self, update: int) -> StageReport:
         """Statistics since the previous report; resets the interval."""
-        loss_sum = float(torch.stack(self._losses).sum()) if self._losses else 0.0
+        a = self.setup.microbatches_per_update
+        done = [key for key in self._losses if key[0] // a <= update]
+        taken = [self._losses.pop(key) for key in done]
+        loss_sum = float(torch.stack([loss for loss, _ in taken]).sum()) if taken else 0.0
         mem = torch.cuda.max_memory_allocated(self.setup.device) if self.setup.device.type == "cuda" else 0
         report = StageReport(
             stage=self.stage,
@@ -241,8 +305,8 @@ class StageWorker:
             updates=self._updates,
             skipped=self._skipped,
             loss_sum=loss_sum,
-            loss_count=len(self._losses),
-            tokens=self._tokens,
+            loss_count=len(taken),
+            tokens=sum(tokens for _, tokens in taken),
             lr=self._last_lr,
             grad_norm=self._last_norm,
             drift_max=max(self._drifts, default=0),

@@ -12,6 +12,10 @@ from collections.abc import Sequence
 
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, schedule_class
 from megatron.pipeline.schedules.interleaved import GROUP_OPTION
+from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
+from megatron.trainer.zero_bubble_args import add_zero_bubble_args, validate_zero_bubble_args, zero_bubble_options
+from megatron.trainer.post_validation_args import (
+    add_post_validation_args, post_validation_options, validate_post_validation_args)
 
 
 class ArgumentError(ValueError):
@@ -27,7 +31,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=256, help="vocabulary size for --mock-data")
+    g.add_argument("--vocab-size", type=int, default=256,
+                   help="vocabulary of the mock data and of NullTokenizer; with any other --tokenizer-type "
+                        "the tokenizer's, padded to --make-vocab-size-divisible-by")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad a tokenizer's vocabulary to a multiple of this (x tensor-parallel size)")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -44,8 +52,6 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch x data-parallel size")
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--mock-data", action="store_true", help="synthetic, learnable token sequences (the default when no data path is given)")
-    g.add_argument("--data-path", nargs="*", default=None)
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adamw"], default="adamw")
     g.add_argument("--lr", type=float, default=1e-3)
@@ -58,6 +64,24 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--mock-data", action="store_true", help="synthetic, learnable token sequences (the default when no data path is given)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="indexed dataset prefix(es) from tools/preprocess_data.py: PREFIX, or "
+                        "WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ... to blend")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test shares of every dataset")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where megatron-core caches sample indices (default: <prefix>/cache/ next to the data)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json or BERT vocab.txt")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
+    g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json (or its directory)")
+    g.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each end-of-document")
+    g.add_argument("--reset-attention-mask", action="store_true", help="no attention across end-of-document tokens")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -99,7 +123,10 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     p = argparse.ArgumentParser(description=description, allow_abbrev=False)
     _add_model_args(p)
     _add_training_args(p)
+    _add_data_args(p)
     _add_parallel_args(p)
+    add_zero_bubble_args(p)
+    add_post_validation_args(p)
     _add_logging_args(p)
     return p
 
@@ -179,8 +206,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--lr-warmup-iters exceeds --lr-decay-iters")
     if args.clip_grad < 0:
         raise ArgumentError("--clip-grad must be >= 0")
-    if args.data_path:
-        raise ArgumentError("--data-path is not supported yet; use --mock-data")
+    _validate_data(args)
     if args.device == "cuda" or args.bf16:
         import torch
 
@@ -197,10 +223,57 @@ def validate_args(args: argparse.Namespace) -> None:
         if not 0 <= stage < pp:
             raise ArgumentError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
         args.nonfinite_injections.setdefault(stage, set()).add(update)
+    validate_zero_bubble_args(args)  # --zb-* flags (zb-1p / zb-2p)
+    validate_post_validation_args(args)  # --enable-optimizer-post-validation and friends
     try:
         schedule_class(args.pipeline_schedule).check_config(schedule_config(args))
     except ScheduleConfigError as exc:
         raise ArgumentError(f"--pipeline-schedule: {exc}") from None
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    """Data files, tokenizer files and the vocabulary, checked before any rank starts.
+
+    With a tokenizer the model's vocabulary is the tokenizer's padded like Megatron-LM
+    (``args.padded_vocab_size``, also stored in ``args.vocab_size``); NullTokenizer's own
+    size stays in ``args.null_vocab_size``.
+    """
+    if args.data_path is not None and args.mock_data:
+        raise ArgumentError("--mock-data and --data-path are mutually exclusive")
+    if args.data_path is not None and args.tokenizer_type is None:
+        raise ArgumentError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)")
+    if args.make_vocab_size_divisible_by < 1:
+        raise ArgumentError("--make-vocab-size-divisible-by must be >= 1")
+    if args.reset_attention_mask and args.pipeline_model_parallel_size * getattr(args, "num_model_chunks", 1) > 2:
+        # Only the first and last virtual stages receive the batch (and with it the mask).
+        raise ArgumentError("--reset-attention-mask needs at most two pipeline stages (model chunks) for now")
+    args.padded_vocab_size = args.vocab_size
+    if args.tokenizer_type is None:
+        return
+    from megatron.trainer.data.gpt_dataset import DataError, check_data, check_token_ids, parse_data_path, parse_split
+    from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args, vocab_size_with_padding
+
+    if args.tokenizer_type == "NullTokenizer" and getattr(args, "null_vocab_size", None) is None:
+        args.null_vocab_size = args.vocab_size
+    try:
+        infos = []
+        if args.data_path is not None:
+            infos = check_data(parse_data_path(args.data_path)[0], parse_split(args.split), args.seq_length)
+        tokenizer = tokenizer_from_args(args)
+        check_token_ids(infos, tokenizer.vocab_size)
+    except (DataError, TokenizerError) as exc:
+        raise ArgumentError(str(exc)) from None
+    if args.data_cache_path is not None:
+        try:
+            os.makedirs(args.data_cache_path, exist_ok=True)
+        except OSError as exc:
+            raise ArgumentError(f"--data-cache-path {args.data_cache_path}: {exc.strerror}") from None
+        if not os.access(args.data_cache_path, os.W_OK):
+            raise ArgumentError(f"--data-cache-path {args.data_cache_path}: not writable")
+    args.tokenizer_vocab_size = tokenizer.vocab_size
+    args.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    args.vocab_size = args.padded_vocab_size
 
 
 def _validate_virtual_stages(args: argparse.Namespace) -> None:
@@ -241,7 +314,8 @@ def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
         num_microbatches=args.num_microbatches,
         num_iterations=args.train_iters,
         num_chunks=getattr(args, "num_model_chunks", 1),
-        options={} if group is None else {GROUP_OPTION: group},
+        options={**({} if group is None else {GROUP_OPTION: group}), **zero_bubble_options(args),
+                 **post_validation_options(args)},
     )
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from megatron.trainer.data.gpt_dataset import GPTDataSource, build_gpt_datasets
 from megatron.trainer.data.mock import MockGPTData
 from megatron.trainer.models.gpt import GPTModelArgs, GPTStage, build_gpt_stage, gpt_loss, split_layers
 from megatron.trainer.task import Batch, microbatch_sample_indices
@@ -64,7 +65,17 @@ class GPTTask:
             yield from chunk.global_named_parameters()
 
     def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device) -> Callable[[int], Batch]:
-        data = MockGPTData(args.seq_length, args.vocab_size, args.seed)
+        """Mock data without ``--data-path``; else megatron-core's GPTDataset (train split).
+
+        Building the real dataset is collective under torch.distributed (rank 0 writes the
+        index cache first), so every rank builds its source here, at the same point.
+        """
+        data: MockGPTData | GPTDataSource
+        if getattr(args, "data_path", None) is None:
+            data = MockGPTData(args.seq_length, args.vocab_size, args.seed)
+        else:
+            train, _, _ = build_gpt_datasets(args)
+            data = GPTDataSource(train, keep_attention_mask=bool(getattr(args, "reset_attention_mask", False)))
         mbs, dp = args.micro_batch_size, args.data_parallel_size
 
         def get(microbatch: int) -> Batch:

@@ -42,7 +42,7 @@ class SleepCost(torch.autograd.Function):
 
 
 class SyntheticCostStage(torch.nn.Module):
-    """One stage of the synthetic-cost benchmark: ``SleepCost(Linear(x))``.
+    """One (virtual) stage of the synthetic-cost benchmark: ``SleepCost(Linear(x))``.
 
     The sleep sits after the ``Linear`` so that its input requires grad on every stage
     (including stage 0, whose input is data): the backward sleep then always runs.
@@ -83,16 +83,23 @@ class SyntheticCostTask:
                        help="wall time each stage's backward of one micro-batch sleeps")
 
     def build_stage(self, args: argparse.Namespace, stage: int, device: torch.device) -> list[torch.nn.Module]:
+        """One module per model chunk (virtual stage ``c * PP + stage``); with V chunks per stage
+        each chunk sleeps 1/V of the per-stage costs, so a stage's cost per micro-batch stays t_f, t_b."""
         if args.synthetic_forward_ms < 0 or args.synthetic_backward_ms < 0:
             raise ValueError("--synthetic-forward-ms and --synthetic-backward-ms must be >= 0")
-        return [SyntheticCostStage(stage, args.hidden_size, args.synthetic_forward_ms, args.synthetic_backward_ms,
-                                   is_first=stage == 0, seed=args.seed, device=device)]
+        pp, chunks = args.pipeline_model_parallel_size, getattr(args, "num_model_chunks", 1)
+        return [
+            SyntheticCostStage(c * pp + stage, args.hidden_size, args.synthetic_forward_ms / chunks,
+                               args.synthetic_backward_ms / chunks, is_first=c * pp + stage == 0,
+                               seed=args.seed, device=device)
+            for c in range(chunks)
+        ]
 
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         for chunk in chunks:
             assert isinstance(chunk, SyntheticCostStage)
             for name, p in chunk.named_parameters():
-                yield f"synthetic_stage{chunk.stage}.{name}", p
+                yield f"synthetic_stage{chunk.stage}.{name}", p  # virtual stage index: global names
 
     def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device) -> Callable[[int], Batch]:
         shape = (args.seq_length, args.micro_batch_size, args.hidden_size)

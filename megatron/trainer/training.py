@@ -21,6 +21,7 @@ from megatron.pipeline.executors.distributed import DistributedExecutor, Pipelin
 from megatron.pipeline.executors.emulator import Emulator
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.parallel import RankLayout, StageGroups
+from megatron.pipeline.profiling import distributed_profiling, emulator_profiling, log_fixed_choice
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.worker import StageSetup, StageWorker
 from megatron.trainer.arguments import build_parser, parse_args, schedule_config
@@ -54,6 +55,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
     optimizer = StageAdamW(
         list(task.named_parameters(chunks)), lr=args.lr, weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        exact=getattr(args, "optimizer_post_validation_exact", False),
     )
     schedule = LRSchedule(
         max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
@@ -75,6 +77,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         clip_grad=args.clip_grad,
         seed=args.seed,
         inject_nonfinite_updates=frozenset(args.nonfinite_injections.get(stage, ())),
+        inject_nonfinite_losses=frozenset(getattr(args, "inject_nonfinite_loss", ())),
     )
     return StageWorker(setup, isolate_rng=isolate_rng)
 
@@ -127,7 +130,10 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     collector = ReportCollector(pp, logger.log_update)
     schedule = build_schedule(args.pipeline_schedule, schedule_config(args))
     cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
-    Emulator(workers, schedule.layout, cadence, collector).run(schedule.streams())
+    sync_hook = emulator_profiling(schedule, workers)  # zb-1p / zb-2p with --zb-profile-iters
+    log_fixed_choice(schedule)
+    Emulator(workers, schedule.layout, cadence, collector, sync_hook=sync_hook,
+             outcomes=getattr(schedule, "validation_outcomes", None)).run(schedule.streams())
     logger.close()
     if args.log_weight_version_drift:
         _print_drift_histograms(workers)
@@ -161,7 +167,12 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         reports = SideChannelReports(groups, collector, p2p_timeout)
         schedule = build_schedule(args.pipeline_schedule, schedule_config(args))
         cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
-        DistributedExecutor(worker, groups, cadence, reports, p2p_timeout).run(schedule.stage_ops(stage))
+        sync_hook = distributed_profiling(schedule, worker, groups, p2p_timeout, log=rank == 0)
+        if rank == 0:
+            log_fixed_choice(schedule)
+        DistributedExecutor(worker, groups, cadence, reports, p2p_timeout, sync_hook=sync_hook,
+                            outcomes=getattr(schedule, "validation_outcomes", None)).run(
+            schedule.stage_ops(stage))
         reports.flush()
         if logger:
             logger.close()

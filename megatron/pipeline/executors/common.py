@@ -35,6 +35,14 @@ def run_compute_op(
 
     B sends the input gradient exactly like BW; W receives and sends nothing.
     """
+    profiler = getattr(worker, "profiler", None)  # set only while a profiled Zero Bubble schedule profiles
+    if profiler is not None:
+        worker.profiler = None
+        try:
+            with profiler.timed(op, worker.meter):
+                return run_compute_op(worker, op, inputs)
+        finally:
+            worker.profiler = profiler
     layout = worker.layout
     received = [inputs[m] for m in op_recvs(op, layout)]
     received_tensor = received[0] if received else None

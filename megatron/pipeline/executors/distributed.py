@@ -8,7 +8,7 @@ timeout, and any failure is raised as :class:`PipelineRuntimeError` naming stage
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
 import torch
@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from megatron.pipeline.comm import Message, op_recvs
 from megatron.pipeline.executors.common import ReportCadence, ReportSink, run_compute_op
-from megatron.pipeline.ir import Op, OpKind
+from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind
 from megatron.pipeline.parallel import StageGroups
+from megatron.pipeline.post_validation import ValidationOutcomes, run_post_validation_op
 from megatron.pipeline.report import StageReport
 from megatron.pipeline.worker import StageWorker
 
@@ -33,7 +34,9 @@ class P2PChannel:
         self.worker = worker
         self.groups = groups
         self.timeout = timeout
-        self._posted: dict[Message, tuple[dist.Work | None, torch.Tensor]] = {}
+        # Posted receives per message, oldest first: a post-validation replay receives the
+        # same activation twice (a stale copy to DRAIN, then the re-sent one).
+        self._posted: dict[Message, deque[tuple[dist.Work | None, torch.Tensor]]] = {}
         self._local: dict[Message, torch.Tensor] = {}  # stage sending to itself
         self._sends: deque[tuple[dist.Work, torch.Tensor, Message]] = deque()
 
@@ -45,14 +48,17 @@ class P2PChannel:
             return
         shape, dtype = self.worker.recv_spec(msg)
         buf = torch.empty(shape, dtype=dtype, device=self.worker.setup.device)
-        self._posted[msg] = (dist.irecv(buf, src=self._peer(msg.src_stage)), buf)
+        self._posted.setdefault(msg, deque()).append((dist.irecv(buf, src=self._peer(msg.src_stage)), buf))
 
     def wait(self, msg: Message) -> torch.Tensor:
         if msg in self._local:
             return self._local.pop(msg)
-        if msg not in self._posted:
+        if not self._posted.get(msg):
             self.post(msg)
-        work, buf = self._posted.pop(msg)
+        queue = self._posted[msg]
+        work, buf = queue.popleft()
+        if not queue:
+            del self._posted[msg]
         try:
             work.wait(self.timeout)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
@@ -84,7 +90,7 @@ def _is_barrier(op: Op) -> bool:
     """Ops the prefetch window must not look past: what a stream yields after a pipeline-wide
     step may depend on that step's outcome (profiled costs, post-validation), so later ops
     are pulled from the generator only once the barrier has run."""
-    return op.kind is OpKind.OPT and op.sync
+    return (op.kind is OpKind.OPT and op.sync) or op.kind is OpKind.VALIDATE
 
 
 class DistributedExecutor:
@@ -98,8 +104,14 @@ class DistributedExecutor:
         sink: ReportSink,
         timeout: timedelta,
         prefetch_ops: int = 4,
+        sync_hook: Callable[[Op], None] | None = None,
+        outcomes: ValidationOutcomes | None = None,
     ):
         self.worker = worker
+        # Called after every synchronous step, before later ops are pulled from the stream
+        # (profiled Zero Bubble schedules decide their order there).
+        self.sync_hook = sync_hook
+        self.outcomes = outcomes  # post-validated streams read what VALIDATE records here
         self.groups = groups
         self.cadence = cadence
         self.sink = sink
@@ -159,10 +171,20 @@ class DistributedExecutor:
                 current = window.popleft()
                 if current.kind is OpKind.OPT:
                     self._optimizer_step(current)
+                    if current.sync and self.sync_hook is not None:
+                        self.sync_hook(current)
                     continue
                 inputs = {m: self.channel.wait(m) for m in op_recvs(current, layout)}
-                for msg, tensor in run_compute_op(self.worker, current, inputs).items():
+                if current.kind in POST_VALIDATION_KINDS:
+                    if current.kind is OpKind.PSTEP:
+                        self._all_reduce_data_parallel_grads()
+                    outputs = run_post_validation_op(self.worker, current, inputs, self.outcomes)
+                else:
+                    outputs = run_compute_op(self.worker, current, inputs)
+                for msg, tensor in outputs.items():
                     self.channel.send(msg, tensor)
+                if current.kind is OpKind.VALIDATE and self.cadence.due(current.update):
+                    self.sink.submit(self.worker.take_report(current.update), replica=self.groups.dp_rank)
             current = None
             self.channel.flush()
         except PipelineRuntimeError as exc:

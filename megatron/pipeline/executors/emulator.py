@@ -7,13 +7,14 @@ It runs depths no machine here has (N=16, 32) on tiny models.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from megatron.pipeline.comm import Message
 from megatron.pipeline.executors.common import ReportCadence, ReportSink, run_compute_op
-from megatron.pipeline.ir import Op, OpKind, PipelineLayout
+from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind, PipelineLayout
+from megatron.pipeline.post_validation import ValidationOutcomes, run_post_validation_op
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.worker import StageWorker
 
@@ -25,11 +26,17 @@ class Emulator:
         layout: PipelineLayout,
         cadence: ReportCadence,
         sink: ReportSink,
+        sync_hook: Callable[[list[Op]], None] | None = None,
+        outcomes: ValidationOutcomes | None = None,
     ):
         self.workers = workers
         self.layout = layout
         self.cadence = cadence
         self.sink = sink
+        # Called after every synchronous step with all stages' ops, before any stream is
+        # advanced past it (profiled Zero Bubble schedules decide their order there).
+        self.sync_hook = sync_hook
+        self.outcomes = outcomes  # post-validated streams read what VALIDATE records here
 
     def _execute(self, op: Op, inputs: dict[Message, torch.Tensor]) -> dict[Message, torch.Tensor]:
         worker = self.workers[op.stage]
@@ -37,6 +44,11 @@ class Emulator:
             worker.apply_update(op, [worker.grad_sq_norm(op)])
             self._maybe_report(worker, op)
             return {}
+        if op.kind in POST_VALIDATION_KINDS:
+            outputs = run_post_validation_op(worker, op, inputs, self.outcomes)
+            if op.kind is OpKind.VALIDATE:
+                self._maybe_report(worker, op)
+            return {m: t.clone() for m, t in outputs.items()}
         # Copy what crosses a stage boundary: a distributed receiver gets its own buffer.
         outputs = run_compute_op(worker, op, inputs)
         return {m: t.clone() for m, t in outputs.items()}
@@ -52,5 +64,10 @@ class Emulator:
         if self.cadence.due(op.update):
             self.sink.submit(worker.take_report(op.update), replica=0)
 
+    def _execute_sync_and_hook(self, ops: list[Op]) -> None:
+        self._execute_sync(ops)
+        if self.sync_hook is not None:
+            self.sync_hook(ops)
+
     def run(self, streams: list[Iterable[Op]]) -> None:
-        ReplayEngine(streams, self.layout, self._execute, self._execute_sync).run()
+        ReplayEngine(streams, self.layout, self._execute, self._execute_sync_and_hook).run()

@@ -38,7 +38,15 @@ def schedule_class(name: str) -> type[Schedule]:
 
 
 def build_schedule(name: str, config: ScheduleConfig) -> Schedule:
-    return schedule_class(name)(config)
+    """The schedule ``name`` for ``config``; with ``options["profile_iters"] = K > 0`` (zb-1p /
+    zb-2p) a :class:`~.profiled.ProfiledSchedule` that decides its order from costs profiled
+    during the first K iterations."""
+    cls = schedule_class(name)
+    if config.options.get("profile_iters"):
+        from megatron.pipeline.schedules.profiled import ProfiledSchedule
+
+        return ProfiledSchedule(cls, config)
+    return cls(config)
 
 
 __all__ = [

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from megatron.pipeline.ir import BW, F, OPT, Op, OpKind, PipelineLayout
+from megatron.pipeline.post_validation import POST_VALIDATION, ValidationOutcomes, post_validated_stream
 
 
 class ScheduleConfigError(ValueError):
@@ -64,6 +65,10 @@ class Schedule(abc.ABC):
             raise ScheduleConfigError(f"{cls.name}: supports one model chunk per stage only")
         if config.num_iterations is None and not cls.asynchronous:
             raise ScheduleConfigError(f"{cls.name}: a synchronous schedule needs a finite iteration count")
+        if config.options.get(POST_VALIDATION) and cls.asynchronous:
+            raise ScheduleConfigError(
+                f"{cls.name}: optimizer post-validation replaces a synchronous step; this schedule "
+                f"steps stage-locally and has none")
 
     @property
     def layout(self) -> PipelineLayout:
@@ -78,13 +83,54 @@ class Schedule(abc.ABC):
 
 
 class SynchronousSchedule(Schedule):
-    """Iteration body over ``m`` micro-batches, then a pipeline-wide optimizer step."""
+    """Iteration body over ``m`` micro-batches, then a pipeline-wide optimizer step.
+
+    With ``options["post_validation"]`` the step is instead PSTEP at the end of the
+    iteration and VALIDATE before the next iteration's first backward (Zero Bubble's
+    optimizer post-validation, :mod:`megatron.pipeline.post_validation`). Such streams read
+    :attr:`validation_outcomes` after each VALIDATE; executors record into the same object.
+    """
 
     @abc.abstractmethod
     def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
         """The ops of one iteration on one stage (no optimizer step)."""
 
+    @property
+    def post_validated(self) -> bool:
+        return bool(self.config.options.get(POST_VALIDATION, False))
+
+    @property
+    def synchronous_iterations(self) -> int:
+        """Leading iterations that keep the synchronous step under post-validation.
+
+        A profiled Zero Bubble schedule (``options["profile_iters"] = K``) gathers its costs
+        at the synchronous step ending iteration K - 1 and can only generate later
+        iterations after it, so its first K iterations stay synchronous.
+        """
+        return int(self.config.options.get("profile_iters") or 0)
+
+    @property
+    def validation_outcomes(self) -> ValidationOutcomes:
+        """What each VALIDATE decided (one object per schedule instance)."""
+        outcomes = self.__dict__.get("_validation_outcomes")
+        if outcomes is None:
+            outcomes = self.__dict__["_validation_outcomes"] = ValidationOutcomes()
+        return outcomes
+
+    @validation_outcomes.setter
+    def validation_outcomes(self, outcomes: ValidationOutcomes) -> None:
+        self.__dict__["_validation_outcomes"] = outcomes
+
     def stage_ops(self, stage: int) -> Iterator[Op]:
+        m = self.config.num_microbatches
+        assert self.config.num_iterations is not None
+        if self.post_validated:
+            return post_validated_stream(
+                self.iteration_ops, stage, self.layout, m, self.config.num_iterations, self.validation_outcomes,
+                synchronous_iterations=self.synchronous_iterations)
+        return self._synchronous_ops(stage)
+
+    def _synchronous_ops(self, stage: int) -> Iterator[Op]:
         m = self.config.num_microbatches
         assert self.config.num_iterations is not None
         for it in range(self.config.num_iterations):

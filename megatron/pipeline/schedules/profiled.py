@@ -1,0 +1,168 @@
+"""Profiled automatic Zero Bubble scheduling: ZB-1p / ZB-2p from costs measured in the run.
+
+Zero Bubble (Qi et al., §3.1 and App. G; spec §9.1-9.2) feeds the scheduling heuristic with
+``T_F, T_B, T_W, T_comm`` profiled during the first iterations of the real run; before that a
+fixed schedule runs. :class:`ProfiledSchedule` is that, as a lazy stream:
+
+* iterations ``0 .. K-1`` (``K = options["profile_iters"]``) run ZB-H1, which splits B/W like
+  the target and needs no costs, while the executors time every F, B and W
+  (:mod:`megatron.pipeline.profiling`); with a memory limit below ZB-H1's ``N M_B`` they run
+  the target's order for placeholder costs instead;
+* at the synchronous optimizer step that ends iteration ``K - 1`` the executor gathers the
+  per-stage measurements from all ranks and calls :meth:`ProfiledSchedule.set_costs`; every
+  rank computes the same costs from the same gathered numbers and the greedy is
+  deterministic, so every stage derives the same order;
+* iterations ``K ..`` run the target schedule (ZB-1p or ZB-2p, with ``options["memory_limit"]``
+  if given) built from those costs.
+
+The stream asks for the costs only when the stage's generator is advanced past that step,
+which both executors do only after the step ran (the distributed executor's receive
+prefetch stops at a synchronous step; the replay engine pulls the next op after the
+collective). A stream advanced further without costs raises.
+
+The math of every iteration is the same as 1F1B's: F, B and W of a micro-batch are
+exact, and both ZB-H1 and the greedy run each stage's B passes and W passes in micro-batch
+order, so gradients accumulate in the same order; only the timing (and the memory in flight)
+changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+from megatron.pipeline.ir import Op
+from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
+from megatron.pipeline.schedules.zb_1p import ZeroBubbleAuto
+from megatron.pipeline.schedules.zb_h1 import ZBH1
+from megatron.pipeline.simulator import CostsLike, OpCosts, simulate_schedule, stage_costs
+
+PROFILE_OPTION = "profile_iters"
+# Before profiling: all times 1, no communication, and W keeping a micro-batch's activations
+# whole (M_W = M_B), the most it can keep. Memory after any prefix of a stage's ops is
+# (#F - #B) M_B + (#B - #W) M_W, which grows with M_W, so an order within the limit at
+# M_W = M_B is within it for the real ratio too.
+PLACEHOLDER_COSTS = OpCosts(m_w=1.0)
+
+
+class CostsNotProfiled(RuntimeError):
+    """A profiled schedule's stream was advanced past the profiling iterations without costs."""
+
+
+class ProfiledSchedule(SynchronousSchedule):
+    """``K`` ZB-H1 iterations, then ``target`` (a :class:`ZeroBubbleAuto`) from profiled costs."""
+
+    name = "profiled"  # replaced per instance by the target's name
+    warmup_class = ZBH1
+
+    def __init__(self, target: type[ZeroBubbleAuto], config: ScheduleConfig):
+        if not (isinstance(target, type) and issubclass(target, ZeroBubbleAuto)):
+            raise ScheduleConfigError(
+                f"{getattr(target, 'name', target)}: profiled costs apply to zb-1p and zb-2p only")
+        self.name = target.name  # type: ignore[misc]  # instance attribute: messages, logs
+        target.check_config(config)
+        super().__init__(config)
+        self.target_class = target
+        self.profile_iters = int(config.options.get(PROFILE_OPTION) or 0)
+        if self.profile_iters < 1:
+            raise ScheduleConfigError(f"{self.name}: profiling needs at least one iteration, got {self.profile_iters}")
+        self.costs: tuple[OpCosts, ...] | None = None
+        self.target: ZeroBubbleAuto | None = None
+        # Fails now, not at iteration K, if the memory limit cannot hold any order.
+        placeholder = self._build_target(PLACEHOLDER_COSTS)
+        self.memory_limit = placeholder.memory_limit
+        # ZB-H1 holds at most N M_B on any stage ((N - s) M_B + s M_W); below that limit the
+        # profiling iterations run the target's order for the placeholder costs instead, which
+        # respects the limit whatever the real M_W / M_B (see PLACEHOLDER_COSTS).
+        fits = self.memory_limit >= config.num_stages
+        self.warmup: SynchronousSchedule = self.warmup_class(config) if fits else placeholder
+
+    # -- costs ---------------------------------------------------------------------------
+    def _build_target(self, costs: CostsLike) -> ZeroBubbleAuto:
+        options = {k: v for k, v in self.config.options.items() if k != PROFILE_OPTION}
+        options["costs"] = costs
+        return self.target_class(dataclasses.replace(self.config, options=options))
+
+    def set_costs(self, costs: CostsLike) -> None:
+        """Decide the order of iterations ``K ..`` from ``costs`` (once; normally profiled)."""
+        if self.target is not None:
+            raise RuntimeError(f"{self.name}: costs were already set")
+        per_stage = stage_costs(costs, self.config.num_stages)
+        self.target = self._build_target(per_stage)
+        self.costs = per_stage
+
+    @property
+    def decided(self) -> bool:
+        return self.target is not None
+
+    def fingerprint(self) -> int:
+        """CRC32 of the decided order, to check that every rank derived the same one."""
+        if self.target is None:
+            raise CostsNotProfiled(f"{self.name}: no order decided yet")
+        return zlib.crc32(repr(self.target.plan.order).encode())
+
+    def describe(self) -> dict[str, Any]:
+        """Costs and the simulated iteration of the decided order next to ZB-H1's (one iteration)."""
+        if self.target is None or self.costs is None:
+            raise CostsNotProfiled(f"{self.name}: no order decided yet")
+        return describe_choice(self.target_class, self.config, self.costs, self.profile_iters)
+
+    # -- stream --------------------------------------------------------------------------
+    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
+        iteration = microbatches.start // self.config.num_microbatches
+        if iteration < self.profile_iters:
+            return self.warmup.iteration_ops(stage, microbatches)
+        if self.target is None:
+            raise CostsNotProfiled(
+                f"{self.name}: stage {stage} reached iteration {iteration} but no profiled costs were "
+                f"set at the synchronous step ending iteration {self.profile_iters - 1}")
+        return self.target.iteration_ops(stage, microbatches)
+
+
+def one_iteration(config: ScheduleConfig, options: dict[str, Any]) -> ScheduleConfig:
+    return ScheduleConfig(config.num_stages, config.num_microbatches, 1, options=options)
+
+
+def describe_choice(
+    target: type[ZeroBubbleAuto], config: ScheduleConfig, costs: tuple[OpCosts, ...], profile_iters: int = 0
+) -> dict[str, Any]:
+    """What the log line reports: per-stage costs, the memory limit and one simulated iteration
+    of the chosen order and of ZB-H1 and 1F1B (makespan, bubble rate, peak memory in M_B)."""
+    from megatron.pipeline.schedules import build_schedule
+
+    base = {k: v for k, v in config.options.items() if k not in (PROFILE_OPTION, "costs")}
+    chosen = target(one_iteration(config, {**base, "costs": costs}))
+    out: dict[str, Any] = {
+        "schedule": target.name,
+        "num_stages": config.num_stages,
+        "num_microbatches": config.num_microbatches,
+        "profile_iters": profile_iters,
+        "costs": [dataclasses.asdict(c) for c in costs],
+        "memory_limit": chosen.memory_limit,
+        "greedy_options": list(chosen.plan.options),
+    }
+    for key, schedule in (("chosen", chosen),
+                          ("zb-h1", build_schedule("zb-h1", one_iteration(config, {}))),
+                          ("1f1b", build_schedule("1f1b", one_iteration(config, {})))):
+        result = simulate_schedule(schedule, costs)
+        out[key] = {"makespan": result.makespan, "cost": result.cost, "bubble_rate": result.bubble_rate,
+                    "peak_memory": result.peak_memory}
+    return out
+
+
+def format_choice(d: dict[str, Any], unit: str = "ms") -> str:
+    """One human-readable line of :func:`describe_choice`."""
+    stages = "; ".join(
+        f"s{s}: F {c['t_f']:.3f} B {c['t_b']:.3f} W {c['t_w']:.3f} M_W/M_B {c['m_w']:.2f}"
+        for s, c in enumerate(d["costs"]))
+    where = (f"profiled over iterations 1-{d['profile_iters']}" if d["profile_iters"]
+             else "fixed (--zb-costs or defaults)")
+    chosen, h1 = d["chosen"], d["zb-h1"]
+    return (
+        f"{d['schedule']}: costs {where} ({unit}) {stages}; T_comm {d['costs'][0]['t_comm']:.3f}; "
+        f"memory limit {d['memory_limit']:g} M_B; simulated iteration {chosen['makespan']:.3f} {unit}, "
+        f"bubble rate {chosen['bubble_rate']:.4f}, peak {max(chosen['peak_memory']):.2f} M_B "
+        f"(zb-h1: {h1['makespan']:.3f} {unit}, bubble rate {h1['bubble_rate']:.4f}; "
+        f"1f1b: bubble rate {d['1f1b']['bubble_rate']:.4f})"
+    )
