@@ -51,6 +51,9 @@ from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfi
 RUN_SCRIPT = REPO / "benchmarks" / "synthetic_stage_run.py"
 DEFAULT_SCHEDULES = ("1f1b", "gpipe")
 OPTIONAL_SCHEDULES = ("paci", "async-1f1b")  # added by default when registered
+# Synchronous schedules whose iteration time is (m + N - 1)(t_f + t_b); for any other synchronous
+# schedule (interleaved, Zero Bubble, ...) the harness has no analytic value and prints nan.
+FLUSH_SCHEDULES = ("1f1b", "gpipe")
 # Environment variables that would make the launched script think it is a rank already.
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "MEGATRON_ASYNC_LAUNCHED")
@@ -145,7 +148,8 @@ def run_case(case: Case, args: argparse.Namespace, workdir: Path) -> Result:
     res = Result(case.schedule, case.stages, case.microbatches, is_asynchronous(case.schedule), t_f, t_b,
                  case.iterations, case.log_interval, note=case.note)
     res.ideal_ms = case.microbatches * (t_f + t_b)
-    res.analytic_ms = res.slots * (t_f + t_b)
+    known = res.asynchronous or case.stages == 1 or case.schedule in FLUSH_SCHEDULES
+    res.analytic_ms = res.slots * (t_f + t_b) if known else float("nan")
     res.analytic_efficiency = res.ideal_ms / res.analytic_ms
     log = workdir / f"{case.schedule}-N{case.stages}-m{case.microbatches}.jsonl"
     log.unlink(missing_ok=True)
@@ -277,7 +281,7 @@ def overhead_fit(results: list[Result]) -> list[dict[str, Any]]:
     fits = []
     groups: dict[tuple[str, int], list[Result]] = {}
     for r in results:
-        if not r.error and r.stages > 1:
+        if not r.error and r.stages > 1 and r.analytic_ms == r.analytic_ms:  # skip nan (no analytic model)
             groups.setdefault((r.schedule, r.stages), []).append(r)
     for (schedule, n), rs in sorted(groups.items()):
         xs = [float(r.slots) for r in rs]
@@ -340,11 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wait", type=float, default=300.0, help="longest wait for --max-load (seconds)")
     p.add_argument("--verbose", action="store_true", help="echo each run's training log to stderr")
     p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
-                   help="run nothing: merge earlier --json outputs (same t_f, t_b) into one best-of table")
+                   help="run nothing: merge earlier --json outputs (same t_f, t_b) into one best-of table "
+                        "(--schedules filters its rows)")
     return p
 
 
-def combine(paths: list[str]) -> int:
+def combine(paths: list[str], schedules: list[str] | None = None) -> int:
     """Best-of table over several sweeps' ``--json`` files (e.g. made at different times of day)."""
     by_case: dict[tuple[str, int, int], list[Result]] = {}
     settings = set()
@@ -355,7 +360,7 @@ def combine(paths: list[str]) -> int:
             d = {k: v for k, v in d.items() if k in Result.__dataclass_fields__}
             repeats = d.pop("repeat_measured_ms", None) or []
             r = Result(**d)
-            if r.error:
+            if r.error or (schedules and r.schedule not in schedules and r.stages > 1):
                 continue
             # every repeat of that sweep counts as one run; the stored row is its fastest
             for x in repeats or [r.measured_ms]:
@@ -381,7 +386,7 @@ def combine(paths: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.combine:
-        return combine(args.combine)
+        return combine(args.combine, args.schedules)
     if args.quick:  # explicit --schedules / --microbatches still win
         args.schedules = args.schedules or list(DEFAULT_SCHEDULES)
         args.iterations = min(args.iterations, 8)
