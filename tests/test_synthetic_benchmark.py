@@ -67,3 +67,74 @@ def test_schedule_efficiency_harness_tiny(tmp_path: Path) -> None:
     assert result["error"] is None
     assert result["timed_iterations"] == 2  # iterations 2..3; the first interval is warm-up
     assert result["measured_ms"] == pytest.approx(measured, abs=0.05)
+
+
+# --------------------------------------------------------------------------- B/W split sleeps
+
+
+def _synthetic_worker(t_b: float, t_w: float):
+    """A one-stage synthetic-cost worker built exactly as the trainer builds it."""
+    import torch
+
+    from megatron.trainer.arguments import build_parser, parse_args
+    from megatron.trainer.synthetic_task import SyntheticCostTask
+    from megatron.trainer.training import build_worker
+
+    task = SyntheticCostTask()
+    parser = build_parser("synthetic")
+    task.add_arguments(parser)
+    args = parse_args([
+        "--pipeline-model-parallel-size", "1", "--num-layers", "1", "--hidden-size", "8",
+        "--num-attention-heads", "1", "--seq-length", "4", "--micro-batch-size", "1",
+        "--global-batch-size", "2", "--train-iters", "1", "--device", "cpu",
+        "--synthetic-forward-ms", "0", "--synthetic-backward-ms", str(t_b), "--synthetic-wgrad-ms", str(t_w),
+    ], parser)
+    return build_worker(task, args, 0, 0, torch.device("cpu"), isolate_rng=True)
+
+
+def test_synthetic_wgrad_sleep_lands_in_w_or_in_the_fused_backward() -> None:
+    """T_W sleeps in op W under a B/W split and inside BW otherwise; B sleeps T_B only.
+
+    Goes through the worker's own B / W / BW (weight-gradient deferral of the runtime), so the
+    benchmark's ZB schedules are timed on the real code path. Costs are far apart (30 vs 150 ms)
+    and the bounds one-sided or loose, so scheduler noise on a loaded host cannot flip them.
+    """
+    import time
+
+    import torch
+
+    from megatron.pipeline.ir import B, BW, F, W
+
+    t_b, t_w = 30.0, 150.0
+    worker = _synthetic_worker(t_b, t_w)
+
+    def ms(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return 1000.0 * (time.perf_counter() - start)
+
+    worker.forward(F(0, 0), None)
+    b = ms(lambda: worker.backward_input(B(0, 0), None))
+    assert worker.meter.live_bytes((0, 0)) > 0, "B kept nothing for W: the weight gradient was not deferred"
+    w = ms(lambda: worker.weight_grad(W(0, 0)))
+    split_grads = [p.grad.clone() for p in worker.setup.optimizer.parameters()]
+    worker.setup.optimizer.zero_grad()
+    worker.forward(F(0, 0), None)
+    bw = ms(lambda: worker.backward(BW(0, 0), None))
+    fused_grads = [p.grad.clone() for p in worker.setup.optimizer.parameters()]
+
+    assert t_b <= b < t_b + t_w / 2, f"B took {b:.1f} ms; expected T_B = {t_b} ms without T_W = {t_w} ms"
+    assert w >= t_w, f"W took {w:.1f} ms < T_W = {t_w} ms"
+    assert bw >= t_b + t_w, f"fused BW took {bw:.1f} ms < T_B + T_W = {t_b + t_w} ms"
+    assert all(torch.equal(a, c) for a, c in zip(split_grads, fused_grads)), "B + W gradients differ from BW's"
+
+
+def test_synthetic_wgrad_defaults_to_zero() -> None:
+    """Backwards compatible: without the flag a backward sleeps T_B only and W costs nothing."""
+    from megatron.trainer.arguments import build_parser
+    from megatron.trainer.synthetic_task import SyntheticCostTask
+
+    parser = build_parser("synthetic")
+    SyntheticCostTask().add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.synthetic_wgrad_ms == 0.0 and args.synthetic_backward_ms == 40.0

@@ -79,3 +79,15 @@ def defer_weight_grads(store: DeferredWeightGrads | None = None) -> Iterator[Def
 def active_deferral() -> DeferredWeightGrads | None:
     """The store deferrable layers should record into now, or None (compute in backward)."""
     return _active
+
+
+@torch.no_grad()
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add a deferred gradient to ``param.grad`` the way autograd's ``AccumulateGrad`` does
+    outside grad mode (assign if None, else add in place), so B then W leaves ``.grad`` as a
+    fused backward would. Shared by every deferrable layer (megatron split linears, the
+    synthetic-cost benchmark's linear)."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad

@@ -44,7 +44,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
-from megatron.pipeline.wgrad import active_deferral
+from megatron.pipeline.wgrad import accumulate_grad, active_deferral
 
 
 def _weight_and_bias_grads(
@@ -55,15 +55,6 @@ def _weight_and_bias_grads(
     grad_weight = dy2.t().matmul(x2)
     grad_bias = dy2.sum(dim=0) if use_bias else None
     return grad_weight, grad_bias
-
-
-@torch.no_grad()
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """What autograd's AccumulateGrad does outside grad mode: assign, else add in place."""
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
 
 
 class _LinearWeightGrad:
@@ -96,9 +87,9 @@ class _LinearWeightGrad:
         self.done = True
         self.module._wgrad_fifo.remove(self)
         grad_weight, grad_bias = _weight_and_bias_grads(self.x, self.dy, self.bias is not None)
-        _accumulate(self.weight, grad_weight)
+        accumulate_grad(self.weight, grad_weight)
         if self.bias is not None:
-            _accumulate(self.bias, grad_bias)
+            accumulate_grad(self.bias, grad_bias)
         self.x = self.dy = None  # free what W held
 
 
