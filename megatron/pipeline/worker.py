@@ -140,8 +140,21 @@ class StageWorker:
             self._rng = torch.get_rng_state()
             torch.set_rng_state(outer)
 
-    def _needs_batch(self, chunk: int) -> bool:
-        return self.layout.is_first(self.stage, chunk) or self.layout.is_last(self.stage, chunk)
+    def _batch(self, op: Op) -> Batch:
+        """The micro-batch entries chunk ``op.chunk`` reads.
+
+        The first and last virtual stages get the whole micro-batch. A middle one gets only the
+        keys its module lists in ``middle_batch_keys`` (attention masks, which every layer
+        applies: BERT's padding mask, GPT's ``--reset-attention-mask``), and no data is read
+        for it at all when it lists none -- GPT's default.
+        """
+        if self.layout.is_first(self.stage, op.chunk) or self.layout.is_last(self.stage, op.chunk):
+            return self.setup.batch_fn(op.microbatch)
+        keys = getattr(self.setup.chunks[op.chunk], "middle_batch_keys", ())
+        if not keys:
+            return {}
+        batch = self.setup.batch_fn(op.microbatch)
+        return {k: batch[k] for k in keys if k in batch}
 
     def recv_spec(self, msg: Message) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of a tensor this stage receives."""
@@ -182,7 +195,7 @@ class StageWorker:
     def forward(self, op: Op, received: torch.Tensor | None) -> torch.Tensor | None:
         """Run F; return the activation to send (None on the last virtual stage)."""
         key = (op.microbatch, op.chunk)
-        batch = self.setup.batch_fn(op.microbatch) if self._needs_batch(op.chunk) else {}
+        batch = self._batch(op)
         x = None if received is None else received.detach().requires_grad_(True)
         self._fwd_version[key] = self.version
         with self._rng_scope(), self.meter.record(key):

@@ -244,9 +244,6 @@ def _validate_data(args: argparse.Namespace) -> None:
         raise ArgumentError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)")
     if args.make_vocab_size_divisible_by < 1:
         raise ArgumentError("--make-vocab-size-divisible-by must be >= 1")
-    if args.reset_attention_mask and args.pipeline_model_parallel_size * getattr(args, "num_model_chunks", 1) > 2:
-        # Only the first and last virtual stages receive the batch (and with it the mask).
-        raise ArgumentError("--reset-attention-mask needs at most two pipeline stages (model chunks) for now")
     args.padded_vocab_size = args.vocab_size
     if args.tokenizer_type is None:
         return

@@ -53,10 +53,13 @@ class GPTTask:
         built = []
         for c in range(chunks):
             v = c * pp + stage
-            built.append(build_gpt_stage(
+            chunk = build_gpt_stage(
                 model_args, virtual_layers[v], pre_process=v == 0, post_process=v == pp * chunks - 1,
                 seed=args.seed, device=device,
-            ))
+            )
+            if getattr(args, "reset_attention_mask", False):
+                chunk.middle_batch_keys = ("attention_mask",)  # every layer applies the mask
+            built.append(chunk)
         return built
 
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -10,177 +10,30 @@ model starts from the same weights: a 4-stage run is comparable, bit for bit in 
 
 from __future__ import annotations
 
-import hashlib
-import math
-import re
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
-from megatron.trainer.models.rope import make_rotary_device_agnostic
-from megatron.trainer.models.sdpa_attention import SDPAAttention
-from megatron.trainer.models.split_linear import with_split_linears
+from megatron.trainer.models.stage import (  # noqa: F401  (re-exported: the GPT-facing API)
+    PipelineStage,
+    TransformerArgs,
+    build_stage,
+    init_value,
+    layer_spec,
+    resolve_use_transformer_engine,
+    split_layers,
+)
 
 
 @dataclass
-class GPTModelArgs:
-    """Architecture of the whole (unsplit) GPT model."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    max_position_embeddings: int
-    vocab_size: int
-    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
-    num_query_groups: int | None = None  # None: num_attention_heads (no GQA)
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    bf16: bool = False
-    # None: Transformer Engine's spec when TE imports and CUDA is available, else local + SDPA.
-    use_transformer_engine: bool | None = None
+class GPTModelArgs(TransformerArgs):
+    """Architecture of the whole (unsplit) GPT model (see :class:`TransformerArgs`)."""
 
 
-def split_layers(
-    num_layers: int, num_stages: int, explicit: Sequence[int] | None = None
-) -> list[range]:
-    """Global layer indices owned by each pipeline stage.
-
-    Even split by default (an uneven one must be asked for explicitly, so that a typo in the
-    stage count cannot silently unbalance the pipeline). ``explicit`` gives per-stage layer
-    counts; zero is allowed (e.g. a first stage holding only the embedding) but the counts must
-    add up to ``num_layers``.
-    """
-    if num_layers < 1 or num_stages < 1:
-        raise ValueError(
-            f"need num_layers >= 1 and num_stages >= 1, got {num_layers}, {num_stages}"
-        )
-    if explicit is None:
-        if num_layers % num_stages:
-            raise ValueError(
-                f"{num_layers} layers do not split evenly over {num_stages} stages; "
-                "pass explicit per-stage counts"
-            )
-        counts = [num_layers // num_stages] * num_stages
-    else:
-        counts = [int(c) for c in explicit]
-        if len(counts) != num_stages:
-            raise ValueError(f"expected {num_stages} per-stage counts, got {len(counts)}")
-        if any(c < 0 for c in counts):
-            raise ValueError(f"per-stage layer counts must be >= 0, got {counts}")
-        if sum(counts) != num_layers:
-            raise ValueError(f"per-stage layer counts {counts} do not sum to {num_layers}")
-    ranges, start = [], 0
-    for count in counts:
-        ranges.append(range(start, start + count))
-        start += count
-    return ranges
-
-
-def resolve_use_transformer_engine(requested: bool | None) -> bool:
-    """Decide on Transformer Engine: auto means "only where it can actually run"."""
-    if requested is not None:
-        return requested
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a broken install raising anything else
-        return False
-    return True
-
-
-def _layer_spec(args: GPTModelArgs, use_te: bool) -> ModuleSpec:
-    """Megatron's GPT layer spec; the local one gets our device-agnostic core attention and
-    our split linears (plain linears unless a B/W-split backward defers their weight grads)."""
-    if use_te:
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=args.normalization)
-    spec.submodules.self_attention.submodules.core_attention = SDPAAttention
-    return with_split_linears(spec)
-
-
-def _transformer_config(args: GPTModelArgs, num_stage_layers: int) -> TransformerConfig:
-    """Config of one stage: its own layer count, CPU init, no fusions (they need CUDA/compile)."""
-    return TransformerConfig(
-        num_layers=num_stage_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        # Explicit so that megatron does not derive them from this stage's layer count (which
-        # may be 0, and is the wrong count anyway); ``init_parameters`` applies the same rules.
-        init_method=init_method_normal(args.init_method_std),
-        output_layer_init_method=scaled_init_method_normal(args.init_method_std, args.num_layers),
-        normalization=args.normalization,
-        bf16=args.bf16,
-        # Built in fp32 and cast afterwards: params_dtype=bf16 leaves some modules in fp32.
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        use_cpu_initialization=True,
-        # Every parameter is overwritten by ``init_parameters``; skipping megatron's own init
-        # saves time and leaves the global RNG untouched.
-        perform_initialization=False,
-        cuda_graph_scope=[],
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-    )
-
-
-_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
-_NORM_WEIGHTS = re.compile(r"(layernorm\.weight|layer_norm_weight|norm\.weight)$")
-
-
-def _param_seed(seed: int, global_name: str) -> int:
-    """Stable 63-bit seed for one parameter (Python's ``hash`` is salted per process)."""
-    digest = hashlib.sha256(f"{seed}:{global_name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_value(
-    global_name: str, shape: torch.Size, seed: int, std: float, total_layers: int
-) -> torch.Tensor:
-    """Megatron's initial value for a parameter, as a pure function of its global name.
-
-    Rules (megatron's defaults): biases 0; norm weights 1; each layer's output projections
-    N(0, std / sqrt(2 * total_layers)) -- total over the whole model, not the stage; every other
-    weight (linears, embeddings) N(0, std). Unknown parameters raise, so a new module type cannot
-    silently keep uninitialised memory.
-    """
-    if global_name.endswith("bias"):
-        return torch.zeros(shape)
-    if _NORM_WEIGHTS.search(global_name):
-        return torch.ones(shape)
-    if not global_name.endswith("weight") or len(shape) < 2:
-        raise ValueError(f"no init rule for parameter {global_name!r} of shape {tuple(shape)}")
-    if global_name.endswith(_OUTPUT_PROJECTIONS):
-        std = std / math.sqrt(2.0 * total_layers)
-    generator = torch.Generator(device="cpu").manual_seed(_param_seed(seed, global_name))
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
-
-
-class GPTStage(torch.nn.Module):
+class GPTStage(PipelineStage):
     """One pipeline stage of a megatron-core ``GPTModel``.
 
     The runtime sees a uniform interface: ``forward(input_tensor, batch)`` where the first stage
@@ -188,45 +41,7 @@ class GPTStage(torch.nn.Module):
     per-token LM loss instead of hidden states.
     """
 
-    def __init__(self, args: GPTModelArgs, layers: range, model: GPTModel) -> None:
-        super().__init__()
-        self.args = args
-        self.layers = layers
-        self.is_first = bool(model.pre_process)
-        self.is_last = bool(model.post_process)
-        self.model = model
-
-    @property
-    def activation_dtype(self) -> torch.dtype:
-        """Dtype of the hidden states crossing stage boundaries."""
-        return torch.bfloat16 if self.args.bf16 else torch.float32
-
-    def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
-        """``(s, b, h)`` of the tensors crossing stage boundaries (Megatron's layout)."""
-        return (self.args.seq_length, micro_batch_size, self.args.hidden_size)
-
-    def global_name(self, local_name: str) -> str:
-        """Map a local parameter name to its name in the unsplit model."""
-        match = _LOCAL_LAYER.match(local_name)
-        if match is None:
-            return local_name
-        index = self.layers.start + int(match.group(1))
-        return f"decoder.layers.{index}." + local_name[match.end():]
-
-    def global_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """``named_parameters`` keyed by global names (for checkpoints and split comparisons)."""
-        prefix = "model."
-        for name, param in self.named_parameters():
-            yield self.global_name(name[len(prefix):]), param
-
-    @torch.no_grad()
-    def init_parameters(self, seed: int) -> None:
-        """Re-initialise every parameter from (seed, global name), split-independently."""
-        for name, param in self.global_named_parameters():
-            value = init_value(
-                name, param.shape, seed, self.args.init_method_std, self.args.num_layers
-            )
-            param.copy_(value)
+    block = "decoder"
 
     def forward(
         self, input_tensor: torch.Tensor | None, batch: dict[str, torch.Tensor]
@@ -239,7 +54,7 @@ class GPTStage(torch.nn.Module):
             if input_tensor is None:
                 raise ValueError("a non-first stage needs the previous stage's hidden states")
             input_ids, position_ids = None, batch.get("position_ids")
-            self.model.set_input_tensor(input_tensor.to(self.activation_dtype))
+            self.set_stage_input(input_tensor)
         try:
             output = self.model(
                 input_ids=input_ids,
@@ -249,8 +64,7 @@ class GPTStage(torch.nn.Module):
             )
         finally:
             if not self.is_first:
-                # Don't keep the last micro-batch's activations alive through the module.
-                self.model.set_input_tensor(None)
+                self.set_stage_input(None)
         if self.is_last:
             return output.float()
         return output.contiguous()
@@ -265,22 +79,11 @@ def build_gpt_stage(
     device: torch.device | str,
 ) -> GPTStage:
     """Build the stage owning global ``layers``; weights depend only on ``seed`` and names."""
-    if layers.step != 1 or layers.start < 0 or layers.stop > args.num_layers:
-        raise ValueError(f"layers {layers} outside a {args.num_layers}-layer model")
-    use_te = resolve_use_transformer_engine(args.use_transformer_engine)
-    config = _transformer_config(args, len(layers))
-    if use_te:
-        from megatron.core import tensor_parallel
 
-        # TE's core attention forks megatron's CUDA RNG tracker for dropout.
-        if not tensor_parallel.get_cuda_rng_tracker().is_initialized():
-            tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    # Some submodules (the position embedding is a plain ``torch.nn.Embedding``) draw their
-    # default init from the global CPU RNG; fork it so building a stage has no side effects.
-    with torch.random.fork_rng(devices=[]):
-        model = GPTModel(
+    def make(config: TransformerConfig, use_te: bool) -> GPTModel:
+        return GPTModel(
             config=config,
-            transformer_layer_spec=_layer_spec(args, use_te),
+            transformer_layer_spec=layer_spec(args, use_te),
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,
@@ -289,12 +92,9 @@ def build_gpt_stage(
             share_embeddings_and_output_weights=False,
             position_embedding_type=args.position_embedding_type,
         )
-    make_rotary_device_agnostic(model)
-    stage = GPTStage(args, layers, model)
-    stage.init_parameters(seed)
-    if args.bf16:
-        stage.model.bfloat16()
-    return stage.to(device)
+
+    wrap: Callable[[torch.nn.Module], GPTStage] = lambda model: GPTStage(args, layers, model)
+    return build_stage(args, layers, seed, device, make, wrap)  # type: ignore[return-value]
 
 
 def gpt_loss(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
