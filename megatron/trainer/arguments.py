@@ -225,6 +225,8 @@ def validate_args(args: argparse.Namespace) -> None:
         args.nonfinite_injections.setdefault(stage, set()).add(update)
     validate_zero_bubble_args(args)  # --zb-* flags (zb-1p / zb-2p)
     validate_post_validation_args(args)  # --enable-optimizer-post-validation and friends
+    for check in getattr(args, "task_checks", ()):  # a task's own flags (parser.set_defaults)
+        check(args)
     try:
         schedule_class(args.pipeline_schedule).check_config(schedule_config(args))
     except ScheduleConfigError as exc:

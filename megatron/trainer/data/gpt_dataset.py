@@ -33,6 +33,8 @@ from typing import Any
 import numpy
 import torch
 
+from megatron.trainer.data.samples import StackedSamples
+
 SplitMatrix = Sequence["tuple[float, float] | None"]
 
 
@@ -208,24 +210,31 @@ def default_split_sizes(args: argparse.Namespace) -> list[int]:
     return [args.train_iters * gbs, eval_iters * gbs, eval_iters * gbs]
 
 
-def gpt_dataset_config(args: argparse.Namespace, tokenizer: Any) -> Any:
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-
+def common_config_kwargs(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    """The ``BlendedMegatronDatasetConfig`` fields every dataset family takes from the flags."""
     prefixes, weights = parse_data_path(args.data_path)
-    return GPTDatasetConfig(
+    return dict(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=(prefixes, weights),
         split=args.split,
         path_to_cache=getattr(args, "data_cache_path", None),
         tokenizer=tokenizer,
+        mid_level_dataset_surplus=0.005,
+    )
+
+
+def gpt_dataset_config(args: argparse.Namespace, tokenizer: Any) -> Any:
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    return GPTDatasetConfig(
+        **common_config_kwargs(args, tokenizer),
         reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
         reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
         eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
         # The full [s, s] mask is only needed when documents must not attend to each other;
         # otherwise our attention is causal by itself.
         create_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
-        mid_level_dataset_surplus=0.005,
     )
 
 
@@ -239,7 +248,6 @@ def build_gpt_datasets(
     empty (for some prefix). Collective when ``torch.distributed`` is initialised: call on
     every rank. Built once per process for the same arguments (the emulator builds all
     stages in one process)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     if tokenizer is None:
@@ -254,19 +262,27 @@ def build_gpt_datasets(
     if key in _BUILT:
         return _BUILT[key]
     prefixes, _ = parse_data_path(args.data_path)
-    split_matrix = parse_split(args.split)
-    infos = check_data(prefixes, split_matrix, args.seq_length)
+    infos = check_data(prefixes, parse_split(args.split), args.seq_length)
     usable = usable_splits(infos, args.seq_length)
-    config = gpt_dataset_config(args, tokenizer)
+    _BUILT[key] = build_usable_splits(GPTDataset, gpt_dataset_config(args, tokenizer), sizes, usable)
+    return _BUILT[key]
+
+
+def build_usable_splits(
+    dataset_cls: Any, config: Any, sizes: Sequence[int], usable: Sequence[bool]
+) -> tuple[Any, Any, Any]:
+    """megatron-core's builder over the usable splits only (it loops forever on a split with
+    no sample); the training split must hold ``sizes[0]`` samples."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
     for i, ok in enumerate(usable):
         if not ok:
             config.split_matrix[i] = None  # megatron-core skips a None split
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
+    builder = BlendedMegatronDatasetBuilder(dataset_cls, list(sizes), lambda: True, config)
     train, valid, test = builder.build()
     if train is None or len(train) < sizes[0]:
         have = 0 if train is None else len(train)
         raise DataError(f"--data-path: built {have} training samples, need {sizes[0]}")
-    _BUILT[key] = (train, valid, test)
     return train, valid, test
 
 
@@ -274,7 +290,7 @@ def build_gpt_datasets(
 # Samples -> micro-batches
 # --------------------------------------------------------------------------------------------
 
-class GPTDataSource:
+class GPTDataSource(StackedSamples):
     """Micro-batches from a megatron-core GPT dataset, by sample index (a pure function)."""
 
     def __init__(self, dataset: Any, keep_attention_mask: bool = False) -> None:
@@ -297,10 +313,3 @@ class GPTDataSource:
         if self.keep_attention_mask and raw.get("attention_mask") is not None:
             out["attention_mask"] = raw["attention_mask"]  # [1, s, s] bool, True = masked out
         return out
-
-    def micro_batch(self, sample_indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        """Samples stacked to ``[b, s]`` (attention mask ``[b, 1, s, s]``)."""
-        if len(sample_indices) == 0:
-            raise ValueError("a micro-batch needs at least one sample index")
-        samples = [self.sample(int(i)) for i in sample_indices]
-        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}

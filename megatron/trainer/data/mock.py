@@ -18,16 +18,18 @@ from typing import Sequence
 
 import torch
 
+from megatron.trainer.data.samples import StackedSamples
+
 DEFAULT_STEPS: tuple[int, ...] = (1, 2, 3, 5, 7)
 
 
-def _sample_seed(seed: int, index: int) -> int:
+def _sample_seed(seed: int, index: int, family: str = "gpt") -> int:
     """Stable per-sample seed; hashing avoids correlated streams for neighbouring indices."""
-    digest = hashlib.sha256(f"mock-gpt:{seed}:{index}".encode()).digest()
+    digest = hashlib.sha256(f"mock-{family}:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-class MockGPTData:
+class MockGPTData(StackedSamples):
     """Deterministic synthetic token sequences with learnable structure, so loss visibly
     falls (random tokens would not)."""
 
@@ -61,10 +63,3 @@ class MockGPTData:
             "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
             "position_ids": torch.arange(self.seq_length, dtype=torch.int64),
         }
-
-    def micro_batch(self, sample_indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        """Samples stacked to ``[b, s]`` (int64 tokens/labels/position_ids, fp32 loss_mask)."""
-        if len(sample_indices) == 0:
-            raise ValueError("a micro-batch needs at least one sample index")
-        samples = [self.sample(int(i)) for i in sample_indices]
-        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}

@@ -10,14 +10,14 @@ model starts from the same weights: a 4-stage run is comparable, bit for bit in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.trainer.models.stage import (  # noqa: F401  (re-exported: the GPT-facing API)
+from megatron.trainer.models.stage import (
     PipelineStage,
     TransformerArgs,
     build_stage,
@@ -26,6 +26,12 @@ from megatron.trainer.models.stage import (  # noqa: F401  (re-exported: the GPT
     resolve_use_transformer_engine,
     split_layers,
 )
+
+__all__ = [
+    "GPTModelArgs", "GPTStage", "build_gpt_stage", "gpt_loss",
+    # shared with other model families, re-exported for GPT-facing callers
+    "init_value", "resolve_use_transformer_engine", "split_layers",
+]
 
 
 @dataclass
