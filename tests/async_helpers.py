@@ -26,13 +26,18 @@ def tiny_args(num_stages: int, schedule: str, accumulation: int, iters: int, *ex
     ]
 
 
-def emulate(argv: list[str]):
-    """Run the emulator in this process (needs the ``megatron_world1`` fixture); return workers."""
-    from megatron.trainer.arguments import parse_args
+def emulate(argv: list[str], task=None):
+    """Run the emulator in this process (needs the ``megatron_world1`` fixture); return workers.
+
+    ``task`` defaults to GPT; a task with its own flags (BERT) gets them on the parser."""
+    from megatron.trainer.arguments import build_parser, parse_args
     from megatron.trainer.gpt_task import GPTTask
     from megatron.trainer.training import emulate as run
 
-    return run(GPTTask(), parse_args(argv))
+    task = task or GPTTask()
+    parser = build_parser()
+    task.add_arguments(parser)
+    return run(task, parse_args(argv, parser))
 
 
 def final_params(workers) -> dict[str, torch.Tensor]:
@@ -49,10 +54,11 @@ def _named(worker):
     return GPTTask().named_parameters(worker.setup.chunks)
 
 
-def run_pretrain(argv: list[str], out_dir: Path, timeout: float = 240) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """Run ``pretrain_gpt.py`` as a subprocess; return its JSON records and final parameters."""
+def run_pretrain(argv: list[str], out_dir: Path, timeout: float = 240,
+                 script: str = "pretrain_gpt.py") -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Run ``script`` as a subprocess; return its JSON records and final parameters."""
     log, dump = out_dir / "log.jsonl", out_dir / "params"
-    cmd = [sys.executable, str(REPO / "pretrain_gpt.py"), *argv, "--log-json", str(log), "--dump-final-params", str(dump)]
+    cmd = [sys.executable, str(REPO / script), *argv, "--log-json", str(log), "--dump-final-params", str(dump)]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if proc.returncode != 0:
