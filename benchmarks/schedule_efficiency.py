@@ -1,14 +1,16 @@
 """Schedule efficiency through the real distributed runtime, on the synthetic-cost model.
 
-Every stage's forward sleeps ``t_f`` and its backward ``t_b`` (``megatron/trainer/synthetic_task.py``:
-sleeps stand in for compute on purpose), so N ranks on a 2-core machine behave like N devices
+Every stage's forward sleeps ``t_f`` and its backward ``t_b`` (plus ``t_w`` for the weight gradient with
+``--wgrad-ms``; ``megatron/trainer/synthetic_task.py``: sleeps stand in for compute on purpose), so N ranks on a 2-core machine behave like N devices
 with known op costs. For each (schedule, N, m) this launches ``benchmarks/synthetic_stage_run.py``
 (one gloo process per stage, one torch thread each), reads its ``--log-json`` records and compares
 the measured steady-state time per iteration with
 
-* the bubble-free ideal ``m * (t_f + t_b)``, and
-* the analytic time of the schedule: ``(m + N - 1) * (t_f + t_b)`` for 1F1B and GPipe (flush every
+* the bubble-free ideal ``m * (t_f + t_b + t_w)``, and
+* the analytic time of the schedule: ``(m + N - 1) * (t_f + t_b + t_w)`` for 1F1B and GPipe (flush every
   iteration), the ideal itself for the asynchronous schedules (no flush: no bubble in steady state).
+  Zero Bubble schedules have no closed form here; ``benchmarks/zero_bubble_synthetic.py`` compares
+  them with the timing simulator instead, reusing this module's runner.
 
 Efficiency is ``ideal / time``; measured and analytic efficiency sit side by side in one table.
 ``overhead/slot`` spreads the measured excess over the schedule's time slots
@@ -54,6 +56,8 @@ OPTIONAL_SCHEDULES = ("paci", "async-1f1b")  # added by default when registered
 # Synchronous schedules whose iteration time is (m + N - 1)(t_f + t_b); for any other synchronous
 # schedule (interleaved, Zero Bubble, ...) the harness has no analytic value and prints nan.
 FLUSH_SCHEDULES = ("1f1b", "gpipe")
+# The trainer's log line with the order a profiled zb-1p / zb-2p run decided (megatron.pipeline.profiling).
+ZB_CHOICE_MARKER = "zero-bubble-schedule "
 # Environment variables that would make the launched script think it is a rank already.
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "MEGATRON_ASYNC_LAUNCHED")
@@ -97,6 +101,9 @@ class Result:
     repeat_measured_ms: list[float] = field(default_factory=list)  # every repeat's median, in run order
     note: str = ""
     error: str | None = None
+    wgrad_ms: float = 0.0  # t_w: weight-gradient sleep (op W of a B/W split, inside a fused BW)
+    # zb-1p / zb-2p: what the run logged after profiling (costs, memory limit), i.e. the order it ran
+    zb_choice: dict[str, Any] | None = None
 
     @property
     def slots(self) -> int:
@@ -144,12 +151,12 @@ def plan_cases(args: argparse.Namespace) -> tuple[list[Case], list[Result]]:
 
 
 def run_case(case: Case, args: argparse.Namespace, workdir: Path) -> Result:
-    t_f, t_b = args.forward_ms, args.backward_ms
+    t_f, t_b, t_w = args.forward_ms, args.backward_ms, getattr(args, "wgrad_ms", 0.0)
     res = Result(case.schedule, case.stages, case.microbatches, is_asynchronous(case.schedule), t_f, t_b,
-                 case.iterations, case.log_interval, note=case.note)
-    res.ideal_ms = case.microbatches * (t_f + t_b)
+                 case.iterations, case.log_interval, note=case.note, wgrad_ms=t_w)
+    res.ideal_ms = case.microbatches * (t_f + t_b + t_w)
     known = res.asynchronous or case.stages == 1 or case.schedule in FLUSH_SCHEDULES
-    res.analytic_ms = res.slots * (t_f + t_b) if known else float("nan")
+    res.analytic_ms = res.slots * (t_f + t_b + t_w) if known else float("nan")
     res.analytic_efficiency = res.ideal_ms / res.analytic_ms
     log = workdir / f"{case.schedule}-N{case.stages}-m{case.microbatches}.jsonl"
     log.unlink(missing_ok=True)
@@ -161,10 +168,12 @@ def run_case(case: Case, args: argparse.Namespace, workdir: Path) -> Result:
         "--seq-length", str(args.seq_length), "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", "1",
         "--train-iters", str(case.iterations), "--log-interval", str(case.log_interval),
-        "--synthetic-forward-ms", str(t_f), "--synthetic-backward-ms", str(t_b),
+        "--synthetic-forward-ms", str(t_f), "--synthetic-backward-ms", str(t_b), "--synthetic-wgrad-ms", str(t_w),
         "--device", "cpu", "--distributed-backend", "gloo", "--num-threads", "1",
         "--lr-warmup-iters", "0", "--log-json", str(log),
     ]
+    if getattr(args, "nice", 0):
+        cmd = ["nice", "-n", str(args.nice), *cmd]  # the ranks inherit it
     env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
     env.setdefault("PYTHONWARNINGS", "ignore")
     res.waited_for_load_s = wait_for_quiet(args.max_load, args.max_wait)
@@ -186,6 +195,8 @@ def run_case(case: Case, args: argparse.Namespace, workdir: Path) -> Result:
         return res
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     records.sort(key=lambda r: r["iteration"])
+    res.zb_choice = next((json.loads(line.split(ZB_CHOICE_MARKER, 1)[1])
+                          for line in proc.stdout.splitlines() if ZB_CHOICE_MARKER in line), None)
     return measure(res, records, args.warmup_intervals)
 
 
@@ -323,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"default: {' '.join(DEFAULT_SCHEDULES)} plus {' '.join(OPTIONAL_SCHEDULES)} when registered")
     p.add_argument("--forward-ms", type=float, default=20.0, help="t_f: sleep of one stage forward")
     p.add_argument("--backward-ms", type=float, default=40.0, help="t_b: sleep of one stage backward")
+    p.add_argument("--wgrad-ms", type=float, default=0.0,
+                   help="t_w: sleep of one stage weight gradient (op W of a B/W split; a fused backward sleeps t_b + t_w)")
     p.add_argument("--iterations", type=int, default=12, help="optimizer steps per run (--train-iters)")
     p.add_argument("--log-interval", type=int, default=2)
     p.add_argument("--warmup-intervals", type=int, default=1, help="logged intervals skipped as warm-up")
@@ -342,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-load", type=float, default=None,
                    help="shared machine: before each run wait until the 1-minute load average is below this")
     p.add_argument("--max-wait", type=float, default=300.0, help="longest wait for --max-load (seconds)")
+    p.add_argument("--nice", type=int, default=0,
+                   help="run the ranks at this niceness (e.g. -10 as root on a shared host: the ranks mostly "
+                        "sleep, so they take little CPU from others, but their wake-ups no longer queue behind "
+                        "other work; 0: unchanged)")
     p.add_argument("--verbose", action="store_true", help="echo each run's training log to stderr")
     p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
                    help="run nothing: merge earlier --json outputs (same t_f, t_b) into one best-of table "
@@ -355,7 +372,8 @@ def combine(paths: list[str], schedules: list[str] | None = None) -> int:
     settings = set()
     for path in paths:
         payload = json.loads(Path(path).read_text())
-        settings.add((payload["forward_ms"], payload["backward_ms"], payload["iterations"], payload["log_interval"]))
+        settings.add((payload["forward_ms"], payload["backward_ms"], payload.get("wgrad_ms", 0.0),
+                      payload["iterations"], payload["log_interval"]))
         for d in payload["results"]:
             d = {k: v for k, v in d.items() if k in Result.__dataclass_fields__}
             repeats = d.pop("repeat_measured_ms", None) or []
@@ -367,7 +385,7 @@ def combine(paths: list[str], schedules: list[str] | None = None) -> int:
                 by_case.setdefault((r.schedule, r.stages, r.microbatches), []).append(
                     r if x == r.measured_ms else Result(**{**asdict(r), "measured_ms": x}))
     if len(settings) != 1:
-        print(f"error: the files differ in (t_f, t_b, iterations, log interval): {sorted(settings)}", file=sys.stderr)
+        print(f"error: the files differ in (t_f, t_b, t_w, iterations, log interval): {sorted(settings)}", file=sys.stderr)
         return 2
     results = []
     for runs in by_case.values():
@@ -376,8 +394,9 @@ def combine(paths: list[str], schedules: list[str] | None = None) -> int:
         results.append(best)
     order = {name: i for i, name in enumerate(DEFAULT_SCHEDULES + OPTIONAL_SCHEDULES)}
     results.sort(key=lambda r: (r.stages == 1, order.get(r.schedule, len(order)), r.schedule, r.stages, r.microbatches))
-    t_f, t_b, iters, interval = settings.pop()
-    print(f"# best of {len(paths)} sweep file(s): t_f={t_f:g} ms, t_b={t_b:g} ms, {iters} iterations, log interval {interval}")
+    t_f, t_b, t_w, iters, interval = settings.pop()
+    print(f"# best of {len(paths)} sweep file(s): t_f={t_f:g} ms, t_b={t_b:g} ms, t_w={t_w:g} ms, {iters} iterations, "
+          f"log interval {interval}")
     print()
     print(table(results))
     return 0
@@ -449,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# total wall time {total:.0f} s")
     if args.json:
         payload = {
-            "forward_ms": args.forward_ms, "backward_ms": args.backward_ms, "iterations": args.iterations,
+            "forward_ms": args.forward_ms, "backward_ms": args.backward_ms, "wgrad_ms": args.wgrad_ms,
+            "iterations": args.iterations,
             "log_interval": args.log_interval, "warmup_intervals": args.warmup_intervals, "repeats": args.repeats,
             "cpu_count": cores, "sleep_overshoot_ms": overshoot, "total_wall_s": total,
             "results": [asdict(r) | {"slots": r.slots} for r in results], "overhead_fits": fits,

@@ -19,7 +19,8 @@ processes on 2 cores behave like N devices with known per-op costs, and the meas
 time of a schedule, run through the real distributed runtime, can be compared with its
 analytic time. The difference is the schedule's and the runtime's overhead.
 
-Used by ``benchmarks/synthetic_stage_run.py`` and ``benchmarks/schedule_efficiency.py``.
+Used by ``benchmarks/synthetic_stage_run.py``, ``benchmarks/schedule_efficiency.py`` and
+``benchmarks/zero_bubble_synthetic.py``.
 """
 from __future__ import annotations
 

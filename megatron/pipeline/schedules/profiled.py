@@ -166,3 +166,18 @@ def format_choice(d: dict[str, Any], unit: str = "ms") -> str:
         f"(zb-h1: {h1['makespan']:.3f} {unit}, bubble rate {h1['bubble_rate']:.4f}; "
         f"1f1b: bubble rate {d['1f1b']['bubble_rate']:.4f})"
     )
+
+
+def schedule_from_choice(description: dict[str, Any], num_iterations: int = 1) -> ZeroBubbleAuto:
+    """The order a profiled run decided, rebuilt from what it logged (:func:`describe_choice`,
+    the ``zero-bubble-schedule {...}`` line): the same costs and memory limit give the same
+    greedy order, so benchmarks can simulate exactly the schedule that ran."""
+    from megatron.pipeline.schedules import SCHEDULES
+
+    target = SCHEDULES[description["schedule"]]
+    costs = tuple(OpCosts.from_dict(c) for c in description["costs"])
+    config = ScheduleConfig(description["num_stages"], description["num_microbatches"], num_iterations,
+                            options={"costs": costs, "memory_limit": description["memory_limit"]})
+    schedule = target(config)
+    assert isinstance(schedule, ZeroBubbleAuto), description["schedule"]
+    return schedule
