@@ -35,3 +35,16 @@ run_pretrain() {
     torchrun "${dist_args[@]}" "$REPO_DIR/$script" "$@" ${EXTRA_ARGS:-}
     { set +x; } 2>/dev/null
 }
+
+# Megatron's optimizer and schedule flags for the example scripts, into TRAINING_ARGS:
+# AdamW(0.9, 0.95), weight decay 0.1, clip 1.0, cosine decay to LR / 10 after 1% warm-up.
+# Reads MBS MICRO_BATCHES DP TRAIN_ITERS LR SEED and the PRECISION array.
+set_training_args() {
+    TRAINING_ARGS=(
+        --micro-batch-size "$MBS" --global-batch-size $((MBS * MICRO_BATCHES * DP))
+        --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$(python -c "print($LR / 10)")"
+        --lr-warmup-iters $((TRAIN_ITERS / 100 + 1)) --lr-decay-style cosine
+        --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --seed "${SEED:-1234}"
+        "${PRECISION[@]}"
+    )
+}

@@ -34,13 +34,7 @@ MODEL_ARGS=(
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --vocab-size "$VOCAB"
     --hidden-dropout "$DROPOUT" --attention-dropout "$DROPOUT"
 )
-TRAINING_ARGS=(
-    --micro-batch-size "$MBS" --global-batch-size $((MBS * MICRO_BATCHES * DP))
-    --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$(python -c "print($LR / 10)")"
-    --lr-warmup-iters $((TRAIN_ITERS / 100 + 1)) --lr-decay-style cosine
-    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --seed "${SEED:-1234}"
-    "${PRECISION[@]}"
-)
+set_training_args
 PARALLEL_ARGS=(
     --pipeline-model-parallel-size "$PP" --pipeline-schedule "$SCHEDULE"
 )

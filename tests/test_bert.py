@@ -307,7 +307,7 @@ def bert_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("bert_data")
     docs = root / "docs.jsonl"
     write_jsonl(pydoc_corpus("topic")[:16], docs)
-    assert train_tokenizer(["--input", str(docs), "--output-dir", str(root / "tok"), "--vocab-size", "300",
+    assert train_tokenizer(["--input", str(docs), "--output-dir", str(root / "tok"), "--vocab-size", "600",
                             "--wordpiece", "--wordpiece-vocab-size", "400"]) == 0
     vocab = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(root / "tok" / "vocab.txt")]
     assert preprocess(["--input", str(docs), "--output-prefix", str(root / "docs"), *vocab,
@@ -330,3 +330,61 @@ def test_bert_two_process_training_on_preprocessed_corpus(bert_corpus, tmp_path:
     # Starts near uniform masked LM + coin-flip sentence order, and learns.
     assert losses[0] == pytest.approx(math.log(padded_vocab) + math.log(2), abs=0.4)
     assert numpy.mean(losses[-3:]) < losses[0] - 0.3, losses
+
+
+def _corpus_argv(root: Path, tmp: Path, *tokenizer: str) -> list[str]:
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",
+            "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-2",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--num-threads", "1", "--log-interval", "1",
+            "--pipeline-executor", "emulator", "--pipeline-model-parallel-size", "2", "--split", "98,2,0",
+            "--data-path", str(root / "docs_text_sentence"), "--data-cache-path", str(root / "cache"),
+            "--log-json", str(tmp / "log.jsonl"), *tokenizer]
+
+
+def test_bert_trains_with_hugging_face_wordpiece_tokenizer(bert_corpus, tmp_path: Path, monkeypatch):
+    """tools/train_tokenizer.py --wordpiece also writes a tokenizer.json naming BERT's special
+    tokens; it encodes like vocab.txt and drives BERT's masked-LM dataset."""
+    from megatron.trainer.tokenizer import build_tokenizer
+
+    root, _ = bert_corpus
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(root / "tok" / "wordpiece"))
+    wp = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(root / "tok" / "vocab.txt"))
+    text = "The assignment statement binds names to objects."
+    assert hf.tokenize(text) == wp.tokenize(text)
+    assert (hf.cls, hf.sep, hf.mask, hf.pad) == (wp.cls, wp.sep, wp.mask, wp.pad)
+    emulate(_corpus_argv(root, tmp_path, "--tokenizer-type", "HuggingFaceTokenizer",
+                         "--tokenizer-model", str(root / "tok" / "wordpiece")), BertTask())
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(map(math.isfinite, losses))
+
+
+def test_bert_data_errors_are_one_line(bert_corpus, tmp_path: Path, capsys, monkeypatch):
+    """A tokenizer without BERT's special tokens, and unsplit documents (one sentence each)
+    with the sentence-order head, fail before any rank starts."""
+    from megatron.trainer.arguments import build_parser, parse_args
+    from tools.preprocess_data import main as preprocess
+
+    root, _ = bert_corpus
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+    def error(argv: list[str]) -> str:
+        parser = build_parser()
+        BertTask().add_arguments(parser)
+        with pytest.raises(SystemExit):
+            parse_args(argv, parser)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    bpe = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok")]
+    assert "BERT needs [CLS], [SEP], [MASK] and [PAD]" in error(_corpus_argv(root, tmp_path, *bpe))
+    vocab = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(root / "tok" / "vocab.txt")]
+    src = tmp_path / "one.jsonl"
+    src.write_text("".join(json.dumps({"text": f"Document {i} has one sentence only."}) + "\n" for i in range(40)))
+    assert preprocess(["--input", str(src), "--output-prefix", str(tmp_path / "one"), *vocab]) == 0
+    argv = _corpus_argv(root, tmp_path, *vocab)
+    argv[argv.index("--data-path") + 1] = str(tmp_path / "one_text_document")
+    assert "two or more sentences" in error(argv)

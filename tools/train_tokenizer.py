@@ -8,7 +8,9 @@ Writes ``tokenizer.json`` (+ ``tokenizer_config.json``), for ``--tokenizer-type
 HuggingFaceTokenizer --tokenizer-model tok/tokenizer.json``, and GPT-2-style ``vocab.json`` +
 ``merges.txt`` for ``--tokenizer-type GPT2BPETokenizer --vocab-file tok/vocab.json
 --merge-file tok/merges.txt``. ``--wordpiece`` also trains a BERT WordPiece ``vocab.txt``
-(``--tokenizer-type BertWordPieceLowerCase --vocab-file tok/vocab.txt``).
+(``--tokenizer-type BertWordPieceLowerCase --vocab-file tok/vocab.txt``) and the same as
+``tok/wordpiece/tokenizer.json`` (``--tokenizer-type HuggingFaceTokenizer --tokenizer-model
+tok/wordpiece``).
 
 Without ``--input`` the corpus is CPython's own documentation topics (``pydoc_data``), so this
 runs offline. Inputs ending in ``.jsonl``/``.json`` are read one JSON object per line (the
@@ -65,13 +67,17 @@ def train_bpe(texts: list[str], vocab_size: int, min_frequency: int, output_dir:
     return [path, config, *written]
 
 
-def train_wordpiece(texts: list[str], vocab_size: int, min_frequency: int, lower_case: bool, output_dir: str) -> str:
-    """Train BERT WordPiece; write vocab.txt (one token per line, id = line number)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+def train_wordpiece(texts: list[str], vocab_size: int, min_frequency: int, lower_case: bool,
+                    output_dir: str) -> list[str]:
+    """Train BERT WordPiece; write vocab.txt (one token per line, id = line number) and the same
+    tokenizer as wordpiece/tokenizer.json, whose tokenizer_config.json names BERT's special
+    tokens (so ``--tokenizer-type HuggingFaceTokenizer`` serves BERT too)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=lower_case, strip_accents=lower_case)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=BERT_SPECIALS,
         continuing_subword_prefix="##", show_progress=False,
@@ -82,7 +88,14 @@ def train_wordpiece(texts: list[str], vocab_size: int, min_frequency: int, lower
     with open(path, "w", encoding="utf-8") as f:
         for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
             f.write(token + "\n")
-    return path
+    hf_dir = os.path.join(output_dir, "wordpiece")
+    os.makedirs(hf_dir, exist_ok=True)
+    hf_path, config = os.path.join(hf_dir, "tokenizer.json"), os.path.join(hf_dir, "tokenizer_config.json")
+    tok.save(hf_path)
+    with open(config, "w", encoding="utf-8") as f:
+        json.dump({"cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]", "pad_token": "[PAD]",
+                   "unk_token": "[UNK]", "eos_token": "[SEP]"}, f, indent=2)  # BERT separates with [SEP]
+    return [path, hf_path, config]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     written = train_bpe(texts, args.vocab_size, args.min_frequency, args.output_dir)
     if args.wordpiece:
         size = args.wordpiece_vocab_size or args.vocab_size
-        written.append(train_wordpiece(texts, size, args.min_frequency, not args.wordpiece_case, args.output_dir))
+        written += train_wordpiece(texts, size, args.min_frequency, not args.wordpiece_case, args.output_dir)
     chars = sum(len(t) for t in texts)
     print(f"trained on {len(texts)} texts ({chars} characters); wrote {', '.join(written)}")
     return 0
