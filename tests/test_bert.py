@@ -110,6 +110,21 @@ def test_split_matches_unsplit(binary_head: bool):
                                        msg=lambda m: f"{counts} {name}: {m}")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_bert_stages(device: str):
+    """bf16 targets GPUs; the same stages must build and train on CPU too."""
+    args = BertModelArgs(**{**TINY.__dict__, "bf16": True})
+    ranges = split_layers(4, 2)
+    stages = [build_bert_stage(args, r, i == 0, i == 1, SEED, device) for i, r in enumerate(ranges)]
+    assert all(p.dtype == torch.bfloat16 and p.device.type == device for s in stages for p in s.parameters())
+    batch = {k: v.to(device) for k, v in mock_batch().items()}
+    hidden = stages[0](None, batch)
+    assert hidden.dtype == torch.bfloat16 and hidden.shape == (16, 4, 32)
+    _, loss, grads = run_pipeline(stages, batch)
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(math.log(64) + math.log(2), abs=0.3)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
 def test_padding_never_reaches_real_tokens_on_any_stage():
     """Three stages: padded positions (tokens and token types) may hold anything without
     changing a real position's loss or the sentence-order logits; dropping the mask does
