@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = 4
-VICTIM = 2  # stage (= rank: one data-parallel replica) whose process is killed
+STAGES = 3  # the victim has a live neighbour on each side
+VICTIM = 1  # stage (= rank: one data-parallel replica) whose process is killed
 STARTUP_TIMEOUT_S = 180
 EXIT_TIMEOUT_S = 120
 ERROR_LINE = re.compile(r"\[megatron-async\] error: stage (\d+) \(rank (\d+)\) at (F|BW|OPT)\S*")
@@ -163,6 +163,13 @@ def _children(pid: int) -> list[int]:
 
 
 def _rank_of(pid: int) -> int | None:
+    """The rank a launcher child runs: forked ranks name themselves, exec'd ones carry RANK."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    if comm.startswith("megatron-rank"):
+        return int(comm.removeprefix("megatron-rank"))
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:

@@ -4,6 +4,12 @@ Under ``torchrun`` (or Slurm + torchrun) this is not used. Without it, a laptop 
 one process per rank anyway, spawned only after the flags have been validated. If any rank
 dies, the others are given a grace period to fail on their own (they name the stage and
 op), then terminated, so the launch never hangs.
+
+On CPU the ranks are forked from the launching process, which has already imported torch
+and megatron-core: importing them costs ~10 s of CPU per process, so N exec'd ranks on a
+2-core laptop spend most of a short run importing. Forking is only used when it is safe:
+no CUDA context, no extra Python threads. Otherwise (GPU runs) each rank is a fresh
+``python`` process, as torchrun would start it.
 """
 from __future__ import annotations
 
@@ -12,8 +18,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 LAUNCHED_ENV = "MEGATRON_ASYNC_LAUNCHED"
 
@@ -29,18 +38,115 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(world_size: int, argv: Sequence[str], grace_seconds: float = 150.0) -> int:
-    """Run ``world_size`` copies of this script as ranks; return the launch's exit code."""
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The torchrun-style variables one local rank runs under."""
+    return dict(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        **{LAUNCHED_ENV: "1"},
+    )
+
+
+class RankProcess(Protocol):
+    """What the supervision loop needs of a rank (``subprocess.Popen`` has it)."""
+
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def send_signal(self, sig: int) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def kill(self) -> None: ...
+
+
+class ForkedRank:
+    """A rank forked from this process, running ``target()`` with its rank environment."""
+
+    def __init__(self, target: Callable[[], int], env: dict[str, str]):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # child: never return into the launcher's stack
+            code = 1
+            try:
+                os.environ.update(env)
+                name_this_process(f"megatron-rank{env['RANK']}")
+                code = int(target() or 0)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # noqa: BLE001 - report and exit, whatever it was
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0)
+            time.sleep(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def name_this_process(name: str) -> None:
+    """Show a forked rank as e.g. ``megatron-rank2`` in ps/top (Linux; best effort).
+
+    A forked child keeps its parent's command line and its initial environment block in
+    /proc, so without a name its ranks are indistinguishable from outside.
+    """
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
+def fork_is_safe() -> bool:
+    """Forking a rank is safe here: POSIX, no CUDA context, no other Python threads."""
+    if not hasattr(os, "fork") or threading.active_count() > 1:
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
+
+
+def launch_local(world_size: int, argv: Sequence[str], grace_seconds: float = 150.0,
+                 target: Callable[[], int] | None = None) -> int:
+    """Run ``world_size`` ranks on this machine; return the launch's exit code.
+
+    With ``target`` (and :func:`fork_is_safe`), ranks are forked and call ``target()``;
+    otherwise each rank runs ``python *argv``.
+    """
     port = free_port()
-    procs = []
+    procs: list[RankProcess] = []
+    fork = target is not None and fork_is_safe()
     for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            **{LAUNCHED_ENV: "1"},
-        )
-        procs.append(subprocess.Popen([sys.executable, *argv], env=env))
+        env = rank_environment(rank, world_size, port)
+        if fork:
+            procs.append(ForkedRank(target, env))  # type: ignore[arg-type]
+        else:
+            procs.append(subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}))
+    return supervise(procs, grace_seconds)
+
+
+def supervise(procs: Sequence[RankProcess], grace_seconds: float) -> int:
+    """Wait for every rank; once one fails, give the others ``grace_seconds`` to follow."""
     failed_at: float | None = None
     code = 0
     try:

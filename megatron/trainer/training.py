@@ -212,4 +212,21 @@ def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | No
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
         return run_distributed(task, args)
-    return launch_local(args.world_size, [script or sys.argv[0], *argv])
+    # CPU ranks are forked from here (imports already paid); GPU ranks start fresh processes.
+    target = (lambda: run_distributed(task, args)) if _runs_on_cpu(args) else None
+    return launch_local(args.world_size, [script or sys.argv[0], *argv], target=target)
+
+
+def _runs_on_cpu(args: argparse.Namespace) -> bool:
+    """Whether this run will use the CPU, asked without creating a CUDA context (fork-safe)."""
+    if args.device != "auto":
+        return args.device == "cpu"
+    previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # NVML query: does not initialise CUDA
+    try:
+        return not torch.cuda.is_available()
+    finally:
+        if previous is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
