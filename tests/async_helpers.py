@@ -63,8 +63,18 @@ def run_pretrain(argv: list[str], out_dir: Path, timeout: float = 240,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    records = [r for r in read_log(log) if "eval_split" not in r]  # training records
     params: dict[str, torch.Tensor] = {}
     for f in sorted(dump.glob("stage*.pt")):
         params.update(torch.load(f))
     return records, params
+
+
+def read_log(path: Path) -> list[dict]:
+    """All ``--log-json`` records (training and evaluation)."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def eval_records(out_dir: Path) -> list[dict]:
+    """The evaluation records of a :func:`run_pretrain` run in ``out_dir``."""
+    return [r for r in read_log(out_dir / "log.jsonl") if "eval_split" in r]

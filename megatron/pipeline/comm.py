@@ -52,7 +52,8 @@ def _state_message(kind: MsgKind, update: int, src: int, dst: int) -> Message:
 def op_recvs(op: Op, layout: PipelineLayout) -> list[Message]:
     """Messages ``op`` must receive before it can run.
 
-    A ``DRAIN`` receives exactly what the ``F`` of its micro-batch and chunk receives.
+    A ``DRAIN`` receives exactly what the ``F`` of its micro-batch and chunk receives, and an
+    ``EVAL`` receives and sends what an ``F`` does.
     """
     s, last = op.stage, layout.num_stages - 1
     if op.kind is OpKind.PSTEP:
@@ -60,7 +61,7 @@ def op_recvs(op: Op, layout: PipelineLayout) -> list[Message]:
     if op.kind is OpKind.VALIDATE:
         return [_state_message(MsgKind.GLOBAL_STATE, op.update, s + 1, s)] if s < last else []
     v = layout.virtual(op.stage, op.chunk)
-    if op.kind in (OpKind.F, OpKind.DRAIN) and v > 0:
+    if op.kind in (OpKind.F, OpKind.DRAIN, OpKind.EVAL) and v > 0:
         return [_message(MsgKind.ACT, op.microbatch, v - 1, v, layout)]
     if op.kind in BACKWARD_KINDS and v < layout.num_virtual_stages - 1:
         return [_message(MsgKind.GRAD, op.microbatch, v + 1, v, layout)]
@@ -75,7 +76,7 @@ def op_sends(op: Op, layout: PipelineLayout) -> list[Message]:
     if op.kind is OpKind.VALIDATE:
         return [_state_message(MsgKind.GLOBAL_STATE, op.update, s, s - 1)] if s > 0 else []
     v = layout.virtual(op.stage, op.chunk)
-    if op.kind is OpKind.F and v < layout.num_virtual_stages - 1:
+    if op.kind in (OpKind.F, OpKind.EVAL) and v < layout.num_virtual_stages - 1:
         return [_message(MsgKind.ACT, op.microbatch, v, v + 1, layout)]
     if op.kind in BACKWARD_KINDS and v > 0:
         return [_message(MsgKind.GRAD, op.microbatch, v, v - 1, layout)]

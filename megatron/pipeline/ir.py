@@ -23,6 +23,7 @@ class OpKind(str, enum.Enum):
     VALIDATE = "VALIDATE"  # full global state s+1 -> s -> s-1; keep / redo / skip the step
     DISCARD = "DISCARD"  # drop a forward run on invalid weights (its stash and loss)
     DRAIN = "DRAIN"  # receive and drop a stale activation the upstream stage will re-send
+    EVAL = "EVAL"  # forward-only evaluation of one micro-batch (no grad, no stash, no dropout)
 
 
 #: ops that post-validation adds to a synchronous stream
@@ -81,6 +82,10 @@ def BW(stage: int, mb: int, chunk: int = 0) -> Op:
 
 def OPT(stage: int, update: int, sync: bool) -> Op:
     return Op(OpKind.OPT, stage, update=update, sync=sync)
+
+
+def EVAL(stage: int, mb: int, chunk: int = 0) -> Op:
+    return Op(OpKind.EVAL, stage, mb, chunk)
 
 
 def PSTEP(stage: int, update: int) -> Op:

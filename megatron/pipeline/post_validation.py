@@ -162,7 +162,7 @@ def post_validated_stream(
     stage: int,
     layout: PipelineLayout,
     num_microbatches: int,
-    num_iterations: int,
+    iterations: range,
     outcomes: ValidationOutcomes,
     synchronous_iterations: int = 0,
 ) -> Iterator[Op]:
@@ -170,17 +170,20 @@ def post_validated_stream(
 
     ``iteration_ops(stage, microbatches)`` is the schedule's iteration body; it is called for
     other stages too (only on a replay) to know which activations they sent before validation.
-    The first ``synchronous_iterations`` iterations end with the synchronous ``OPT`` instead.
+    ``iterations`` are global indices (a segment of the run); those below
+    ``synchronous_iterations`` end with the synchronous ``OPT`` instead. The stream ends
+    with the VALIDATE of its last step, so nothing is left pending at its end.
     """
     m = num_microbatches
-    for it in range(num_iterations):
+    first_validated = max(iterations.start, synchronous_iterations)
+    for it in iterations:
         mbs = range(it * m, (it + 1) * m)
         ops = list(iteration_ops(stage, mbs))
         if it < synchronous_iterations:
             yield from ops
             yield OPT(stage, it, sync=True)
             continue
-        if it == synchronous_iterations:
+        if it == first_validated:
             yield from ops
         else:
             prefix = _prefix_forwards(ops)
@@ -198,8 +201,8 @@ def post_validated_stream(
                 yield from prefix
             yield from ops[len(prefix):]
         yield PSTEP(stage, it)
-    if num_iterations > synchronous_iterations:
-        yield VALIDATE(stage, num_iterations - 1)
+    if iterations and iterations[-1] >= synchronous_iterations:
+        yield VALIDATE(stage, iterations[-1])
 
 
 # ------------------------------------------------------------------------------ decisions

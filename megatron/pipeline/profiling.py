@@ -141,13 +141,14 @@ def log_choice(description: dict) -> None:
 
 def _note_short_run(schedule: "ProfiledSchedule", log: bool) -> None:
     total = schedule.config.num_iterations
-    if log and total is not None and schedule.profile_iters >= total:
+    if log and schedule.run_start == schedule.config.first_iteration and total is not None \
+            and schedule.profile_iters >= total:
         print(f"[megatron-async] {schedule.name}: the {schedule.profile_iters} profiling iterations cover the "
               f"whole run ({total} iterations): every iteration runs zb-h1", flush=True)
 
 
 def _due(schedule: "ProfiledSchedule", op: Op) -> bool:
-    return op.sync and op.update == schedule.profile_iters - 1 and not schedule.decided
+    return op.sync and op.update == schedule.profile_end - 1 and not schedule.decided
 
 
 # ------------------------------------------------------------------ emulator
@@ -173,9 +174,11 @@ def emulator_profiling(schedule: object, workers: list["StageWorker"]) -> Callab
 
     if not isinstance(schedule, ProfiledSchedule):
         return None
+    if schedule.decided:  # a later segment of the run: the order is known
+        return None
     _note_short_run(schedule, log=True)
     for w in workers:
-        w.profiler = OpProfiler(w.setup.device)
+        w.profiler = w.profiler or OpProfiler(w.setup.device)  # keeps timings of earlier segments
 
     def hook(ops: list[Op]) -> None:
         if not _due(schedule, ops[0]):
@@ -240,8 +243,10 @@ def distributed_profiling(
 
     if not isinstance(schedule, ProfiledSchedule):
         return None
+    if schedule.decided:  # a later segment of the run: the order is known
+        return None
     _note_short_run(schedule, log)
-    worker.profiler = OpProfiler(worker.setup.device)
+    worker.profiler = worker.profiler or OpProfiler(worker.setup.device)  # keeps earlier segments' timings
 
     def all_gather(values: list[float], dtype: torch.dtype) -> list[list[float]]:
         import torch.distributed as dist

@@ -40,6 +40,7 @@ class _StageChecker:
         self.backwarded: set[tuple[int, int]] = set()
         self.awaiting_w: set[tuple[int, int]] = set()
         self.weighted: set[tuple[int, int]] = set()
+        self.evaluated: set[tuple[int, int]] = set()
         self.updates = 0
         # post-validation
         self.pending: int | None = None  # update stepped (PSTEP) but not validated yet
@@ -62,7 +63,11 @@ class _StageChecker:
         if op.kind in (OpKind.B, OpKind.BW, OpKind.W, OpKind.OPT, OpKind.PSTEP):
             self.replaying = False
 
-        if op.kind is OpKind.F:
+        if op.kind is OpKind.EVAL:
+            if key in self.evaluated:
+                fail("evaluates a micro-batch twice")
+            self.evaluated.add(key)
+        elif op.kind is OpKind.F:
             if key in self.forwarded:
                 fail("runs a forward twice")
             self.forwarded.add(key)

@@ -140,7 +140,7 @@ class StageWorker:
             self._rng = torch.get_rng_state()
             torch.set_rng_state(outer)
 
-    def _batch(self, op: Op) -> Batch:
+    def _batch(self, op: Op, batch_fn: Callable[[int], Batch] | None = None) -> Batch:
         """The micro-batch entries chunk ``op.chunk`` reads.
 
         The first and last virtual stages get the whole micro-batch. A middle one gets only the
@@ -148,12 +148,13 @@ class StageWorker:
         applies: BERT's padding mask, GPT's ``--reset-attention-mask``), and no data is read
         for it at all when it lists none -- GPT's default.
         """
+        batch_fn = batch_fn or self.setup.batch_fn
         if self.layout.is_first(self.stage, op.chunk) or self.layout.is_last(self.stage, op.chunk):
-            return self.setup.batch_fn(op.microbatch)
+            return batch_fn(op.microbatch)
         keys = getattr(self.setup.chunks[op.chunk], "middle_batch_keys", ())
         if not keys:
             return {}
-        batch = self.setup.batch_fn(op.microbatch)
+        batch = batch_fn(op.microbatch)
         return {k: batch[k] for k in keys if k in batch}
 
     def recv_spec(self, msg: Message) -> tuple[tuple[int, ...], torch.dtype]:
@@ -162,10 +163,15 @@ class StageWorker:
             return state_spec(self.layout)
         return self.setup.activation_shape, self.setup.activation_dtype
 
+    def in_flight(self) -> int:
+        """Micro-batches whose forward ran but whose backward (or W) has not."""
+        return len(self._stash) + len(self._deferred)
+
     def rng_state(self) -> Any:
-        """This stage's dropout RNG state (post-validation rewinds it for a replay)."""
+        """This stage's dropout RNG state (post-validation rewinds it for a replay; checkpoints
+        save it). The same form in the emulator and the runtime, so either can resume the other."""
         if self._isolate_rng:
-            return self._rng.clone()
+            return {"cpu": self._rng.clone()}
         state: dict[str, Any] = {"cpu": torch.get_rng_state()}
         if self.setup.device.type == "cuda":
             state["cuda"] = torch.cuda.get_rng_state(self.setup.device)
@@ -179,7 +185,7 @@ class StageWorker:
 
     def set_rng_state(self, state: Any) -> None:
         if self._isolate_rng:
-            self._rng = state.clone()
+            self._rng = state["cpu"].clone()
             return
         torch.set_rng_state(state["cpu"])
         if "cuda" in state:
@@ -210,6 +216,39 @@ class StageWorker:
         if self.layout.is_last(self.stage, op.chunk):
             return None
         return out.detach()
+
+    # -- evaluation --------------------------------------------------------------------
+    def begin_evaluation(self, batch_fn: Callable[[int], Batch]) -> None:
+        """Enter evaluation: EVAL ops read ``batch_fn`` (a validation or test split) and run
+        the chunks in eval mode (no dropout, so no RNG is drawn and training resumes on
+        exactly the random stream it would have had without evaluation)."""
+        if self._stash or self._deferred:
+            raise RuntimeError(f"stage {self.stage}: evaluation needs a drained pipeline, "
+                               f"{len(self._stash) + len(self._deferred)} micro-batches are in flight")
+        self._eval_batch_fn = batch_fn
+        self._eval_loss_sum = 0.0
+        self._eval_tokens = 0
+        self._was_training = [chunk.training for chunk in self.setup.chunks]
+        for chunk in self.setup.chunks:
+            chunk.eval()
+
+    def eval_forward(self, op: Op, received: torch.Tensor | None) -> torch.Tensor | None:
+        """EVAL: a forward without autograd; the last stage adds up token-weighted losses."""
+        batch = self._batch(op, self._eval_batch_fn)
+        with torch.no_grad():
+            out = self.setup.chunks[op.chunk](received, batch)
+            if not self.layout.is_last(self.stage, op.chunk):
+                return out
+            loss, num_tokens = self.setup.loss_fn(out, batch)
+        self._eval_loss_sum += float(loss) * num_tokens
+        self._eval_tokens += num_tokens
+        return None
+
+    def end_evaluation(self) -> tuple[float, int]:
+        """Leave evaluation; return (sum of token-weighted losses, tokens), zeros off the last stage."""
+        for chunk, training in zip(self.setup.chunks, self._was_training):
+            chunk.train(training)
+        return self._eval_loss_sum, self._eval_tokens
 
     def discard_forward(self, op: Op) -> None:
         """DISCARD: forget a forward that ran on invalid weights (post-validation replays it)."""

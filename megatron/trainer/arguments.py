@@ -16,6 +16,7 @@ from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
 from megatron.trainer.zero_bubble_args import add_zero_bubble_args, validate_zero_bubble_args, zero_bubble_options
 from megatron.trainer.post_validation_args import (
     add_post_validation_args, post_validation_options, validate_post_validation_args)
+from megatron.trainer.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
 
 
 class ArgumentError(ValueError):
@@ -127,6 +128,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     _add_parallel_args(p)
     add_zero_bubble_args(p)
     add_post_validation_args(p)
+    add_run_control_args(p)
     _add_logging_args(p)
     return p
 
@@ -225,6 +227,10 @@ def validate_args(args: argparse.Namespace) -> None:
         args.nonfinite_injections.setdefault(stage, set()).add(update)
     validate_zero_bubble_args(args)  # --zb-* flags (zb-1p / zb-2p)
     validate_post_validation_args(args)  # --enable-optimizer-post-validation and friends
+    try:
+        validate_run_control_args(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
+    except RunControlError as exc:
+        raise ArgumentError(str(exc)) from None
     for check in getattr(args, "task_checks", ()):  # a task's own flags (parser.set_defaults)
         check(args)
     try:
@@ -249,7 +255,8 @@ def _validate_data(args: argparse.Namespace) -> None:
     args.padded_vocab_size = args.vocab_size
     if args.tokenizer_type is None:
         return
-    from megatron.trainer.data.gpt_dataset import DataError, check_data, check_token_ids, parse_data_path, parse_split
+    from megatron.trainer.data.gpt_dataset import (
+        DataError, check_data, check_token_ids, parse_data_path, parse_split, usable_splits)
     from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args, vocab_size_with_padding
 
     if args.tokenizer_type == "NullTokenizer" and getattr(args, "null_vocab_size", None) is None:
@@ -260,6 +267,10 @@ def _validate_data(args: argparse.Namespace) -> None:
             infos = check_data(parse_data_path(args.data_path)[0], parse_split(args.split), args.seq_length)
         tokenizer = tokenizer_from_args(args)
         check_token_ids(infos, tokenizer.vocab_size)
+        if infos and getattr(args, "eval_interval", None) and not usable_splits(infos, args.seq_length)[1]:
+            raise DataError(f"--eval-interval: --split {args.split} leaves no validation sample of "
+                            f"{args.seq_length} tokens in --data-path {infos[0].prefix}; give the validation "
+                            f"split a share or drop --eval-interval")
     except (DataError, TokenizerError) as exc:
         raise ArgumentError(str(exc)) from None
     if args.data_cache_path is not None:

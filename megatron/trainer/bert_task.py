@@ -23,7 +23,7 @@ from megatron.trainer.stage_tasks import (
     micro_batch_fn,
     transformer_kwargs,
 )
-from megatron.trainer.task import Batch
+from megatron.trainer.task import Batch, pick_split, split_seed
 from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args
 
 BERT_SPECIAL_TOKENS = ("cls", "sep", "mask", "pad")
@@ -83,16 +83,17 @@ class BertTask:
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return global_named_parameters(chunks)
 
-    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device) -> Callable[[int], Batch]:
+    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device,
+                 split: str = "train") -> Callable[[int], Batch]:
         """Mock masked-LM data without ``--data-path``; else megatron-core's BERT dataset
         (train split), built collectively on every rank like GPT's."""
         data: MockBertData | BertDataSource
         if getattr(args, "data_path", None) is None:
-            data = MockBertData(args.seq_length, args.vocab_size, args.seed,
+            data = MockBertData(args.seq_length, args.vocab_size, split_seed(args.seed, split),
                                 binary_head=args.bert_binary_head, mask_prob=args.mask_prob)
         else:
-            train, _, _ = build_bert_datasets(args)
-            data = BertDataSource(train, binary_head=args.bert_binary_head)
+            dataset = pick_split(build_bert_datasets(args), split, args)
+            data = BertDataSource(dataset, binary_head=args.bert_binary_head)
         return micro_batch_fn(data, args, dp_rank, device)
 
     def loss_fn(self, output: BertOutput, batch: Batch) -> tuple[torch.Tensor, int]:

@@ -16,7 +16,7 @@ from megatron.trainer.stage_tasks import (
     micro_batch_fn,
     transformer_kwargs,
 )
-from megatron.trainer.task import Batch
+from megatron.trainer.task import Batch, pick_split, split_seed
 
 
 def gpt_model_args(args: argparse.Namespace) -> GPTModelArgs:
@@ -47,7 +47,8 @@ class GPTTask:
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return global_named_parameters(chunks)
 
-    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device) -> Callable[[int], Batch]:
+    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device,
+                 split: str = "train") -> Callable[[int], Batch]:
         """Mock data without ``--data-path``; else megatron-core's GPTDataset (train split).
 
         Building the real dataset is collective under torch.distributed (rank 0 writes the
@@ -55,10 +56,10 @@ class GPTTask:
         """
         data: MockGPTData | GPTDataSource
         if getattr(args, "data_path", None) is None:
-            data = MockGPTData(args.seq_length, args.vocab_size, args.seed)
+            data = MockGPTData(args.seq_length, args.vocab_size, split_seed(args.seed, split))
         else:
-            train, _, _ = build_gpt_datasets(args)
-            data = GPTDataSource(train, keep_attention_mask=bool(getattr(args, "reset_attention_mask", False)))
+            dataset = pick_split(build_gpt_datasets(args), split, args)
+            data = GPTDataSource(dataset, keep_attention_mask=bool(getattr(args, "reset_attention_mask", False)))
         return micro_batch_fn(data, args, dp_rank, device)
 
     def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:

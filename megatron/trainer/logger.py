@@ -1,11 +1,12 @@
 """Training log lines and ``--log-json`` records, built from every stage's reports."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -48,15 +49,50 @@ class TrainingLogger:
     json_path: str | None = None
     stream: IO[str] = sys.stdout
     records: list[dict[str, Any]] = field(default_factory=list)
+    start_iteration: int = 0  # a resumed run continues the iteration count
+    tensorboard_dir: str | None = None
 
     def __post_init__(self) -> None:
         self._start = time.perf_counter()
         self._last_time = self._start
-        self._last_iteration = 0
+        self._last_iteration = self.start_iteration
         self._json: IO[str] | None = None
         if self.json_path:
             Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
             self._json = open(self.json_path, "a")
+        self._tensorboard = TensorBoardScalars(self.tensorboard_dir) if self.tensorboard_dir else None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Evaluation and checkpointing do not count as training time (tokens/s, ETA)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - began
+            self._start += spent
+            self._last_time += spent
+
+    def log_evaluation(self, iteration: int, split: str, loss_sum: float, tokens: int) -> dict[str, Any]:
+        """Megatron's evaluation line, a ``--log-json`` record and TensorBoard scalars."""
+        loss = loss_sum / tokens if tokens else math.nan
+        ppl = math.exp(min(loss, 20.0)) if math.isfinite(loss) else math.nan
+        name = {"valid": "validation", "test": "test"}.get(split, split)
+        where = "the end of training" if iteration == self.train_iters else f"iteration {iteration}"
+        line = f" {name} loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        bar = "-" * len(line)
+        print(f"{bar}\n{line}\n{bar}", file=self.stream, flush=True)
+        record = {"iteration": iteration, "eval_split": split, "eval_loss": loss, "eval_ppl": ppl, "eval_tokens": tokens}
+        self._write(record)
+        if self._tensorboard is not None:
+            self._tensorboard.add({f"{split}/lm-loss": loss, f"{split}/lm-loss-ppl": ppl}, iteration)
+        return record
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self._json is not None:
+            self._json.write(json.dumps(record) + "\n")
+            self._json.flush()
 
     def log_update(self, update: int, reports: list[StageReport]) -> None:
         now = time.perf_counter()
@@ -70,7 +106,7 @@ class TrainingLogger:
         stage0 = [r for r in reports if r.stage == 0]
         tokens_per_s = self.tokens_per_iteration * iters / interval if interval > 0 else 0.0
         elapsed = now - self._start
-        eta = elapsed / iteration * (self.train_iters - iteration)
+        eta = elapsed / max(1, iteration - self.start_iteration) * (self.train_iters - iteration)
         record: dict[str, Any] = {
             "iteration": iteration,
             "consumed_samples": iteration * self.samples_per_iteration,
@@ -90,11 +126,10 @@ class TrainingLogger:
                 reports, self.num_stages,
                 lambda rs: sum(r.drift_sum for r in rs) / max(1, sum(r.drift_count for r in rs))),
         }
-        self.records.append(record)
         self._print(record)
-        if self._json is not None:
-            self._json.write(json.dumps(record) + "\n")
-            self._json.flush()
+        self._write(record)
+        if self._tensorboard is not None:
+            self._tensorboard.add_training(record, iteration)
 
     def _print(self, r: dict[str, Any]) -> None:
         mem = r["peak_memory_mb"] if any(r["peak_memory_mb"]) else r["peak_activation_mb"]
@@ -120,6 +155,42 @@ class TrainingLogger:
         if self._json is not None:
             self._json.close()
             self._json = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+
+class TensorBoardScalars:
+    """``--tensorboard-dir``: the logged numbers as TensorBoard scalars (rank 0 only).
+
+    Per-stage series (drift, memory) get one tag per stage, so a plot shows all stages.
+    """
+
+    def __init__(self, directory: str):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.writer = SummaryWriter(log_dir=directory)
+
+    def add(self, scalars: dict[str, float], step: int) -> None:
+        for tag, value in scalars.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def add_training(self, r: dict[str, Any], step: int) -> None:
+        scalars = {"train/lm-loss": r["loss"], "train/learning-rate": r["lr"], "train/grad-norm": r["grad_norm"],
+                   "throughput/tokens-per-s": r["tokens_per_s"], "throughput/iteration-time-ms": r["iteration_time_ms"]}
+        for stage in range(len(r["drift_max"])):
+            scalars[f"drift/max-stage{stage}"] = r["drift_max"][stage]
+            scalars[f"drift/mean-stage{stage}"] = r["drift_mean"][stage]
+            scalars[f"memory/peak-activation-mb-stage{stage}"] = r["peak_activation_mb"][stage]
+            if r["peak_memory_mb"][stage]:
+                scalars[f"memory/peak-mb-stage{stage}"] = r["peak_memory_mb"][stage]
+            scalars[f"skipped-updates/stage{stage}"] = r["skipped_updates"][stage]
+        self.add(scalars, step)
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _hms(seconds: float) -> str:

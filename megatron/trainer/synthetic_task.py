@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megatron.pipeline.wgrad import accumulate_grad, active_deferral
-from megatron.trainer.task import Batch
+from megatron.trainer.task import Batch, split_seed
 
 
 class SleepCost(torch.autograd.Function):
@@ -198,9 +198,10 @@ class SyntheticCostTask:
             for name, p in chunk.named_parameters():
                 yield f"synthetic_stage{chunk.stage}.{name}", p  # virtual stage index: global names
 
-    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device) -> Callable[[int], Batch]:
+    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device,
+                 split: str = "train") -> Callable[[int], Batch]:
         shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
-        seed, dp = args.seed, args.data_parallel_size
+        seed, dp = split_seed(args.seed, split), args.data_parallel_size
 
         def get(microbatch: int) -> Batch:
             gen = torch.Generator().manual_seed(seed + microbatch * dp + dp_rank)

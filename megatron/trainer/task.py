@@ -24,8 +24,10 @@ class PretrainTask(Protocol):
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Parameters by name in the unsplit model (checkpoints, comparisons)."""
 
-    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device) -> Callable[[int], Batch]:
-        """Global micro-batch index -> this data-parallel replica's micro-batch."""
+    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device,
+                 split: str = "train") -> Callable[[int], Batch]:
+        """Global micro-batch index -> this data-parallel replica's micro-batch of ``split``
+        ("train", "valid" or "test")."""
 
     def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
         """Last stage's output -> (mean loss of the micro-batch, tokens counted)."""
@@ -38,3 +40,20 @@ def microbatch_sample_indices(microbatch: int, micro_batch_size: int, dp_rank: i
     """Megatron's pretraining sampler: consecutive samples, each micro-batch split over DP ranks."""
     base = (microbatch * dp_size + dp_rank) * micro_batch_size
     return list(range(base, base + micro_batch_size))
+
+
+SPLITS = ("train", "valid", "test")
+
+
+def split_seed(seed: int, split: str) -> int:
+    """Seed of a split's synthetic data: the training data keeps ``seed``; validation and
+    test data are other streams, so evaluation never scores samples the model trained on."""
+    return seed + 1_000_003 * SPLITS.index(split)
+
+
+def pick_split(datasets: tuple[object | None, object | None, object | None], split: str, args: argparse.Namespace) -> object:
+    """The dataset of ``split`` from megatron-core's (train, valid, test); one-line error if empty."""
+    dataset = datasets[SPLITS.index(split)]
+    if dataset is None:
+        raise ValueError(f"--split {args.split} leaves no {split} data in --data-path {' '.join(args.data_path)}")
+    return dataset

@@ -7,6 +7,7 @@ launcher), or spawns one process per rank on this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -17,18 +18,21 @@ import torch
 import torch.distributed as dist
 
 from megatron.pipeline.executors.common import ReportCadence
-from megatron.pipeline.executors.distributed import DistributedExecutor, PipelineRuntimeError, SideChannelReports
-from megatron.pipeline.executors.emulator import Emulator
+from megatron.pipeline.executors.distributed import PipelineRuntimeError, SideChannelReports
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.parallel import RankLayout, StageGroups
-from megatron.pipeline.profiling import distributed_profiling, emulator_profiling, log_fixed_choice
+from megatron.pipeline.profiling import log_fixed_choice
 from megatron.pipeline.schedules import build_schedule
+from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.worker import StageSetup, StageWorker
 from megatron.trainer.arguments import build_parser, parse_args, schedule_config
+from megatron.trainer.checkpointing import CheckpointError, ResumePoint, check_resume, load_stage_state
 from megatron.trainer.launcher import free_port, is_worker_process, launch_local
 from megatron.trainer.logger import ReportCollector, TrainingLogger
+from megatron.trainer.loop import Segment, plan_segments, run_segments
 from megatron.trainer.lr_schedule import LRSchedule
 from megatron.trainer.optimizer import StageAdamW
+from megatron.trainer.runners import DistributedRunner, EmulatorRunner
 from megatron.trainer.task import PretrainTask
 
 
@@ -82,7 +86,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
     return StageWorker(setup, isolate_rng=isolate_rng)
 
 
-def make_logger(args: argparse.Namespace) -> TrainingLogger:
+def make_logger(args: argparse.Namespace, start_iteration: int = 0) -> TrainingLogger:
     return TrainingLogger(
         num_stages=args.pipeline_model_parallel_size,
         train_iters=args.train_iters,
@@ -90,7 +94,20 @@ def make_logger(args: argparse.Namespace) -> TrainingLogger:
         tokens_per_iteration=args.global_batch_size * args.seq_length,
         log_drift=args.log_weight_version_drift,
         json_path=args.log_json,
+        start_iteration=start_iteration,
+        tensorboard_dir=args.tensorboard_dir,
     )
+
+
+def run_schedule(args: argparse.Namespace, start: int) -> Schedule:
+    """The run's schedule from iteration ``start`` (0, or a checkpoint's iteration) to the end."""
+    config = dataclasses.replace(schedule_config(args), first_iteration=start, num_iterations=args.train_iters - start)
+    return build_schedule(args.pipeline_schedule, config)
+
+
+def run_plan(args: argparse.Namespace, start: int) -> list[Segment]:
+    return plan_segments(start, args.train_iters, args.eval_interval, args.save_interval, args.exit_interval,
+                         saving=args.save is not None)
 
 
 def dump_parameters(task: PretrainTask, worker: StageWorker, directory: str) -> None:
@@ -118,6 +135,7 @@ def _init_megatron_parallel_state() -> None:
 def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     """Train all stages in this process; return the stage workers (weights, statistics)."""
     set_threads(args, 1)
+    resume = check_resume_or_exit(task, args)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
@@ -126,14 +144,13 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     device = resolve_device(args, 0)
     pp = args.pipeline_model_parallel_size
     workers = [build_worker(task, args, s, 0, device, isolate_rng=True) for s in range(pp)]
-    logger = make_logger(args)
+    start = _resume(task, workers, 0, resume)
+    logger = make_logger(args, start)
     collector = ReportCollector(pp, logger.log_update)
-    schedule = build_schedule(args.pipeline_schedule, schedule_config(args))
+    schedule = run_schedule(args, start)
     cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
-    sync_hook = emulator_profiling(schedule, workers)  # zb-1p / zb-2p with --zb-profile-iters
     log_fixed_choice(schedule)
-    Emulator(workers, schedule.layout, cadence, collector, sync_hook=sync_hook,
-             outcomes=getattr(schedule, "validation_outcomes", None)).run(schedule.streams())
+    run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger)
     logger.close()
     if args.log_weight_version_drift:
         _print_drift_histograms(workers)
@@ -161,18 +178,19 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         _init_megatron_parallel_state()
     stage, dp_rank, _ = layout.coords(rank)
     try:
+        resume = check_resume_or_exit(task, args)
         worker = build_worker(task, args, stage, dp_rank, device, isolate_rng=False)
-        logger = make_logger(args) if rank == 0 else None
+        start = _resume(task, [worker], dp_rank, resume)
+        logger = make_logger(args, start) if rank == 0 else None
         collector = ReportCollector(layout.world_size, logger.log_update) if logger else None
         reports = SideChannelReports(groups, collector, p2p_timeout)
-        schedule = build_schedule(args.pipeline_schedule, schedule_config(args))
+        schedule = run_schedule(args, start)
         cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
-        sync_hook = distributed_profiling(schedule, worker, groups, p2p_timeout, log=rank == 0)
         if rank == 0:
             log_fixed_choice(schedule)
-        DistributedExecutor(worker, groups, cadence, reports, p2p_timeout, sync_hook=sync_hook,
-                            outcomes=getattr(schedule, "validation_outcomes", None)).run(
-            schedule.stage_ops(stage))
+        runner = DistributedRunner(task, args, worker, groups, cadence, reports, p2p_timeout)
+        run_segments(schedule, run_plan(args, start), runner, logger,
+                     say=lambda line: print(line, flush=True) if rank == 0 else None)
         reports.flush()
         if logger:
             logger.close()
@@ -190,6 +208,26 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     return 0
 
 
+def check_resume_or_exit(task: PretrainTask, args: argparse.Namespace) -> ResumePoint | None:
+    """``--load``'s checkpoint, validated (one line and exit 2 if it does not fit this run)."""
+    try:
+        return check_resume(task, args)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _resume(task: PretrainTask, workers: list[StageWorker], dp_rank: int, point: ResumePoint | None) -> int:
+    """Load ``point`` into ``workers``; return the iteration training starts at."""
+    if point is None:
+        return 0
+    for w in workers:
+        load_stage_state(task, w, point, dp_rank)
+    if dp_rank == 0 and workers[0].stage == 0:
+        print(f"[megatron-async] resumed from {point.directory} at iteration {point.iteration}", flush=True)
+    return point.iteration
+
+
 def _fail(message: str) -> None:
     """Exit this rank now: a clean shutdown could wait forever on a dead peer."""
     print(message, file=sys.stderr, flush=True)
@@ -203,6 +241,8 @@ def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | No
     parser = build_parser(f"Megatron-Async {task.name} pretraining")
     task.add_arguments(parser)
     args = parse_args(argv, parser)
+    if not is_worker_process():  # a bad checkpoint fails here, before any rank starts
+        check_resume_or_exit(task, args)
     if args.pipeline_executor == "emulator":
         emulate(task, args)
         return 0

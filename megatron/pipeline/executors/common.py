@@ -31,7 +31,7 @@ class ReportCadence:
 def run_compute_op(
     worker: StageWorker, op: Op, inputs: dict[Message, torch.Tensor]
 ) -> dict[Message, torch.Tensor]:
-    """Run F, B, W or BW on ``worker`` with received tensors; return the tensors to send.
+    """Run F, B, W, BW or EVAL on ``worker`` with received tensors; return the tensors to send.
 
     B sends the input gradient exactly like BW; W receives and sends nothing.
     """
@@ -52,6 +52,8 @@ def run_compute_op(
         out = worker.backward(op, received_tensor)
     elif op.kind is OpKind.B:
         out = worker.backward_input(op, received_tensor)
+    elif op.kind is OpKind.EVAL:
+        out = worker.eval_forward(op, received_tensor)
     elif op.kind is OpKind.W:
         worker.weight_grad(op)
         out = None

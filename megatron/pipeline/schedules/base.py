@@ -7,6 +7,8 @@ schedules are unbounded streams with stage-local steps, drained only where asked
 from __future__ import annotations
 
 import abc
+import copy
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -30,6 +32,9 @@ class ScheduleConfig:
     ``num_iterations=None`` asks an asynchronous schedule for an unbounded stream.
     ``drain_every`` (asynchronous only) drains the pipeline after every that many updates,
     e.g. before evaluation or a checkpoint.
+    ``first_iteration`` is where the stream starts: micro-batch and update indices are the
+    run's global ones, so a run resumed from a checkpoint at iteration k, or the segment
+    between two evaluations, continues the numbering (and with it the data order).
     """
 
     num_stages: int
@@ -38,6 +43,13 @@ class ScheduleConfig:
     num_chunks: int = 1
     drain_every: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    first_iteration: int = 0
+
+    @property
+    def iterations(self) -> range:
+        """The (global) iterations this config covers; needs a finite ``num_iterations``."""
+        assert self.num_iterations is not None, "an unbounded stream has no iteration range"
+        return range(self.first_iteration, self.first_iteration + self.num_iterations)
 
     @property
     def layout(self) -> PipelineLayout:
@@ -53,6 +65,26 @@ class Schedule(abc.ABC):
     def __init__(self, config: ScheduleConfig):
         self.check_config(config)
         self.config = config
+        # Where the whole run starts (0, or the iteration a checkpoint was taken at); kept by
+        # :meth:`segment`, so state decided once per run (profiled costs) is not redone.
+        self.run_start = config.first_iteration
+
+    def segment(self, first_iteration: int, num_iterations: int) -> Schedule:
+        """This schedule over iterations ``[first_iteration, first_iteration + num_iterations)``.
+
+        The trainer runs training in segments that end where it evaluates, saves a
+        checkpoint or exits; every segment's streams end drained (asynchronous schedules
+        fill and drain once per segment). The copy shares what the schedule decided for the
+        run (profiled costs, greedy plans) but not per-stream bookkeeping.
+        """
+        if first_iteration < self.run_start or num_iterations < 1:
+            raise ScheduleConfigError(
+                f"{self.name}: segment [{first_iteration}, {first_iteration + num_iterations}) outside the run")
+        clone = copy.copy(self)
+        clone.config = dataclasses.replace(self.config, first_iteration=first_iteration,
+                                           num_iterations=num_iterations)
+        clone.__dict__.pop("_validation_outcomes", None)
+        return clone
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:
@@ -104,10 +136,11 @@ class SynchronousSchedule(Schedule):
         """Leading iterations that keep the synchronous step under post-validation.
 
         A profiled Zero Bubble schedule (``options["profile_iters"] = K``) gathers its costs
-        at the synchronous step ending iteration K - 1 and can only generate later
-        iterations after it, so its first K iterations stay synchronous.
+        at the synchronous step ending the run's K-th iteration and can only generate later
+        iterations after it, so the run's first K iterations stay synchronous. Counted as a
+        global iteration index (the run may start at a checkpoint).
         """
-        return int(self.config.options.get("profile_iters") or 0)
+        return self.run_start + int(self.config.options.get("profile_iters") or 0)
 
     @property
     def validation_outcomes(self) -> ValidationOutcomes:
@@ -126,14 +159,13 @@ class SynchronousSchedule(Schedule):
         assert self.config.num_iterations is not None
         if self.post_validated:
             return post_validated_stream(
-                self.iteration_ops, stage, self.layout, m, self.config.num_iterations, self.validation_outcomes,
+                self.iteration_ops, stage, self.layout, m, self.config.iterations, self.validation_outcomes,
                 synchronous_iterations=self.synchronous_iterations)
         return self._synchronous_ops(stage)
 
     def _synchronous_ops(self, stage: int) -> Iterator[Op]:
         m = self.config.num_microbatches
-        assert self.config.num_iterations is not None
-        for it in range(self.config.num_iterations):
+        for it in self.config.iterations:
             yield from self.iteration_ops(stage, range(it * m, (it + 1) * m))
             yield OPT(stage, it, sync=True)
 
@@ -198,11 +230,13 @@ class AsynchronousSchedule(Schedule):
     deferred_weight_grads: ClassVar[bool] = False
 
     def _segments(self) -> Iterator[tuple[int, int | None]]:
-        total, every = self.config.num_iterations, self.config.drain_every
-        if total is None and every is None:
-            yield 0, None
+        first, every = self.config.first_iteration, self.config.drain_every
+        count = self.config.num_iterations
+        if count is None and every is None:
+            yield first, None
             return
-        start = 0
+        total = None if count is None else first + count
+        start = first
         while total is None or start < total:
             length = every if every is not None else total - start  # type: ignore[operator]
             if total is not None:

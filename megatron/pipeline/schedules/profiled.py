@@ -93,6 +93,12 @@ class ProfiledSchedule(SynchronousSchedule):
         self.costs = per_stage
 
     @property
+    def profile_end(self) -> int:
+        """First global iteration after profiling: the run's first K iterations profile
+        (the run may start at a checkpoint; costs are measured again then)."""
+        return self.run_start + self.profile_iters
+
+    @property
     def decided(self) -> bool:
         return self.target is not None
 
@@ -111,12 +117,12 @@ class ProfiledSchedule(SynchronousSchedule):
     # -- stream --------------------------------------------------------------------------
     def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
         iteration = microbatches.start // self.config.num_microbatches
-        if iteration < self.profile_iters:
+        if iteration < self.profile_end:
             return self.warmup.iteration_ops(stage, microbatches)
         if self.target is None:
             raise CostsNotProfiled(
                 f"{self.name}: stage {stage} reached iteration {iteration} but no profiled costs were "
-                f"set at the synchronous step ending iteration {self.profile_iters - 1}")
+                f"set at the synchronous step ending iteration {self.profile_end - 1}")
         return self.target.iteration_ops(stage, microbatches)
 
 
