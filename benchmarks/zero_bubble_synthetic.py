@@ -54,8 +54,8 @@ from megatron.trainer.zero_bubble_args import ZB_AUTO_SCHEDULES  # noqa: E402
 from schedule_efficiency import Case, Result, best_of, build_parser, run_case, sleep_overshoot_ms  # noqa: E402
 
 ZB_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p")
-# T_F = T_B = T_W, and the Zero Bubble paper's profiled 1.5B-model costs (ms, Table 9 / App. G:
-# T_F 18.522, T_B 18.086, T_W 9.337), i.e. the usual 2 : 2 : 1.
+# T_F = T_B = T_W, and the Zero Bubble paper's profiled 1.5B-model costs (ms, the Table 6 row used in
+# tests/test_zero_bubble_schedules.py: T_F 18.522, T_B 18.086, T_W 9.337), i.e. about 2 : 2 : 1.
 DEFAULT_COSTS = ("20,20,20", "18.5,18.1,9.3")
 
 
@@ -151,7 +151,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.combine or args.quick:
+        p.error("--combine and --quick belong to schedule_efficiency.py's sweep, not to this benchmark")
     workdir_ctx = tempfile.TemporaryDirectory(prefix="zb-synthetic-") if args.workdir is None else None
     workdir = Path(args.workdir or workdir_ctx.name)  # type: ignore[union-attr]
     workdir.mkdir(parents=True, exist_ok=True)
