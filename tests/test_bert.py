@@ -26,7 +26,7 @@ from megatron.trainer.models.bert import (
 )
 from megatron.trainer.models.stage import split_layers
 
-from async_helpers import emulate, final_params, run_pretrain
+from async_helpers import emulate, eval_records, final_params, run_pretrain
 
 SEED = 1234
 TINY = BertModelArgs(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -336,10 +336,15 @@ def test_bert_two_process_training_on_preprocessed_corpus(bert_corpus, tmp_path:
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",
             "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "12", "--lr", "1e-2",
             "--lr-warmup-iters", "2", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-threads", "1",
-            "--log-interval", "1", "--pipeline-model-parallel-size", "2", "--split", "98,2,0", *data]
+            "--log-interval", "1", "--pipeline-model-parallel-size", "2", "--split", "80,20,0", *data,
+            "--eval-interval", "12", "--eval-iters", "1"]
     records, params = run_pretrain(argv, tmp_path, script="pretrain_bert.py")
     losses = [r["loss"] for r in records]
     assert len(losses) == 12 and all(map(math.isfinite, losses))
+    # Masked-LM validation through the pipeline on the held-out split (there is no test split).
+    evals = eval_records(tmp_path)
+    assert [(r["iteration"], r["eval_split"]) for r in evals] == [(12, "valid")]
+    assert math.isfinite(evals[0]["eval_loss"]) and evals[0]["eval_tokens"] > 0
     padded_vocab = params["embedding.word_embeddings.weight"].shape[0]
     assert padded_vocab == 512  # 400 WordPiece tokens + [BOS]/[EOS], padded to 128
     # Starts near uniform masked LM + coin-flip sentence order, and learns.
@@ -403,3 +408,21 @@ def test_bert_data_errors_are_one_line(bert_corpus, tmp_path: Path, capsys, monk
     argv = _corpus_argv(root, tmp_path, *vocab)
     argv[argv.index("--data-path") + 1] = str(tmp_path / "one_text_document")
     assert "two or more sentences" in error(argv)
+
+
+def test_evaluation_without_validation_documents_is_refused_up_front(bert_corpus, capsys, monkeypatch):
+    """BERT samples need multi-sentence documents; a 2% validation share of 16 documents has
+    none, so --eval-interval must fail before any rank starts (not skip evaluation silently)."""
+    from megatron.trainer.arguments import build_parser, parse_args
+
+    root, data = bert_corpus
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    parser = build_parser()
+    BertTask().add_arguments(parser)
+    base = ["--seq-length", "64", "--split", "98,2,0", *data]
+    parse_args(base, parser)  # fine without evaluation
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--eval-interval", "5"], parser)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no document of the validation split" in err[0]

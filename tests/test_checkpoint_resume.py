@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_helpers import REPO, emulate, final_params, run_pretrain, tiny_args
+from async_helpers import REPO, emulate, eval_records, final_params, run_pretrain, tiny_args
 
 from megatron.pipeline.schedules import SCHEDULES
 from megatron.trainer import checkpointing as ckpt
@@ -113,6 +113,12 @@ def test_distributed_resume_equals_straight_run_and_the_emulator(tmp_path: Path)
     emulated = _emulate_in_subprocess([*base, "--load", str(tmp_path / "b")], tmp_path / "emu")
     for name in straight_params:
         assert torch.equal(straight_params[name], emulated[name]), name
+    # Evaluation (at 10 and at the end) agrees too, runtime and emulator alike.
+    ends = {(r["iteration"], r["eval_split"]): r["eval_loss"] for r in eval_records(tmp_path / "straight")}
+    assert sorted(ends) == [(10, "valid"), (20, "test"), (20, "valid")]
+    for run in ("second", "emu"):
+        resumed_evals = {(r["iteration"], r["eval_split"]): r["eval_loss"] for r in eval_records(tmp_path / run)}
+        assert resumed_evals == {k: v for k, v in ends.items() if k[0] == 20}, run
 
 
 def _emulate_in_subprocess(argv: list[str], out: Path) -> dict[str, torch.Tensor]:

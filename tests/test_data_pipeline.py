@@ -20,7 +20,7 @@ from megatron.trainer.arguments import parse_args
 from megatron.trainer.data.corpus import pydoc_corpus, write_jsonl
 from megatron.trainer.tokenizer import TokenizerError, build_tokenizer
 
-from async_helpers import REPO, run_pretrain
+from async_helpers import REPO, eval_records, run_pretrain
 
 TOKENIZER_VOCAB = 600  # padded to 640 by --make-vocab-size-divisible-by 128
 
@@ -146,10 +146,17 @@ def _train_flags(corpus: argparse.Namespace, *data: str) -> list[str]:
 @pytest.mark.slow
 def test_two_stage_pretraining_on_preprocessed_data_lowers_the_loss(corpus, tmp_path: Path) -> None:
     argv = [*_train_flags(corpus, corpus.topics_prefix), "--pipeline-model-parallel-size", "2",
-            "--train-iters", "20", "--log-interval", "1"]
+            "--train-iters", "20", "--log-interval", "1", "--eval-interval", "10", "--eval-iters", "1",
+            "--split", "90,10,0"]
     records, params = run_pretrain(argv, tmp_path)
     losses = [r["loss"] for r in records]
     assert len(losses) == 20 and all(numpy.isfinite(losses))
+    # Validation through the pipeline, on held-out text: at iterations 10 and 20, and it improves.
+    # (The 90,10,0 split leaves no test data: that evaluation is skipped.)
+    evals = eval_records(tmp_path)
+    assert [(r["iteration"], r["eval_split"]) for r in evals] == [(10, "valid"), (20, "valid")]
+    assert evals[1]["eval_loss"] < numpy.log(640) - 0.5
+    assert evals[1]["eval_ppl"] == pytest.approx(numpy.exp(evals[1]["eval_loss"]))
     assert losses[0] == pytest.approx(numpy.log(640), abs=0.3)  # uniform over the padded vocabulary
     assert numpy.mean(losses[-3:]) < losses[0] - 0.5, losses
     embedding = next(v for k, v in params.items() if "word_embeddings" in k)

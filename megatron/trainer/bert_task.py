@@ -57,9 +57,13 @@ def check_bert_args(args: argparse.Namespace) -> None:
         # megatron-core's BERT dataset writes the pad id into its 0/1 padding mask.
         raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}: the [PAD] id must not be 1")
     try:
-        check_bert_data(args)
+        usable = check_bert_data(args)
     except DataError as exc:
         raise ArgumentError(str(exc)) from None
+    if getattr(args, "eval_interval", None) and not usable[1]:
+        what = "two or more sentences" if args.bert_binary_head else "a sentence"
+        raise ArgumentError(f"--eval-interval: no document of the validation split of --split {args.split} has "
+                            f"{what}; give the validation split a larger share or drop --eval-interval")
 
 
 class BertTask:
