@@ -8,12 +8,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from megatron.pipeline.ir import BACKWARD_KINDS, Op, OpKind, PipelineLayout
+from megatron.pipeline.ir import BACKWARD_KINDS, Hop, Op, OpKind, PipelineLayout
 
 
 class MsgKind(str, enum.Enum):
-    ACT = "act"  # forward activation, virtual stage v -> v + 1
-    GRAD = "grad"  # gradient of that activation, v + 1 -> v
+    ACT = "act"  # forward activation, along the chain: layout.next_hop
+    GRAD = "grad"  # gradient of that activation, back along it: layout.prev_hop
     # Optimizer post-validation, between physical stages (chunk 0); ``microbatch`` holds
     # the update index. Both carry the per-stage squared gradient norms (float64, one per
     # stage; stages the partial state has not reached yet are 0).
@@ -39,10 +39,8 @@ class Message:
         )
 
 
-def _message(kind: MsgKind, mb: int, src_v: int, dst_v: int, layout: PipelineLayout) -> Message:
-    src_stage, src_chunk = layout.physical(src_v)
-    dst_stage, dst_chunk = layout.physical(dst_v)
-    return Message(kind, mb, src_stage, dst_stage, src_chunk, dst_chunk)
+def _message(kind: MsgKind, mb: int, src: Hop, dst: Hop) -> Message:
+    return Message(kind, mb, src[0], dst[0], src[1], dst[1])
 
 
 def _state_message(kind: MsgKind, update: int, src: int, dst: int) -> Message:
@@ -60,11 +58,11 @@ def op_recvs(op: Op, layout: PipelineLayout) -> list[Message]:
         return [_state_message(MsgKind.PARTIAL_STATE, op.update, s - 1, s)] if s > 0 else []
     if op.kind is OpKind.VALIDATE:
         return [_state_message(MsgKind.GLOBAL_STATE, op.update, s + 1, s)] if s < last else []
-    v = layout.virtual(op.stage, op.chunk)
-    if op.kind in (OpKind.F, OpKind.DRAIN, OpKind.EVAL) and v > 0:
-        return [_message(MsgKind.ACT, op.microbatch, v - 1, v, layout)]
-    if op.kind in BACKWARD_KINDS and v < layout.num_virtual_stages - 1:
-        return [_message(MsgKind.GRAD, op.microbatch, v + 1, v, layout)]
+    here = (op.stage, op.chunk)
+    if op.kind in (OpKind.F, OpKind.DRAIN, OpKind.EVAL) and (prev := layout.prev_hop(*here)) is not None:
+        return [_message(MsgKind.ACT, op.microbatch, prev, here)]
+    if op.kind in BACKWARD_KINDS and (nxt := layout.next_hop(*here)) is not None:
+        return [_message(MsgKind.GRAD, op.microbatch, nxt, here)]
     return []
 
 
@@ -75,9 +73,9 @@ def op_sends(op: Op, layout: PipelineLayout) -> list[Message]:
         return [_state_message(MsgKind.PARTIAL_STATE, op.update, s, s + 1)] if s < last else []
     if op.kind is OpKind.VALIDATE:
         return [_state_message(MsgKind.GLOBAL_STATE, op.update, s, s - 1)] if s > 0 else []
-    v = layout.virtual(op.stage, op.chunk)
-    if op.kind in (OpKind.F, OpKind.EVAL) and v < layout.num_virtual_stages - 1:
-        return [_message(MsgKind.ACT, op.microbatch, v, v + 1, layout)]
-    if op.kind in BACKWARD_KINDS and v > 0:
-        return [_message(MsgKind.GRAD, op.microbatch, v, v - 1, layout)]
+    here = (op.stage, op.chunk)
+    if op.kind in (OpKind.F, OpKind.EVAL) and (nxt := layout.next_hop(*here)) is not None:
+        return [_message(MsgKind.ACT, op.microbatch, here, nxt)]
+    if op.kind in BACKWARD_KINDS and (prev := layout.prev_hop(*here)) is not None:
+        return [_message(MsgKind.GRAD, op.microbatch, here, prev)]
     return []

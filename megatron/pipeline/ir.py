@@ -104,12 +104,22 @@ def DRAIN(stage: int, mb: int, chunk: int = 0) -> Op:
     return Op(OpKind.DRAIN, stage, mb, chunk)
 
 
+Hop = tuple[int, int]  # (stage, chunk): where a model part lives
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineLayout:
-    """How model chunks map onto stages.
+    """How model chunks map onto stages, and which chain of (stage, chunk) hops a micro-batch
+    follows.
 
     Virtual stage ``v = chunk * num_stages + stage`` (Megatron's interleaved placement), so
-    with one chunk per stage the virtual stage is the stage.
+    with one chunk per stage the virtual stage is the stage. Every micro-batch visits all
+    virtual stages in order: one chain.
+
+    Communication, the model split and the optimizer collectives are all derived from the
+    methods below (:meth:`next_hop`, :meth:`prev_hop`, :meth:`model_stage`,
+    :meth:`sync_group`), so a layout with several chains (:class:`MultiPipelineLayout`) only
+    has to override them.
     """
 
     num_stages: int
@@ -126,8 +136,109 @@ class PipelineLayout:
         """(stage, chunk) of a virtual stage."""
         return virtual_stage % self.num_stages, virtual_stage // self.num_stages
 
+    # -- the chain API: everything else derives from these ----------------------------
+    @property
+    def num_model_stages(self) -> int:
+        """Into how many consecutive parts the model is split (layers per part)."""
+        return self.num_virtual_stages
+
+    def model_stage(self, stage: int, chunk: int) -> int:
+        """Which part of the model chunk ``chunk`` of ``stage`` holds."""
+        return self.virtual(stage, chunk)
+
+    def next_hop(self, stage: int, chunk: int) -> Hop | None:
+        """Where this chunk's activations go (None on the last part of the model)."""
+        v = self.virtual(stage, chunk)
+        return self.physical(v + 1) if v + 1 < self.num_virtual_stages else None
+
+    def prev_hop(self, stage: int, chunk: int) -> Hop | None:
+        """Where this chunk's input comes from (None on the first part of the model)."""
+        v = self.virtual(stage, chunk)
+        return self.physical(v - 1) if v > 0 else None
+
+    def microbatch_chunks(self, microbatch: int) -> range:
+        """The chunks a micro-batch passes through on every stage."""
+        return range(self.num_chunks)
+
+    def sync_group(self, stage: int) -> tuple[int, ...]:
+        """The stages a ``sync`` OPT of ``stage`` is a collective with: here all of them."""
+        return tuple(range(self.num_stages))
+
     def is_first(self, stage: int, chunk: int) -> bool:
-        return self.virtual(stage, chunk) == 0
+        return self.model_stage(stage, chunk) == 0
 
     def is_last(self, stage: int, chunk: int) -> bool:
-        return self.virtual(stage, chunk) == self.num_virtual_stages - 1
+        return self.model_stage(stage, chunk) == self.num_model_stages - 1
+
+
+@dataclass(frozen=True, slots=True)
+class MultiPipelineLayout(PipelineLayout):
+    """``num_chunks`` = P whole-model pipelines over the same ``num_stages`` = D devices (AMDP).
+
+    Pipeline ``p`` is chunk ``p`` on every device and a chain of its own: its logical stage
+    ``j`` (model part ``j`` of ``D``) lives on device :meth:`device`\ ``(p, j)``, and its
+    messages flow from the device of ``j`` to that of ``j + 1``. Pipelines are replicas of
+    the whole model: logical stage ``j`` of every pipeline has the same layers and weights.
+    Micro-batch ``m`` runs on pipeline ``m mod P`` (AMDP's assignment).
+
+    Placement (Chimera-style, the AMDP code's mapping for D = 4 and 8, for any even D):
+    even ``p`` runs down, ``j -> (j + 2p) mod D``; odd ``p`` runs up,
+    ``j -> (D - 1 - j + 2(p - 1)) mod D``. Each is a bijection, and a device hosts P
+    distinct logical stages (even pipelines give it the stages ``-2p`` mod D, even numbers
+    spaced by 4, odd ones odd numbers, all distinct because fewer than D/4 + 1 of each).
+
+    The replicas of logical stage ``j`` live on the devices ``{device(p, j)}``; a ``sync``
+    OPT is a collective over the connected component of that relation (:meth:`sync_group`):
+    for D = 4 and 8 the AMDP code's mirror groups ({0,3},{1,2}; {0,3,4,7},{1,2,5,6}), where
+    every device of a group hosts the same logical stages.
+    """
+
+    @property
+    def num_pipelines(self) -> int:
+        return self.num_chunks
+
+    def device(self, pipeline: int, logical_stage: int) -> int:
+        d = self.num_stages
+        if pipeline % 2 == 0:
+            return (logical_stage + 2 * pipeline) % d
+        return (d - 1 - logical_stage + 2 * (pipeline - 1)) % d
+
+    def logical_stage(self, stage: int, chunk: int) -> int:
+        d = self.num_stages
+        if chunk % 2 == 0:
+            return (stage - 2 * chunk) % d
+        return (d - 1 - stage + 2 * (chunk - 1)) % d
+
+    @property
+    def num_model_stages(self) -> int:
+        return self.num_stages
+
+    def model_stage(self, stage: int, chunk: int) -> int:
+        return self.logical_stage(stage, chunk)
+
+    def next_hop(self, stage: int, chunk: int) -> Hop | None:
+        j = self.logical_stage(stage, chunk)
+        return (self.device(chunk, j + 1), chunk) if j + 1 < self.num_stages else None
+
+    def prev_hop(self, stage: int, chunk: int) -> Hop | None:
+        j = self.logical_stage(stage, chunk)
+        return (self.device(chunk, j - 1), chunk) if j > 0 else None
+
+    def microbatch_chunks(self, microbatch: int) -> range:
+        p = microbatch % self.num_pipelines
+        return range(p, p + 1)
+
+    def replicas(self, logical_stage: int) -> list[Hop]:
+        """(device, chunk) of logical stage ``logical_stage`` in every pipeline, pipeline order."""
+        return [(self.device(p, logical_stage), p) for p in range(self.num_pipelines)]
+
+    def sync_group(self, stage: int) -> tuple[int, ...]:
+        group, frontier = {stage}, [stage]
+        while frontier:
+            s = frontier.pop()
+            for chunk in range(self.num_chunks):
+                for device, _ in self.replicas(self.logical_stage(s, chunk)):
+                    if device not in group:
+                        group.add(device)
+                        frontier.append(device)
+        return tuple(sorted(group))

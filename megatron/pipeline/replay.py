@@ -3,8 +3,9 @@
 The model: a send never blocks (the runtime uses ``isend``), a receive blocks until the
 message arrives, and messages between an ordered pair of stages are delivered in the order
 they were sent (NCCL ignores tags, so FIFO per pair is the only safe assumption). A
-``sync`` optimizer op is a pipeline-wide collective: it runs once every stage has reached
-its own ``sync`` op for the same update.
+``sync`` optimizer op is a collective over the stage's ``layout.sync_group`` (all stages, or
+the replicas of the same logical stages for AMDP): it runs once every stage of the group has
+reached its own ``sync`` op for the same update.
 
 The engine is shared: the validator replays with a checker, the emulator with real tensors,
 the timing simulator with timestamps. What travels in a message is opaque to the engine.
@@ -111,21 +112,35 @@ class ReplayEngine:
         return progressed
 
     def _try_collective(self) -> bool:
-        heads = [s.peek() for s in self._streams]
-        if not all(h is not None and h.kind is OpKind.OPT and h.sync for h in heads):
-            return False
-        updates = {h.update for h in heads}  # type: ignore[union-attr]
-        if len(updates) != 1:
-            raise ScheduleError(
-                "stages disagree on the synchronous optimizer step: "
-                + ", ".join(str(h) for h in heads)
-            )
-        ops = [s.pop() for s in self._streams]
-        if self._execute_sync is not None:
-            self._execute_sync(ops)
-        for op in ops:
-            self.ops_executed[op.stage] += 1
-        return True
+        """Run every ``sync`` OPT whose whole group (``layout.sync_group``) is at it.
+
+        The group is all stages for one-chain layouts; for replicated pipelines
+        (:class:`~megatron.pipeline.ir.MultiPipelineLayout`) it is the devices holding
+        replicas of the same logical stages, so disjoint groups step independently.
+        """
+        progressed = False
+        done: set[int] = set()
+        for stage, stream in enumerate(self._streams):
+            head = stream.peek()
+            if stage in done or head is None or head.kind is not OpKind.OPT or not head.sync:
+                continue
+            group = self.layout.sync_group(stage)
+            heads = [self._streams[s].peek() for s in group]
+            if not all(h is not None and h.kind is OpKind.OPT and h.sync for h in heads):
+                continue
+            if len({h.update for h in heads}) != 1:  # type: ignore[union-attr]
+                raise ScheduleError(
+                    "stages disagree on the synchronous optimizer step: "
+                    + ", ".join(str(h) for h in heads)
+                )
+            ops = [self._streams[s].pop() for s in group]
+            if self._execute_sync is not None:
+                self._execute_sync(ops)
+            for op in ops:
+                self.ops_executed[op.stage] += 1
+            done.update(group)
+            progressed = True
+        return progressed
 
     # -- whole pipeline --------------------------------------------------------------
     def run(self) -> None:
@@ -152,7 +167,8 @@ class ReplayEngine:
             if op is None:
                 lines.append(f"  stage {stage}: finished")
             elif op.kind is OpKind.OPT and op.sync:
-                lines.append(f"  stage {stage}: at {op}, waiting for all stages to reach it")
+                group = self.layout.sync_group(stage)
+                lines.append(f"  stage {stage}: at {op}, waiting for stages {list(group)} to reach it")
             else:
                 lines.append(f"  stage {stage}: blocked at {op}, {self._blocking_reason(op)}")
         return "\n".join(lines)

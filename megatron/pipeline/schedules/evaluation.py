@@ -8,6 +8,10 @@ that waits on it: deadlock-free for any depth and number of chunks. The validato
 
 Evaluation runs between training segments, on a drained pipeline (asynchronous schedules
 drain at segment ends), so it never mixes with training ops or weight updates.
+
+With replicated pipelines (AMDP, :class:`~megatron.pipeline.ir.MultiPipelineLayout`) a
+micro-batch runs only through its own pipeline's chunk; the same global order (micro-batch,
+then logical stage) covers it.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from megatron.pipeline.ir import EVAL, Op, PipelineLayout
 def evaluation_ops(stage: int, layout: PipelineLayout, num_microbatches: int) -> Iterator[Op]:
     """One stage's forward-only stream over micro-batches ``0 .. num_microbatches - 1``."""
     for mb in range(num_microbatches):
-        for chunk in range(layout.num_chunks):
+        for chunk in layout.microbatch_chunks(mb):
             yield EVAL(stage, mb, chunk)
 
 
