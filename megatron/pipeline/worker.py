@@ -7,7 +7,9 @@ Weight-version semantics: a stage's version is the number of optimizer updates i
 applied. Updates write through ``p.data`` (see the optimizer), so a micro-batch whose
 forward ran on version v and whose backward runs after an update uses the *current*
 weights in backward (PipeDream without stashing); the drift ``v_backward - v_forward`` is
-recorded for every backward.
+recorded for every backward. Schedules that read other weights (2BW's stash, PipeMare's
+corrected backward weights) plug in a :class:`~megatron.pipeline.weight_versions.WeightPolicy`;
+the drift is then measured on the versions the policy actually put in place.
 
 B/W split (Zero Bubble): op ``B`` is a backward with weight-gradient deferral on (see
 :mod:`megatron.pipeline.wgrad`): it sends the same input gradient as ``BW``, layers that
@@ -39,6 +41,7 @@ from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.memory import ActivationMeter
 from megatron.pipeline.post_validation import PostValidationState, is_state_message, state_spec
 from megatron.pipeline.report import StageReport
+from megatron.pipeline.weight_versions import WeightPolicy
 from megatron.pipeline.wgrad import DeferredWeightGrads, defer_weight_grads
 
 Batch = dict[str, torch.Tensor]
@@ -82,6 +85,9 @@ class StageSetup:
     # Testing hook: the loss of these global micro-batches becomes NaN (last stage only), so
     # every stage's gradients turn non-finite.
     inject_nonfinite_losses: frozenset[int] = frozenset()
+    # Which weights forwards and backwards read (weight stashing, discrepancy correction);
+    # None: the live weights (megatron.pipeline.weight_versions).
+    weight_policy: WeightPolicy | None = None
 
 
 class StageWorker:
@@ -95,6 +101,7 @@ class StageWorker:
         self._fwd_version: dict[tuple[int, int], int] = {}
         self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # B done, W pending
         self.meter = ActivationMeter(setup.optimizer.parameters())
+        self.weights = setup.weight_policy or WeightPolicy(setup.optimizer.parameters(), setup.optimizer)
         self.drift_histogram: Counter[int] = Counter()
         self.update_log: list[dict[str, Any]] = []  # per update: lr, norm, skipped
         self.post_validation = PostValidationState()  # see megatron.pipeline.post_validation
@@ -203,7 +210,7 @@ class StageWorker:
         key = (op.microbatch, op.chunk)
         batch = self._batch(op)
         x = None if received is None else received.detach().requires_grad_(True)
-        self._fwd_version[key] = self.version
+        self._fwd_version[key] = self.weights.before_forward(op)
         with self._rng_scope(), self.meter.record(key):
             out = self.setup.chunks[op.chunk](x, batch)
             if self.layout.is_last(self.stage, op.chunk):
@@ -225,6 +232,7 @@ class StageWorker:
         if self._stash or self._deferred:
             raise RuntimeError(f"stage {self.stage}: evaluation needs a drained pipeline, "
                                f"{len(self._stash) + len(self._deferred)} micro-batches are in flight")
+        self.weights.restore_current()
         self._eval_batch_fn = batch_fn
         self._eval_loss_sum = 0.0
         self._eval_tokens = 0
@@ -281,17 +289,19 @@ class StageWorker:
     def _backward(self, op: Op, grad_output: torch.Tensor | None, defer: bool) -> torch.Tensor | None:
         key = (op.microbatch, op.chunk)
         x, out = self._stash.pop(key)
+        version = self.weights.before_backward(op)
         with self._rng_scope(), (defer_weight_grads() if defer else contextlib.nullcontext()) as deferred:
             if grad_output is None:
                 torch.autograd.backward(out)
             else:
                 torch.autograd.backward(out, grad_output)
+        self.weights.after_backward(op)
         if deferred is None:
             self.meter.release(key)
         else:
             self._deferred[key] = deferred
             self.meter.retain_only(key, deferred.tensors())
-        drift = self.version - self._fwd_version.pop(key)
+        drift = version - self._fwd_version.pop(key)
         self._drifts.append(drift)
         self.drift_histogram[drift] += 1
         return None if x is None else x.grad
@@ -318,6 +328,7 @@ class StageWorker:
         """
         total_sq = math.fsum(stage_sq_norms)
         opt = self.setup.optimizer
+        self.weights.before_update(op)
         if not math.isfinite(total_sq):
             self.record_update(op.update, total_sq, None)
         else:
@@ -326,6 +337,7 @@ class StageWorker:
             lr = self.setup.lr_schedule.lr(opt.step_count + 1)
             opt.step(lr, grad_scale=scale)
             self.record_update(op.update, total_sq, lr)
+        self.weights.after_update(op)
         opt.zero_grad()
 
     def record_update(self, update: int, total_sq: float, lr: float | None) -> None:

@@ -16,6 +16,7 @@ from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
 from megatron.trainer.zero_bubble_args import add_zero_bubble_args, validate_zero_bubble_args, zero_bubble_options
 from megatron.trainer.post_validation_args import (
     add_post_validation_args, post_validation_options, validate_post_validation_args)
+from megatron.trainer.pipemare_args import add_pipemare_args, pipemare_options, validate_pipemare_args
 from megatron.trainer.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
 
 
@@ -128,6 +129,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     _add_parallel_args(p)
     add_zero_bubble_args(p)
     add_post_validation_args(p)
+    add_pipemare_args(p)
     add_run_control_args(p)
     _add_logging_args(p)
     return p
@@ -227,6 +229,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.nonfinite_injections.setdefault(stage, set()).add(update)
     validate_zero_bubble_args(args)  # --zb-* flags (zb-1p / zb-2p)
     validate_post_validation_args(args)  # --enable-optimizer-post-validation and friends
+    validate_pipemare_args(args)  # --pipemare-* (T1, T2, synchronous warm-up)
     try:
         validate_run_control_args(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
     except RunControlError as exc:
@@ -325,7 +328,7 @@ def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
         num_iterations=args.train_iters,
         num_chunks=getattr(args, "num_model_chunks", 1),
         options={**({} if group is None else {GROUP_OPTION: group}), **zero_bubble_options(args),
-                 **post_validation_options(args)},
+                 **post_validation_options(args), **pipemare_options(args)},
     )
 
 

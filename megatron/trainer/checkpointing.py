@@ -13,6 +13,8 @@ weight-version drift histogram. The learning rate is a function of the update co
 the data position is the iteration, so both continue exactly. Checkpoints are taken only
 at segment ends, where every schedule is drained: no micro-batch is in flight and no
 gradient accumulation window is open (checked), so there is no accumulation state to keep.
+What a schedule's weight policy carries across a drain (2BW's stashed version, PipeMare's
+delta) is saved with the stage (``weight_versions``).
 
 Atomicity: every rank writes into ``iter_XXXXXXX.tmp/`` (each file via a temporary name and
 ``os.replace``); once all ranks are done, the coordinator writes ``metadata.json`` with the
@@ -89,6 +91,7 @@ def stage_state(task: PretrainTask, worker: StageWorker) -> dict[str, Any]:
         "optimizer": optimizer.state_dict(),
         "rng": worker.rng_state(),
         "drift_histogram": dict(worker.drift_histogram),
+        "weight_versions": worker.weights.state_dict(),  # 2BW's stash, PipeMare's delta
     }
 
 
@@ -232,3 +235,4 @@ def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint
     worker.set_rng_state(state["rng"])
     worker.drift_histogram.clear()
     worker.drift_histogram.update(state.get("drift_histogram", {}))
+    worker.weights.load_state_dict(state.get("weight_versions", {}))

@@ -22,7 +22,7 @@ from megatron.pipeline.executors.distributed import PipelineRuntimeError, SideCh
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.parallel import RankLayout, StageGroups
 from megatron.pipeline.profiling import log_fixed_choice
-from megatron.pipeline.schedules import build_schedule
+from megatron.pipeline.schedules import build_schedule, schedule_class
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.worker import StageSetup, StageWorker
 from megatron.trainer.arguments import build_parser, parse_args, schedule_config
@@ -66,12 +66,14 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
     )
     shape, dtype = task.activation_spec(args)
+    # Asynchronous variants shape what a stage's passes read and its learning rate (2BW, PipeMare).
+    schedule_cls, config = schedule_class(args.pipeline_schedule), schedule_config(args)
     setup = StageSetup(
         stage=stage,
         layout=layout,
         chunks=chunks,
         optimizer=optimizer,
-        lr_schedule=schedule,
+        lr_schedule=schedule_cls.stage_lr_schedule(config, stage, schedule),
         microbatches_per_update=args.num_microbatches,
         batch_fn=task.batch_fn(args, dp_rank, device),
         loss_fn=task.loss_fn,
@@ -82,6 +84,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         seed=args.seed,
         inject_nonfinite_updates=frozenset(args.nonfinite_injections.get(stage, ())),
         inject_nonfinite_losses=frozenset(getattr(args, "inject_nonfinite_loss", ())),
+        weight_policy=schedule_cls.stage_weight_policy(config, stage, optimizer),
     )
     return StageWorker(setup, isolate_rng=isolate_rng)
 

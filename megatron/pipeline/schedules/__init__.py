@@ -11,6 +11,8 @@ from megatron.pipeline.schedules.base import (
 from megatron.pipeline.schedules.gpipe import GPipe
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.paci import PACI, Async1F1B
+from megatron.pipeline.schedules.pipedream_2bw import PipeDream2BW
+from megatron.pipeline.schedules.pipemare import PipeMare
 from megatron.pipeline.schedules.interleaved import Interleaved1F1B
 from megatron.pipeline.schedules.zb_1p import ZB1P
 from megatron.pipeline.schedules.zb_2p import ZB2P
@@ -20,6 +22,8 @@ from megatron.pipeline.schedules.zb_h2 import ZBH2
 SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (OneFOneBFlush, GPipe, PACI, Async1F1B)}
 SCHEDULES[Interleaved1F1B.name] = Interleaved1F1B  # Megatron-LM virtual pipeline stages
 SCHEDULES.update({cls.name: cls for cls in (ZBH1, ZBH2, ZB1P, ZB2P)})  # Zero Bubble (Qi et al.)
+SCHEDULES[PipeDream2BW.name] = PipeDream2BW  # double-buffered weights (Narayanan et al.)
+SCHEDULES[PipeMare.name] = PipeMare  # T1 lr rescheduling, T2 discrepancy correction (Yang et al.)
 
 
 def register(cls: type[Schedule]) -> type[Schedule]:

@@ -102,9 +102,36 @@ class Schedule(abc.ABC):
                 f"{cls.name}: optimizer post-validation replaces a synchronous step; this schedule "
                 f"steps stage-locally and has none")
 
+    @classmethod
+    def layout_of(cls, config: ScheduleConfig) -> PipelineLayout:
+        """Where this schedule puts model chunks for ``config`` (the trainer builds stages from
+        it); one chain of virtual stages unless a schedule places several pipelines (AMDP)."""
+        return config.layout
+
     @property
     def layout(self) -> PipelineLayout:
-        return self.config.layout
+        return self.layout_of(self.config)
+
+    # -- what a schedule asks of each stage's worker (asynchronous variants) ------------
+    @classmethod
+    def weight_copies(cls, config: ScheduleConfig, stage: int) -> int:
+        """Weight-sized buffers ``stage`` holds at peak, its live weights included (2BW's
+        stash, PipeMare's delta add one); the timing simulator reports weight memory with it."""
+        return 1
+
+    #: True when every backward reads the weight version its forward read (weight stashing)
+    stashes_weights: ClassVar[bool] = False
+
+    @classmethod
+    def stage_weight_policy(cls, config: ScheduleConfig, stage: int, optimizer: Any) -> Any:
+        """The :class:`~megatron.pipeline.weight_versions.WeightPolicy` of ``stage``'s worker
+        (None: forwards and backwards read the live weights)."""
+        return None
+
+    @classmethod
+    def stage_lr_schedule(cls, config: ScheduleConfig, stage: int, base: Any) -> Any:
+        """The learning-rate policy of ``stage`` given the run's ``base`` schedule."""
+        return base
 
     @abc.abstractmethod
     def stage_ops(self, stage: int) -> Iterator[Op]:

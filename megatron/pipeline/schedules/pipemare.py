@@ -1,0 +1,149 @@
+"""PipeMare (Yang et al., MLSys 2021): asynchronous 1F1B without weight stashing, made stable by
+learning-rate rescheduling (T1), discrepancy correction (T2) and a synchronous warm-up (W).
+
+Spec: ``/work/shared/specs/pipemare_amdp.md`` Part A. The op streams are PACI's (1F1B without
+flushes, a stage steps after its ``a`` local backwards, ``a`` = micro-batches per global batch
+per replica), preceded by ``W`` iterations of 1F1B with a flush (PipeMareW). Each technique is
+switched on by its own option:
+
+* **T1** (``lr_anneal_iters = K``): stage ``i`` updates with ``lr_base(k) / tau_i ** p_k``,
+  ``p_k = 1 - min(k / K, 1)`` (spec eq. 4), ``k`` the 0-based index of the update.
+* **T2** (``discrepancy_decay = D``): the backward reads ``w - (tau_fwd - tau_bkwd) * delta`` with
+  ``delta <- gamma * delta + (1 - gamma) * (w_{t+1} - w_t)``, ``gamma = D ** (1 / (tau_fwd - tau_bkwd))``
+  (:class:`~megatron.pipeline.weight_versions.DiscrepancyCorrection`).
+* **W** (``sync_warmup_iters``): the run's first ``W`` iterations are synchronous 1F1B-flush
+  steps (global clipping), then asynchrony starts.
+
+Choices where the spec is ambiguous (A.11), and why:
+
+* ``tau_fwd,i = ceil((2 (P - i) + 1) / N)`` with ``i = 1..P`` (stage ``s`` is ``i = s + 1``),
+  ``P`` = pipeline stages, ``N`` = micro-batches per update; ``tau_bkwd = 0`` (the backward
+  reads the latest weights). This is Table 1 with the spec's recommended indexing, so
+  ``tau >= 1`` everywhere. The delay our coarse 1F1B actually produces is smaller,
+  ``ceil((P - i) / N)`` (PACI's drift bound, 0 on the last stage): ``delay_model = "1f1b"``
+  uses it instead (A.12's last caveat); a stage with ``tau = 0`` keeps the base rate and gets
+  no correction, since forward and backward read the same weights there.
+* ``tau_i`` in T1 is ``tau_fwd,i`` (``tau_bkwd = 0``, A.2).
+* T1's clock ``k`` starts when asynchrony starts (update ``W``), following the WMT wording
+  ("W epochs of synchronous warm-up and another K for annealing"); warm-up updates use the
+  base rate, as PipeMareW trains synchronously "using the standard learning rate".
+* ``delta_0 = 0``, and ``delta`` is updated from the first update on, warm-up included, so the
+  correction starts from a current velocity estimate rather than from zero; warm-up backwards
+  are not corrected (there ``tau_fwd = tau_bkwd = 0``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.pipeline.ir import OPT, Op
+from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError, one_f_one_b
+from megatron.pipeline.schedules.paci import PACI, drift_bound
+from megatron.pipeline.weight_versions import DiscrepancyCorrection
+
+OPTION = "pipemare"
+DELAY_MODELS = ("paper", "1f1b")
+
+
+@dataclass(frozen=True)
+class PipeMareOptions:
+    """``ScheduleConfig.options["pipemare"]``; None switches a technique off."""
+
+    lr_anneal_iters: int | None = None  # T1's K
+    discrepancy_decay: float | None = None  # T2's D
+    sync_warmup_iters: int = 0  # PipeMareW
+    delay_model: str = "paper"
+
+
+def stage_delay(num_stages: int, stage: int, microbatches_per_update: int, model: str = "paper") -> int:
+    """``tau_fwd`` of 0-indexed ``stage`` in updates (module docstring)."""
+    if model == "1f1b":
+        return drift_bound(num_stages, stage, microbatches_per_update)
+    return math.ceil((2 * (num_stages - (stage + 1)) + 1) / microbatches_per_update)
+
+
+@dataclass(frozen=True)
+class RescheduledLR:
+    """T1: ``base.lr(step) / tau ** p_k`` with ``k = step - 1 - start`` (``step`` is 1-based, as
+    the worker asks ``lr(step_count + 1)``); the base rate before ``start`` and for ``tau <= 1``."""
+
+    base: Any
+    tau: int
+    anneal_iters: int
+    start: int = 0
+
+    def lr(self, step: int) -> float:
+        rate, k = self.base.lr(step), step - 1 - self.start
+        if k < 0 or self.tau <= 1:
+            return rate
+        return rate / self.tau ** (1.0 - min(k / self.anneal_iters, 1.0))
+
+
+class PipeMare(PACI):
+    name = "pipemare"
+
+    @staticmethod
+    def options(config: ScheduleConfig) -> PipeMareOptions:
+        return config.options.get(OPTION) or PipeMareOptions()
+
+    @classmethod
+    def check_config(cls, config: ScheduleConfig) -> None:
+        super().check_config(config)
+        opts = cls.options(config)
+        if opts.lr_anneal_iters is not None and opts.lr_anneal_iters < 1:
+            raise ScheduleConfigError(f"pipemare: T1's annealing length K must be >= 1, got {opts.lr_anneal_iters}")
+        if opts.discrepancy_decay is not None and not 0.0 < opts.discrepancy_decay < 1.0:
+            raise ScheduleConfigError(f"pipemare: T2's decay D must be in (0, 1), got {opts.discrepancy_decay}")
+        if opts.sync_warmup_iters < 0:
+            raise ScheduleConfigError(f"pipemare: synchronous warm-up iterations must be >= 0, got {opts.sync_warmup_iters}")
+        if opts.delay_model not in DELAY_MODELS:
+            raise ScheduleConfigError(f"pipemare: delay model {opts.delay_model!r} is not one of {', '.join(DELAY_MODELS)}")
+
+    @classmethod
+    def tau(cls, config: ScheduleConfig, stage: int) -> int:
+        return stage_delay(config.num_stages, stage, config.num_microbatches, cls.options(config).delay_model)
+
+    @classmethod
+    def _corrects(cls, config: ScheduleConfig, stage: int) -> bool:
+        return cls.options(config).discrepancy_decay is not None and cls.tau(config, stage) >= 1
+
+    @classmethod
+    def weight_copies(cls, config: ScheduleConfig, stage: int) -> int:
+        return 2 if cls._corrects(config, stage) else 1  # delta: one weight-sized buffer
+
+    @classmethod
+    def stage_weight_policy(cls, config: ScheduleConfig, stage: int, optimizer: Any) -> DiscrepancyCorrection | None:
+        opts = cls.options(config)
+        if not cls._corrects(config, stage):
+            return None
+        assert opts.discrepancy_decay is not None
+        return DiscrepancyCorrection(optimizer.parameters(), optimizer, cls.tau(config, stage), opts.discrepancy_decay,
+                                     config.num_microbatches, sync_until=opts.sync_warmup_iters)
+
+    @classmethod
+    def stage_lr_schedule(cls, config: ScheduleConfig, stage: int, base: Any) -> Any:
+        opts = cls.options(config)
+        if opts.lr_anneal_iters is None:
+            return base
+        return RescheduledLR(base, cls.tau(config, stage), opts.lr_anneal_iters, opts.sync_warmup_iters)
+
+    def stage_ops(self, stage: int) -> Iterator[Op]:
+        """``W`` synchronous 1F1B iterations (counted from the run's iteration 0), then PACI's stream."""
+        cfg, a = self.config, self.config.num_microbatches
+        end = None if cfg.num_iterations is None else cfg.first_iteration + cfg.num_iterations
+        sync_end = max(cfg.first_iteration, self.options(cfg).sync_warmup_iters)
+        if end is not None:
+            sync_end = min(sync_end, end)
+        for it in range(cfg.first_iteration, sync_end):
+            yield from one_f_one_b(stage, cfg.num_stages, range(it * a, (it + 1) * a))
+            yield OPT(stage, it, sync=True)
+        if end is not None and sync_end >= end:
+            return
+        rest = copy.copy(self)
+        rest.config = dataclasses.replace(cfg, first_iteration=sync_end,
+                                          num_iterations=None if end is None else end - sync_end)
+        yield from AsynchronousSchedule.stage_ops(rest, stage)
