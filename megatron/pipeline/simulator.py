@@ -35,7 +35,11 @@ App. G), generalised to our IR and runtime:
 * **Several model chunks per stage** (interleaved schedules): costs and ``M_B`` are per op, i.e.
   per (micro-batch, chunk); pass per-chunk times.
 * **Weight-version drift** of a micro-batch on a stage: the number of optimizer steps the stage
-  applied between the micro-batch's F and its B (or BW). Always 0 for synchronous schedules.
+  applied between the micro-batch's F and its B (or BW). Always 0 for synchronous schedules,
+  and for schedules that stash weights (PipeDream-2BW: the backward reads its forward's version).
+* **Weight memory**, in units of one stage's weights: the live weights plus what the schedule
+  keeps beside them at peak (2BW's stashed version, PipeMare's T2 velocity buffer), from the
+  schedule's ``weight_copies``.
 
 Unbounded (asynchronous) streams are simulated up to a cap: ``max_microbatches = M`` keeps the
 ops of micro-batches ``0 .. M-1`` (and the OPTs among them, plus the OPTs that directly follow
@@ -195,6 +199,7 @@ class SimulationResult:
     peak_memory: list[float]  # units of M_B
     drift: list[dict[int, int]]  # stage -> {micro-batch: optimizer steps between F and B/BW}
     costs: tuple[OpCosts, ...] = field(repr=False, default=())
+    weight_memory: list[float] = field(default_factory=list)  # units of the stage's weights
 
     @property
     def num_stages(self) -> int:
@@ -242,6 +247,7 @@ class SimulationResult:
                     "bubble_rate": self.stage_bubble_rate[s],
                     "peak_memory": self.peak_memory[s],
                     "max_drift": self.max_drift[s],
+                    "weight_memory": self.weight_memory[s] if self.weight_memory else 1.0,
                     "ops": len(self.spans[s]),
                 }
                 for s in range(self.num_stages)
@@ -330,6 +336,8 @@ def simulate_streams(
     *,
     max_microbatches: int | None = None,
     max_ops: int | None = None,
+    stashes_weights: bool = False,
+    weight_copies: Sequence[float] | None = None,
 ) -> SimulationResult:
     """Replay ``streams`` with timestamps (model: module docstring).
 
@@ -377,6 +385,8 @@ def simulate_streams(
                 version_at_f[s][(op.microbatch, op.chunk)] = versions[s]
             elif kind is OpKind.B or kind is OpKind.BW:
                 d = versions[s] - version_at_f[s].pop((op.microbatch, op.chunk), versions[s])
+                if stashes_weights:
+                    d = 0  # the backward reads the stashed version its forward read
                 if d > drift[s].get(op.microbatch, -1):
                     drift[s][op.microbatch] = d
         return _SameForEvery(end + comm[s])
@@ -405,7 +415,8 @@ def simulate_streams(
             last_end = before + per_stage[s].t_opt
         stage_span.append(last_end - ops[0].start)
     makespan = max((ops[-1].end for ops in spans if ops), default=0.0)
-    return SimulationResult(spans, makespan, busy, stage_span, peak, drift, per_stage)
+    weights = [1.0] * n if weight_copies is None else [float(c) for c in weight_copies]
+    return SimulationResult(spans, makespan, busy, stage_span, peak, drift, per_stage, weights)
 
 
 def simulate_schedule(
@@ -425,9 +436,12 @@ def simulate_schedule(
         costs = config.options.get("costs")
     if config.num_iterations is None and max_microbatches is None:
         raise ValueError(f"{schedule.name}: unbounded stream; pass max_microbatches to simulate it")
+    copies = getattr(schedule, "weight_copies", None)
     return simulate_streams(
         schedule.streams(), schedule.layout, costs,
         max_microbatches=max_microbatches, max_ops=max_ops,
+        stashes_weights=getattr(schedule, "stashes_weights", False),
+        weight_copies=None if copies is None else [copies(config, s) for s in range(config.num_stages)],
     )
 
 
