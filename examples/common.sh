@@ -1,11 +1,26 @@
 #!/bin/bash
-# Shared launcher logic for examples/pretrain_*.sh: GPU/CPU detection, torchrun arguments.
-# Source it, fill the *_ARGS arrays, then call `run_pretrain SCRIPT`.
+# Shared launcher for examples/pretrain_{gpt,bert}_<schedule>.sh and examples/slurm/*.sbatch.
+#
+# An example script sources this file, sets SCHEDULE (its --pipeline-schedule) and calls
+# `run_example gpt` or `run_example bert`; the schedule's own flags and constraints live here
+# (schedule_presets, schedule_flags), so any example runs any schedule: SCHEDULE=zb-2p bash ...
+#
+# Defaults: on GPUs a GPT-2 medium / BERT-large sized model in bf16, one pipeline stage per GPU
+# of the node (DP = number of nodes); without a GPU a tiny 4-stage model on CPU.
 #
 # Environment overrides (all optional):
-#   NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE  torchrun topology
-#   FORCE_CPU=1                                             use the CPU fallback even with GPUs
-#   EXTRA_ARGS="..."                                        appended to the trainer's flags
+#   model, batch    PP DP NUM_LAYERS HIDDEN HEADS SEQ VOCAB MBS MICRO_BATCHES TRAIN_ITERS LR SEED DROPOUT
+#   data            DATA_PATH ("PREFIX" or "W1 P1 W2 P2") SPLIT TOKENIZER_TYPE VOCAB_FILE MERGE_FILE
+#                   TOKENIZER_MODEL (without DATA_PATH: mock data)
+#   checkpoints     CHECKPOINT_DIR (-> --save DIR --load DIR: a rerun or a requeued job resumes,
+#                   an empty DIR starts fresh) SAVE_INTERVAL
+#   evaluation      EVAL_INTERVAL EVAL_ITERS
+#   logging         LOG_INTERVAL LOG_JSON TENSORBOARD_DIR
+#   launch          NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE RDZV_BACKEND RDZV_ID
+#                   FORCE_CPU=1        the CPU fallback even with GPUs
+#                   EXECUTOR=emulator  all stages in one python process, no torchrun (DP = 1)
+#                   DRY_RUN=1          print the command line (one line, shell-quoted) and exit
+#                   EXTRA_ARGS="..."   appended to the trainer's flags
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -17,34 +32,201 @@ print(torch.cuda.device_count() if torch.cuda.is_available() else 0)
 PY
 }
 
-NUM_GPUS="${GPUS_PER_NODE:-$(detect_gpus)}"
+if [[ "${FORCE_CPU:-0}" == "1" ]]; then NUM_GPUS=0; else NUM_GPUS="${GPUS_PER_NODE:-$(detect_gpus)}"; fi
 if [[ "$NUM_GPUS" -gt 0 ]]; then ON_GPU=1; else ON_GPU=0; fi
+NNODES="${NNODES:-1}"
 
-run_pretrain() {
-    local script="$1"; shift
-    local nproc="$1"; shift
-    local -a dist_args=(
-        --nproc-per-node "$nproc"
-        --nnodes "${NNODES:-1}"
-        --node-rank "${NODE_RANK:-0}"
-        --master-addr "${MASTER_ADDR:-127.0.0.1}"
-        --master-port "${MASTER_PORT:-29500}"
-    )
-    # shellcheck disable=SC2086
-    set -x
-    torchrun "${dist_args[@]}" "$REPO_DIR/$script" "$@" ${EXTRA_ARGS:-}
-    { set +x; } 2>/dev/null
+# Model and batch defaults for MODEL (gpt | bert); every value keeps an existing setting.
+model_defaults() {
+    local model="$1"
+    if [[ "$ON_GPU" == "1" ]]; then
+        PP="${PP:-$NUM_GPUS}"
+        NUM_LAYERS="${NUM_LAYERS:-24}"; HIDDEN="${HIDDEN:-1024}"; HEADS="${HEADS:-16}"
+        MICRO_BATCHES="${MICRO_BATCHES:-8}"          # per replica and update (PACI's a)
+        TRAIN_ITERS="${TRAIN_ITERS:-500}"; DROPOUT="${DROPOUT:-0.1}"
+        if [[ "$model" == "bert" ]]; then
+            SEQ="${SEQ:-512}"; VOCAB="${VOCAB:-30592}"; MBS="${MBS:-8}"; LR="${LR:-1e-4}"
+        else
+            SEQ="${SEQ:-1024}"; VOCAB="${VOCAB:-50304}"; MBS="${MBS:-4}"; LR="${LR:-3e-4}"
+        fi
+        PRECISION=(--bf16)
+    else
+        echo "No GPU found: running the small CPU configuration." >&2
+        PP="${PP:-4}"
+        NUM_LAYERS="${NUM_LAYERS:-4}"; HIDDEN="${HIDDEN:-64}"; HEADS="${HEADS:-4}"
+        SEQ="${SEQ:-64}"; VOCAB="${VOCAB:-128}"; MBS="${MBS:-4}"
+        MICRO_BATCHES="${MICRO_BATCHES:-4}"
+        TRAIN_ITERS="${TRAIN_ITERS:-100}"; LR="${LR:-3e-3}"; DROPOUT="${DROPOUT:-0.0}"
+        PRECISION=(--num-threads 1)
+    fi
+    if [[ "${EXECUTOR:-distributed}" == "emulator" ]]; then DP="${DP:-1}"; else DP="${DP:-$NNODES}"; fi
 }
 
-# Megatron's optimizer and schedule flags for the example scripts, into TRAINING_ARGS:
-# AdamW(0.9, 0.95), weight decay 0.1, clip 1.0, cosine decay to LR / 10 after 1% warm-up.
-# Reads MBS MICRO_BATCHES DP TRAIN_ITERS LR SEED and the PRECISION array.
+# Megatron's optimizer and schedule flags, into TRAINING_ARGS: AdamW(0.9, 0.95), weight decay
+# 0.1, clip 1.0, cosine decay to LR / 10 after 1% warm-up.
 set_training_args() {
     TRAINING_ARGS=(
         --micro-batch-size "$MBS" --global-batch-size $((MBS * MICRO_BATCHES * DP))
-        --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$(python -c "print($LR / 10)")"
+        --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$(awk -v lr="$LR" 'BEGIN { print lr / 10 }')"
         --lr-warmup-iters $((TRAIN_ITERS / 100 + 1)) --lr-decay-style cosine
         --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --seed "${SEED:-1234}"
         "${PRECISION[@]}"
     )
+}
+
+# --data-path and tokenizer flags for MODEL, or --mock-data, into DATA_ARGS.
+set_data_args() {
+    local model="$1"
+    if [[ -z "${DATA_PATH:-}" ]]; then DATA_ARGS=(--mock-data); return; fi
+    local -a paths
+    read -r -a paths <<< "$DATA_PATH"
+    local tokenizer=GPT2BPETokenizer
+    if [[ "$model" == "bert" ]]; then tokenizer=BertWordPieceLowerCase; fi
+    DATA_ARGS=(--data-path "${paths[@]}" --split "${SPLIT:-949,50,1}" --tokenizer-type "${TOKENIZER_TYPE:-$tokenizer}")
+    if [[ -n "${VOCAB_FILE:-}" ]]; then DATA_ARGS+=(--vocab-file "$VOCAB_FILE"); fi
+    if [[ -n "${MERGE_FILE:-}" ]]; then DATA_ARGS+=(--merge-file "$MERGE_FILE"); fi
+    if [[ -n "${TOKENIZER_MODEL:-}" ]]; then DATA_ARGS+=(--tokenizer-model "$TOKENIZER_MODEL"); fi
+}
+
+# Checkpoints, evaluation, logging and TensorBoard flags, into RUN_ARGS.
+set_run_args() {
+    local model="$1"
+    RUN_ARGS=(
+        --log-interval "${LOG_INTERVAL:-10}" --log-weight-version-drift
+        --log-json "${LOG_JSON:-runs/${model}_${SCHEDULE}/log.jsonl}"
+    )
+    if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
+        RUN_ARGS+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "${SAVE_INTERVAL:-100}")
+    fi
+    if [[ -n "${EVAL_INTERVAL:-}" ]]; then
+        RUN_ARGS+=(--eval-interval "$EVAL_INTERVAL" --eval-iters "${EVAL_ITERS:-10}")
+    fi
+    if [[ -n "${TENSORBOARD_DIR:-}" ]]; then RUN_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR"); fi
+}
+
+# Run (or with DRY_RUN=1 print) SCRIPT with the given trainer flags: torchrun with this node's
+# share of PP x DP ranks, or one python process with EXECUTOR=emulator.
+launch() {
+    local script="$1"; shift
+    local -a extra cmd
+    read -r -a extra <<< "${EXTRA_ARGS:-}"
+    if [[ "${EXECUTOR:-distributed}" == "emulator" ]]; then
+        cmd=(python "$REPO_DIR/$script" --pipeline-executor emulator "$@" "${extra[@]}")
+    else
+        local ranks=$((PP * DP))
+        if (( ranks % NNODES )); then
+            echo "error: PP=$PP x DP=$DP = $ranks ranks do not split over NNODES=$NNODES nodes" >&2
+            return 2
+        fi
+        local nproc=$((ranks / NNODES))
+        if [[ "$ON_GPU" == "1" ]] && (( nproc > NUM_GPUS )); then
+            echo "error: PP=$PP x DP=$DP needs $nproc ranks per node, the node has $NUM_GPUS GPUs" >&2
+            return 2
+        fi
+        local endpoint="${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}"
+        cmd=(torchrun --nproc-per-node "$nproc" --nnodes "$NNODES" --node-rank "${NODE_RANK:-0}"
+             --rdzv-backend "${RDZV_BACKEND:-static}" --rdzv-endpoint "$endpoint"
+             --rdzv-id "${RDZV_ID:-megatron-async}"
+             "$REPO_DIR/$script" "$@" "${extra[@]}")
+    fi
+    if [[ "${DRY_RUN:-0}" == "1" ]]; then
+        printf '%q ' "${cmd[@]}"; echo
+        return 0
+    fi
+    echo "+ ${cmd[*]}" >&2
+    "${cmd[@]}"
+}
+
+# Schedule-specific defaults that the model defaults depend on (before model_defaults).
+schedule_presets() {
+    case "$SCHEDULE" in
+        async-1f1b) MICRO_BATCHES="${MICRO_BATCHES:-1}" ;;     # one update per micro-batch
+        interleaved-1f1b) if [[ "$ON_GPU" == "0" ]]; then NUM_LAYERS="${NUM_LAYERS:-8}"; fi ;;  # 2 chunks per stage
+        amdp)  # D/2 replicated pipelines are its data parallelism: all GPUs of all nodes, DP = 1
+            DP="${DP:-1}"
+            if [[ "$ON_GPU" == "1" ]]; then PP="${PP:-$((NUM_GPUS * NNODES))}"; MICRO_BATCHES="${MICRO_BATCHES:-$PP}"; fi ;;
+    esac
+}
+
+# Schedule-specific flags, into SCHEDULE_ARGS (after model_defaults: may read PP, TRAIN_ITERS).
+#   interleaved-1f1b  LAYERS_PER_VIRTUAL_STAGE (1)
+#   zb-1p, zb-2p      ZB_PROFILE_ITERS (2), ZB_MEMORY_LIMIT, POST_VALIDATION (1: the paper's optimizer post-validation)
+#   pipemare          PIPEMARE_ANNEAL_ITERS (5 x LR warm-up, the paper's Transformer rule), PIPEMARE_DECAY (0.2),
+#                     PIPEMARE_SYNC_WARMUP_ITERS (0)
+schedule_flags() {
+    SCHEDULE_ARGS=()
+    case "$SCHEDULE" in
+        interleaved-1f1b)
+            SCHEDULE_ARGS=(--num-layers-per-virtual-pipeline-stage "${LAYERS_PER_VIRTUAL_STAGE:-1}") ;;
+        zb-1p|zb-2p)
+            SCHEDULE_ARGS=(--zb-profile-iters "${ZB_PROFILE_ITERS:-2}")
+            if [[ -n "${ZB_MEMORY_LIMIT:-}" ]]; then SCHEDULE_ARGS+=(--zb-memory-limit "$ZB_MEMORY_LIMIT"); fi
+            if [[ "${POST_VALIDATION:-1}" == "1" ]]; then SCHEDULE_ARGS+=(--enable-optimizer-post-validation); fi ;;
+        pipemare)
+            SCHEDULE_ARGS=(
+                --pipemare-lr-anneal-iters "${PIPEMARE_ANNEAL_ITERS:-$((5 * (TRAIN_ITERS / 100 + 1)))}"
+                --pipemare-discrepancy-decay "${PIPEMARE_DECAY:-0.2}"
+                --pipemare-sync-warmup-iters "${PIPEMARE_SYNC_WARMUP_ITERS:-0}"
+            ) ;;
+    esac
+}
+
+# The whole example for MODEL (gpt | bert) and SCHEDULE: defaults, flags, launch.
+run_example() {
+    local model="$1"
+    schedule_presets
+    model_defaults "$model"
+    schedule_flags
+    local -a model_args=(
+        --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS"
+        --seq-length "$SEQ" --max-position-embeddings "$SEQ" --vocab-size "$VOCAB"
+        --hidden-dropout "$DROPOUT" --attention-dropout "$DROPOUT"
+    )
+    if [[ "$model" == "bert" && "${NO_BINARY_HEAD:-0}" == "1" ]]; then model_args+=(--bert-no-binary-head); fi
+    set_training_args
+    set_data_args "$model"
+    set_run_args "$model"
+    launch "pretrain_${model}.py" "${model_args[@]}" "${TRAINING_ARGS[@]}" \
+        --pipeline-model-parallel-size "$PP" --pipeline-schedule "$SCHEDULE" "${SCHEDULE_ARGS[@]}" \
+        "${DATA_ARGS[@]}" "${RUN_ARGS[@]}"
+}
+
+# The example script for MODEL (gpt | bert) and a --pipeline-schedule name.
+example_script() {
+    local model="$1" schedule="$2" short
+    case "$schedule" in
+        1f1b|paci|pipemare|amdp) short="$schedule" ;;
+        interleaved-1f1b) short=interleaved ;;
+        zb-2p) short=zb2p ;;
+        async-1f1b) short=async ;;
+        pipedream-2bw) short=2bw ;;
+        *) echo "error: no example script for schedule $schedule" >&2; return 2 ;;
+    esac
+    echo "$REPO_DIR/examples/pretrain_${model}_${short}.sh"
+}
+
+# Slurm batch scripts (examples/slurm/): the job's topology, exported for examples/slurm/node.sh
+# and the example it runs. NODES (default: the allocation's), GPUS_PER_NODE, MODEL (gpt),
+# SCHEDULE (paci), EXAMPLE (default: the example of MODEL and SCHEDULE), CHECKPOINT_DIR
+# (default: checkpoints/MODEL_SCHEDULE, so a requeued job resumes), MASTER_PORT.
+# MASTER_ADDR is the first host of `scontrol show hostnames "$SLURM_JOB_NODELIST"`.
+slurm_env() {
+    cd "$REPO_DIR"
+    NNODES="${NODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}"
+    local -a hosts
+    mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm job}")
+    if (( ${#hosts[@]} < NNODES )); then
+        echo "error: NODES=$NNODES but the allocation has ${#hosts[@]} host(s): ${hosts[*]}" >&2
+        return 2
+    fi
+    MASTER_ADDR="${hosts[0]}"
+    MASTER_PORT="${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
+    RDZV_ID="${SLURM_JOB_ID:-megatron-async}"
+    MODEL="${MODEL:-gpt}"; SCHEDULE="${SCHEDULE:-paci}"
+    EXAMPLE="${EXAMPLE:-$(example_script "$MODEL" "$SCHEDULE")}"
+    CHECKPOINT_DIR="${CHECKPOINT_DIR:-$REPO_DIR/checkpoints/${MODEL}_${SCHEDULE}}"
+    mkdir -p "$CHECKPOINT_DIR"
+    export NNODES MASTER_ADDR MASTER_PORT RDZV_ID MODEL SCHEDULE EXAMPLE CHECKPOINT_DIR GPUS_PER_NODE
+    echo "[slurm] job ${SLURM_JOB_ID:-?}: $NNODES node(s) x $GPUS_PER_NODE GPUs, rendezvous $MASTER_ADDR:$MASTER_PORT," \
+         "$EXAMPLE (schedule $SCHEDULE), checkpoints $CHECKPOINT_DIR" >&2
 }
