@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+# torch.autograd.backward(out, grad) imports this lazily on its first call (1-3 s on a loaded
+# host): done here, the cost lands at start-up instead of inside the first traced/timed backward.
+import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, PipelineLayout
@@ -111,6 +114,8 @@ class StageWorker:
         self._losses: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         # Times F / B / W while a profiled Zero Bubble schedule profiles (megatron.pipeline.profiling).
         self.profiler: Any = None
+        # Records op spans with --trace-dir (megatron.pipeline.tracing); None: tracing off.
+        self.tracer: Any = None
         # Dropout RNG: stage s starts from seed + 100 * s (Megatron's convention). The
         # emulator runs all stages in one process and swaps the state per op.
         self._isolate_rng = isolate_rng
@@ -326,6 +331,7 @@ class StageWorker:
 
         Non-finite gradients skip the update (the version does not advance) and are logged.
         """
+        start = self.tracer.now() if self.tracer is not None else 0  # after the collective: see tracing
         total_sq = math.fsum(stage_sq_norms)
         opt = self.setup.optimizer
         self.weights.before_update(op)
@@ -339,6 +345,8 @@ class StageWorker:
             self.record_update(op.update, total_sq, lr)
         self.weights.after_update(op)
         opt.zero_grad()
+        if self.tracer is not None:
+            self.tracer.record(op, start)
 
     def record_update(self, update: int, total_sq: float, lr: float | None) -> None:
         """Statistics of update ``update``: applied with ``lr``, or skipped when ``lr`` is None."""

@@ -18,6 +18,7 @@ from megatron.trainer.post_validation_args import (
     add_post_validation_args, post_validation_options, validate_post_validation_args)
 from megatron.trainer.pipemare_args import add_pipemare_args, pipemare_options, validate_pipemare_args
 from megatron.trainer.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
+from megatron.trainer.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
 
 
 class ArgumentError(ValueError):
@@ -131,6 +132,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_post_validation_args(p)
     add_pipemare_args(p)
     add_run_control_args(p)
+    add_insight_args(p)  # --trace-dir, --pipeline-partition
     _add_logging_args(p)
     return p
 
@@ -193,7 +195,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--pipeline-layer-split has {len(split)} entries for {pp} pipeline stages")
         if sum(split) != args.num_layers or min(split) < 1:
             raise ArgumentError(f"--pipeline-layer-split {split} must be positive and sum to --num-layers {args.num_layers}")
-    elif args.num_layers % pp:
+    elif args.num_layers % pp and args.pipeline_partition != "auto":
         raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} (or pass --pipeline-layer-split)")
     _validate_virtual_stages(args)
     if args.global_batch_size % (args.micro_batch_size * dp):
@@ -230,6 +232,10 @@ def validate_args(args: argparse.Namespace) -> None:
     validate_zero_bubble_args(args)  # --zb-* flags (zb-1p / zb-2p)
     validate_post_validation_args(args)  # --enable-optimizer-post-validation and friends
     validate_pipemare_args(args)  # --pipemare-* (T1, T2, synchronous warm-up)
+    try:
+        validate_insight_args(args)  # --trace-dir, --pipeline-partition auto
+    except InsightArgumentError as exc:
+        raise ArgumentError(str(exc)) from None
     try:
         validate_run_control_args(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
     except RunControlError as exc:

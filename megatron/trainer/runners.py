@@ -7,7 +7,8 @@ how evaluation results are summed and how checkpoint writers are coordinated.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -20,9 +21,36 @@ from megatron.pipeline.parallel import StageGroups
 from megatron.pipeline.profiling import distributed_profiling, emulator_profiling
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.schedules.evaluation import evaluation_ops, evaluation_streams
+from megatron.pipeline.tracing import StageTracer
 from megatron.pipeline.worker import StageWorker
 from megatron.trainer import checkpointing as ckpt
 from megatron.trainer.task import Batch, PretrainTask
+
+
+def _tracer(args: argparse.Namespace, worker: StageWorker, dp_rank: int, executor: str) -> StageTracer | None:
+    """This stage's tracer with ``--trace-dir`` (kept across segments), else None."""
+    if getattr(args, "trace_dir", None) is None:
+        return None
+    return StageTracer(worker.stage, dp_rank, worker.layout, executor, args.pipeline_schedule,
+                       worker.setup.microbatches_per_update, worker.setup.device)
+
+
+@contextlib.contextmanager
+def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], args: argparse.Namespace) -> Iterator[None]:
+    """Trace training segments only (evaluation is not part of the schedule's timeline); write the
+    cumulative trace files at the end of each segment, so a run that stops early still leaves them."""
+    if not tracers or tracers[0] is None:
+        yield
+        return
+    for w, t in zip(workers, tracers):
+        w.tracer = t
+    try:
+        yield
+    finally:
+        for w, t in zip(workers, tracers):
+            w.tracer = None
+            assert t is not None
+            t.write(args.trace_dir)
 
 
 class EvaluationData:
@@ -50,11 +78,13 @@ class EmulatorRunner:
         self.task, self.args, self.workers = task, args, workers
         self.cadence, self.sink = cadence, sink
         self.data = EvaluationData(task, args, 0, workers[0].setup.device)
+        self.tracers = [_tracer(args, w, 0, "emulator") for w in workers]
 
     def train(self, schedule: Schedule) -> None:
         hook = emulator_profiling(schedule, self.workers)  # zb-1p / zb-2p with --zb-profile-iters
-        Emulator(self.workers, schedule.layout, self.cadence, self.sink, sync_hook=hook,
-                 outcomes=getattr(schedule, "validation_outcomes", None)).run(schedule.streams())
+        with _tracing(self.workers, self.tracers, self.args):
+            Emulator(self.workers, schedule.layout, self.cadence, self.sink, sync_hook=hook,
+                     outcomes=getattr(schedule, "validation_outcomes", None)).run(schedule.streams())
 
     def evaluate(self, split: str) -> tuple[float, int] | None:
         batch_fn = self.data.batch_fn(split)
@@ -84,12 +114,17 @@ class DistributedRunner:
         self.task, self.args, self.worker, self.groups = task, args, worker, groups
         self.cadence, self.sink, self.timeout = cadence, sink, timeout
         self.data = EvaluationData(task, args, groups.dp_rank, worker.setup.device)
+        self.tracer = _tracer(args, worker, groups.dp_rank, "distributed")
 
     def train(self, schedule: Schedule) -> None:
         hook = distributed_profiling(schedule, self.worker, self.groups, self.timeout, log=self.groups.rank == 0)
-        DistributedExecutor(self.worker, self.groups, self.cadence, self.sink, self.timeout, sync_hook=hook,
-                            outcomes=getattr(schedule, "validation_outcomes", None)).run(
-            schedule.stage_ops(self.groups.stage))
+        if self.tracer is not None:  # a common instant for aligning the ranks' clocks
+            dist.barrier(group=self.groups.reports)
+            self.tracer.mark_aligned()
+        with _tracing([self.worker], [self.tracer], self.args):
+            DistributedExecutor(self.worker, self.groups, self.cadence, self.sink, self.timeout, sync_hook=hook,
+                                outcomes=getattr(schedule, "validation_outcomes", None)).run(
+                schedule.stage_ops(self.groups.stage))
 
     def evaluate(self, split: str) -> tuple[float, int] | None:
         batch_fn = self.data.batch_fn(split)

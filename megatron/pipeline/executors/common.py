@@ -33,14 +33,27 @@ def run_compute_op(
 ) -> dict[Message, torch.Tensor]:
     """Run F, B, W, BW or EVAL on ``worker`` with received tensors; return the tensors to send.
 
-    B sends the input gradient exactly like BW; W receives and sends nothing.
+    B sends the input gradient exactly like BW; W receives and sends nothing. With a tracer on
+    the worker (``--trace-dir``, :mod:`megatron.pipeline.tracing`) the op's span is recorded.
     """
+    tracer = getattr(worker, "tracer", None)
+    if tracer is None:
+        return _run_compute_op(worker, op, inputs)
+    start = tracer.now()
+    outputs = _run_compute_op(worker, op, inputs)
+    tracer.record(op, start)
+    return outputs
+
+
+def _run_compute_op(
+    worker: StageWorker, op: Op, inputs: dict[Message, torch.Tensor]
+) -> dict[Message, torch.Tensor]:
     profiler = getattr(worker, "profiler", None)  # set only while a profiled Zero Bubble schedule profiles
     if profiler is not None:
         worker.profiler = None
         try:
             with profiler.timed(op, worker.meter):
-                return run_compute_op(worker, op, inputs)
+                return _run_compute_op(worker, op, inputs)
         finally:
             worker.profiler = profiler
     layout = worker.layout
