@@ -78,3 +78,15 @@ def read_log(path: Path) -> list[dict]:
 def eval_records(out_dir: Path) -> list[dict]:
     """The evaluation records of a :func:`run_pretrain` run in ``out_dir``."""
     return [r for r in read_log(out_dir / "log.jsonl") if "eval_split" in r]
+
+
+def assert_runtime_equals_emulator(argv: list[str], out_dir: Path) -> tuple[list[dict], list]:
+    """Train ``argv`` through the distributed runtime and the emulator (needs ``megatron_world1``);
+    assert bitwise-equal final parameters; return the runtime's records and the emulator's workers."""
+    records, dist_params = run_pretrain(argv, out_dir)
+    workers = emulate([*argv, "--pipeline-executor", "emulator"])
+    emu_params = final_params(workers)
+    assert dist_params.keys() == emu_params.keys()
+    for name, value in dist_params.items():
+        assert torch.equal(value, emu_params[name]), name
+    return records, workers

@@ -10,7 +10,7 @@ from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, bui
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.validate import validate_schedule
 from tests import tiny_pipeline as tiny
-from tests.async_helpers import emulate, final_params, run_pretrain, tiny_args
+from tests.async_helpers import assert_runtime_equals_emulator, emulate, tiny_args
 
 
 @pytest.mark.parametrize("num_stages", range(2, 9))
@@ -83,10 +83,5 @@ def test_simulator_reports_no_drift_and_the_extra_weight_copy() -> None:
 
 def test_distributed_runtime_equals_emulator_bitwise(megatron_world1, tmp_path) -> None:
     argv = tiny_args(4, "pipedream-2bw", 3, 5, "--hidden-dropout", "0.1")
-    records, dist_params = run_pretrain(argv, tmp_path / "dist")
-    workers = emulate([*argv, "--pipeline-executor", "emulator"])
+    records, _ = assert_runtime_equals_emulator(argv, tmp_path / "dist")
     assert all(r["drift_max"] == [0, 0, 0, 0] for r in records)
-    emu_params = final_params(workers)
-    assert dist_params.keys() == emu_params.keys()
-    for name, value in dist_params.items():
-        assert torch.equal(value, emu_params[name]), name

@@ -16,7 +16,7 @@ from megatron.pipeline.schedules.pipemare import OPTION, PipeMareOptions, Resche
 from megatron.pipeline.validate import validate_schedule
 from megatron.pipeline.weight_versions import DiscrepancyCorrection
 from tests import tiny_pipeline as tiny
-from tests.async_helpers import emulate, final_params, run_pretrain, tiny_args
+from tests.async_helpers import assert_runtime_equals_emulator, tiny_args
 
 
 def _config(n: int, a: int, iterations: int | None, first: int = 0, drain_every: int | None = None,
@@ -246,12 +246,7 @@ PIPEMARE_FLAGS = ("--pipemare-lr-anneal-iters", "3", "--pipemare-discrepancy-dec
 
 def test_distributed_runtime_equals_emulator_bitwise(megatron_world1, tmp_path) -> None:
     argv = tiny_args(4, "pipemare", 1, 6, "--hidden-dropout", "0.1", *PIPEMARE_FLAGS)
-    records, dist_params = run_pretrain(argv, tmp_path / "dist")
-    workers = emulate([*argv, "--pipeline-executor", "emulator"])
+    records, workers = assert_runtime_equals_emulator(argv, tmp_path / "dist")
     assert records[0]["drift_max"] == [0, 0, 0, 0]  # synchronous warm-up
     assert records[-1]["drift_max"] == [3, 2, 1, 0]  # then 1F1B's asynchronous drift
     assert [w.setup.lr_schedule.tau for w in workers] == [7, 5, 3, 1]
-    emu_params = final_params(workers)
-    assert dist_params.keys() == emu_params.keys()
-    for name, value in dist_params.items():
-        assert torch.equal(value, emu_params[name]), name

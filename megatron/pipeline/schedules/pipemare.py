@@ -40,8 +40,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.pipeline.ir import OPT, Op
-from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError, one_f_one_b
+from megatron.pipeline.ir import Op
+from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError
+from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.paci import PACI, drift_bound
 from megatron.pipeline.weight_versions import DiscrepancyCorrection
 
@@ -133,14 +134,14 @@ class PipeMare(PACI):
 
     def stage_ops(self, stage: int) -> Iterator[Op]:
         """``W`` synchronous 1F1B iterations (counted from the run's iteration 0), then PACI's stream."""
-        cfg, a = self.config, self.config.num_microbatches
+        cfg = self.config
         end = None if cfg.num_iterations is None else cfg.first_iteration + cfg.num_iterations
         sync_end = max(cfg.first_iteration, self.options(cfg).sync_warmup_iters)
         if end is not None:
             sync_end = min(sync_end, end)
-        for it in range(cfg.first_iteration, sync_end):
-            yield from one_f_one_b(stage, cfg.num_stages, range(it * a, (it + 1) * a))
-            yield OPT(stage, it, sync=True)
+        if sync_end > cfg.first_iteration:
+            warmup = dataclasses.replace(cfg, num_iterations=sync_end - cfg.first_iteration, options={})
+            yield from OneFOneBFlush(warmup).stage_ops(stage)
         if end is not None and sync_end >= end:
             return
         rest = copy.copy(self)
