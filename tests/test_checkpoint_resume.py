@@ -32,6 +32,8 @@ TOTAL, STOP = 20, 10
 SCHEDULE_FLAGS: dict[str, tuple[str, ...]] = {
     "1f1b": (), "gpipe": (), "paci": (), "async-1f1b": ("--global-batch-size", "1"), "zb-h1": (), "zb-h2": (), "zb-1p": (), "zb-2p": (),
     "interleaved-1f1b": ("--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"),
+    # 4 devices, so every device saves its two pipelines' chunks (replicas of two logical stages)
+    "amdp": ("--num-layers", "4", "--pipeline-model-parallel-size", "4"),
     "pipedream-2bw": (),  # the stash crosses the checkpoint (window 10 computes on version 9)
     "pipemare": ("--pipemare-lr-anneal-iters", "8", "--pipemare-discrepancy-decay", "0.1",
                  "--pipemare-sync-warmup-iters", "3"),  # delta crosses the checkpoint

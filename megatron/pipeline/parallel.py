@@ -5,10 +5,12 @@ later tensor-parallel layer can hand the same ranks to ``megatron.core.parallel_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from megatron.pipeline.ir import MultiPipelineLayout
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,11 @@ class StageGroups:
     pipeline: dist.ProcessGroup | None  # same dp/tp index, all stages
     data_parallel: dist.ProcessGroup | None  # same stage/tp index, all dp replicas
     reports: dist.ProcessGroup  # gloo side channel for statistics (never NCCL)
+    # Replicated pipelines (AMDP, MultiPipelineLayout): per logical stage this rank hosts, the
+    # group of its replicas; and this rank's sync group (layout.sync_group), same dp/tp index.
+    replicas: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    sync: dist.ProcessGroup | None = None
+    sync_size: int = 0
 
     @property
     def stage(self) -> int:
@@ -50,7 +57,8 @@ class StageGroups:
         return self.layout.coords(self.rank)[1]
 
     @classmethod
-    def create(cls, layout: RankLayout, timeout: timedelta) -> "StageGroups":
+    def create(cls, layout: RankLayout, timeout: timedelta,
+               stage_layout: MultiPipelineLayout | None = None) -> "StageGroups":
         rank = dist.get_rank()
         if dist.get_world_size() != layout.world_size:
             raise ValueError(
@@ -67,7 +75,34 @@ class StageGroups:
              for s in range(layout.pipeline_size) for t in range(layout.tensor_parallel_size)},
             (stage, tp), timeout)
         reports = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
-        return cls(layout, rank, pipeline, data_parallel, reports)
+        groups = cls(layout, rank, pipeline, data_parallel, reports)
+        if stage_layout is not None:
+            groups._create_replica_groups(stage_layout, timeout)
+        return groups
+
+    def _create_replica_groups(self, stage_layout: MultiPipelineLayout, timeout: timedelta) -> None:
+        """One group per logical stage (its replicas) and per sync group, for every dp/tp index."""
+        stage = self.stage
+        hosted = {stage_layout.logical_stage(stage, c) for c in range(stage_layout.num_chunks)}
+        for j in range(stage_layout.num_stages):
+            group = self._create_over_stages(sorted(d for d, _ in stage_layout.replicas(j)), timeout)
+            if j in hosted:
+                self.replicas[j] = group
+        for first in sorted({stage_layout.sync_group(s)[0] for s in range(self.layout.pipeline_size)}):
+            members = stage_layout.sync_group(first)
+            group = self._create_over_stages(list(members), timeout)
+            if stage in members:
+                self.sync, self.sync_size = group, len(members)
+
+    def _create_over_stages(self, stages: list[int], timeout: timedelta) -> dist.ProcessGroup:
+        """A group of ``stages`` at every dp/tp index (collective: every rank calls it); this
+        rank's dp/tp index's group."""
+        layout, (_, dp, tp) = self.layout, self.layout.coords(self.rank)
+        picked = _create_and_pick({(d, t): [layout.rank(s, d, t) for s in stages]
+                                   for d in range(layout.data_parallel_size)
+                                   for t in range(layout.tensor_parallel_size)}, (dp, tp), timeout)
+        assert picked is not None
+        return picked
 
 
 def _create_and_pick(

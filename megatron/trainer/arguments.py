@@ -10,6 +10,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, schedule_class
 from megatron.pipeline.schedules.interleaved import GROUP_OPTION
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
@@ -246,6 +247,9 @@ def validate_args(args: argparse.Namespace) -> None:
         schedule_class(args.pipeline_schedule).check_config(schedule_config(args))
     except ScheduleConfigError as exc:
         raise ArgumentError(f"--pipeline-schedule: {exc}") from None
+    if args.pipeline_schedule == "amdp" and args.data_parallel_size > 1:
+        raise ArgumentError("--pipeline-schedule amdp: its D/2 replicated pipelines are its data parallelism; "
+                            f"--data-parallel-size {args.data_parallel_size} > 1 is not supported with it")
 
 
 def _validate_data(args: argparse.Namespace) -> None:
@@ -336,6 +340,11 @@ def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
         options={**({} if group is None else {GROUP_OPTION: group}), **zero_bubble_options(args),
                  **post_validation_options(args), **pipemare_options(args)},
     )
+
+
+def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:
+    """Where the run's schedule places model chunks (AMDP: one chunk per replicated pipeline)."""
+    return schedule_class(args.pipeline_schedule).layout_of(schedule_config(args))
 
 
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:

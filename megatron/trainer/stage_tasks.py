@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron.trainer.arguments import pipeline_layout
 from megatron.trainer.models.stage import PipelineStage, split_layers
 from megatron.trainer.task import Batch, microbatch_sample_indices
 
@@ -44,17 +45,21 @@ def transformer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def build_chunks(
     args: argparse.Namespace, stage: int, build: Callable[[range, bool, bool], PipelineStage]
 ) -> list[torch.nn.Module]:
-    """Chunk c of ``stage`` owns the global layers of virtual stage c * PP + stage.
+    """The chunks of ``stage``, each owning the global layers of its part of the model.
 
-    With V chunks per stage the model is split evenly into PP * V virtual stages;
-    ``build(layers, pre_process, post_process)`` builds one, the embedding on virtual stage 0
+    The schedule's layout says which part chunk c holds (``layout.model_stage``): virtual
+    stage c * PP + stage for interleaving (the model split evenly into PP * V parts), logical
+    stage of pipeline c for AMDP's replicated pipelines (PP parts, each built once per
+    pipeline; initialisation by global name makes the replicas identical).
+    ``build(layers, pre_process, post_process)`` builds one part, the embedding on part 0
     only, the output heads and loss on the last one.
     """
-    pp, chunks = args.pipeline_model_parallel_size, getattr(args, "num_model_chunks", 1)
-    split = args.pipeline_layer_split if chunks == 1 else None
-    virtual_layers = split_layers(args.num_layers, pp * chunks, split)
-    last = pp * chunks - 1
-    return [build(virtual_layers[v], v == 0, v == last) for v in (c * pp + stage for c in range(chunks))]
+    layout = pipeline_layout(args)
+    parts = layout.num_model_stages
+    split = args.pipeline_layer_split if parts == args.pipeline_model_parallel_size else None
+    part_layers = split_layers(args.num_layers, parts, split)
+    model_stages = [layout.model_stage(stage, c) for c in range(layout.num_chunks)]
+    return [build(part_layers[j], j == 0, j == parts - 1) for j in model_stages]
 
 
 def global_named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -19,13 +19,13 @@ import torch.distributed as dist
 
 from megatron.pipeline.executors.common import ReportCadence
 from megatron.pipeline.executors.distributed import PipelineRuntimeError, SideChannelReports
-from megatron.pipeline.ir import PipelineLayout
+from megatron.pipeline.ir import MultiPipelineLayout
 from megatron.pipeline.parallel import RankLayout, StageGroups
 from megatron.pipeline.profiling import log_fixed_choice
 from megatron.pipeline.schedules import build_schedule, schedule_class
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.worker import StageSetup, StageWorker
-from megatron.trainer.arguments import build_parser, parse_args, schedule_config
+from megatron.trainer.arguments import build_parser, parse_args, pipeline_layout, schedule_config
 from megatron.trainer.checkpointing import CheckpointError, ResumePoint, check_resume, load_stage_state
 from megatron.trainer.launcher import free_port, is_worker_process, launch_local
 from megatron.trainer.logger import ReportCollector, TrainingLogger
@@ -52,7 +52,7 @@ def set_threads(args: argparse.Namespace, local_processes: int) -> None:
 def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
                  device: torch.device, isolate_rng: bool) -> StageWorker:
     chunks = task.build_stage(args, stage, device)
-    layout = PipelineLayout(args.pipeline_model_parallel_size, getattr(args, "num_model_chunks", 1))
+    layout = pipeline_layout(args)
     if len(chunks) != layout.num_chunks:
         raise ValueError(f"task {task.name} built {len(chunks)} model chunks for stage {stage}, "
                          f"the pipeline layout has {layout.num_chunks}")
@@ -176,7 +176,9 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
     # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
     p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
-    groups = StageGroups.create(layout, p2p_timeout)
+    stage_layout = pipeline_layout(args)  # AMDP's replicated pipelines need replica groups
+    groups = StageGroups.create(layout, p2p_timeout,
+                                stage_layout if isinstance(stage_layout, MultiPipelineLayout) else None)
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
     stage, dp_rank, _ = layout.coords(rank)

@@ -19,6 +19,7 @@ from megatron.pipeline.executors.common import ReportCadence, ReportSink, run_co
 from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind
 from megatron.pipeline.parallel import StageGroups
 from megatron.pipeline.post_validation import ValidationOutcomes, run_post_validation_op
+from megatron.pipeline.replicas import has_replicas, reduce_distributed
 from megatron.pipeline.report import StageReport
 from megatron.pipeline.worker import StageWorker
 
@@ -139,17 +140,22 @@ class DistributedExecutor:
 
     def _optimizer_step(self, op: Op) -> None:
         self._all_reduce_data_parallel_grads()
+        self.worker.apply_update(op, self._step_norms(op))
+        if self.cadence.due(op.update):
+            self.sink.submit(self.worker.take_report(op.update), replica=self.groups.dp_rank)
+
+    def _step_norms(self, op: Op) -> list[float]:
+        """The squared grad norms the step of ``op`` is clipped with (the emulator's, in its order)."""
+        layout = self.worker.layout
+        if op.sync and has_replicas(layout):  # AMDP: sum over the stage's replicas first
+            return reduce_distributed(self.worker, self.groups.replicas, self.groups.sync, self.groups.sync_size)
         own = self.worker.grad_sq_norm(op)
-        if op.sync and self.groups.layout.pipeline_size > 1:
+        if op.sync and len(layout.sync_group(self.groups.stage)) > 1:  # one chain: all stages
             mine = torch.tensor([own], dtype=torch.float64, device=self.worker.setup.device)
             gathered = [torch.empty_like(mine) for _ in range(self.groups.layout.pipeline_size)]
             dist.all_gather(gathered, mine, group=self.groups.pipeline)
-            norms = [float(t) for t in gathered]  # stage order, like the emulator
-        else:
-            norms = [own]
-        self.worker.apply_update(op, norms)
-        if self.cadence.due(op.update):
-            self.sink.submit(self.worker.take_report(op.update), replica=self.groups.dp_rank)
+            return [float(t) for t in gathered]  # stage order, like the emulator
+        return [own]
 
     # -- main loop -----------------------------------------------------------------
     def run(self, stream: Iterable[Op]) -> None:

@@ -16,6 +16,7 @@ from megatron.pipeline.executors.common import ReportCadence, ReportSink, run_co
 from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind, PipelineLayout
 from megatron.pipeline.post_validation import ValidationOutcomes, run_post_validation_op
 from megatron.pipeline.replay import ReplayEngine
+from megatron.pipeline.replicas import has_replicas, reduce_in_process
 from megatron.pipeline.worker import StageWorker
 
 
@@ -54,7 +55,10 @@ class Emulator:
         return {m: t.clone() for m, t in outputs.items()}
 
     def _execute_sync(self, ops: list[Op]) -> None:
-        norms = [self.workers[op.stage].grad_sq_norm(op) for op in ops]
+        if has_replicas(self.layout):  # AMDP: replicas of a logical stage sum their gradients
+            norms = reduce_in_process(self.workers, [op.stage for op in ops])
+        else:
+            norms = [self.workers[op.stage].grad_sq_norm(op) for op in ops]
         for op in ops:
             self.workers[op.stage].apply_update(op, norms)
         for op in ops:

@@ -10,6 +10,7 @@ from megatron.pipeline.schedules.base import (
 )
 from megatron.pipeline.schedules.gpipe import GPipe
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
+from megatron.pipeline.schedules.amdp import AMDP
 from megatron.pipeline.schedules.paci import PACI, Async1F1B
 from megatron.pipeline.schedules.pipedream_2bw import PipeDream2BW
 from megatron.pipeline.schedules.pipemare import PipeMare
@@ -24,6 +25,7 @@ SCHEDULES[Interleaved1F1B.name] = Interleaved1F1B  # Megatron-LM virtual pipelin
 SCHEDULES.update({cls.name: cls for cls in (ZBH1, ZBH2, ZB1P, ZB2P)})  # Zero Bubble (Qi et al.)
 SCHEDULES[PipeDream2BW.name] = PipeDream2BW  # double-buffered weights (Narayanan et al.)
 SCHEDULES[PipeMare.name] = PipeMare  # T1 lr rescheduling, T2 discrepancy correction (Yang et al.)
+SCHEDULES[AMDP.name] = AMDP  # D/2 replicated pipelines in alternating directions
 
 
 def register(cls: type[Schedule]) -> type[Schedule]:

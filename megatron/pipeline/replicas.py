@@ -1,0 +1,111 @@
+"""The window update of replicated pipelines (AMDP): replicas of a logical stage sum gradients.
+
+With a :class:`~megatron.pipeline.ir.MultiPipelineLayout` every logical stage ``j`` has one
+replica per pipeline, as chunk ``p`` on device ``device(p, j)``. Replicas start identical
+(initialisation depends only on the seed and the global parameter name), so they stay
+identical if they take the same step on the same gradient. At a ``sync`` OPT:
+
+1. each logical stage's replicas exchange their accumulated gradients and every replica
+   adds them up *in pipeline order* (``g_0 + g_1 + ...``, fp32), so every replica, and the
+   emulator as well as the one-process-per-device runtime, gets the same bits (an
+   all-reduce would sum in a ring order that differs between ranks and from the emulator);
+2. the norm for clipping and the non-finite check is that of the group's logical stages,
+   each counted once: device ``d`` contributes the squared norm of its pipeline-0 chunk (the
+   pipeline-0 placement is the identity, so device ``d`` "owns" logical stage ``d``), and
+   the group's values are summed with ``math.fsum`` (exact, so order-independent). The sync
+   group is closed under replicas, so every replica of a stage sees the same norm and all
+   skip or clip alike.
+
+Losses are scaled by 1/T (T = micro-batches per window over all pipelines), so the summed
+gradient is the window's mean, as in a synchronous step over T micro-batches.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
+from megatron.pipeline.worker import StageWorker
+
+
+def has_replicas(layout: PipelineLayout) -> bool:
+    """Whether sync OPTs of this layout reduce gradients among replicated pipelines."""
+    return isinstance(layout, MultiPipelineLayout) and layout.num_pipelines > 1
+
+
+def chunk_grads(worker: StageWorker, chunk: int) -> list[torch.Tensor]:
+    """The accumulated gradients of one chunk, in parameter order (zeros where none yet)."""
+    grads = []
+    for p in worker.setup.chunks[chunk].parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    return grads
+
+
+def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def _assign(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _sum_in_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def owned_sq_norm(worker: StageWorker) -> float:
+    """Squared gradient norm of this device's pipeline-0 chunk (logical stage = device)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for g in chunk_grads(worker, 0):
+        total += g.float().square().sum().cpu()
+    return float(total)
+
+
+def reduce_in_process(workers: Sequence[StageWorker], group: Sequence[int]) -> list[float]:
+    """Emulator: sum every replicated logical stage of ``group``; return the group's norms."""
+    layout = workers[group[0]].layout
+    assert isinstance(layout, MultiPipelineLayout)
+    stages = sorted({layout.logical_stage(s, c) for s in group for c in range(layout.num_chunks)})
+    for j in stages:
+        replicas = [chunk_grads(workers[d], c) for d, c in layout.replicas(j)]
+        total = _sum_in_order([_flat(g) for g in replicas])
+        for grads in replicas:
+            _assign(grads, total)
+    return [owned_sq_norm(workers[s]) for s in group]
+
+
+def reduce_distributed(worker: StageWorker, replica_groups: dict[int, Any], sync_group: Any,
+                       group_size: int) -> list[float]:
+    """Runtime: the same sums as :func:`reduce_in_process`, over process groups.
+
+    For each logical stage this device hosts, in increasing order (every device of the sync
+    group does the same, so the blocking collectives of different replica groups cannot wait
+    on each other in a cycle), all-gather the replicas' flat gradients and sum them in
+    pipeline order; then all-gather the owned norms over the sync group. A process group
+    orders its members by global rank, i.e. by device here, hence the reordering.
+    """
+    layout = worker.layout
+    assert isinstance(layout, MultiPipelineLayout)
+    hosted = sorted((layout.logical_stage(worker.stage, c), c) for c in range(layout.num_chunks))
+    for j, chunk in hosted:
+        grads = chunk_grads(worker, chunk)
+        mine = _flat(grads)
+        gathered = [torch.empty_like(mine) for _ in range(layout.num_pipelines)]
+        dist.all_gather(gathered, mine, group=replica_groups[j])
+        by_device = dict(zip(sorted(d for d, _ in layout.replicas(j)), gathered))
+        _assign(grads, _sum_in_order([by_device[d] for d, _ in layout.replicas(j)]))
+    own = torch.tensor([owned_sq_norm(worker)], dtype=torch.float64)
+    norms = [torch.empty_like(own) for _ in range(group_size)]
+    dist.all_gather(norms, own, group=sync_group)
+    return [float(t) for t in norms]
