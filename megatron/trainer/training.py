@@ -25,6 +25,7 @@ from megatron.pipeline.profiling import log_fixed_choice
 from megatron.pipeline.schedules import build_schedule, schedule_class
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.worker import StageSetup, StageWorker
+from megatron.trainer.auto_partition import apply_auto_partition
 from megatron.trainer.arguments import build_parser, parse_args, pipeline_layout, schedule_config
 from megatron.trainer.checkpointing import CheckpointError, ResumePoint, check_resume, load_stage_state
 from megatron.trainer.launcher import free_port, is_worker_process, launch_local
@@ -145,6 +146,7 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
     device = resolve_device(args, 0)
+    apply_auto_partition(task, args, device)  # --pipeline-partition auto: profile, then split
     pp = args.pipeline_model_parallel_size
     workers = [build_worker(task, args, s, 0, device, isolate_rng=True) for s in range(pp)]
     start = _resume(task, workers, 0, resume)
@@ -181,6 +183,7 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
                                 stage_layout if isinstance(stage_layout, MultiPipelineLayout) else None)
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
+    apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
     stage, dp_rank, _ = layout.coords(rank)
     try:
         resume = check_resume_or_exit(task, args)
