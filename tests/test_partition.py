@@ -95,3 +95,33 @@ def test_rejects_bad_input() -> None:
         partition_layers([1.0], [0.0], [0.0], [1, 1])
     with pytest.raises(ValueError):
         partition_layers([1.0, -1.0], [0.0, 0.0], [0.0, 0.0], [1])
+
+
+def test_auto_partition_end_to_end_in_the_emulator(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pipeline-partition auto`` profiles the tiny GPT, prints its choice and trains on it.
+
+    The budget (0.001 GB) is below any split's memory, so this also runs the fallback path; the
+    split printed is the one the stages are built with.
+    """
+    import re
+
+    from megatron.trainer.arguments import build_parser, parse_args
+    from megatron.trainer.gpt_task import GPTTask
+    from megatron.trainer.training import emulate
+
+    task = GPTTask()
+    parser = build_parser("gpt")
+    task.add_arguments(parser)
+    args = parse_args([
+        "--pipeline-executor", "emulator", "--pipeline-model-parallel-size", "2", "--num-layers", "5",
+        "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--vocab-size", "64",
+        "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--log-interval", "1",
+        "--device", "cpu", "--num-threads", "1", "--pipeline-partition", "auto",
+        "--pipeline-partition-memory-gb", "0.00001", "--pipeline-partition-profile-iters", "1",
+    ], parser)
+    workers = emulate(task, args)
+    out = capsys.readouterr().out
+    split = [int(c) for c in re.search(r"layer split \[([0-9, ]+)\]", out).group(1).split(",")]
+    assert sum(split) == 5 and min(split) >= 1 and "WARNING no split fits the budget" in out, out
+    assert [len(w.setup.chunks[0].layers) for w in workers] == split
+    assert "lm loss" in out
