@@ -83,15 +83,15 @@ def format_table(name: str, args: argparse.Namespace, result: SimulationResult, 
     ]
     header = f"{'stage':>5} {'busy':>12} {'span':>12} {'bubble':>12} {'bubble %':>9} {'peak mem (M_B)':>15}"
     if asynchronous:
-        header += f" {'max drift':>10}"
+        header += f" {'max drift':>10} {'weights':>8}"
     lines.append(header)
     for s in range(result.num_stages):
         row = (
             f"{s:>5} {result.busy[s]:>12.4f} {result.stage_span[s]:>12.4f} {result.bubble[s]:>12.4f} "
             f"{100 * result.stage_bubble_rate[s]:>8.2f}% {result.peak_memory[s]:>15.3f}"
         )
-        if asynchronous:
-            row += f" {result.max_drift[s]:>10d}"
+        if asynchronous:  # weight copies held (2BW's stash, PipeMare's delta): units of the stage's weights
+            row += f" {result.max_drift[s]:>10d} {result.weight_memory[s]:>7.0f}x"
         lines.append(row)
     lines += [
         "",
