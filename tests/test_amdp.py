@@ -146,6 +146,7 @@ def test_simulator_makespan_bubble_memory_drift() -> None:
     assert result.makespan >= 2 * t * 3 and 0 <= result.bubble_rate < 0.5
     assert all(peak <= K * lay.num_pipelines for peak in result.peak_memory)  # <= 2 per hosted stage
     assert max(result.max_drift) == 1
+    assert result.weight_memory == [lay.num_pipelines] * d  # one stage replica per pipeline: W/2
     for s, per_mb in enumerate(result.drift):
         assert all(tau == 0 for mb, tau in per_mb.items() if mb % t >= d)
 
