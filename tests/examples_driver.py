@@ -11,6 +11,11 @@ import json
 import shlex
 import sys
 import traceback
+from pathlib import Path
+
+# This checkout's megatron.pipeline / megatron.trainer, not whatever an editable install points at
+# (running `python tests/examples_driver.py` puts tests/, not the repository, on sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:
