@@ -8,8 +8,10 @@ a paper-style timeline PNG, and measured bubble fractions next to the simulator'
 Bubble fraction per stage: the timing simulator's definition (``megatron/pipeline/simulator.py``),
 i.e. idle time between the stage's first op start and last op end (a final synchronous step
 counted from the op before it) over that span. *sim* is the simulator on the same recorded op
-streams with each stage's measured median op durations, so measured - sim is what the
-runtime added (communication latency, process wake-ups), not a difference of schedule or cost.
+streams with each stage's measured median op durations, its measured dispatch time between ops
+(counted as idle, as in the trace) and the measured message latency (median time from a send to
+the start of the op that waited for it), so measured - sim is jitter, not a difference of
+schedule or cost.
 
 Emulator traces (``--pipeline-executor emulator``) come from one process running every stage in
 turn; they are re-timed (each op keeps its measured duration, the replay places it) before any
@@ -67,13 +69,15 @@ def analyse(traces: list[StageTrace], skip: int = 0) -> dict[str, Any]:
     if retimed:
         rep = retime(rep, layout)
     measured = [stage_bubble(s) for s in rep]
-    sim = simulate_trace(rep, layout)
+    if retimed:  # the replay placed every op back to back: no latency, no dispatch gaps
+        sim = simulate_trace(rep, layout, t_comm=0.0, overhead=[0.0] * layout.num_stages)
+    else:
+        sim = simulate_trace(rep, layout)
     rows = []
-    for s, (m, sim_busy, sim_span) in enumerate(zip(measured, sim.busy, sim.stage_span)):
-        sim_fraction = (sim_span - sim_busy) / sim_span if sim_span > 0 else 0.0
+    for s, m in enumerate(measured):
         rows.append({"stage": s, "busy_ms": m.busy, "span_ms": m.span, "bubble_ms": m.bubble,
-                     "bubble_fraction": m.fraction, "sim_span_ms": sim_span, "sim_bubble_fraction": sim_fraction,
-                     "ops": len(rep[s])})
+                     "bubble_fraction": m.fraction, "sim_span_ms": sim.result.stage_span[s],
+                     "sim_bubble_fraction": sim.bubble_fraction[s], "dispatch_ms": sim.overhead[s], "ops": len(rep[s])})
     ranks = []
     if not retimed:
         for t, spans in per_rank:
@@ -83,9 +87,9 @@ def analyse(traces: list[StageTrace], skip: int = 0) -> dict[str, Any]:
     return {
         "schedule": traces[0].meta.get("schedule"), "executor": traces[0].executor, "retimed": retimed,
         "num_stages": layout.num_stages, "skip_iterations": skip, "stages": rows, "ranks": ranks,
-        "bubble_rate": bubble_rate(measured), "sim_bubble_rate": sim.bubble_rate,
+        "bubble_rate": bubble_rate(measured), "sim_bubble_rate": sim.bubble_rate, "t_comm_ms": sim.t_comm,
         "costs_ms": [{"stage": s, "t_f": c.t_f, "t_b": c.t_b, "t_w": c.t_w, "t_bw": c.fused_backward,
-                      "t_opt": c.t_opt} for s, c in enumerate(sim.costs)],
+                      "t_opt": c.t_opt} for s, c in enumerate(sim.result.costs)],
         "_spans": rep,
     }
 
@@ -97,8 +101,12 @@ def format_table(report: dict[str, Any]) -> str:
     for r in report["stages"]:
         lines.append(f"{r['stage']:>5} {r['busy_ms']:>10.2f} {r['span_ms']:>10.2f} {r['bubble_ms']:>10.2f} "
                      f"{100 * r['bubble_fraction']:>8.2f}% {100 * r['sim_bubble_fraction']:>12.2f}% {r['ops']:>6}")
+    dispatch = ", ".join(f"{r['dispatch_ms']:.2f}" for r in report["stages"])
     lines += ["", f"bubble rate  measured {report['bubble_rate']:.4f}   simulated {report['sim_bubble_rate']:.4f}"
-              "  ((max span - max busy) / max span)"]
+              "  ((max span - max busy) / max span)",
+              f"simulated with each stage's measured median op times plus its dispatch time between ops "
+              f"({dispatch} ms, idle in both columns) "
+              f"and the measured message latency t_comm = {report['t_comm_ms']:.2f} ms"]
     if len(report["ranks"]) > report["num_stages"]:
         lines.append("per rank: " + ", ".join(f"s{r['stage']}/dp{r['dp_rank']} {100 * r['bubble_fraction']:.1f}%"
                                              for r in report["ranks"]))
@@ -120,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     spans = report.pop("_spans")
+    for path in (args.out, args.png):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     if args.out:
         Path(args.out).write_text(json.dumps(chrome_trace(traces)))
     if args.png:

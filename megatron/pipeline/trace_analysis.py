@@ -4,8 +4,9 @@ Why a library next to the simulator: a measured bubble is only comparable with a
 one if both use the same definition, so :func:`stage_bubbles` applies the simulator's
 (:mod:`megatron.pipeline.simulator`) to measured spans, and :func:`simulate_trace` feeds the
 simulator the *recorded* op streams with the *measured* per-stage op costs, so that what is
-left between the two is the runtime's own idling (communication latency, wake-ups), not a
-different schedule or different op costs.
+left between the two is jitter (op times that vary around their median, uneven latencies),
+not a different schedule or different op costs. The runtime's measured per-op dispatch time
+and message latency are part of the simulated costs.
 
 Definition (the simulator's, per stage): ``span`` runs from the start of the stage's first
 op to the end of its last op, where a final synchronous OPT counts as starting right after
@@ -16,13 +17,14 @@ the op before it (the wait in front of the run's last collective is not the sche
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron.pipeline.comm import Message
+from megatron.pipeline.comm import Message, op_recvs, op_sends
 from megatron.pipeline.ir import MultiPipelineLayout, Op, OpKind, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.simulator import OpCosts, OpSpan, SimulationResult, simulate_streams
@@ -48,8 +50,9 @@ class StageTrace:
 def load_traces(directory: str | Path) -> list[StageTrace]:
     """Every ``stage*_dp*.json`` of ``directory``, on one time axis (ms, 0 = first op start).
 
-    Ranks are aligned on their first ``align_ns`` (taken right after a barrier) when every file
-    has one, else on their raw ``time.time_ns()`` clocks (common within a host).
+    Ranks of one host keep their raw ``time.time_ns()`` stamps (one clock: exact). Ranks on
+    several hosts are aligned on their first ``align_ns`` (taken right after a common barrier),
+    which is good to the barrier's exit skew.
     """
     files = sorted(Path(directory).glob("stage*_dp*.json"))
     if not files:
@@ -60,7 +63,7 @@ def load_traces(directory: str | Path) -> list[StageTrace]:
         if data.get("format") != TRACE_FORMAT:
             raise ValueError(f"{f}: not a {TRACE_FORMAT} file")
         raw.append(data)
-    aligned = all(d.get("align_ns") for d in raw)
+    aligned = len({d.get("host") for d in raw}) > 1 and all(d.get("align_ns") for d in raw)
     ref = min(d["align_ns"][0] for d in raw) if aligned else 0
     offsets = [(d["align_ns"][0] - ref) if aligned else 0 for d in raw]
     origin = min((op[5] - off for d, off in zip(raw, offsets) for op in d["ops"]), default=0)
@@ -186,24 +189,86 @@ def retime(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout) -> l
     return out
 
 
-def measured_costs(stage_spans: Sequence[Sequence[OpSpan]], t_comm: float = 0.0) -> tuple[OpCosts, ...]:
-    """Per-stage median op durations (ms) by kind, as simulator costs (a kind a stage never ran: 0)."""
-    costs = []
+def _send_times(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout) -> dict[Message, float]:
+    return {msg: sp.end for spans in stage_spans for sp in spans for msg in op_sends(sp.op, layout)}
+
+
+def message_latency(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout) -> float:
+    """Median time from the end of a sending op to the start of the receiving op, over the
+    receives the receiver was idle for (its previous op had ended before the message was
+    sent): what a message costs end to end on this runtime -- the link plus waking the
+    receiver. This is the simulator's ``t_comm``. 0 when no receive waited."""
+    sent = _send_times(stage_spans, layout)
+    samples = []
     for spans in stage_spans:
+        for prev, sp in zip([None, *spans[:-1]], spans):
+            for msg in op_recvs(sp.op, layout):
+                t = sent.get(msg)
+                if t is not None and (prev is None or prev.end <= t) and sp.start >= t:
+                    samples.append(sp.start - t)
+    return statistics.median(samples) if samples else 0.0
+
+
+def dispatch_overhead(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout) -> list[float]:
+    """Per stage, the median gap between two consecutive ops when the second waited for nothing
+    (its messages had been sent before the first ended; not a synchronous step): the runtime's
+    own time between ops (posting receives, sends, bookkeeping), outside any op's span."""
+    sent = _send_times(stage_spans, layout)
+    out = []
+    for spans in stage_spans:
+        gaps = []
+        for prev, sp in zip(spans, spans[1:]):
+            if sp.op.kind is OpKind.OPT and sp.op.sync:
+                continue
+            if all(sent.get(msg, math.inf) <= prev.end for msg in op_recvs(sp.op, layout)):
+                gaps.append(max(0.0, sp.start - prev.end))
+        out.append(statistics.median(gaps) if gaps else 0.0)
+    return out
+
+
+def measured_costs(stage_spans: Sequence[Sequence[OpSpan]], t_comm: float = 0.0,
+                   overhead: Sequence[float] | None = None) -> tuple[OpCosts, ...]:
+    """Per-stage median op durations (ms) by kind, plus the stage's per-op ``overhead``, as
+    simulator costs (a kind a stage never ran: 0)."""
+    costs = []
+    for s, spans in enumerate(stage_spans):
+        extra = overhead[s] if overhead is not None else 0.0
         by_kind: dict[OpKind, list[float]] = {}
         for sp in spans:
             by_kind.setdefault(sp.op.kind, []).append(sp.end - sp.start)
-        med = {k: statistics.median(v) for k, v in by_kind.items()}
+        med = {k: statistics.median(v) + extra for k, v in by_kind.items()}
         costs.append(OpCosts(t_f=med.get(OpKind.F, 0.0), t_b=med.get(OpKind.B, 0.0), t_w=med.get(OpKind.W, 0.0),
                              t_bw=med.get(OpKind.BW, 0.0), t_opt=med.get(OpKind.OPT, 0.0), t_comm=t_comm))
     return tuple(costs)
 
 
+@dataclass
+class TraceSimulation:
+    """The simulator on a trace's op streams; ``bubble_fraction`` per stage counts the per-op
+    dispatch overhead as idle, as the trace does (it lies between op spans there)."""
+
+    result: SimulationResult
+    t_comm: float
+    overhead: list[float]
+    bubble_fraction: list[float]
+    bubble_rate: float
+
+
 def simulate_trace(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout,
-                   t_comm: float = 0.0) -> SimulationResult:
-    """The simulator on the recorded op streams with the measured per-stage median costs."""
+                   t_comm: float | None = None, overhead: Sequence[float] | None = None) -> TraceSimulation:
+    """The simulator on the recorded op streams, each op costing its stage's measured median
+    duration plus the stage's dispatch overhead (:func:`dispatch_overhead`), messages the
+    measured latency (:func:`message_latency`); defaults measured from the trace itself."""
     streams = [[sp.op for sp in spans] for spans in stage_spans]
-    return simulate_streams(streams, layout, measured_costs(stage_spans, t_comm))
+    if t_comm is None:
+        t_comm = message_latency(stage_spans, layout)
+    over = list(overhead) if overhead is not None else dispatch_overhead(stage_spans, layout)
+    result = simulate_streams(streams, layout, measured_costs(stage_spans, t_comm, over))
+    busy = [b - len(spans) * o for b, spans, o in zip(result.busy, result.spans, over)]
+    fractions = [(span - b) / span if span > 0 else 0.0 for span, b in zip(result.stage_span, busy)]
+    cost = max(result.stage_span, default=0.0)
+    rate = (cost - max(busy, default=0.0)) / cost if cost > 0 else 0.0
+    return TraceSimulation(result, t_comm, over, fractions, rate)
 
 
 def as_result(stage_spans: Sequence[Sequence[OpSpan]]) -> SimulationResult:

@@ -15,16 +15,17 @@ hooked in :func:`megatron.pipeline.executors.common.run_compute_op`) and every o
   the simulator, where a ``sync`` OPT starts once every stage is free.
 * On CUDA the device is synchronised after each traced op, so a span is the op's execution,
   not its launch (only while tracing).
-* Clock: ``time.time_ns()`` is common to all processes of a host. The distributed runner also
-  records ``align_ns`` right after a barrier at the start of each traced segment, so a merge
-  can align hosts whose wall clocks differ (it subtracts each rank's first ``align_ns``).
+* Clock: ``time.time_ns()`` is common to all processes of a host, so ranks of one host are
+  merged on their raw timestamps. The distributed runner also records ``align_ns`` right
+  after a barrier at the start of each traced segment; ranks on different hosts (``host``)
+  are aligned on their first one, as wall clocks of two hosts can differ by milliseconds.
 * Off (the default), the cost is one attribute check per op.
 
 Optimizer post-validation ops (PSTEP, VALIDATE, DISCARD, DRAIN) are not traced yet.
 
 File ``DIR/stage{S}_dp{D}.json`` (written at the end of every training segment, cumulative)::
 
-    {"format": "megatron-async-trace", "version": 1, "stage": S, "dp_rank": D,
+    {"format": "megatron-async-trace", "version": 1, "stage": S, "dp_rank": D, "host": ...,
      "executor": "distributed" | "emulator", "schedule": "1f1b", "num_stages": N,
      "num_chunks": C, "layout": "PipelineLayout", "microbatches_per_update": a,
      "align_ns": [...], "ops": [[kind, mb, chunk, update, sync, start_ns, end_ns], ...]}
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -77,7 +79,7 @@ class StageTracer:
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": TRACE_FORMAT, "version": TRACE_VERSION, "stage": self.stage, "dp_rank": self.dp_rank,
-            "executor": self.executor, "schedule": self.schedule, "num_stages": self.layout.num_stages,
+            "host": socket.gethostname(), "executor": self.executor, "schedule": self.schedule, "num_stages": self.layout.num_stages,
             "num_chunks": self.layout.num_chunks, "layout": type(self.layout).__name__,
             "microbatches_per_update": self.microbatches_per_update, "clock": "time_ns",
             "align_ns": self.align_ns, "ops": self.ops,
