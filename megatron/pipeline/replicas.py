@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
+from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
 from megatron.pipeline.worker import StageWorker
 
 
@@ -72,8 +72,18 @@ def owned_sq_norm(worker: StageWorker) -> float:
     return float(total)
 
 
-def reduce_in_process(workers: Sequence[StageWorker], group: Sequence[int]) -> list[float]:
-    """Emulator: sum every replicated logical stage of ``group``; return the group's norms."""
+def prepare(worker: StageWorker, op: Op) -> None:
+    """The worker's own pre-step checks (no weight gradient pending) and the non-finite
+    injection test hook, before the sums: a poisoned replica makes its stage's sum, hence the
+    whole sync group's norm, non-finite, so every replica skips the update alike."""
+    worker.grad_sq_norm(op)
+
+
+def reduce_in_process(workers: Sequence[StageWorker], ops: Sequence[Op]) -> list[float]:
+    """Emulator: sum every replicated logical stage of the group of ``ops``; return its norms."""
+    group = [op.stage for op in ops]
+    for op in ops:
+        prepare(workers[op.stage], op)
     layout = workers[group[0]].layout
     assert isinstance(layout, MultiPipelineLayout)
     stages = sorted({layout.logical_stage(s, c) for s in group for c in range(layout.num_chunks)})
@@ -85,7 +95,7 @@ def reduce_in_process(workers: Sequence[StageWorker], group: Sequence[int]) -> l
     return [owned_sq_norm(workers[s]) for s in group]
 
 
-def reduce_distributed(worker: StageWorker, replica_groups: dict[int, Any], sync_group: Any,
+def reduce_distributed(worker: StageWorker, op: Op, replica_groups: dict[int, Any], sync_group: Any,
                        group_size: int) -> list[float]:
     """Runtime: the same sums as :func:`reduce_in_process`, over process groups.
 
@@ -95,6 +105,7 @@ def reduce_distributed(worker: StageWorker, replica_groups: dict[int, Any], sync
     pipeline order; then all-gather the owned norms over the sync group. A process group
     orders its members by global rank, i.e. by device here, hence the reordering.
     """
+    prepare(worker, op)
     layout = worker.layout
     assert isinstance(layout, MultiPipelineLayout)
     hosted = sorted((layout.logical_stage(worker.stage, c), c) for c in range(layout.num_chunks))

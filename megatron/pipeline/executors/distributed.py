@@ -148,7 +148,7 @@ class DistributedExecutor:
         """The squared grad norms the step of ``op`` is clipped with (the emulator's, in its order)."""
         layout = self.worker.layout
         if op.sync and has_replicas(layout):  # AMDP: sum over the stage's replicas first
-            return reduce_distributed(self.worker, self.groups.replicas, self.groups.sync, self.groups.sync_size)
+            return reduce_distributed(self.worker, op, self.groups.replicas, self.groups.sync, self.groups.sync_size)
         own = self.worker.grad_sq_norm(op)
         if op.sync and len(layout.sync_group(self.groups.stage)) > 1:  # one chain: all stages
             mine = torch.tensor([own], dtype=torch.float64, device=self.worker.setup.device)

@@ -56,7 +56,7 @@ class Emulator:
 
     def _execute_sync(self, ops: list[Op]) -> None:
         if has_replicas(self.layout):  # AMDP: replicas of a logical stage sum their gradients
-            norms = reduce_in_process(self.workers, [op.stage for op in ops])
+            norms = reduce_in_process(self.workers, ops)
         else:
             norms = [self.workers[op.stage].grad_sq_norm(op) for op in ops]
         for op in ops:
