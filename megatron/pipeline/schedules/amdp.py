@@ -234,9 +234,9 @@ class AMDP(AsynchronousSchedule):
         for first_update, updates in self._segments():
             if plans is None:
                 plan = _Plan(layout, self.config.num_microbatches, first_update, updates, frozenset({stage}))
-            else:
-                plan = plans.setdefault((first_update, updates), _Plan(
-                    layout, self.config.num_microbatches, first_update, updates))
+            elif (plan := plans.get((first_update, updates))) is None:  # the first stream here runs it
+                plan = plans[(first_update, updates)] = _Plan(layout, self.config.num_microbatches,
+                                                              first_update, updates)
             out = plan.devices[stage].out
             while out or plan.advance():
                 while out:
