@@ -10,6 +10,8 @@
 #
 # Environment overrides (all optional):
 #   model, batch    PP DP NUM_LAYERS HIDDEN HEADS SEQ VOCAB MBS MICRO_BATCHES TRAIN_ITERS LR SEED DROPOUT
+#   schedule        SCHEDULE, and its own knobs (see schedule_flags below: LAYERS_PER_VIRTUAL_STAGE,
+#                   ZB_PROFILE_ITERS, ZB_MEMORY_LIMIT, POST_VALIDATION, PIPEMARE_*); BERT: NO_BINARY_HEAD=1
 #   data            DATA_PATH ("PREFIX" or "W1 P1 W2 P2") SPLIT TOKENIZER_TYPE VOCAB_FILE MERGE_FILE
 #                   TOKENIZER_MODEL (without DATA_PATH: mock data)
 #   checkpoints     CHECKPOINT_DIR (-> --save DIR --load DIR: a rerun or a requeued job resumes,
