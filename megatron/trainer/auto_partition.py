@@ -191,10 +191,34 @@ def choose_split(task: object, args: argparse.Namespace, device: torch.device) -
     return list(partition.counts)
 
 
+def split_from_checkpoint(args: argparse.Namespace) -> list[int] | None:
+    """The layer split of ``--load``'s checkpoint, if there is one: a resumed auto-partitioned run
+    keeps the split its weights were saved with (profiling again could choose another one)."""
+    if getattr(args, "load", None) is None:
+        return None
+    from megatron.trainer.checkpointing import CheckpointError, _read_metadata, find_resume_point
+
+    try:
+        point = find_resume_point(args.load)
+        if point is None:
+            return None
+        split = _read_metadata(point.directory)["signature"].get("pipeline_layer_split")
+    except (CheckpointError, KeyError, TypeError):
+        return None  # check_resume reports a broken checkpoint with its own message
+    return [int(c) for c in split] if split else None
+
+
 def apply_auto_partition(task: object, args: argparse.Namespace, device: torch.device) -> None:
     """With ``--pipeline-partition auto``, set ``args.pipeline_layer_split`` (rank 0 decides under
     torch.distributed and broadcasts, so all ranks build the same stages)."""
-    if getattr(args, "pipeline_partition", "even") != "auto" or args.pipeline_layer_split is not None:
+    if getattr(args, "pipeline_partition", "even") != "auto":
+        return
+    if args.pipeline_layer_split is not None:  # resumed: the checkpoint's split (insight_args)
+        import torch.distributed as dist
+
+        if getattr(args, "pipeline_partition_resumed", False) and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"[megatron-async] pipeline partition auto: resuming with the checkpoint's layer split "
+                  f"{args.pipeline_layer_split}", flush=True)
         return
     import torch.distributed as dist
 

@@ -50,3 +50,9 @@ def validate_insight_args(args: argparse.Namespace) -> None:
         raise InsightArgumentError("--pipeline-partition-memory-gb must be > 0")
     if args.pipeline_partition_profile_iters < 1:
         raise InsightArgumentError("--pipeline-partition-profile-iters must be >= 1")
+    from megatron.trainer.auto_partition import split_from_checkpoint
+
+    split = split_from_checkpoint(args)  # resuming: keep the split the weights were saved with
+    if split is not None and len(split) == pp and sum(split) == args.num_layers:
+        args.pipeline_layer_split = split
+        args.pipeline_partition_resumed = True
