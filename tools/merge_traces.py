@@ -50,7 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", help="write the merged Chrome/Perfetto trace JSON here")
     ap.add_argument("--png", help="draw the timeline (replica 0) to this file (needs matplotlib)")
     ap.add_argument("--skip-iterations", type=int, default=0,
-                    help="leave out the ops of the first K updates from the bubble numbers and the PNG")
+                    help="leave out the ops of the first K updates from the bubble numbers and the PNG "
+                         "(start-up costs; meant for synchronous schedules: in an asynchronous stream the "
+                         "left-out micro-batches' backwards sit between kept ops and would show as idle)")
     ap.add_argument("--json", action="store_true", help="print the bubble numbers as JSON only")
     return ap.parse_args(argv)
 
