@@ -24,7 +24,7 @@ from megatron.trainer.data.gpt_dataset import (
     parse_split,
     split_ranges,
 )
-from megatron.trainer.data.samples import StackedSamples
+from megatron.trainer.data.samples import IndexedSamples
 
 # megatron-core's build_mapping skips documents holding a sentence longer than this.
 LONG_SENTENCE_LEN = 512
@@ -116,20 +116,15 @@ def build_bert_datasets(
     return _BUILT[key]
 
 
-class BertDataSource(StackedSamples):
+class BertDataSource(IndexedSamples):
     """Micro-batches from a megatron-core BERT dataset, in the keys the BERT stages read."""
 
     def __init__(self, dataset: Any, binary_head: bool) -> None:
-        self.dataset = dataset
+        super().__init__(dataset)
         self.binary_head = binary_head
 
-    def __len__(self) -> int:
-        return len(self.dataset)
-
     def sample(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < len(self.dataset):
-            raise IndexError(f"sample {index} outside the dataset's {len(self.dataset)} samples")
-        raw = self.dataset[index]
+        raw = self.raw(index)
         # megatron-core writes the pad id (0, or -1 when it collides) where padding_mask
         # pads and into the labels/types of unmasked and padded positions; normalise to
         # 1 = real token and in-range ids (the loss mask already excludes those positions).

@@ -33,7 +33,7 @@ from typing import Any
 import numpy
 import torch
 
-from megatron.trainer.data.samples import StackedSamples
+from megatron.trainer.data.samples import IndexedSamples
 
 SplitMatrix = Sequence["tuple[float, float] | None"]
 
@@ -290,20 +290,15 @@ def build_usable_splits(
 # Samples -> micro-batches
 # --------------------------------------------------------------------------------------------
 
-class GPTDataSource(StackedSamples):
+class GPTDataSource(IndexedSamples):
     """Micro-batches from a megatron-core GPT dataset, by sample index (a pure function)."""
 
     def __init__(self, dataset: Any, keep_attention_mask: bool = False) -> None:
-        self.dataset = dataset
+        super().__init__(dataset)
         self.keep_attention_mask = keep_attention_mask
 
-    def __len__(self) -> int:
-        return len(self.dataset)
-
     def sample(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < len(self.dataset):
-            raise IndexError(f"sample {index} outside the dataset's {len(self.dataset)} samples")
-        raw = self.dataset[index]
+        raw = self.raw(index)
         out = {
             "tokens": raw["tokens"].to(torch.int64),
             "labels": raw["labels"].to(torch.int64),
