@@ -71,6 +71,7 @@ class Case:
     iterations: int
     log_interval: int
     note: str = ""
+    extra_args: tuple[str, ...] = ()  # more trainer flags (e.g. --pipemare-discrepancy-decay 0.1)
 
 
 @dataclass
@@ -104,6 +105,9 @@ class Result:
     wgrad_ms: float = 0.0  # t_w: weight-gradient sleep (op W of a B/W split, inside a fused BW)
     # zb-1p / zb-2p: what the run logged after profiling (costs, memory limit), i.e. the order it ran
     zb_choice: dict[str, Any] | None = None
+    # per stage, the maximum over all log records (whole run): peak_inflight_microbatches,
+    # peak_activation_mb, drift_max (the runtime's own accounting)
+    stage_max: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def slots(self) -> int:
@@ -150,6 +154,22 @@ def plan_cases(args: argparse.Namespace) -> tuple[list[Case], list[Result]]:
     return cases, skipped
 
 
+def run_argv(case: Case, args: argparse.Namespace) -> list[str]:
+    """``synthetic_stage_run.py``'s flags for ``case`` (``--log-json`` aside)."""
+    t_f, t_b, t_w = args.forward_ms, args.backward_ms, getattr(args, "wgrad_ms", 0.0)
+    return [
+        "--pipeline-model-parallel-size", str(case.stages), "--num-layers", str(case.stages),
+        "--pipeline-schedule", case.schedule,
+        "--micro-batch-size", "1", "--global-batch-size", str(case.microbatches),
+        "--seq-length", str(args.seq_length), "--hidden-size", str(args.hidden_size),
+        "--num-attention-heads", "1",
+        "--train-iters", str(case.iterations), "--log-interval", str(case.log_interval),
+        "--synthetic-forward-ms", str(t_f), "--synthetic-backward-ms", str(t_b), "--synthetic-wgrad-ms", str(t_w),
+        "--device", "cpu", "--distributed-backend", "gloo", "--num-threads", "1",
+        "--lr-warmup-iters", "0", *case.extra_args,
+    ]
+
+
 def run_case(case: Case, args: argparse.Namespace, workdir: Path) -> Result:
     t_f, t_b, t_w = args.forward_ms, args.backward_ms, getattr(args, "wgrad_ms", 0.0)
     res = Result(case.schedule, case.stages, case.microbatches, is_asynchronous(case.schedule), t_f, t_b,
@@ -160,18 +180,7 @@ def run_case(case: Case, args: argparse.Namespace, workdir: Path) -> Result:
     res.analytic_efficiency = res.ideal_ms / res.analytic_ms
     log = workdir / f"{case.schedule}-N{case.stages}-m{case.microbatches}.jsonl"
     log.unlink(missing_ok=True)
-    cmd = [
-        sys.executable, str(RUN_SCRIPT),
-        "--pipeline-model-parallel-size", str(case.stages), "--num-layers", str(case.stages),
-        "--pipeline-schedule", case.schedule,
-        "--micro-batch-size", "1", "--global-batch-size", str(case.microbatches),
-        "--seq-length", str(args.seq_length), "--hidden-size", str(args.hidden_size),
-        "--num-attention-heads", "1",
-        "--train-iters", str(case.iterations), "--log-interval", str(case.log_interval),
-        "--synthetic-forward-ms", str(t_f), "--synthetic-backward-ms", str(t_b), "--synthetic-wgrad-ms", str(t_w),
-        "--device", "cpu", "--distributed-backend", "gloo", "--num-threads", "1",
-        "--lr-warmup-iters", "0", "--log-json", str(log),
-    ]
+    cmd = [sys.executable, str(RUN_SCRIPT), *run_argv(case, args), "--log-json", str(log)]
     if getattr(args, "nice", 0):
         cmd = ["nice", "-n", str(args.nice), *cmd]  # the ranks inherit it
     env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
@@ -195,9 +204,14 @@ def run_case(case: Case, args: argparse.Namespace, workdir: Path) -> Result:
         return res
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     records.sort(key=lambda r: r["iteration"])
+    res.stage_max = {key: [max(r[key][s] for r in with_key) for s in range(case.stages)]
+                     for key in STAGE_KEYS if (with_key := [r for r in records if key in r])}
     res.zb_choice = next((json.loads(line.split(ZB_CHOICE_MARKER, 1)[1])
                           for line in proc.stdout.splitlines() if ZB_CHOICE_MARKER in line), None)
     return measure(res, records, args.warmup_intervals)
+
+
+STAGE_KEYS = ("peak_inflight_microbatches", "peak_activation_mb", "drift_max")
 
 
 def measure(res: Result, records: list[dict[str, Any]], warmup_intervals: int) -> Result:
@@ -263,13 +277,19 @@ COLUMNS = ["schedule", "N", "m", "ideal m(tf+tb) ms", "analytic ms", "measured m
            "measured eff", "analytic eff", "measured/analytic", "overhead/slot ms", "load1", "all repeats ms"]
 
 
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    """A markdown table; a short row (an error) is padded with empty cells."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cells + [""] * (len(columns) - len(cells))) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
 def table(results: list[Result]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    rows = []
     for r in results:
         name = r.schedule + (" (async)" if r.asynchronous else "") + (" [N=1 baseline]" if r.stages == 1 else "")
         if r.error:
             cells = [name, str(r.stages), str(r.microbatches), "", "", r.error.replace("|", "/")]
-            cells += [""] * (len(COLUMNS) - len(cells))
         else:
             spread = max(r.interval_ms) - min(r.interval_ms) if len(r.interval_ms) > 1 else 0.0
             cells = [
@@ -279,8 +299,8 @@ def table(results: list[Result]) -> str:
                 f"{r.overhead_per_slot_ms:.2f}", f"{r.load_after:.1f}",
                 " / ".join(f"{x:.1f}" for x in r.repeat_measured_ms),
             ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(COLUMNS, rows)
 
 
 def overhead_fit(results: list[Result]) -> list[dict[str, Any]]:

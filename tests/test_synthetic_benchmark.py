@@ -138,3 +138,86 @@ def test_synthetic_wgrad_defaults_to_zero() -> None:
     SyntheticCostTask().add_arguments(parser)
     args = parser.parse_args([])
     assert args.synthetic_wgrad_ms == 0.0 and args.synthetic_backward_ms == 40.0
+
+
+# --------------------------------------------------------------------------- chunks per layout
+
+
+def _synthetic_args(*argv: str):
+    from megatron.trainer.arguments import build_parser, parse_args
+    from megatron.trainer.synthetic_task import SyntheticCostTask
+
+    parser = build_parser("synthetic")
+    SyntheticCostTask().add_arguments(parser)
+    return parse_args([
+        "--hidden-size", "8", "--num-attention-heads", "1", "--seq-length", "4", "--micro-batch-size", "1",
+        "--device", "cpu", "--num-threads", "1", "--log-interval", "1", "--lr-warmup-iters", "0",
+        "--synthetic-forward-ms", "2", "--synthetic-backward-ms", "4", "--synthetic-wgrad-ms", "6", *argv,
+    ], parser)
+
+
+def test_synthetic_chunks_follow_the_layout_and_keep_the_per_stage_cost() -> None:
+    """Chunks sit where the schedule's layout puts them; one micro-batch sleeps T_F / T_B / T_W per stage.
+
+    Interleaved (V = 2): chunk c is virtual stage c * PP + s and sleeps half the costs (a micro-batch
+    passes both chunks). AMDP (D = 4, 2 pipelines): chunk p is the logical stage of pipeline p on that
+    device and sleeps the whole costs (a micro-batch runs on one pipeline); replicas of a logical stage
+    share parameter names and initial weights.
+    """
+    import torch
+
+    from megatron.trainer.arguments import pipeline_layout
+    from megatron.trainer.synthetic_task import SyntheticCostTask
+
+    task, cpu = SyntheticCostTask(), torch.device("cpu")
+    cases = [
+        ("interleaved-1f1b", ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], 2, 2),
+        ("amdp", ["--num-layers", "4"], 4, 1),
+    ]
+    for schedule, extra, pp, chunks_per_mb in cases:
+        args = _synthetic_args("--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(pp),
+                               "--global-batch-size", "4", "--train-iters", "1", *extra)
+        layout = pipeline_layout(args)
+        by_name: dict[str, torch.Tensor] = {}
+        for s in range(pp):
+            chunks = task.build_stage(args, s, cpu)
+            assert [c.stage for c in chunks] == [layout.model_stage(s, c) for c in range(layout.num_chunks)]
+            assert len(chunks) == layout.num_chunks == 2  # V = 2 chunks; D/2 = 2 pipelines
+            visited = [chunks[c] for c in layout.microbatch_chunks(0)]
+            assert len(visited) == chunks_per_mb
+            assert sum(c.forward_s for c in visited) == pytest.approx(0.002), schedule
+            assert sum(c.backward_s for c in visited) == pytest.approx(0.004), schedule
+            assert sum(c.linear.wgrad_s for c in visited) == pytest.approx(0.006), schedule
+            for name, p in task.named_parameters(chunks):
+                assert name.startswith("synthetic_stage"), name
+                if name in by_name:  # an AMDP replica of a logical stage hosted elsewhere
+                    assert schedule == "amdp" and torch.equal(by_name[name], p.detach()), name
+                by_name[name] = p.detach().clone()
+        assert len(by_name) == 2 * layout.num_model_stages  # weight and bias of every model part
+
+
+@pytest.mark.parametrize("schedule,stages,accumulation", [("amdp", 4, 4), ("pipedream-2bw", 3, 2)])
+def test_synthetic_task_trains_amdp_and_2bw_in_the_emulator(megatron_world1, schedule, stages, accumulation) -> None:
+    """The benchmark's task runs these schedules end to end (emulator): finite losses, 2BW drift 0,
+    AMDP's replicas of each logical stage identical after the window updates."""
+    import torch
+
+    from megatron.trainer.synthetic_task import SyntheticCostTask
+    from megatron.trainer.training import emulate
+
+    task = SyntheticCostTask()
+    args = _synthetic_args("--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(stages),
+                           "--num-layers", str(stages), "--global-batch-size", str(accumulation),
+                           "--train-iters", "3", "--pipeline-executor", "emulator")
+    workers = emulate(task, args)
+    assert all(w.drift_histogram for w in workers)
+    if schedule == "pipedream-2bw":
+        assert all(set(w.drift_histogram) == {0} for w in workers)
+    params: dict[str, torch.Tensor] = {}
+    for w in workers:
+        for name, p in task.named_parameters(w.setup.chunks):
+            assert torch.isfinite(p).all(), name
+            if name in params:
+                assert torch.equal(params[name], p.detach()), f"{name}: AMDP replicas differ"
+            params[name] = p.detach().clone()
+    assert len(params) == 2 * stages  # weight and bias of every logical stage

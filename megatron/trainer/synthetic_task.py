@@ -19,8 +19,8 @@ processes on 2 cores behave like N devices with known per-op costs, and the meas
 time of a schedule, run through the real distributed runtime, can be compared with its
 analytic time. The difference is the schedule's and the runtime's overhead.
 
-Used by ``benchmarks/synthetic_stage_run.py``, ``benchmarks/schedule_efficiency.py`` and
-``benchmarks/zero_bubble_synthetic.py``.
+Used by ``benchmarks/synthetic_stage_run.py``, ``benchmarks/schedule_efficiency.py``,
+``benchmarks/zero_bubble_synthetic.py`` and ``benchmarks/async_schedules_synthetic.py``.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from megatron.pipeline.wgrad import accumulate_grad, active_deferral
+from megatron.trainer.arguments import pipeline_layout
 from megatron.trainer.task import Batch, split_seed
 
 
@@ -178,25 +179,30 @@ class SyntheticCostTask:
                             "of a B/W split; a fused backward sleeps T_B + T_W)")
 
     def build_stage(self, args: argparse.Namespace, stage: int, device: torch.device) -> list[torch.nn.Module]:
-        """One module per model chunk (virtual stage ``c * PP + stage``); with V chunks per stage
-        each chunk sleeps 1/V of the per-stage costs, so a stage's cost per micro-batch stays
-        T_F, T_B, T_W."""
+        """One module per model chunk, placed by the schedule's layout (``layout.model_stage``):
+        virtual stage ``c * PP + stage`` for interleaving, logical stage of pipeline ``c`` for
+        AMDP (whose replicas of a logical stage then share names and initial weights).
+
+        A stage's cost per micro-batch stays T_F, T_B, T_W: each chunk sleeps the costs divided
+        by the number of this stage's chunks one micro-batch passes through (V with V
+        interleaved chunks; 1 with AMDP, where a micro-batch runs on one pipeline only)."""
         wgrad_ms = getattr(args, "synthetic_wgrad_ms", 0.0)
         if args.synthetic_forward_ms < 0 or args.synthetic_backward_ms < 0 or wgrad_ms < 0:
             raise ValueError("--synthetic-forward-ms, --synthetic-backward-ms and --synthetic-wgrad-ms must be >= 0")
-        pp, chunks = args.pipeline_model_parallel_size, getattr(args, "num_model_chunks", 1)
+        layout = pipeline_layout(args)
+        share = len(layout.microbatch_chunks(0))
         return [
-            SyntheticCostStage(c * pp + stage, args.hidden_size, args.synthetic_forward_ms / chunks,
-                               args.synthetic_backward_ms / chunks, is_first=c * pp + stage == 0,
-                               seed=args.seed, device=device, wgrad_ms=wgrad_ms / chunks)
-            for c in range(chunks)
+            SyntheticCostStage(j, args.hidden_size, args.synthetic_forward_ms / share,
+                               args.synthetic_backward_ms / share, is_first=j == 0,
+                               seed=args.seed, device=device, wgrad_ms=wgrad_ms / share)
+            for j in (layout.model_stage(stage, c) for c in range(layout.num_chunks))
         ]
 
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         for chunk in chunks:
             assert isinstance(chunk, SyntheticCostStage)
             for name, p in chunk.named_parameters():
-                yield f"synthetic_stage{chunk.stage}.{name}", p  # virtual stage index: global names
+                yield f"synthetic_stage{chunk.stage}.{name}", p  # model stage index: global names
 
     def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device,
                  split: str = "train") -> Callable[[int], Batch]:
