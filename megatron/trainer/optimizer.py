@@ -267,17 +267,27 @@ class StageAdamW:
         self, slot: _Slot, lr: float, grad_scale: float, step_size: float, bias_correction2_sqrt: float
     ) -> None:
         """One parameter's AdamW update, written through master / ``p.data`` only."""
-        beta1, beta2 = self.betas
         target = slot.target()
         grad = self._scaled_grad(slot, target, grad_scale)
         if slot.decay and self.weight_decay != 0:
             target.mul_(1 - lr * self.weight_decay)
+        self._adam_update(slot, target, grad, step_size, bias_correction2_sqrt)
+        if slot.master is not None:
+            slot.param.data.copy_(slot.master)
+
+    def _adam_update(self, slot: _Slot, target: Tensor, grad: Tensor, step_size: float,
+                     bias_correction2_sqrt: float) -> None:
+        """The moment updates and the Adam step on ``target`` (decay already applied).
+
+        Split out of :meth:`_update` so that a subclass can run the same Adam arithmetic in
+        another basis (``basis_rotation.BasisRotationAdamW``) while sharing grad scaling,
+        decoupled weight decay and the master-weight copy.
+        """
+        beta1, beta2 = self.betas
         slot.exp_avg.lerp_(grad, 1 - beta1)
         slot.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = (slot.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
         target.addcdiv_(slot.exp_avg, denom, value=-step_size)
-        if slot.master is not None:
-            slot.param.data.copy_(slot.master)
 
     @staticmethod
     def _scaled_grad(slot: _Slot, target: Tensor, grad_scale: float) -> Tensor:
