@@ -14,6 +14,7 @@ from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, schedule_class
 from megatron.pipeline.schedules.interleaved import GROUP_OPTION
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
+from megatron.trainer.basis_rotation_args import add_basis_rotation_args, validate_basis_rotation_args
 from megatron.trainer.zero_bubble_args import add_zero_bubble_args, validate_zero_bubble_args, zero_bubble_options
 from megatron.trainer.post_validation_args import (
     add_post_validation_args, post_validation_options, validate_post_validation_args)
@@ -57,7 +58,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=["adamw"], default="adamw")
+    g.add_argument("--optimizer", choices=["adamw", "basis-rotation"], default="adamw",
+                   help="basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -68,6 +70,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    add_basis_rotation_args(g)
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -232,6 +235,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.nonfinite_injections.setdefault(stage, set()).add(update)
     validate_zero_bubble_args(args)  # --zb-* flags (zb-1p / zb-2p)
     validate_post_validation_args(args)  # --enable-optimizer-post-validation and friends
+    validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
     validate_pipemare_args(args)  # --pipemare-* (T1, T2, synchronous warm-up)
     try:
         validate_insight_args(args)  # --trace-dir, --pipeline-partition auto

@@ -32,6 +32,7 @@ from megatron.trainer.launcher import free_port, is_worker_process, launch_local
 from megatron.trainer.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop import Segment, plan_segments, run_segments
 from megatron.trainer.lr_schedule import LRSchedule
+from megatron.trainer.basis_rotation import BasisRotationAdamW, RotationConfig
 from megatron.trainer.optimizer import StageAdamW
 from megatron.trainer.runners import DistributedRunner, EmulatorRunner
 from megatron.trainer.task import PretrainTask
@@ -50,6 +51,21 @@ def set_threads(args: argparse.Namespace, local_processes: int) -> None:
     torch.set_num_threads(threads)
 
 
+def build_optimizer(args: argparse.Namespace, named: list[tuple[str, torch.nn.Parameter]],
+                    stage: int) -> StageAdamW:
+    """The stage's optimizer for ``--optimizer``; basis rotation gets the stage index and the
+    pipeline depth, which the stage-aware refresh budget depends on."""
+    common = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+                  eps=args.adam_eps)
+    if getattr(args, "optimizer", "adamw") == "basis-rotation":
+        rotation = RotationConfig(
+            geometry=args.rotation_geometry, source=args.rotation_source,
+            refresh_interval=args.rotation_refresh_interval, stage_aware=args.rotation_stage_aware,
+            stage=stage, num_stages=args.pipeline_model_parallel_size)
+        return BasisRotationAdamW(named, rotation=rotation, **common)
+    return StageAdamW(named, exact=getattr(args, "optimizer_post_validation_exact", False), **common)
+
+
 def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
                  device: torch.device, isolate_rng: bool) -> StageWorker:
     chunks = task.build_stage(args, stage, device)
@@ -57,11 +73,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
     if len(chunks) != layout.num_chunks:
         raise ValueError(f"task {task.name} built {len(chunks)} model chunks for stage {stage}, "
                          f"the pipeline layout has {layout.num_chunks}")
-    optimizer = StageAdamW(
-        list(task.named_parameters(chunks)), lr=args.lr, weight_decay=args.weight_decay,
-        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-        exact=getattr(args, "optimizer_post_validation_exact", False),
-    )
+    optimizer = build_optimizer(args, list(task.named_parameters(chunks)), stage)
     schedule = LRSchedule(
         max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
