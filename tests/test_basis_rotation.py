@@ -259,6 +259,22 @@ def test_state_dict_roundtrip_and_adamw_checkpoint_rejected() -> None:
     plain = StageAdamW(list(make_model().named_parameters()), lr=1e-3, weight_decay=0.0)
     with pytest.raises(ValueError, match="basis-rotation state"):
         b.load_state_dict(plain.state_dict())
+    with pytest.raises(ValueError, match="basis-rotation state"):
+        plain.load_state_dict(b.state_dict())
+
+
+def test_bf16_params_rotate_fp32_masters() -> None:
+    """bf16 weights: bases, statistics and moments live in the fp32 master's dtype."""
+    model = make_model().to(torch.bfloat16)
+    opt = rotation_opt(model, refresh_interval=1)
+    for step in range(4):
+        opt.zero_grad()
+        backward(model, step)
+        opt.step(LRS[step])
+    u, v = opt.basis("0.weight")
+    assert u.dtype == v.dtype == torch.float32
+    assert torch.equal(model[0].weight, opt.master_weight("0.weight").to(torch.bfloat16))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 # ---------------------------------------------------------------- tiny GPT

@@ -442,6 +442,9 @@ class StageAdamW:
         device loads onto params on another.  Restored masters are also copied
         into ``p.data`` to re-establish the invariant ``p == master.to(p.dtype)``.
         """
+        if "rotation" in sd and type(self) is StageAdamW:
+            raise ValueError("StageAdamW.load_state_dict: the checkpoint holds basis-rotation state "
+                             "(saved with --optimizer basis-rotation); its bases would be dropped")
         entries = sd["params"]
         expected = {slot.name for slot in self._slots}
         if set(entries) != expected:
