@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from async_helpers import emulate, final_params, tiny_args
-from test_checkpoint_resume import _losses
+from test_checkpoint_resume import SCHEDULE_FLAGS, _losses
 from test_optimizer import (
     BETAS,
     EPS,
@@ -315,3 +315,24 @@ def test_tiny_gpt_paci_resumes_bitwise(megatron_world1, tmp_path: Path) -> None:
     assert [it for it, _ in _losses(resumed_log)] == list(range(1, TOTAL + 1))
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+
+
+ASYNC = [("paci", "bilateral", "second-moment"), ("async-1f1b", "unilateral", "momentum"),
+         ("pipedream-2bw", "unilateral", "second-moment"), ("pipemare", "bilateral", "momentum"),
+         ("amdp", "bilateral", "second-moment")]
+
+
+@pytest.mark.parametrize("schedule,geometry,source", ASYNC, ids=[a[0] for a in ASYNC])
+def test_every_async_schedule_steps_stage_locally_with_rotation(megatron_world1, schedule: str, geometry: str,
+                                                                source: str) -> None:
+    """Each asynchronous schedule (its weight policy included) runs the rotated optimizer per
+    stage: every stage stepped, left the identity basis, and kept finite weights."""
+    workers = emulate([*tiny_args(2, schedule, 4, 4), *SCHEDULE_FLAGS[schedule], "--optimizer", "basis-rotation",
+                       "--rotation-geometry", geometry, "--rotation-source", source,
+                       "--rotation-refresh-interval", "1", "--rotation-stage-aware"])
+    for w in workers:
+        opt = w.setup.optimizer
+        assert isinstance(opt, BasisRotationAdamW) and opt.step_count == 4
+        assert opt.rotation.stage == w.stage and opt.rotation.num_stages == len(workers)
+        assert all(u is not None or v is not None for u, v in map(opt.basis, opt.rotated_names))
+    assert all(torch.isfinite(v).all() for v in final_params(workers).values())
