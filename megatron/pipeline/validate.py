@@ -82,12 +82,7 @@ class _StageChecker:
             if not self.replaying:
                 fail("drains an activation outside the replay after a VALIDATE")
         elif op.kind is OpKind.PSTEP:
-            if op.update != self.updates:
-                fail(f"is update {op.update} but {self.updates} updates were applied before it")
-            if self.awaiting_w:
-                pending = sorted(self.awaiting_w)[0]
-                fail(f"steps while the weight gradient of micro-batch {pending[0]} is still deferred")
-            self.updates += 1
+            self._step(op, fail)
             self.pending = op.update
             self.prevalidation = []
         elif op.kind is OpKind.VALIDATE:
@@ -112,12 +107,16 @@ class _StageChecker:
             self.awaiting_w.discard(key)
             self.weighted.add(key)
         elif op.kind is OpKind.OPT:
-            if op.update != self.updates:
-                fail(f"is update {op.update} but {self.updates} updates were applied before it")
-            if self.awaiting_w:
-                pending = sorted(self.awaiting_w)[0]
-                fail(f"steps while the weight gradient of micro-batch {pending[0]} is still deferred")
-            self.updates += 1
+            self._step(op, fail)
+
+    def _step(self, op: Op, fail: Callable[[str], None]) -> None:
+        """An optimizer step (OPT or PSTEP): the next update in order, no weight gradient pending."""
+        if op.update != self.updates:
+            fail(f"is update {op.update} but {self.updates} updates were applied before it")
+        if self.awaiting_w:
+            pending = sorted(self.awaiting_w)[0]
+            fail(f"steps while the weight gradient of micro-batch {pending[0]} is still deferred")
+        self.updates += 1
 
     def finish(self, forward_only: bool) -> None:
         if not forward_only:
