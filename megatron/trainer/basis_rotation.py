@@ -11,7 +11,7 @@ For a 2-D weight ``W`` (m x n) with gradient ``G`` the Kronecker-factored rotati
 * ``bilateral``:  Adam on ``G~ = U^T G V``, update ``W -= step * U (M~ / sqrt(V~)) V^T``;
 * ``unilateral``: only the smaller side is rotated (``U^T G`` if m <= n, else ``G V``).
 
-Choices made here where the paper (blog text in ``/work/shared/papers``) is not explicit;
+Choices made here where the paper (blog text in ``../shared/papers`` next to the repository) is not explicit;
 ``docs/design.md`` lists them too:
 
 * The first moment ``M`` is kept in the *original* basis (``M~ = U^T M V`` is formed each

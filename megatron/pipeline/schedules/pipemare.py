@@ -1,7 +1,7 @@
 """PipeMare (Yang et al., MLSys 2021): asynchronous 1F1B without weight stashing, made stable by
 learning-rate rescheduling (T1), discrepancy correction (T2) and a synchronous warm-up (W).
 
-Spec: ``/work/shared/specs/pipemare_amdp.md`` Part A. The op streams are PACI's (1F1B without
+Spec: ``../shared/specs/pipemare_amdp.md`` (next to the repository) Part A. The op streams are PACI's (1F1B without
 flushes, a stage steps after its ``a`` local backwards, ``a`` = micro-batches per global batch
 per replica), preceded by ``W`` iterations of 1F1B with a flush (PipeMareW). Each technique is
 switched on by its own option:
