@@ -102,6 +102,7 @@ def test_megatron_core_shapes_rotate_the_documented_sides() -> None:
              ("decoder.layers.0.mlp.linear_fc1.weight", nn.Parameter(torch.randn(ffn, h))),
              ("decoder.layers.0.mlp.linear_fc2.weight", nn.Parameter(torch.randn(h, ffn))),
              ("embedding.word_embeddings.weight", nn.Parameter(torch.randn(32, h))),
+             ("output_layer.weight", nn.Parameter(torch.randn(32, h))),  # untied: rows are tokens too
              ("decoder.layers.0.mlp.linear_fc1.bias", nn.Parameter(torch.randn(ffn)))]
     for geometry in ("bilateral", "unilateral"):
         opt = BasisRotationAdamW(named, lr=1e-3, weight_decay=0.0,

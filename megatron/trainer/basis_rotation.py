@@ -29,9 +29,12 @@ Choices made here where the paper (blog text in ``../shared/papers`` next to the
   signs fixed so that ``diag(R_qr) >= 0``), run *after* the step whose local step count
   triggers it; it is skipped while ``L U`` is zero or not finite (no statistics yet). The
   initial basis is the identity, so refresh interval 0 is exactly AdamW.
-* What is rotated: 2-D parameters except embeddings (their rows are tokens/positions, a
-  vocabulary-sized rotation is unaffordable and the gradient is row-sparse), and of a 2-D
-  parameter only sides of at most :data:`MAX_ROTATED_DIM`; everything else runs plain AdamW.
+* What is rotated: 2-D parameters except those whose rows are tokens or positions (the
+  embeddings and the untied output layer): their gradient is row-sparse or dominated by
+  frequent tokens, a vocabulary-sized rotation mixes unrelated tokens, and the convergence
+  study (``docs/convergence.md``) measured that rotating the output layer makes training slower
+  than AdamW even without delay. Of a 2-D parameter only sides of at most
+  :data:`MAX_ROTATED_DIM` are rotated; everything else runs plain AdamW.
 * Stage-aware refresh (see :func:`refresh_rate`): stage ``s`` of ``N`` refreshes at rate
   ``r_s = (1/k) * (tau_s + 1) / mean(tau + 1)`` with expected delay ``tau_s = N - 1 - s``,
   i.e. ``r_s = 2 (N - s) / (k (N + 1))``; the sum over stages equals the uniform budget
@@ -55,6 +58,8 @@ from megatron.trainer.optimizer import NoDecayFn, StageAdamW, _Slot
 # Sides longer than this are not rotated (an m x m basis plus its statistics would cost
 # more memory than the weight itself for, e.g., a vocabulary-sized output layer).
 MAX_ROTATED_DIM = 8192
+# Parameters indexed by token or position run AdamW (megatron-core's names).
+VOCABULARY_PARAMETERS = ("embedding", "output_layer")
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,7 @@ class BasisRotationAdamW(StageAdamW):
 
     def _rotated_sides(self, slot: _Slot) -> tuple[bool, bool] | None:
         """(rotate rows, rotate columns) for ``slot``, or None when it runs plain AdamW."""
-        if slot.param.ndim != 2 or "embedding" in slot.name:
+        if slot.param.ndim != 2 or any(part in slot.name for part in VOCABULARY_PARAMETERS):
             return None
         m, n = slot.param.shape
         rows, cols = m <= MAX_ROTATED_DIM, n <= MAX_ROTATED_DIM
