@@ -1,0 +1,129 @@
+"""The runs of a convergence study: which schedule, depth and optimizer, with which flags.
+
+A study is a list of :class:`RunSpec`. Every run of a study shares the model, data order, seed
+and token budget of its :class:`Preset`, so two runs differ only in what the study varies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STUDIES = ("paci", "depth")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Model and budget of a study. ``full`` is the documented study; ``ci`` a reduced one."""
+
+    name: str
+    iterations: int  # optimizer updates per run (the token budget is iterations x tokens_per_update)
+    global_batch: int  # sequences per update
+    seq_length: int
+    hidden_size: int
+    num_heads: int
+    paci_layers: int  # the PACI study's model: one layer per stage at paci_depth
+    paci_depth: int
+    paci_accumulations: tuple[int, ...]  # a = micro-batches per update (a = 1: async 1F1B)
+    depth_layers: int  # the depth sweep's model, the same at every depth
+    depths: tuple[int, ...]
+    lr: float = 3e-3
+    warmup: int = 20
+    seed: int = 1234
+    eval_interval: int = 50
+    eval_iters: int = 4
+    rotation_refresh: int = 10
+
+    @property
+    def tokens_per_update(self) -> int:
+        return self.global_batch * self.seq_length
+
+    def model_flags(self, num_layers: int) -> list[str]:
+        """The tiny GPT and its recipe (constant LR after warm-up, so iterations-to-target is
+        not shaped by a decay schedule that ends every run at the same place)."""
+        return [
+            "--num-layers", str(num_layers), "--hidden-size", str(self.hidden_size),
+            "--num-attention-heads", str(self.num_heads), "--seq-length", str(self.seq_length),
+            "--global-batch-size", str(self.global_batch), "--train-iters", str(self.iterations),
+            "--lr", str(self.lr), "--lr-warmup-iters", str(self.warmup), "--lr-decay-style", "constant",
+            "--adam-beta2", "0.95", "--weight-decay", "0.1", "--seed", str(self.seed),
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--num-threads", "1",
+            "--pipeline-executor", "emulator", "--log-interval", "1",
+        ]
+
+
+FULL = Preset(name="full", iterations=400, global_batch=16, seq_length=32, hidden_size=32, num_heads=2,
+              paci_layers=8, paci_depth=8, paci_accumulations=(1, 4, 8),
+              depth_layers=32, depths=(1, 2, 4, 8, 16, 32))
+CI = Preset(name="ci", iterations=24, global_batch=4, seq_length=16, hidden_size=16, num_heads=2,
+            paci_layers=4, paci_depth=4, paci_accumulations=(1, 4),
+            depth_layers=4, depths=(1, 2, 4), warmup=2, eval_interval=12, eval_iters=1, rotation_refresh=4)
+PRESETS = {p.name: p for p in (FULL, CI)}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One emulator run: ``flags`` are everything beyond the data flags."""
+
+    study: str
+    method: str  # the curve's label: "1F1B-flush", "PACI a=4", "AdamW", "BR 2nd/Bi", ...
+    schedule: str
+    depth: int
+    flags: tuple[str, ...] = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        """A file-safe unique name, e.g. ``depth-br-2nd-bi-p16``."""
+        slug = "".join(c if c.isalnum() else "-" for c in self.method.lower()).strip("-")
+        while "--" in slug:
+            slug = slug.replace("--", "-")
+        return f"{self.study}-{slug}-p{self.depth}"
+
+
+def paci_study(preset: Preset) -> list[RunSpec]:
+    """1F1B-flush against PACI at one depth, same global batch: a = 1 is async 1F1B.
+
+    Flush runs with ``a_max`` micro-batches per update (its trajectory does not depend on the
+    micro-batch count); PACI with ``a`` micro-batches of global_batch / a sequences."""
+    n = preset.paci_depth
+    base = [*preset.model_flags(preset.paci_layers), "--pipeline-model-parallel-size", str(n),
+            "--eval-interval", str(preset.eval_interval), "--eval-iters", str(preset.eval_iters)]
+    a_max = max(preset.paci_accumulations)
+    runs = [RunSpec("paci", "1F1B-flush", "1f1b", n,
+                    (*base, "--pipeline-schedule", "1f1b", "--micro-batch-size", str(preset.global_batch // a_max)))]
+    for a in preset.paci_accumulations:
+        schedule, label = ("async-1f1b", "async-1F1B (a=1)") if a == 1 else ("paci", f"PACI a={a}")
+        runs.append(RunSpec("paci", label, schedule, n,
+                            (*base, "--pipeline-schedule", schedule,
+                             "--micro-batch-size", str(preset.global_batch // a))))
+    return runs
+
+
+def depth_methods(preset: Preset) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Method label -> (schedule, flags) of the depth sweep; all update once per micro-batch."""
+    rotation = ("--optimizer", "basis-rotation", "--rotation-refresh-interval", str(preset.rotation_refresh))
+    methods: dict[str, tuple[str, tuple[str, ...]]] = {
+        "AdamW": ("async-1f1b", ()),
+        # PipeMare T1 only, with the delays our async 1F1B really has (not the paper's formula).
+        "PipeMare-LR": ("pipemare", ("--pipemare-lr-anneal-iters", str(preset.iterations // 2),
+                                     "--pipemare-delay-model", "1f1b")),
+    }
+    for source, s in (("momentum", "1st"), ("second-moment", "2nd")):
+        for geometry, g in (("unilateral", "Uni"), ("bilateral", "Bi")):
+            methods[f"BR {s}/{g}"] = ("async-1f1b", (*rotation, "--rotation-source", source,
+                                                     "--rotation-geometry", geometry))
+    return methods
+
+
+def depth_study(preset: Preset) -> list[RunSpec]:
+    """Async 1F1B at every depth with every optimizer: one model, more stages, more staleness."""
+    runs = []
+    for method, (schedule, extra) in depth_methods(preset).items():
+        for p in preset.depths:
+            runs.append(RunSpec("depth", method, schedule, p, (
+                *preset.model_flags(preset.depth_layers), "--pipeline-model-parallel-size", str(p),
+                "--pipeline-schedule", schedule, "--micro-batch-size", str(preset.global_batch), *extra)))
+    return runs
+
+
+def study_runs(preset: Preset, studies: tuple[str, ...] = STUDIES) -> list[RunSpec]:
+    builders = {"paci": paci_study, "depth": depth_study}
+    return [run for study in studies for run in builders[study](preset)]
