@@ -57,11 +57,12 @@ def test_every_run_of_a_preset_parses_and_varies_only_what_its_study_varies(pres
     for r in runs:
         check_argv(list(r.flags))  # the data flags are the study's own (mock data here)
         assert int(_flag(r.flags, "--global-batch-size")) == preset.global_batch  # equal tokens per update
-        assert _flag(r.flags, "--train-iters") == str(preset.iterations)
+        assert _flag(r.flags, "--train-iters") == str(preset.paci_iterations if r.study == "paci" else preset.iterations)
         assert _flag(r.flags, "--pipeline-model-parallel-size") == str(r.depth)
     paci = paci_study(preset)
     a = [preset.global_batch // int(_flag(r.flags, "--micro-batch-size")) for r in paci]
-    assert a == [max(preset.paci_accumulations), *preset.paci_accumulations]  # flush first
+    assert a == [max(preset.paci_accumulations), *preset.paci_accumulations] * len(preset.paci_lrs)  # flush first
+    assert [float(_flag(r.flags, "--lr")) for r in paci[::len(a) // len(preset.paci_lrs)]] == list(preset.paci_lrs)
     depth = depth_study(preset)
     assert {r.depth for r in depth} == set(preset.depths)
     assert len(depth) == 6 * len(preset.depths)  # AdamW, PipeMare-LR, basis rotation 2 x 2
@@ -95,7 +96,7 @@ def test_ci_study_writes_curves_tables_and_plots(ci_study: Path) -> None:
     report = json.loads((ci_study / "convergence.json").read_text())
     assert len(report["runs"]) == len(study_runs(CI))
     for run in report["runs"]:
-        assert run["iterations"] == list(range(1, CI.iterations + 1))
+        assert run["iterations"] == list(range(1, (CI.paci_iterations if run["study"] == "paci" else CI.iterations) + 1))
         assert run["tokens"] == [i * CI.tokens_per_update for i in run["iterations"]]
         assert all(numpy.isfinite(run["loss"]))
         assert run["loss"][0] == pytest.approx(math.log(1024), abs=0.3)  # uniform over the vocabulary
@@ -111,7 +112,10 @@ def test_ci_study_writes_curves_tables_and_plots(ci_study: Path) -> None:
 @pytest.mark.slow
 def test_ci_study_paci_drift_reaches_the_papers_bound(ci_study: Path) -> None:
     """Measured per-stage Delta_max of every asynchronous run equals ceil((N - 1 - s)/a)."""
-    rows = json.loads((ci_study / "convergence.json").read_text())["paci"]["rows"]
+    groups = json.loads((ci_study / "convergence.json").read_text())["paci"]["groups"]
+    assert [g["lr"] for g in groups] == list(CI.paci_lrs)
+    rows = [row for g in groups for row in g["rows"]]
+    assert len(rows) == len(paci_study(CI))
     n = CI.paci_depth
     for row in rows:
         expected = [0] * n if row["schedule"] == "1f1b" else [math.ceil((n - 1 - s) / row["a"]) for s in range(n)]
@@ -121,7 +125,7 @@ def test_ci_study_paci_drift_reaches_the_papers_bound(ci_study: Path) -> None:
 @pytest.mark.slow
 def test_a_study_run_is_the_same_run_as_pretrain_gpt(ci_study: Path, tmp_path: Path) -> None:
     """The harness adds nothing: a run's curve equals the user command with the same flags."""
-    run = json.loads((ci_study / "runs" / "paci-paci-a-4-p4.json").read_text())
+    run = json.loads((ci_study / "runs" / "paci-paci-a-4-lr0.001-p4.json").read_text())
     argv = list(run["argv"])
     argv[argv.index("--log-json") + 1] = str(tmp_path / "log.jsonl")
     argv[argv.index("--data-cache-path") + 1] = str(tmp_path / "cache")

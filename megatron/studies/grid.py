@@ -23,6 +23,8 @@ class Preset:
     paci_layers: int  # the PACI study's model: one layer per stage at paci_depth
     paci_depth: int
     paci_accumulations: tuple[int, ...]  # a = micro-batches per update (a = 1: async 1F1B)
+    paci_iterations: int
+    paci_lrs: tuple[float, ...]  # peak LRs of the PACI study (cosine decay to a tenth, as the paper)
     depth_layers: int  # the depth sweep's model, the same at every depth
     depths: tuple[int, ...]
     lr: float = 3e-3
@@ -36,25 +38,30 @@ class Preset:
     def tokens_per_update(self) -> int:
         return self.global_batch * self.seq_length
 
-    def model_flags(self, num_layers: int) -> list[str]:
-        """The tiny GPT and its recipe (constant LR after warm-up, so iterations-to-target is
-        not shaped by a decay schedule that ends every run at the same place)."""
-        return [
+    def model_flags(self, num_layers: int, iterations: int | None = None, lr: float | None = None,
+                    decay: str = "constant") -> list[str]:
+        """The tiny GPT and its recipe. The depth sweep keeps the LR constant after warm-up, so
+        iterations-to-target is not shaped by a decay that ends every run at the same place;
+        the PACI study decays it (cosine to a tenth, the PACI paper's recipe)."""
+        lr = self.lr if lr is None else lr
+        flags = [
             "--num-layers", str(num_layers), "--hidden-size", str(self.hidden_size),
             "--num-attention-heads", str(self.num_heads), "--seq-length", str(self.seq_length),
-            "--global-batch-size", str(self.global_batch), "--train-iters", str(self.iterations),
-            "--lr", str(self.lr), "--lr-warmup-iters", str(self.warmup), "--lr-decay-style", "constant",
+            "--global-batch-size", str(self.global_batch), "--train-iters", str(iterations or self.iterations),
+            "--lr", str(lr), "--lr-warmup-iters", str(self.warmup), "--lr-decay-style", decay,
             "--adam-beta2", "0.95", "--weight-decay", "0.1", "--seed", str(self.seed),
             "--hidden-dropout", "0", "--attention-dropout", "0", "--num-threads", "1",
             "--pipeline-executor", "emulator", "--log-interval", "1",
         ]
+        return flags if decay == "constant" else [*flags, "--min-lr", str(lr / 10)]
 
 
 FULL = Preset(name="full", iterations=400, global_batch=16, seq_length=32, hidden_size=32, num_heads=2,
-              paci_layers=8, paci_depth=8, paci_accumulations=(1, 4, 8),
+              paci_layers=8, paci_depth=8, paci_accumulations=(1, 4, 8), paci_iterations=600,
+              paci_lrs=(3e-4, 1e-3, 3e-3),
               depth_layers=32, depths=(1, 2, 4, 8, 16, 32))
 CI = Preset(name="ci", iterations=24, global_batch=4, seq_length=16, hidden_size=16, num_heads=2,
-            paci_layers=4, paci_depth=4, paci_accumulations=(1, 4),
+            paci_layers=4, paci_depth=4, paci_accumulations=(1, 4), paci_iterations=24, paci_lrs=(1e-3, 1e-2),
             depth_layers=4, depths=(1, 2, 4), warmup=2, eval_interval=12, eval_iters=1, rotation_refresh=4)
 PRESETS = {p.name: p for p in (FULL, CI)}
 
@@ -68,32 +75,36 @@ class RunSpec:
     schedule: str
     depth: int
     flags: tuple[str, ...] = field(repr=False)
+    variant: str = ""  # what else the study varies, e.g. "lr0.001"
 
     @property
     def name(self) -> str:
-        """A file-safe unique name, e.g. ``depth-br-2nd-bi-p16``."""
+        """A file-safe unique name, e.g. ``depth-br-2nd-bi-p16`` or ``paci-paci-a-4-lr0.001-p8``."""
         slug = "".join(c if c.isalnum() else "-" for c in self.method.lower()).strip("-")
         while "--" in slug:
             slug = slug.replace("--", "-")
-        return f"{self.study}-{slug}-p{self.depth}"
+        return f"{self.study}-{slug}{'-' + self.variant if self.variant else ''}-p{self.depth}"
 
 
 def paci_study(preset: Preset) -> list[RunSpec]:
-    """1F1B-flush against PACI at one depth, same global batch: a = 1 is async 1F1B.
+    """1F1B-flush against PACI at one depth, same global batch, at each peak LR: a = 1 is async 1F1B.
 
     Flush runs with ``a_max`` micro-batches per update (its trajectory does not depend on the
     micro-batch count); PACI with ``a`` micro-batches of global_batch / a sequences."""
     n = preset.paci_depth
-    base = [*preset.model_flags(preset.paci_layers), "--pipeline-model-parallel-size", str(n),
-            "--eval-interval", str(preset.eval_interval), "--eval-iters", str(preset.eval_iters)]
     a_max = max(preset.paci_accumulations)
-    runs = [RunSpec("paci", "1F1B-flush", "1f1b", n,
-                    (*base, "--pipeline-schedule", "1f1b", "--micro-batch-size", str(preset.global_batch // a_max)))]
-    for a in preset.paci_accumulations:
-        schedule, label = ("async-1f1b", "async-1F1B (a=1)") if a == 1 else ("paci", f"PACI a={a}")
-        runs.append(RunSpec("paci", label, schedule, n,
-                            (*base, "--pipeline-schedule", schedule,
-                             "--micro-batch-size", str(preset.global_batch // a))))
+    runs = []
+    for lr in preset.paci_lrs:
+        base = [*preset.model_flags(preset.paci_layers, preset.paci_iterations, lr, decay="cosine"),
+                "--pipeline-model-parallel-size", str(n),
+                "--eval-interval", str(preset.eval_interval), "--eval-iters", str(preset.eval_iters)]
+        variant = f"lr{lr:g}"
+        runs.append(RunSpec("paci", "1F1B-flush", "1f1b", n, (*base, "--pipeline-schedule", "1f1b",
+                            "--micro-batch-size", str(preset.global_batch // a_max)), variant))
+        for a in preset.paci_accumulations:
+            schedule, label = ("async-1f1b", "async-1F1B (a=1)") if a == 1 else ("paci", f"PACI a={a}")
+            runs.append(RunSpec("paci", label, schedule, n, (*base, "--pipeline-schedule", schedule,
+                                "--micro-batch-size", str(preset.global_batch // a)), variant))
     return runs
 
 

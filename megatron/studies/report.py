@@ -32,24 +32,36 @@ def accumulation(run: dict) -> int:
     return _flag(run, "--global-batch-size") // _flag(run, "--micro-batch-size")
 
 
+def learning_rate(run: dict) -> float:
+    return float(run["argv"][run["argv"].index("--lr") + 1])
+
+
 def paci_summary(runs: Sequence[dict]) -> dict:
-    """Each schedule's final loss and its gap to 1F1B-flush (training loss smoothed over the last
-    5 % of updates, and validation loss at the end), plus measured drift against the bound."""
-    flush = next(r for r in runs if r["schedule"] == "1f1b")
-    rows = []
-    for r in runs:
-        train, valid = smoothed(r)[-1], r["eval"][-1]["loss"] if r["eval"] else math.nan
-        a = accumulation(r)
-        asynchronous = r["schedule"] != "1f1b"
-        bound = [math.ceil((r["depth"] - 1 - s) / a) if asynchronous else 0 for s in range(r["depth"])]
-        rows.append({
-            "method": r["method"], "schedule": r["schedule"], "a": a, "tokens": r["tokens"][-1],
-            "train_loss": train, "train_gap": relative_gap(train, smoothed(flush)[-1]),
-            "valid_loss": valid,
-            "valid_gap": relative_gap(valid, flush["eval"][-1]["loss"]) if r["eval"] else math.nan,
-            "drift_max": r["drift_max"], "drift_bound": bound, "wall_s": r["wall_s"],
-        })
-    return {"depth": flush["depth"], "rows": rows}
+    """Per peak LR: each schedule's final loss and its gap to that LR's 1F1B-flush (training loss
+    smoothed over the last 5 % of updates, validation loss at the end), and measured drift
+    against the bound ceil((N-1-s)/a)."""
+    groups = []
+    for lr in sorted({learning_rate(r) for r in runs}):
+        group = [r for r in runs if learning_rate(r) == lr]
+        flush = next(r for r in group if r["schedule"] == "1f1b")
+        groups.append({"lr": lr, "rows": [_paci_row(r, flush) for r in group]})
+    return {"depth": runs[0]["depth"], "groups": groups}
+
+
+def _paci_row(run: dict, flush: dict) -> dict:
+    train = smoothed(run)[-1]
+    valid = run["eval"][-1]["loss"] if run["eval"] else math.nan
+    a = accumulation(run)
+    asynchronous = run["schedule"] != "1f1b"
+    return {
+        "method": run["method"], "schedule": run["schedule"], "a": a, "tokens": run["tokens"][-1],
+        "train_loss": train, "train_gap": relative_gap(train, smoothed(flush)[-1]),
+        "valid_loss": valid,
+        "valid_gap": relative_gap(valid, flush["eval"][-1]["loss"]) if run["eval"] else math.nan,
+        "drift_max": run["drift_max"],
+        "drift_bound": [math.ceil((run["depth"] - 1 - s) / a) if asynchronous else 0 for s in range(run["depth"])],
+        "wall_s": run["wall_s"],
+    }
 
 
 def depth_summary(runs: Sequence[dict]) -> dict:
@@ -79,13 +91,15 @@ def _fmt_slowdown(summary: dict, method: str, depth: int) -> str:
 
 
 def paci_table(summary: dict) -> str:
-    lines = [f"N = {summary['depth']} stages; gaps are relative to 1F1B-flush at the same number of tokens.", "",
-             "| schedule | a | tokens | train loss | gap | valid loss | gap | measured Δmax per stage | bound |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in summary["rows"]:
-        lines.append(f"| {r['method']} | {r['a']} | {r['tokens']:,} | {r['train_loss']:.4f} | {100 * r['train_gap']:+.2f} % "
-                     f"| {r['valid_loss']:.4f} | {100 * r['valid_gap']:+.2f} % | {_ints(r['drift_max'])} "
-                     f"| {_ints(r['drift_bound'])} |")
+    lines = [f"N = {summary['depth']} stages; gaps are relative to 1F1B-flush at the same LR and number of tokens.",
+             "", "| peak LR | schedule | a | tokens | train loss | gap | valid loss | gap | measured Δmax per stage | bound |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for group in summary["groups"]:
+        for r in group["rows"]:
+            lines.append(
+                f"| {group['lr']:g} | {r['method']} | {r['a']} | {r['tokens']:,} | {r['train_loss']:.4f} "
+                f"| {100 * r['train_gap']:+.2f} % | {r['valid_loss']:.4f} | {100 * r['valid_gap']:+.2f} % "
+                f"| {_ints(r['drift_max'])} | {_ints(r['drift_bound'])} |")
     return "\n".join(lines)
 
 
@@ -118,20 +132,20 @@ def _pyplot():
 
 
 def plot_paci(runs: Sequence[dict], path: Path) -> None:
-    """Training loss (smoothed) and validation loss vs tokens, one colour per schedule."""
+    """Per peak LR: training loss (smoothed, lines) and validation loss (markers) vs tokens."""
     plt = _pyplot()
-    fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in runs:
-        line, = ax_train.plot(r["tokens"], smoothed(r), label=r["method"], linewidth=1.2)
-        ax_valid.plot([e["tokens"] for e in r["eval"]], [e["loss"] for e in r["eval"]], marker="o",
-                      color=line.get_color(), label=r["method"])
-    ax_train.set(title=f"Training loss, N={runs[0]['depth']} (trailing mean)", xlabel="tokens", ylabel="loss")
-    ax_valid.set(title="Validation loss", xlabel="tokens", ylabel="loss")
-    for ax in (ax_train, ax_valid):
+    lrs = sorted({learning_rate(r) for r in runs})
+    fig, axes = plt.subplots(1, len(lrs), figsize=(5.5 * len(lrs), 4.5), squeeze=False)
+    for ax, lr in zip(axes.flat, lrs):
+        for r in (r for r in runs if learning_rate(r) == lr):
+            line, = ax.plot(r["tokens"], smoothed(r), label=r["method"], linewidth=1.1)
+            ax.plot([e["tokens"] for e in r["eval"]], [e["loss"] for e in r["eval"]], marker="o", linestyle="none",
+                    markersize=4, color=line.get_color())
+        ax.set(title=f"N={runs[0]['depth']}, peak LR {lr:g}", xlabel="tokens", ylabel="loss (lines: train, dots: valid)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
