@@ -89,10 +89,10 @@ class RunSpec:
 def paci_study(preset: Preset) -> list[RunSpec]:
     """1F1B-flush against PACI at one depth, same global batch, at each peak LR: a = 1 is async 1F1B.
 
-    Flush runs with ``a_max`` micro-batches per update (its trajectory does not depend on the
-    micro-batch count); PACI with ``a`` micro-batches of global_batch / a sequences."""
+    Flush runs the whole global batch as one micro-batch: its trajectory does not depend on the
+    micro-batch count (up to rounding; the PACI paper maps one flush run to all counts too), and
+    one micro-batch is its cheapest run. PACI runs ``a`` micro-batches of global_batch / a."""
     n = preset.paci_depth
-    a_max = max(preset.paci_accumulations)
     runs = []
     for lr in preset.paci_lrs:
         base = [*preset.model_flags(preset.paci_layers, preset.paci_iterations, lr, decay="cosine"),
@@ -100,7 +100,7 @@ def paci_study(preset: Preset) -> list[RunSpec]:
                 "--eval-interval", str(preset.eval_interval), "--eval-iters", str(preset.eval_iters)]
         variant = f"lr{lr:g}"
         runs.append(RunSpec("paci", "1F1B-flush", "1f1b", n, (*base, "--pipeline-schedule", "1f1b",
-                            "--micro-batch-size", str(preset.global_batch // a_max)), variant))
+                            "--micro-batch-size", str(preset.global_batch)), variant))
         for a in preset.paci_accumulations:
             schedule, label = ("async-1f1b", "async-1F1B (a=1)") if a == 1 else ("paci", f"PACI a={a}")
             runs.append(RunSpec("paci", label, schedule, n, (*base, "--pipeline-schedule", schedule,

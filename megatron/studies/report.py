@@ -92,7 +92,7 @@ def _fmt_slowdown(summary: dict, method: str, depth: int) -> str:
 
 def paci_table(summary: dict) -> str:
     lines = [f"N = {summary['depth']} stages; gaps are relative to 1F1B-flush at the same LR and number of tokens.",
-             "", "| peak LR | schedule | a | tokens | train loss | gap | valid loss | gap | measured Δmax per stage | bound |",
+             "", "| peak LR | schedule | micro-batches per update (a) | tokens | train loss | gap | valid loss | gap | measured Δmax per stage | bound |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for group in summary["groups"]:
         for r in group["rows"]:
@@ -172,9 +172,15 @@ def plot_depth(runs: Sequence[dict], summary: dict, loss_path: Path, slowdown_pa
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for method in methods:
         points = sorted((p, s) for p, s in summary["slowdown"][method].items() if s is not None)
-        ax.plot([p for p, _ in points], [s for _, s in points], marker="o", label=method)
+        line, = ax.plot([p for p, _ in points], [s for _, s in points], marker="o", label=method)
+        base = summary["iterations_to_target"][method].get(1)
+        censored = sorted(p for p, s in summary["slowdown"][method].items() if s is None)
+        if base and censored:  # never reached: at least budget / base, drawn as an open triangle there
+            ax.plot(censored, [summary["budget"] / base] * len(censored), marker="^", linestyle="none",
+                    markerfacecolor="none", color=line.get_color())
     ax.set_xscale("log", base=2)
-    ax.set(title=f"Slowdown to loss {summary['target_loss']:.3f} (async 1F1B)", xlabel="pipeline depth P",
+    ax.set(title=f"Slowdown to loss {summary['target_loss']:.3f} (async 1F1B; △: not reached, ≥)",
+           xlabel="pipeline depth P",
            ylabel="iterations(P) / iterations(1)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
