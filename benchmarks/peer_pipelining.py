@@ -1,0 +1,387 @@
+"""Our runtime vs ``torch.distributed.pipelining`` on the same megatron-core GPT stages.
+
+The peer a PyTorch user would pick instead of this project runs **our own stage modules**
+(``build_gpt_stage``: same layers, same init by global name, same mock data, same per-token
+loss), so only the runtime differs. Each comparison runs as *interleaved pairs*: ours then the
+peer, then the peer then ours, and so on, so load drifting on a shared host hits both alike;
+every pair gives one throughput ratio (ours / peer), and the table reports the median ratio
+with its spread (min-max) over the pairs, not a single run.
+
+Per contender it also reports:
+- the fraction of the bottleneck-stage bound: tokens per iteration over the busiest rank's
+  pure compute time per iteration (forward + backward of its chunks on every micro-batch, no
+  communication, timed in the peer's ranks after training; best of 3);
+- peak RSS: the largest ``VmHWM`` over the rank processes of a run (our ranks are named
+  ``megatron-rankN``; the peer's ranks are this script's worker processes).
+
+Both sides: gloo, one thread per rank, fp32, AdamW, global-norm clipping at 1.0, ``m``
+micro-batches per iteration, tokens/s from the median iteration time after warm-up.
+
+    python benchmarks/peer_pipelining.py                                   # the issue's workload
+    python benchmarks/peer_pipelining.py --pairs 5 --microbatches 4 8 --json peer.json
+    python benchmarks/peer_pipelining.py --quick                           # tiny model, 1 pair (smoke)
+
+Peer schedules: ``Schedule1F1B`` (vs our 1f1b and paci), ``ScheduleGPipe`` (vs gpipe),
+``ScheduleInterleaved1F1B`` (vs interleaved-1f1b), ``ScheduleInterleavedZeroBubble`` and
+``ScheduleZBVZeroBubble`` (vs zb-2p; both hold two chunks per rank).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+WORKLOAD = dict(num_layers=8, hidden=256, heads=4, seq=128, mbs=4, vocab=8192)
+QUICK = dict(num_layers=4, hidden=64, heads=4, seq=32, mbs=2, vocab=512)
+
+# ours -> the peer schedules it is compared with
+COMPARISONS: dict[str, tuple[str, ...]] = {
+    "1f1b": ("Schedule1F1B",),
+    "gpipe": ("ScheduleGPipe",),
+    "paci": ("Schedule1F1B",),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B",),
+    "zb-2p": ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"),
+}
+MULTI_CHUNK = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"}
+
+
+def model_flags(w: dict) -> list[str]:
+    return ["--num-layers", str(w["num_layers"]), "--hidden-size", str(w["hidden"]),
+            "--num-attention-heads", str(w["heads"]), "--seq-length", str(w["seq"]),
+            "--vocab-size", str(w["vocab"]), "--micro-batch-size", str(w["mbs"]),
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--num-threads", "1", "--device", "cpu",
+            "--mock-data", "--clip-grad", "1.0", "--lr", "1e-4", "--lr-decay-style", "constant"]
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+@dataclass
+class RunResult:
+    tokens_per_s: float
+    peak_rss_mb: float
+    bound_tokens_per_s: float | None = None
+    iteration_s: list[float] = field(default_factory=list)
+
+
+class PeakRSS:
+    """Polls ``VmHWM`` (the kernel's peak RSS) of every descendant of a process whose name
+    matches, until stopped; the value only grows, so a sample shortly before exit suffices."""
+
+    def __init__(self, root_pid: int, match: str, period: float = 0.1) -> None:
+        self.root, self.match, self.period = root_pid, match, period
+        self.peak_kb: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _children(self) -> list[int]:
+        children: dict[int, list[int]] = collections.defaultdict(list)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry))
+        out, todo = [], [self.root]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo.extend(children.get(pid, []))
+        return out
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            for pid in self._children():
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        name = f.read().strip()
+                    if self.match not in name:
+                        continue
+                    with open(f"/proc/{pid}/status") as f:
+                        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+                except (OSError, StopIteration, ValueError):
+                    continue
+                self.peak_kb[pid] = max(self.peak_kb.get(pid, 0), hwm)
+            self._stop.wait(self.period)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak_kb.values(), default=0) / 1024
+
+
+def steady_median(times: list[float]) -> float:
+    """Median iteration time after the first third (warm-up, allocator growth)."""
+    return statistics.median(times[len(times) // 3:])
+
+
+def run_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> RunResult:
+    log = tmp / f"ours-{schedule}-{m}-{time.monotonic_ns()}.jsonl"
+    extra: list[str] = []
+    if schedule == "interleaved-1f1b":
+        extra = ["--num-layers-per-virtual-pipeline-stage", str(w["num_layers"] // (2 * stages))]
+    cmd = [sys.executable, str(REPO / "pretrain_gpt.py"), *model_flags(w), *extra,
+           "--pipeline-model-parallel-size", str(stages), "--pipeline-schedule", schedule,
+           "--global-batch-size", str(w["mbs"] * m), "--train-iters", str(iters),
+           "--log-interval", "1", "--log-json", str(log)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_clean_env())
+    rss = PeakRSS(proc.pid, "megatron-rank")
+    out, _ = proc.communicate()
+    peak = rss.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"ours {schedule} m={m} failed:\n{out[-3000:]}")
+    records = [json.loads(line) for line in log.read_text().splitlines() if '"iteration"' in line]
+    tokens = w["mbs"] * m * w["seq"]
+    times = [tokens / r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
+    return RunResult(tokens / steady_median(times), peak, iteration_s=times)
+
+
+def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> RunResult:
+    out_file = tmp / f"peer-{schedule}-{m}-{time.monotonic_ns()}.json"
+    port = _free_port()
+    procs = []
+    for rank in range(stages):
+        env = dict(_clean_env(), RANK=str(rank), WORLD_SIZE=str(stages), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, __file__, "--worker", schedule, "--worker-out", str(out_file),
+               "--worker-m", str(m), "--worker-iters", str(iters), "--worker-workload", json.dumps(w)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    monitors = [PeakRSS(p.pid, "python") for p in procs]
+    outputs = [p.communicate()[0] for p in procs]
+    peak = max(mon.stop() for mon in monitors)
+    if any(p.returncode != 0 for p in procs):
+        raise SystemExit(f"peer {schedule} m={m} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    result = json.loads(out_file.read_text())
+    tokens = w["mbs"] * m * w["seq"]
+    return RunResult(tokens / steady_median(result["iteration_s"]), peak,
+                     bound_tokens_per_s=tokens / max(result["compute_s"]), iteration_s=result["iteration_s"])
+
+
+def _clean_env() -> dict[str, str]:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "MEGATRON_ASYNC_LAUNCHED")
+    return {k: v for k, v in os.environ.items() if k not in drop} | {"PYTHONWARNINGS": "ignore"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- the peer's ranks
+
+
+def _virtual_stages(schedule: str, rank: int, world: int) -> list[int]:
+    """The model parts this rank holds: one for single-chunk schedules, rank and rank + world
+    for the interleaved ones (loop placement), rank and 2·world − 1 − rank for ZBV (V shape)."""
+    if schedule not in MULTI_CHUNK:
+        return [rank]
+    if schedule == "ScheduleZBVZeroBubble":
+        return [rank, 2 * world - 1 - rank]
+    return [rank, rank + world]
+
+
+def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.gpt_task import gpt_model_args
+    from megatron.trainer.models.gpt import build_gpt_stage
+    from megatron.trainer.models.stage import split_layers
+    from megatron.trainer.training import _init_megatron_parallel_state
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    _init_megatron_parallel_state()
+    args = parse_args(model_flags(w) + ["--pipeline-model-parallel-size", "1"])
+    model_args = gpt_model_args(args)
+    parts = 2 * world if schedule in MULTI_CHUNK else world
+    layers = split_layers(w["num_layers"], parts)
+    labels: collections.deque = collections.deque()
+
+    class Chunk(torch.nn.Module):
+        """Our stage behind the peer's tensor-in/tensor-out interface: the first part embeds
+        tokens, the last returns the per-token loss (labels fed in micro-batch order)."""
+
+        def __init__(self, part: int) -> None:
+            super().__init__()
+            self.stage = build_gpt_stage(model_args, layers[part], pre_process=part == 0,
+                                         post_process=part == parts - 1, seed=args.seed, device="cpu")
+            self.first, self.last = part == 0, part == parts - 1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            batch: dict[str, torch.Tensor] = {}
+            if self.first:
+                batch = {"tokens": x, "position_ids": torch.arange(x.shape[1]).expand_as(x)}
+                x = None  # type: ignore[assignment]
+            if self.last:
+                batch["labels"] = labels.popleft()
+            return self.stage(x, batch)
+
+    mine = _virtual_stages(schedule, rank, world)
+    chunks = [Chunk(v) for v in mine]
+    hidden = torch.empty(w["seq"], w["mbs"], w["hidden"], requires_grad=True)  # grads flow back
+    # Shapes given up front: the peer's shape inference would run a forward (and eat a label).
+    stages = [pipelining.PipelineStage(
+        c, v, parts, torch.device("cpu"),
+        input_args=torch.zeros(w["mbs"], w["seq"], dtype=torch.long) if c.first else hidden,
+        output_args=torch.empty(w["mbs"], w["seq"]) if c.last else hidden) for c, v in zip(chunks, mine)]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output * target).sum() / target.sum()
+
+    sched_cls = getattr(pipelining, schedule)
+    sched = sched_cls(stages if schedule in MULTI_CHUNK else stages[0], n_microbatches=m, loss_fn=loss_fn)
+    params = [p for c in chunks for p in c.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True)
+
+    from megatron.trainer.data.mock import MockGPTData
+
+    data = MockGPTData(w["seq"], w["vocab"], args.seed)
+    holds_first, holds_last = 0 in mine, parts - 1 in mine
+    times = []
+    for it in range(iters):
+        samples = [data.sample(it * m * w["mbs"] + i) for i in range(m * w["mbs"])]
+        tokens = torch.stack([s["tokens"] for s in samples])
+        if holds_last:
+            labels.extend(torch.stack([s["labels"] for s in samples]).chunk(m))
+        target = torch.stack([s["loss_mask"] for s in samples]) if holds_last else None
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        step_args = (tokens,) if holds_first else ()
+        sched.step(*step_args, target=target)
+        sq = torch.stack([p.grad.pow(2).sum() for p in params if p.grad is not None]).sum()
+        dist.all_reduce(sq)  # global-norm clipping across stages, as ours does
+        coef = min(1.0, 1.0 / (float(sq.sqrt()) + 1e-6))
+        if coef < 1.0:
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+        opt.step()
+        times.append(time.perf_counter() - start)
+
+    compute = _compute_time(chunks, m, w, data, labels)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, compute)
+    if rank == 0:
+        Path(out_file).write_text(json.dumps({"iteration_s": times, "compute_s": gathered}))
+    dist.destroy_process_group()
+
+
+def _compute_time(chunks, m: int, w: dict, data, labels: collections.deque) -> float:
+    """Pure compute of this rank per iteration: forward + backward of each chunk on m
+    micro-batches, no communication (best of 3)."""
+    import torch
+
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _mb in range(m):
+            for chunk in chunks:
+                if chunk.first:
+                    x = torch.stack([data.sample(i)["tokens"] for i in range(w["mbs"])])
+                else:
+                    x = torch.randn(w["seq"], w["mbs"], w["hidden"], requires_grad=True)
+                if chunk.last:
+                    labels.append(torch.stack([data.sample(i)["labels"] for i in range(w["mbs"])]))
+                out = chunk(x)
+                grad = torch.ones_like(out) / out.numel() if chunk.last else torch.randn_like(out)
+                out.backward(grad)
+        best = min(best, time.perf_counter() - start)
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+    return best
+
+
+# --------------------------------------------------------------------------- the comparison
+
+
+def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iters: int, tmp: Path) -> dict:
+    ratios, ours_runs, peer_runs = [], [], []
+    for pair in range(pairs):
+        order = [("ours", ours), ("peer", peer)] if pair % 2 == 0 else [("peer", peer), ("ours", ours)]
+        got = {}
+        for side, name in order:
+            runner = run_ours if side == "ours" else run_peer
+            got[side] = runner(name, w, stages, m, iters, tmp)
+        ours_runs.append(got["ours"])
+        peer_runs.append(got["peer"])
+        ratios.append(got["ours"].tokens_per_s / got["peer"].tokens_per_s)
+        print(f"  pair {pair}: {ours} {got['ours'].tokens_per_s:.0f} tok/s, {peer} {got['peer'].tokens_per_s:.0f} "
+              f"tok/s, ratio {ratios[-1]:.3f} (load {os.getloadavg()[0]:.1f})", flush=True)
+    bound = statistics.median(r.bound_tokens_per_s for r in peer_runs)
+    return {
+        "ours": ours, "peer": peer, "m": m, "ratios": ratios,
+        "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "ours_tokens_per_s": statistics.median(r.tokens_per_s for r in ours_runs),
+        "peer_tokens_per_s": statistics.median(r.tokens_per_s for r in peer_runs),
+        "bound_tokens_per_s": bound,
+        "ours_of_bound": statistics.median(r.tokens_per_s for r in ours_runs) / bound,
+        "peer_of_bound": statistics.median(r.tokens_per_s for r in peer_runs) / bound,
+        "ours_peak_rss_mb": max(r.peak_rss_mb for r in ours_runs),
+        "peer_peak_rss_mb": max(r.peak_rss_mb for r in peer_runs),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--schedules", nargs="+", default=list(COMPARISONS), choices=list(COMPARISONS))
+    p.add_argument("--quick", action="store_true", help="tiny model, one pair, 4 iterations (a smoke run)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-m", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-iters", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-workload", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        peer_worker(a.worker, a.worker_m, a.worker_iters, json.loads(a.worker_workload), a.worker_out)
+        return
+    w = QUICK if a.quick else WORKLOAD
+    pairs, iters = (1, 4) if a.quick else (a.pairs, a.iters)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in a.microbatches:
+            for ours in a.schedules:
+                for peer in COMPARISONS[ours]:
+                    print(f"{ours} vs {peer}, m={m}:", flush=True)
+                    rows.append(compare(ours, peer, w, a.stages, m, pairs, iters, Path(tmp)))
+    print(f"\nN={a.stages}, workload {w}, {pairs} interleaved pairs, {iters} iterations per run\n")
+    print("| ours | peer | m | ratio ours/peer median (min-max) | ours tok/s | peer tok/s | "
+          "ours / bound | peer / bound | peak RSS MB ours | peak RSS MB peer |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['ours']} | {r['peer']} | {r['m']} | {r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | "
+              f"{r['ours_tokens_per_s']:.0f} | {r['peer_tokens_per_s']:.0f} | {r['ours_of_bound']:.3f} | "
+              f"{r['peer_of_bound']:.3f} | {r['ours_peak_rss_mb']:.0f} | {r['peer_peak_rss_mb']:.0f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
