@@ -20,35 +20,57 @@ from megatron.pipeline.worker import StageSetup, StageWorker
 DIM = 3
 
 
-class TanhLinear(torch.nn.Module):
-    """``tanh(x @ W^T)``; logs (micro-batch, weight value) at forward save and backward read."""
+class TanhChain(torch.nn.Module):
+    """``x -> tanh(x @ W_l^T)`` for each of the stage's layers ``l``; logs, per micro-batch, every
+    layer's weight value when the forward saves it (``saved_layers``) and when the backward reads
+    it back (``read_layers``)."""
 
     middle_batch_keys = ("mb",)  # middle stages need the micro-batch index for the logs
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weights: list[torch.Tensor]):
         super().__init__()
-        self.weight = torch.nn.Parameter(weight.clone())
-        self.saved: dict[int, torch.Tensor] = {}
-        self.read: dict[int, torch.Tensor] = {}
-        self.microbatch = -1
+        self.weights = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for w in weights])
+        self.saved_layers: dict[int, list[torch.Tensor | None]] = {}
+        self.read_layers: dict[int, list[torch.Tensor | None]] = {}
+
+    def _logger(self, log: dict[int, list[torch.Tensor | None]], mb: int):  # noqa: ANN202 - a hook
+        slots = log.setdefault(mb, [None] * len(self.weights))
+        ptrs = {w.data_ptr(): i for i, w in enumerate(self.weights)}
+
+        def hook(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() in ptrs:  # autograd saves W^T, a view of W's storage
+                slots[ptrs[t.data_ptr()]] = t.detach().clone().T
+            return t
+        return hook
 
     def forward(self, x: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # The first stage's input asks for a gradient too, so autograd saves W there as well.
-        inp = batch["x"].clone().requires_grad_(True) if x is None else x
+        h = batch["x"].clone().requires_grad_(True) if x is None else x
         mb = int(batch["mb"])
+        with torch.autograd.graph.saved_tensors_hooks(self._logger(self.saved_layers, mb),
+                                                      self._logger(self.read_layers, mb)):
+            for w in self.weights:
+                h = torch.tanh(h @ w.T)
+        return h
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.data_ptr() == self.weight.data_ptr():
-                self.saved[mb] = t.detach().clone().T
-            return t
 
-        def unpack(t: torch.Tensor) -> torch.Tensor:
-            if t.data_ptr() == self.weight.data_ptr():
-                self.read[mb] = t.detach().clone().T
-            return t
+class TanhLinear(TanhChain):
+    """A one-layer :class:`TanhChain`: ``weight``, ``saved`` and ``read`` are its only layer's."""
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            return torch.tanh(inp @ self.weight.T)
+    def __init__(self, weight: torch.Tensor):
+        super().__init__([weight])
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.weights[0]
+
+    @property
+    def saved(self) -> dict[int, torch.Tensor]:
+        return {mb: ws[0] for mb, ws in self.saved_layers.items()}
+
+    @property
+    def read(self) -> dict[int, torch.Tensor]:
+        return {mb: ws[0] for mb, ws in self.read_layers.items()}
 
 
 class PlainSGD:
@@ -115,19 +137,31 @@ def loss_fn(out: torch.Tensor, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor
 @dataclass
 class TinyRun:
     workers: list[StageWorker]
-    modules: list[TanhLinear] = field(default_factory=list)
+    modules: list[TanhChain] = field(default_factory=list)
     optimizers: list[PlainSGD] = field(default_factory=list)
 
 
+def split_weights(layers: list[int], seed: int = 0) -> list[list[torch.Tensor]]:
+    """The initial weights of a model of ``sum(layers)`` layers, stage ``s`` holding ``layers[s]``."""
+    flat, out = initial_weights(sum(layers), seed), []
+    for count in layers:
+        out.append(flat[:count])
+        flat = flat[count:]
+    return out
+
+
 def run(name: str, num_stages: int, a: int, iterations: int, options: dict | None = None,
-        lr: Callable[[], ScaledLR] = ScaledLR) -> TinyRun:
-    """Train the tiny pipeline with schedule ``name`` in the emulator."""
+        lr: Callable[[], ScaledLR] = ScaledLR, layers: list[int] | None = None) -> TinyRun:
+    """Train the tiny pipeline with schedule ``name`` in the emulator; ``layers[s]`` layers on
+    stage ``s`` (default one each, as :class:`TanhLinear`)."""
     config = ScheduleConfig(num_stages, a, iterations, options=options or {})
     cls = schedule_class(name)
     out = TinyRun(workers=[])
-    for s, w in enumerate(initial_weights(num_stages)):
-        module = TanhLinear(w)
-        opt = PlainSGD([module.weight])
+    stage_weights = split_weights(layers) if layers else [[w] for w in initial_weights(num_stages)]
+    assert len(stage_weights) == num_stages
+    for s, ws in enumerate(stage_weights):
+        module = TanhLinear(ws[0]) if layers is None else TanhChain(ws)
+        opt = PlainSGD(list(module.weights))
         setup = StageSetup(
             stage=s, layout=config.layout, chunks=[module], optimizer=opt,
             lr_schedule=cls.stage_lr_schedule(config, s, lr()), microbatches_per_update=a,
