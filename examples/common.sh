@@ -154,7 +154,8 @@ schedule_presets() {
 #   interleaved-1f1b  LAYERS_PER_VIRTUAL_STAGE (1)
 #   zb-1p, zb-2p      ZB_PROFILE_ITERS (2), ZB_MEMORY_LIMIT, POST_VALIDATION (1: the paper's optimizer post-validation)
 #   pipemare          PIPEMARE_ANNEAL_ITERS (5 x LR warm-up, the paper's Transformer rule), PIPEMARE_DECAY (0.2),
-#                     PIPEMARE_SYNC_WARMUP_ITERS (0)
+#                     PIPEMARE_SYNC_WARMUP_ITERS (0), PIPEMARE_DELAY_MODEL (stream: this 1F1B stream's real
+#                     delay ceil((N-1-s)/a); paper: Table 1's fine-grained formula, about twice as long here)
 schedule_flags() {
     SCHEDULE_ARGS=()
     case "$SCHEDULE" in
@@ -169,6 +170,7 @@ schedule_flags() {
                 --pipemare-lr-anneal-iters "${PIPEMARE_ANNEAL_ITERS:-$((5 * (TRAIN_ITERS / 100 + 1)))}"
                 --pipemare-discrepancy-decay "${PIPEMARE_DECAY:-0.2}"
                 --pipemare-sync-warmup-iters "${PIPEMARE_SYNC_WARMUP_ITERS:-0}"
+                --pipemare-delay-model "${PIPEMARE_DELAY_MODEL:-stream}"
             ) ;;
     esac
 }

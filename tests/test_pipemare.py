@@ -15,6 +15,7 @@ from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 from megatron.pipeline.schedules.pipemare import OPTION, PipeMareOptions, RescheduledLR, stage_delay
 from megatron.pipeline.validate import validate_schedule
 from megatron.pipeline.weight_versions import DiscrepancyCorrection
+from tests import paci_oracle
 from tests import tiny_pipeline as tiny
 from tests.async_helpers import assert_runtime_equals_emulator, tiny_args
 
@@ -50,17 +51,20 @@ def test_warmup_runs_1f1b_flush_then_the_asynchronous_stream(first: int) -> None
         assert list(pipemare.stage_ops(s)) == expected
 
 
-def test_stage_delays_follow_table_1_and_the_1f1b_bound() -> None:
+def test_stage_delays_follow_the_stream_by_default_and_table_1_on_request() -> None:
+    # Default: the stream's delay ceil((N - 1 - s) / a), 0-based s (PACI's bound).
+    assert [stage_delay(4, s, 2) for s in range(4)] == [2, 1, 1, 0]
+    assert [stage_delay(4, s, 1) for s in range(4)] == [3, 2, 1, 0]
+    assert [stage_delay(4, s, 2, "1f1b") for s in range(4)] == [2, 1, 1, 0]  # the old name
     # Spec Table 1 with i = s + 1: ceil((2 (P - i) + 1) / N); P = 4, N = 2.
-    assert [stage_delay(4, s, 2) for s in range(4)] == [4, 3, 2, 1]
-    assert [stage_delay(8, s, 3) for s in range(8)] == [5, 5, 4, 3, 3, 2, 1, 1]
-    assert [stage_delay(4, s, 2, "1f1b") for s in range(4)] == [2, 1, 1, 0]
+    assert [stage_delay(4, s, 2, "paper") for s in range(4)] == [4, 3, 2, 1]
+    assert [stage_delay(8, s, 3, "paper") for s in range(8)] == [5, 5, 4, 3, 3, 2, 1, 1]
 
 
 # ------------------------------------------------------------------------------ T1
 
 
-@pytest.mark.parametrize("model", ["paper", "1f1b"])
+@pytest.mark.parametrize("model", ["paper", "stream", "1f1b"])
 def test_t1_learning_rate_of_every_stage_and_update(model: str) -> None:
     n, a, iters, anneal, warmup = 4, 2, 9, 4, 2
     run = tiny.run("pipemare", n, a, iters, {OPTION: PipeMareOptions(lr_anneal_iters=anneal, sync_warmup_iters=warmup,
@@ -86,13 +90,13 @@ def test_t1_learning_rate_of_every_stage_and_update(model: str) -> None:
 # ------------------------------------------------------------------------------ T2
 
 
-def _backward_versions(name: str, config: ScheduleConfig, stage: int) -> dict[int, int]:
-    """Micro-batch -> number of the stage's updates before its backward, read off the stream."""
+def _backward_versions(name: str, config: ScheduleConfig, stage: int, kind: OpKind = OpKind.BW) -> dict[int, int]:
+    """Micro-batch -> number of the stage's updates before its backward (or ``kind``), read off the stream."""
     updates, out = 0, {}
     for op in build_schedule(name, config).stage_ops(stage):
         if op.kind is OpKind.OPT:
             updates += 1
-        elif op.kind is OpKind.BW:
+        elif op.kind is kind:
             out[op.microbatch] = updates
     return out
 
@@ -105,24 +109,73 @@ def _velocity(history: list[torch.Tensor], gamma: float) -> list[torch.Tensor]:
     return deltas
 
 
-def test_t2_backward_reads_the_extrapolated_weights() -> None:
+@pytest.mark.parametrize("model", ["stream", "paper"])
+def test_t2_backward_reads_the_extrapolated_weights(model: str) -> None:
     n, a, iters, decay, warmup = 4, 1, 8, 0.3, 2
-    options = {OPTION: PipeMareOptions(discrepancy_decay=decay, sync_warmup_iters=warmup)}
+    options = {OPTION: PipeMareOptions(discrepancy_decay=decay, sync_warmup_iters=warmup, delay_model=model)}
     run = tiny.run("pipemare", n, a, iters, options)
     config = ScheduleConfig(n, a, iters, options=options)
     corrected = 0
     for s, (module, opt) in enumerate(zip(run.modules, run.optimizers)):
-        tau = 2 * (n - s - 1) + 1  # Table 1 with N = a = 1
+        tau = 2 * (n - s - 1) + 1 if model == "paper" else n - s - 1  # Table 1 / the stream, a = 1
         history = [weights[0] for weights in opt.history]
-        deltas = _velocity(history, decay ** (1 / tau))
+        deltas = _velocity(history, decay ** (1 / max(tau, 1)))
+        forwards = _backward_versions("pipemare", config, s, OpKind.F)
         for mb, k in _backward_versions("pipemare", config, s).items():
-            if mb // a < warmup:  # synchronous warm-up: forward and backward read the same weights
+            steps = tau if model == "paper" else k - forwards[mb]  # the stream: this micro-batch's delay
+            if mb // a < warmup or s == n - 1 or steps == 0:  # synchronous warm-up, or no delay: nothing to correct
                 assert torch.equal(module.read[mb], module.saved[mb])
             else:
-                assert torch.allclose(module.read[mb], history[k] - tau * deltas[k], rtol=0, atol=1e-12), (s, mb)
+                assert torch.allclose(module.read[mb], history[k] - steps * deltas[k], rtol=0, atol=1e-12), (s, mb)
                 corrected += not torch.equal(module.read[mb], history[k])
-        assert run.workers[s].weights.extra_weight_bytes == 9 * 8  # one float64 3x3 delta
+        # one float64 3x3 delta, none on the last stage, where T2 is off
+        assert run.workers[s].weights.extra_weight_bytes == (0 if s == n - 1 else 9 * 8)
     assert corrected > 10  # the correction was not vacuous
+
+
+def _mismatch_ratios(n: int, a: int, iters: int, decay: float, model: str) -> list[float | None]:
+    """Per stage, sum over micro-batches of ||backward-read - forward-saved|| over the same sum
+    for the live weights at backward time (None: no mismatch to reduce). What each pass read is
+    recorded by the tiny model's saved-tensor hooks and checked against an independent
+    computation: the forward of micro-batch m on stage s reads version floor(max(0, m - (N-1-s)) / a),
+    its backward the live version floor(m / a) moved back by its delay d times T2's velocity
+    (tests/paci_oracle.py: PACI's Algorithm 1)."""
+    run = tiny.run("pipemare", n, a, iters, {OPTION: PipeMareOptions(discrepancy_decay=decay, delay_model=model)})
+    ratios: list[float | None] = []
+    for s, (module, opt) in enumerate(zip(run.modules, run.optimizers)):
+        tau = stage_delay(n, s, a, model)
+        history = [weights[0] for weights in opt.history]
+        deltas = _velocity(history, decay ** (1 / max(tau, 1)))
+        corrected = live = 0.0
+        for mb in range(iters * a):
+            k_f, k_b = paci_oracle.forward_version(n, s, a, mb), paci_oracle.backward_version(a, mb)
+            assert torch.equal(module.saved[mb], history[k_f]), (s, mb)
+            steps = k_b - k_f if model == "stream" else tau
+            if paci_oracle.drift_bound(n, s, a) == 0 or steps == 0:  # no delay: T2 moves nothing
+                assert torch.equal(module.read[mb], history[k_b]), (s, mb)
+            else:
+                assert torch.allclose(module.read[mb], history[k_b] - steps * deltas[k_b], rtol=0, atol=1e-12)
+            corrected += float((module.read[mb] - module.saved[mb]).norm())
+            live += float((history[k_b] - module.saved[mb]).norm())
+        ratios.append(corrected / live if live else None)
+        if not live:
+            assert corrected == 0.0, s  # T2 created no mismatch where none existed
+    return ratios
+
+
+@pytest.mark.parametrize("n,a", [(4, 1), (4, 2), (6, 2)])
+def test_t2_with_the_stream_delay_reduces_the_mismatch_on_every_delayed_stage(n: int, a: int) -> None:
+    ratios = _mismatch_ratios(n, a, 12, 0.3, "stream")
+    assert ratios[-1] is None  # the last stage has no mismatch, and T2 made none
+    assert all(r is not None and r < 0.9 for r in ratios[:-1]), ratios
+
+
+def test_t2_with_the_papers_longer_delay_overshoots_on_this_stream() -> None:
+    """Table 1's delay is about twice this stream's: extrapolating that far makes the mismatch
+    worse than no correction (why it is opt-in), yet still creates none on the last stage."""
+    ratios = _mismatch_ratios(4, 2, 12, 0.3, "paper")
+    assert ratios[-1] is None
+    assert all(r is not None and r > 1.0 for r in ratios[:-1]), ratios
 
 
 def test_t2_restores_the_live_weights_exactly() -> None:
@@ -249,4 +302,4 @@ def test_distributed_runtime_equals_emulator_bitwise(megatron_world1, tmp_path) 
     records, workers = assert_runtime_equals_emulator(argv, tmp_path / "dist")
     assert records[0]["drift_max"] == [0, 0, 0, 0]  # synchronous warm-up
     assert records[-1]["drift_max"] == [3, 2, 1, 0]  # then 1F1B's asynchronous drift
-    assert [w.setup.lr_schedule.tau for w in workers] == [7, 5, 3, 1]
+    assert [w.setup.lr_schedule.tau for w in workers] == [3, 2, 1, 0]  # the stream's delay

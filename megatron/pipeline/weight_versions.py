@@ -7,7 +7,7 @@ through ``p.data``; a backward that runs after an update therefore reads the new
 
 * :class:`DoubleBufferedWeights` (PipeDream-2BW): the micro-batches of accumulation window
   ``w`` run forward *and* backward on version ``w - 1``; one stashed copy per stage.
-* :class:`DiscrepancyCorrection` (PipeMare T2): a backward reads ``w - tau * delta``.
+* :class:`DiscrepancyCorrection` (PipeMare T2): a backward reads ``w - d * delta``, ``d`` its delay.
 
 All of them work with stock PyTorch by changing the *contents* of each parameter's storage
 (``p.data.copy_``), never the storage itself: the tensors autograd saved in the forward
@@ -174,47 +174,66 @@ class DoubleBufferedWeights(WeightPolicy):
 
 
 class DiscrepancyCorrection(WeightPolicy):
-    """PipeMare's T2: backwards read ``w - tau * delta`` instead of the current ``w``.
+    """PipeMare's T2: backwards read ``w - d * delta`` instead of the current ``w``.
 
     ``delta`` is a per-parameter velocity estimate, updated after every update of the stage:
     ``delta <- gamma * delta + (1 - gamma) * (w_new - w_old)``, ``gamma = D ** (1 / tau)``,
     ``delta_0 = 0``. ``tau = tau_fwd - tau_bkwd`` is the stage's forward/backward delay in
-    updates (``tau_bkwd = 0`` here: the backward reads the latest weights). Backwards of
-    micro-batches whose iteration is below ``sync_until`` (PipeMareW's synchronous warm-up,
-    where forward and backward read the same weights) are not corrected, but ``delta`` is
-    updated from the first update on, so it is warm when asynchrony starts.
+    updates (``tau_bkwd = 0`` here: the backward reads the latest weights). ``d``, the number of
+    updates the backward extrapolates back over, is ``tau`` for every backward when
+    ``measured_delay`` is False (the paper's fine-grained pipelines, where every micro-batch of
+    a stage has the same delay); with ``measured_delay`` it is the updates this stage really
+    applied between the micro-batch's forward and its backward (``0 <= d <= tau`` on a 1F1B
+    stream: fewer while the pipeline fills, and with ``a > 1`` the delay alternates between
+    ``floor`` and ``ceil`` of ``(N - 1 - s) / a``), so a backward whose forward read the current
+    weights is never moved away from them. Backwards of micro-batches whose iteration is below
+    ``sync_until`` (PipeMareW's synchronous warm-up, where forward and backward read the same
+    weights) are not corrected, but ``delta`` is updated from the first update on, so it is
+    warm when asynchrony starts.
 
     Exactness: the current weights are copied aside for the corrected backward and copied
-    back after it (``w - tau*delta + tau*delta`` would not round-trip in floating point);
+    back after it (``w - d*delta + d*delta`` would not round-trip in floating point);
     that copy is transient, the persistent cost is ``delta`` (one weight copy, fp32 or the
     parameter dtype).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer: Any, tau: int, decay: float,
-                 microbatches_per_update: int, sync_until: int = 0):
+                 microbatches_per_update: int, sync_until: int = 0, measured_delay: bool = False):
         super().__init__(params, optimizer)
         if tau < 1:
             raise ValueError(f"discrepancy correction needs a delay tau >= 1, got {tau}")
         self.tau, self.gamma = tau, decay ** (1.0 / tau)
         self.a, self.sync_until = microbatches_per_update, sync_until
+        self.measured_delay = measured_delay
         self.delta = [torch.zeros_like(p, dtype=torch.float32 if p.dtype in (torch.bfloat16, torch.float16)
                                        else p.dtype) for p in params]
         self._saved: list[torch.Tensor] | None = None
         self._before: list[torch.Tensor] | None = None
+        self._forward_versions: dict[int, int] = {}  # micro-batch -> version its forward read
 
     @property
     def extra_weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.delta)
 
-    def corrected(self) -> list[torch.Tensor]:
-        """The backward weights ``w - tau * delta`` (in each parameter's dtype)."""
-        return [(p.detach().to(d.dtype) - self.tau * d).to(p.dtype) for p, d in zip(self.params, self.delta)]
+    def corrected(self, steps: int | None = None) -> list[torch.Tensor]:
+        """The backward weights ``w - steps * delta`` (``steps`` defaults to ``tau``), in each
+        parameter's dtype."""
+        steps = self.tau if steps is None else steps
+        return [(p.detach().to(d.dtype) - steps * d).to(p.dtype) for p, d in zip(self.params, self.delta)]
+
+    def before_forward(self, op: Op) -> int:
+        if self.measured_delay:
+            self._forward_versions[op.microbatch] = self.current_version
+        return self.current_version
 
     def before_backward(self, op: Op) -> int:
-        if op.microbatch // self.a >= self.sync_until:
+        steps = self.tau
+        if self.measured_delay:
+            steps = self.current_version - self._forward_versions.pop(op.microbatch)
+        if op.microbatch // self.a >= self.sync_until and steps > 0:
             with torch.no_grad():
                 self._saved = [p.detach().clone() for p in self.params]
-                for p, u in zip(self.params, self.corrected()):
+                for p, u in zip(self.params, self.corrected(steps)):
                     p.data.copy_(u)
         return self.current_version
 

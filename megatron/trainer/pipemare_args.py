@@ -9,7 +9,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron.pipeline.schedules.pipemare import DELAY_MODELS, OPTION, PipeMareOptions
+from megatron.pipeline.schedules.pipemare import (
+    DELAY_ALIASES,
+    DELAY_MODELS,
+    OPTION,
+    PipeMareOptions,
+    canonical_delay_model,
+)
 
 _FLAGS = ("pipemare_lr_anneal_iters", "pipemare_discrepancy_decay", "pipemare_sync_warmup_iters")
 
@@ -23,8 +29,11 @@ def add_pipemare_args(parser: argparse.ArgumentParser) -> None:
                         "with decay D^(1/tau_i); the paper suggests D near 0.1-0.5")
     g.add_argument("--pipemare-sync-warmup-iters", type=int, default=0, metavar="W",
                    help="PipeMareW: the first W iterations run synchronously (1F1B with a flush)")
-    g.add_argument("--pipemare-delay-model", choices=DELAY_MODELS, default="paper",
-                   help="tau_i: the paper's ceil((2(P-i)+1)/N) or our 1F1B's measured ceil((P-i)/N)")
+    g.add_argument("--pipemare-delay-model", choices=(*DELAY_MODELS, *DELAY_ALIASES), default="stream",
+                   help="tau of 0-based stage s: 'stream' (default) is this 1F1B stream's real delay "
+                        "ceil((N-1-s)/a) (N stages, a micro-batches per update; 0 on the last stage); "
+                        "'paper' is Table 1's fine-grained ceil((2(N-s)-1)/a), about twice as long here; "
+                        "'1f1b' is the old name of 'stream'. T2 never corrects a stage whose stream delay is 0")
 
 
 def validate_pipemare_args(args: argparse.Namespace) -> None:
@@ -45,4 +54,5 @@ def pipemare_options(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     return {OPTION: PipeMareOptions(
         lr_anneal_iters=args.pipemare_lr_anneal_iters, discrepancy_decay=args.pipemare_discrepancy_decay,
-        sync_warmup_iters=args.pipemare_sync_warmup_iters, delay_model=args.pipemare_delay_model)}
+        sync_warmup_iters=args.pipemare_sync_warmup_iters,
+        delay_model=canonical_delay_model(args.pipemare_delay_model))}

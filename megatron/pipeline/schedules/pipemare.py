@@ -16,13 +16,24 @@ switched on by its own option:
 
 Choices where the spec is ambiguous (A.11), and why:
 
-* ``tau_fwd,i = ceil((2 (P - i) + 1) / N)`` with ``i = 1..P`` (stage ``s`` is ``i = s + 1``),
-  ``P`` = pipeline stages, ``N`` = micro-batches per update; ``tau_bkwd = 0`` (the backward
-  reads the latest weights). This is Table 1 with the spec's recommended indexing, so
-  ``tau >= 1`` everywhere. The delay our coarse 1F1B actually produces is smaller,
-  ``ceil((P - i) / N)`` (PACI's drift bound, 0 on the last stage): ``delay_model = "1f1b"``
-  uses it instead (A.12's last caveat); a stage with ``tau = 0`` keeps the base rate and gets
-  no correction, since forward and backward read the same weights there.
+* ``tau_fwd`` of 0-based stage ``s`` is, by default (``delay_model = "stream"``), the delay this
+  coarse 1F1B stream really has: ``ceil((N - 1 - s) / a)`` updates (PACI's drift bound, reached
+  in steady state; ``N`` stages, ``a`` micro-batches per update; 0 on the last stage).
+  ``delay_model = "paper"`` opts in to Table 1's fine-grained formula
+  ``ceil((2 (P - i) + 1) / N)`` with ``i = s + 1`` (``P`` stages, ``N`` micro-batches per
+  update), meant for pipelines that update after every micro-batch's backward at a finer
+  grain; on this stream it is about twice the real delay (``[7, 5, 3, 1]`` against
+  ``[3, 2, 1, 0]`` at 4 stages and ``a = 1``), so T2 would extrapolate too far.
+  ``"1f1b"`` is the old name of ``"stream"`` and still accepted. ``tau_bkwd = 0`` (the
+  backward reads the latest weights).
+* T2 runs only on stages whose *stream* delay is at least 1, whatever the delay model: on a
+  stage with no forward/backward delay (the last one) forward and backward read the same
+  weights, and any extrapolation would create the mismatch T2 is meant to remove. With the
+  ``stream`` model each backward extrapolates over the updates its own micro-batch really
+  crossed (known exactly at run time; at most ``tau``, less while the pipeline fills and,
+  with ``a > 1``, on every other micro-batch), not over ``tau``: a uniform ``tau`` moves
+  backwards whose forward read the current weights, and measurably *raises* the mismatch on
+  stages where ``(N - 1 - s) / a`` is not an integer.
 * ``tau_i`` in T1 is ``tau_fwd,i`` (``tau_bkwd = 0``, A.2).
 * T1's clock ``k`` starts when asynchrony starts (update ``W``), following the WMT wording
   ("W epochs of synchronous warm-up and another K for annealing"); warm-up updates use the
@@ -47,7 +58,8 @@ from megatron.pipeline.schedules.paci import PACI, drift_bound
 from megatron.pipeline.weight_versions import DiscrepancyCorrection
 
 OPTION = "pipemare"
-DELAY_MODELS = ("paper", "1f1b")
+DELAY_MODELS = ("stream", "paper")
+DELAY_ALIASES = {"1f1b": "stream"}  # old name, kept working
 
 
 @dataclass(frozen=True)
@@ -57,14 +69,22 @@ class PipeMareOptions:
     lr_anneal_iters: int | None = None  # T1's K
     discrepancy_decay: float | None = None  # T2's D
     sync_warmup_iters: int = 0  # PipeMareW
-    delay_model: str = "paper"
+    delay_model: str = "stream"
 
 
-def stage_delay(num_stages: int, stage: int, microbatches_per_update: int, model: str = "paper") -> int:
+def canonical_delay_model(model: str) -> str:
+    """``model`` with old names mapped to their current one (``"1f1b"`` -> ``"stream"``)."""
+    return DELAY_ALIASES.get(model, model)
+
+
+def stage_delay(num_stages: int, stage: int, microbatches_per_update: int, model: str = "stream") -> int:
     """``tau_fwd`` of 0-indexed ``stage`` in updates (module docstring)."""
-    if model == "1f1b":
+    model = canonical_delay_model(model)
+    if model == "stream":
         return drift_bound(num_stages, stage, microbatches_per_update)
-    return math.ceil((2 * (num_stages - (stage + 1)) + 1) / microbatches_per_update)
+    if model == "paper":
+        return math.ceil((2 * (num_stages - (stage + 1)) + 1) / microbatches_per_update)
+    raise ValueError(f"pipemare: unknown delay model {model!r}")
 
 
 @dataclass(frozen=True)
@@ -101,7 +121,7 @@ class PipeMare(PACI):
             raise ScheduleConfigError(f"pipemare: T2's decay D must be in (0, 1), got {opts.discrepancy_decay}")
         if opts.sync_warmup_iters < 0:
             raise ScheduleConfigError(f"pipemare: synchronous warm-up iterations must be >= 0, got {opts.sync_warmup_iters}")
-        if opts.delay_model not in DELAY_MODELS:
+        if canonical_delay_model(opts.delay_model) not in DELAY_MODELS:
             raise ScheduleConfigError(f"pipemare: delay model {opts.delay_model!r} is not one of {', '.join(DELAY_MODELS)}")
 
     @classmethod
@@ -110,7 +130,9 @@ class PipeMare(PACI):
 
     @classmethod
     def _corrects(cls, config: ScheduleConfig, stage: int) -> bool:
-        return cls.options(config).discrepancy_decay is not None and cls.tau(config, stage) >= 1
+        """T2 is on and the stage's stream really has a forward/backward delay (never the last stage)."""
+        return (cls.options(config).discrepancy_decay is not None and cls.tau(config, stage) >= 1
+                and drift_bound(config.num_stages, stage, config.num_microbatches) >= 1)
 
     @classmethod
     def weight_copies(cls, config: ScheduleConfig, stage: int) -> int:
@@ -123,7 +145,8 @@ class PipeMare(PACI):
             return None
         assert opts.discrepancy_decay is not None
         return DiscrepancyCorrection(optimizer.parameters(), optimizer, cls.tau(config, stage), opts.discrepancy_decay,
-                                     config.num_microbatches, sync_until=opts.sync_warmup_iters)
+                                     config.num_microbatches, sync_until=opts.sync_warmup_iters,
+                                     measured_delay=canonical_delay_model(opts.delay_model) == "stream")
 
     @classmethod
     def stage_lr_schedule(cls, config: ScheduleConfig, stage: int, base: Any) -> Any:
