@@ -29,6 +29,14 @@ Choices made here where the paper (blog text in ``../shared/papers`` next to the
   signs fixed so that ``diag(R_qr) >= 0``), run *after* the step whose local step count
   triggers it; it is skipped while ``L U`` is zero or not finite (no statistics yet). The
   initial basis is the identity, so refresh interval 0 is exactly AdamW.
+* With the ``momentum`` source the larger side of a non-square weight has a rank-deficient
+  statistic (``M^T M`` of an m x n ``M``, m < n, has rank m): its eigenvectors are fixed only
+  on the range. The power step runs on ``S + c (I - Q Q^T)`` instead (``Q`` the range,
+  ``c = trace(S) / rank``; :func:`full_rank_statistic`), which has exactly ``S``'s
+  eigenvectors, so the paper's "eigenvectors of ``M^T M``" still hold, while the null-space
+  columns continue the old basis's directions instead of being set by rounding. The
+  second-moment statistics are EMAs of ``G G^T`` over steps and reach full rank after a few
+  steps; they are used as they are.
 * What is rotated: 2-D parameters except those whose rows are tokens or positions (the
   embeddings and the untied output layer): their gradient is row-sparse or dominated by
   frequent tokens, a vocabulary-sized rotation mixes unrelated tokens, and the convergence
@@ -121,9 +129,41 @@ def carry_second_moment(exp_avg_sq: Tensor, old_u: Tensor | None, new_u: Tensor 
     return out
 
 
-def _power_qr(stat: Tensor, basis: Tensor | None) -> Tensor | None:
-    """One power-iteration step and QR, in float64; None when ``stat`` carries no signal."""
+def full_rank_statistic(stat: Tensor, factor: Tensor, eps: float) -> Tensor:
+    """``S + c (I - Q Q^T)`` for ``S = F F^T`` (float64): full rank, with ``S``'s eigenvectors.
+
+    Why: with the momentum source ``S = M M^T`` or ``M^T M``, and on the larger side of a
+    non-square ``M`` (m x n, m < n) ``M^T M`` has rank m < n: its eigenvectors are only
+    determined on the m-dimensional range, the rest is a null space in which *any* orthonormal
+    basis is an eigenbasis. A power step ``S V`` has no component there, so QR would fill those
+    columns from rounding noise (different in every implementation, and unstable from one
+    refresh to the next). The paper asks for eigenvectors of ``S``; adding ``c`` times the
+    projector onto the null space (``Q``: the range, from ``F``'s singular vectors with a
+    numerical-rank cut-off ``eps * max(F.shape) * sigma_max``) changes no eigenvector of ``S``
+    and gives the null space eigenvalue ``c = trace(S) / rank``, the mean nonzero eigenvalue,
+    so the power step keeps the old basis's null-space directions (projected and
+    re-orthogonalised) at a scale QR resolves exactly. Returns ``S`` unchanged when it has full
+    rank; a zero ``F`` stays zero (no signal: the caller skips the refresh).
+    """
+    dim = stat.shape[0]
+    left, sigma, _ = torch.linalg.svd(factor, full_matrices=False)
+    if sigma.numel() == 0 or not bool(sigma[0] > 0):
+        return stat
+    rank = int((sigma > eps * max(factor.shape) * sigma[0]).sum())
+    if rank >= dim:
+        return stat
+    span = left[:, :rank]
+    projector = torch.eye(dim, dtype=stat.dtype, device=stat.device) - span @ span.T
+    return stat + (sigma[:rank].square().sum() / rank) * projector
+
+
+def _power_qr(stat: Tensor, basis: Tensor | None, factor: Tensor | None = None) -> Tensor | None:
+    """One power-iteration step and QR, in float64; None when ``stat`` carries no signal.
+    With ``factor`` (``stat = factor factor^T``), a rank-deficient ``stat`` is first completed by
+    :func:`full_rank_statistic`."""
     s = stat.double()
+    if factor is not None:
+        s = full_rank_statistic(s, factor.double(), torch.finfo(factor.dtype).eps)
     product = s if basis is None else s @ basis.double()
     if not bool(torch.isfinite(product).all()) or not bool(product.any()):
         return None
@@ -257,9 +297,9 @@ class BasisRotationAdamW(StageAdamW):
         m = slot.exp_avg
         new_u = new_v = None
         if rot.rotate_rows:
-            new_u = _power_qr(m @ m.T if momentum else rot.left, rot.u)
+            new_u = _power_qr(m @ m.T, rot.u, factor=m) if momentum else _power_qr(rot.left, rot.u)
         if rot.rotate_cols:
-            new_v = _power_qr(m.T @ m if momentum else rot.right, rot.v)
+            new_v = _power_qr(m.T @ m, rot.v, factor=m.T) if momentum else _power_qr(rot.right, rot.v)
         new_u = rot.u if new_u is None else new_u
         new_v = rot.v if new_v is None else new_v
         if new_u is rot.u and new_v is rot.v:
