@@ -25,7 +25,9 @@ def add_pipemare_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipemare-lr-anneal-iters", type=int, default=None, metavar="K",
                    help="T1: stage i updates with lr / tau_i^(1 - min(k/K, 1)) (k: update since asynchrony began)")
     g.add_argument("--pipemare-discrepancy-decay", type=float, default=None, metavar="D",
-                   help="T2: backwards read w - tau_i * delta, delta an EMA of the per-update weight change "
+                   help="T2: backwards read w - d * delta (d: the updates the micro-batch crossed since its forward, "
+                        "tau_i with --pipemare-delay-model paper; never on a zero-delay stage), "
+                        "delta an EMA of the per-update weight change "
                         "with decay D^(1/tau_i); the paper suggests D near 0.1-0.5")
     g.add_argument("--pipemare-sync-warmup-iters", type=int, default=0, metavar="W",
                    help="PipeMareW: the first W iterations run synchronously (1F1B with a flush)")
