@@ -31,8 +31,9 @@ Choices made here where the paper (blog text in ``../shared/papers`` next to the
   initial basis is the identity, so refresh interval 0 is exactly AdamW.
 * With the ``momentum`` source the larger side of a non-square weight has a rank-deficient
   statistic (``M^T M`` of an m x n ``M``, m < n, has rank m): its eigenvectors are fixed only
-  on the range. The power step runs on ``S + c (I - Q Q^T)`` instead (``Q`` the range,
-  ``c = trace(S) / rank``; :func:`full_rank_statistic`), which has exactly ``S``'s
+  on the range. The power step runs on ``S + c (I - Q Q^T)`` instead (``Q`` the range and
+  ``c = trace(S) / rank``, both from one SVD of ``M``: :class:`MomentumRanges`,
+  :func:`full_rank_statistic`), which has exactly ``S``'s
   eigenvectors, so the paper's "eigenvectors of ``M^T M``" still hold, while the null-space
   columns continue the old basis's directions instead of being set by rounding. The
   second-moment statistics are EMAs of ``G G^T`` over steps and reach full rank after a few
@@ -129,41 +130,55 @@ def carry_second_moment(exp_avg_sq: Tensor, old_u: Tensor | None, new_u: Tensor 
     return out
 
 
-def full_rank_statistic(stat: Tensor, factor: Tensor, eps: float) -> Tensor:
-    """``S + c (I - Q Q^T)`` for ``S = F F^T`` (float64): full rank, with ``S``'s eigenvectors.
+@dataclass(frozen=True)
+class MomentumRanges:
+    """The ranges of ``M M^T`` (``rows``, m x r) and ``M^T M`` (``cols``, n x r) from one SVD of
+    the momentum ``M`` (float64), and ``fill = trace(M M^T) / r``, their mean nonzero eigenvalue
+    (``r``: the numerical rank; None when ``M`` is zero)."""
+
+    rows: Tensor
+    cols: Tensor
+    fill: Tensor
+
+    @staticmethod
+    def of(momentum: Tensor) -> MomentumRanges | None:
+        left, sigma, right_t = torch.linalg.svd(momentum.double(), full_matrices=False)
+        if sigma.numel() == 0 or not bool(sigma[0] > 0):
+            return None
+        eps = torch.finfo(momentum.dtype).eps
+        rank = int((sigma > eps * max(momentum.shape) * sigma[0]).sum())
+        return MomentumRanges(left[:, :rank], right_t[:rank].T, sigma[:rank].square().sum() / rank)
+
+
+def full_rank_statistic(stat: Tensor, span: Tensor, fill: Tensor) -> Tensor:
+    """``S + fill (I - Q Q^T)`` (``Q = span``, the range of ``S``): full rank, with ``S``'s eigenvectors.
 
     Why: with the momentum source ``S = M M^T`` or ``M^T M``, and on the larger side of a
     non-square ``M`` (m x n, m < n) ``M^T M`` has rank m < n: its eigenvectors are only
     determined on the m-dimensional range, the rest is a null space in which *any* orthonormal
     basis is an eigenbasis. A power step ``S V`` has no component there, so QR would fill those
     columns from rounding noise (different in every implementation, and unstable from one
-    refresh to the next). The paper asks for eigenvectors of ``S``; adding ``c`` times the
-    projector onto the null space (``Q``: the range, from ``F``'s singular vectors with a
-    numerical-rank cut-off ``eps * max(F.shape) * sigma_max``) changes no eigenvector of ``S``
-    and gives the null space eigenvalue ``c = trace(S) / rank``, the mean nonzero eigenvalue,
-    so the power step keeps the old basis's null-space directions (projected and
-    re-orthogonalised) at a scale QR resolves exactly. Returns ``S`` unchanged when it has full
-    rank; a zero ``F`` stays zero (no signal: the caller skips the refresh).
+    refresh to the next). The paper asks for eigenvectors of ``S``; adding ``fill`` times the
+    projector onto the null space changes no eigenvector of ``S`` and gives the null space the
+    mean nonzero eigenvalue, so the power step keeps the old basis's null-space directions
+    (projected and re-orthogonalised) at a scale QR resolves exactly. ``S`` is returned
+    unchanged when it has full rank.
     """
     dim = stat.shape[0]
-    left, sigma, _ = torch.linalg.svd(factor, full_matrices=False)
-    if sigma.numel() == 0 or not bool(sigma[0] > 0):
+    if span.shape[1] >= dim:
         return stat
-    rank = int((sigma > eps * max(factor.shape) * sigma[0]).sum())
-    if rank >= dim:
-        return stat
-    span = left[:, :rank]
     projector = torch.eye(dim, dtype=stat.dtype, device=stat.device) - span @ span.T
-    return stat + (sigma[:rank].square().sum() / rank) * projector
+    return stat + fill * projector
 
 
-def _power_qr(stat: Tensor, basis: Tensor | None, factor: Tensor | None = None) -> Tensor | None:
+def _power_qr(stat: Tensor, basis: Tensor | None, span: Tensor | None = None,
+              fill: Tensor | None = None) -> Tensor | None:
     """One power-iteration step and QR, in float64; None when ``stat`` carries no signal.
-    With ``factor`` (``stat = factor factor^T``), a rank-deficient ``stat`` is first completed by
+    With ``span`` (the range of ``stat``) a rank-deficient ``stat`` is first completed by
     :func:`full_rank_statistic`."""
     s = stat.double()
-    if factor is not None:
-        s = full_rank_statistic(s, factor.double(), torch.finfo(factor.dtype).eps)
+    if span is not None and fill is not None:
+        s = full_rank_statistic(s, span, fill)
     product = s if basis is None else s @ basis.double()
     if not bool(torch.isfinite(product).all()) or not bool(product.any()):
         return None
@@ -293,13 +308,21 @@ class BasisRotationAdamW(StageAdamW):
 
     def _refresh(self, rot: _Rotation, slot: _Slot) -> None:
         """New bases by one power step + QR; the second moment is carried into them."""
-        momentum = self.rotation.source == "momentum"
         m = slot.exp_avg
         new_u = new_v = None
-        if rot.rotate_rows:
-            new_u = _power_qr(m @ m.T, rot.u, factor=m) if momentum else _power_qr(rot.left, rot.u)
-        if rot.rotate_cols:
-            new_v = _power_qr(m.T @ m, rot.v, factor=m.T) if momentum else _power_qr(rot.right, rot.v)
+        if self.rotation.source == "momentum":
+            ranges = MomentumRanges.of(m) if bool(torch.isfinite(m).all()) else None
+            if ranges is None:  # no signal yet (or a non-finite momentum): keep the bases
+                return
+            if rot.rotate_rows:
+                new_u = _power_qr(m @ m.T, rot.u, ranges.rows, ranges.fill)
+            if rot.rotate_cols:
+                new_v = _power_qr(m.T @ m, rot.v, ranges.cols, ranges.fill)
+        else:
+            if rot.rotate_rows:
+                new_u = _power_qr(rot.left, rot.u)
+            if rot.rotate_cols:
+                new_v = _power_qr(rot.right, rot.v)
         new_u = rot.u if new_u is None else new_u
         new_v = rot.v if new_v is None else new_v
         if new_u is rot.u and new_v is rot.v:
