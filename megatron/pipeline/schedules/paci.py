@@ -47,5 +47,6 @@ class Async1F1B(PACI):
 
 
 def drift_bound(num_stages: int, stage: int, accumulation: int) -> int:
-    """PACI's bound on forward/backward weight-version drift of 0-indexed ``stage``."""
+    """PACI's bound on forward/backward weight-version drift of 0-indexed ``stage``:
+    ``ceil((N - 1 - stage) / a)``, the paper's ``ceil((N - i) / a)`` (eq. 2) with 1-based ``i = stage + 1``."""
     return -(-(num_stages - 1 - stage) // accumulation)
