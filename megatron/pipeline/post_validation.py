@@ -260,6 +260,7 @@ def global_outcome(sq_norms: Sequence[float], clip_grad: float, clip_coef: Calla
 class _Pending:
     update: int
     lr: float
+    unscale: float  # the inverse loss scale the gradients are unscaled with (1.0 without fp16)
     stepped: bool
     sq_norms: list[float]  # the partial state this stage sent on (global on the last stage)
     rng: Any  # the stage's RNG state at the PSTEP (before the first pre-validation forward)
@@ -298,10 +299,11 @@ def partial_step(worker: StageWorker, op: Op, received: torch.Tensor | None) -> 
     opt = worker.setup.optimizer
     stepped = decide(sq_norms[: worker.stage + 1], worker.setup.clip_grad, opt.clip_coef).clean
     lr = worker.setup.lr_schedule.lr(opt.step_count + 1)
+    unscale = worker.inv_loss_scale
     if stepped:
-        opt.step(lr, grad_scale=1.0)
+        opt.step(lr, grad_scale=unscale)
         pv.optimistic_steps += 1
-    pv.pending = _Pending(op.update, lr, stepped, sq_norms, worker.rng_state())
+    pv.pending = _Pending(op.update, lr, unscale, stepped, sq_norms, worker.rng_state())
     if worker.stage == n - 1:
         return None
     return _state_tensor(sq_norms, worker.setup.device)
@@ -331,16 +333,19 @@ def validate(worker: StageWorker, op: Op, received: torch.Tensor | None) -> tupl
         worker.record_update(op.update, g.total_sq, pending.lr)
     else:
         if pending.stepped:
-            opt.rollback(pending.lr, 1.0)
+            opt.rollback(pending.lr, pending.unscale)
             rolled_back = True
             pv.rollbacks += 1
         if g.finite:
-            opt.step(pending.lr, grad_scale=g.coef)
+            opt.step(pending.lr, grad_scale=g.coef * pending.unscale)
             redone = True
             pv.redos += 1
             worker.record_update(op.update, g.total_sq, pending.lr)
         else:
             worker.record_update(op.update, g.total_sq, None)
+    # fp16: every stage updates its scaler from the global state here, before its next
+    # backward (the last stage's VALIDATE precedes its first backward of the next iteration).
+    worker.update_loss_scale(not g.finite)
     opt.zero_grad()
     if outcome.replay:
         worker.set_rng_state(pending.rng)

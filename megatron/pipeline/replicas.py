@@ -69,7 +69,7 @@ def owned_sq_norm(worker: StageWorker) -> float:
     total = torch.zeros((), dtype=torch.float32)
     for g in chunk_grads(worker, 0):
         total += g.float().square().sum().cpu()
-    return float(total)
+    return worker.unscale_sq(float(total))
 
 
 def prepare(worker: StageWorker, op: Op) -> None:

@@ -30,6 +30,7 @@ class StageReport:
     act_peak_count: int  # max micro-batches with live activations at once
     act_peak_bytes: int  # max bytes of saved activations at once
     mem_peak_bytes: int  # device peak allocated (CUDA) or 0
+    loss_scale: float = 1.0  # fp16: the stage's loss scale at the report
 
     @property
     def drift_mean(self) -> float:

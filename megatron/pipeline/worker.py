@@ -39,7 +39,8 @@ import torch
 # host): done here, the cost lands at start-up instead of inside the first traced/timed backward.
 import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
-from megatron.pipeline.comm import Message
+from megatron.pipeline.comm import Message, MsgKind
+from megatron.pipeline.loss_scaling import StageLossScaler
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.memory import ActivationMeter
 from megatron.pipeline.post_validation import PostValidationState, is_state_message, state_spec
@@ -91,6 +92,8 @@ class StageSetup:
     # Which weights forwards and backwards read (weight stashing, discrepancy correction);
     # None: the live weights (megatron.pipeline.weight_versions).
     weight_policy: WeightPolicy | None = None
+    # fp16: this stage's loss scaler (megatron.pipeline.loss_scaling); None: no loss scaling.
+    loss_scaler: StageLossScaler | None = None
 
 
 class StageWorker:
@@ -173,7 +176,29 @@ class StageWorker:
         """Shape and dtype of a tensor this stage receives."""
         if is_state_message(msg):
             return state_spec(self.layout)
+        if msg.kind is MsgKind.GRAD and self._stage_local_scaling:
+            return self.setup.activation_shape, torch.float32  # unscaled gradients (loss_scaling)
         return self.setup.activation_shape, self.setup.activation_dtype
+
+    # -- loss scaling (fp16; megatron.pipeline.loss_scaling) ----------------------------
+    @property
+    def _stage_local_scaling(self) -> bool:
+        return self.setup.loss_scaler is not None and self.setup.loss_scaler.stage_local
+
+    @property
+    def inv_loss_scale(self) -> float:
+        """What the optimizer multiplies the gradients by to unscale them (1.0 without scaling)."""
+        return 1.0 if self.setup.loss_scaler is None else self.setup.loss_scaler.inv_scale
+
+    def unscale_sq(self, sq_norm: float) -> float:
+        """A squared norm of this stage's (scaled) gradients, unscaled (exact for 2^k scales)."""
+        scaler = self.setup.loss_scaler
+        return sq_norm if scaler is None else sq_norm / (scaler.scale * scaler.scale)
+
+    def update_loss_scale(self, found_inf: bool) -> None:
+        """Feed the step decision's non-finite flag to the scaler (after the decision is logged)."""
+        if self.setup.loss_scaler is not None:
+            self.setup.loss_scaler.update(found_inf)
 
     def in_flight(self) -> int:
         """Micro-batches whose forward ran but whose backward (or W) has not."""
@@ -295,10 +320,13 @@ class StageWorker:
         key = (op.microbatch, op.chunk)
         x, out = self._stash.pop(key)
         version = self.weights.before_backward(op)
+        scaler = self.setup.loss_scaler
         with self._rng_scope(), (defer_weight_grads() if defer else contextlib.nullcontext()) as deferred:
             if grad_output is None:
-                torch.autograd.backward(out)
+                torch.autograd.backward(out if scaler is None else out * scaler.scale)
             else:
+                if self._stage_local_scaling:  # arrives unscaled in fp32: apply this stage's scale
+                    grad_output = (grad_output * scaler.scale).to(out.dtype)
                 torch.autograd.backward(out, grad_output)
         self.weights.after_backward(op)
         if deferred is None:
@@ -309,7 +337,11 @@ class StageWorker:
         drift = version - self._fwd_version.pop(key)
         self._drifts.append(drift)
         self.drift_histogram[drift] += 1
-        return None if x is None else x.grad
+        if x is None:
+            return None
+        if self._stage_local_scaling and x.grad is not None:
+            return x.grad.float() * scaler.inv_scale
+        return x.grad
 
     def grad_sq_norm(self, op: Op) -> float:
         """This stage's squared gradient norm before update ``op`` (inf/nan if not finite)."""
@@ -324,7 +356,7 @@ class StageWorker:
                 if p.grad is not None:
                     p.grad.view(-1)[0] = float("nan")
                     break
-        return float(self.setup.optimizer.grad_sq_norm())
+        return self.unscale_sq(float(self.setup.optimizer.grad_sq_norm()))
 
     def apply_update(self, op: Op, stage_sq_norms: list[float]) -> None:
         """OPT: step with the norm over ``stage_sq_norms`` (all stages if sync, else own).
@@ -341,8 +373,9 @@ class StageWorker:
             norm = math.sqrt(total_sq)
             scale = opt.clip_coef(norm, self.setup.clip_grad) if self.setup.clip_grad > 0 else 1.0
             lr = self.setup.lr_schedule.lr(opt.step_count + 1)
-            opt.step(lr, grad_scale=scale)
+            opt.step(lr, grad_scale=scale * self.inv_loss_scale)
             self.record_update(op.update, total_sq, lr)
+        self.update_loss_scale(not math.isfinite(total_sq))
         self.weights.after_update(op)
         opt.zero_grad()
         if self.tracer is not None:
@@ -351,9 +384,10 @@ class StageWorker:
     def record_update(self, update: int, total_sq: float, lr: float | None) -> None:
         """Statistics of update ``update``: applied with ``lr``, or skipped when ``lr`` is None."""
         self._updates += 1
+        scale = {} if self.setup.loss_scaler is None else {"loss_scale": self.setup.loss_scaler.scale}
         if lr is None:
             self._skipped += 1
-            self.update_log.append({"update": update, "skipped": True})
+            self.update_log.append({"update": update, "skipped": True, **scale})
             print(
                 f"[megatron-async] stage {self.stage}: skipped update {update} "
                 f"(non-finite gradients, squared norm {total_sq}); weights unchanged",
@@ -362,7 +396,7 @@ class StageWorker:
         else:
             norm = math.sqrt(total_sq)
             self._last_lr, self._last_norm = lr, norm
-            self.update_log.append({"update": update, "skipped": False, "lr": lr, "grad_norm": norm})
+            self.update_log.append({"update": update, "skipped": False, "lr": lr, "grad_norm": norm, **scale})
 
     def take_report(self, update: int) -> StageReport:
         """Statistics since the previous report; resets the interval."""
@@ -387,6 +421,7 @@ class StageWorker:
             act_peak_count=self.meter.peak_count,
             act_peak_bytes=self.meter.peak_bytes,
             mem_peak_bytes=int(mem),
+            loss_scale=1.0 if self.setup.loss_scaler is None else self.setup.loss_scaler.scale,
         )
         self._reset_interval()
         return report

@@ -21,6 +21,7 @@ from megatron.trainer.post_validation_args import (
 from megatron.trainer.pipemare_args import add_pipemare_args, pipemare_options, validate_pipemare_args
 from megatron.trainer.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
 from megatron.trainer.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
+from megatron.trainer.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
 
 
 class ArgumentError(ValueError):
@@ -137,6 +138,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_pipemare_args(p)
     add_run_control_args(p)
     add_insight_args(p)  # --trace-dir, --pipeline-partition
+    add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
     _add_logging_args(p)
     return p
 
@@ -235,6 +237,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.nonfinite_injections.setdefault(stage, set()).add(update)
     validate_zero_bubble_args(args)  # --zb-* flags (zb-1p / zb-2p)
     validate_post_validation_args(args)  # --enable-optimizer-post-validation and friends
+    validate_mixed_precision_args(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
     validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
     validate_pipemare_args(args)  # --pipemare-* (T1, T2, synchronous warm-up)
     try:

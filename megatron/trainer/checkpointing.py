@@ -49,7 +49,7 @@ SIGNATURE_FLAGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "seq_length", "max_position_embeddings", "vocab_size", "normalization", "position_embedding_type",
     "pipeline_model_parallel_size", "num_model_chunks", "pipeline_layer_split", "data_parallel_size",
-    "pipeline_schedule", "num_microbatches", "micro_batch_size", "bf16",
+    "pipeline_schedule", "num_microbatches", "micro_batch_size", "bf16", "fp16",
 )
 
 
@@ -92,6 +92,7 @@ def stage_state(task: PretrainTask, worker: StageWorker) -> dict[str, Any]:
         "rng": worker.rng_state(),
         "drift_histogram": dict(worker.drift_histogram),
         "weight_versions": worker.weights.state_dict(),  # 2BW's stash, PipeMare's delta
+        **({} if worker.setup.loss_scaler is None else {"loss_scaler": worker.setup.loss_scaler.state_dict()}),
     }
 
 
@@ -236,3 +237,5 @@ def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint
     worker.drift_histogram.clear()
     worker.drift_histogram.update(state.get("drift_histogram", {}))
     worker.weights.load_state_dict(state.get("weight_versions", {}))
+    if worker.setup.loss_scaler is not None and "loss_scaler" in state:  # fp16: resume the scale
+        worker.setup.loss_scaler.load_state_dict(state["loss_scaler"])

@@ -125,6 +125,7 @@ class TrainingLogger:
             "drift_mean": _per_stage(
                 reports, self.num_stages,
                 lambda rs: sum(r.drift_sum for r in rs) / max(1, sum(r.drift_count for r in rs))),
+            "loss_scale": _per_stage(reports, self.num_stages, lambda rs: min(r.loss_scale for r in rs)),
         }
         self._print(record)
         self._write(record)
@@ -145,6 +146,8 @@ class TrainingLogger:
             f"elapsed: {_hms(r['elapsed_s'])} ETA: {_hms(r['eta_s'])}",
             f"{mem_kind} (MB) per stage: [{', '.join(f'{m:.1f}' for m in mem)}]",
         ]
+        if any(scale != 1.0 for scale in r["loss_scale"]):  # --fp16
+            parts.append(f"loss scale per stage: [{', '.join(f'{x:g}' for x in r['loss_scale'])}]")
         if any(r["skipped_updates"]):
             parts.append(f"skipped updates per stage: {r['skipped_updates']}")
         if self.log_drift:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron.trainer.arguments import pipeline_layout
-from megatron.trainer.models.stage import PipelineStage, split_layers
+from megatron.trainer.models.stage import PipelineStage, model_dtype, split_layers
 from megatron.trainer.task import Batch, microbatch_sample_indices
 
 
@@ -38,6 +38,7 @@ def transformer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         normalization=args.normalization,
         position_embedding_type=args.position_embedding_type,
         bf16=args.bf16,
+        fp16=args.fp16,
         use_transformer_engine=impl,
     )
 
@@ -83,6 +84,5 @@ def micro_batch_fn(
 
 
 def hidden_activation_spec(args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
-    """Hidden states ``[s, b, h]`` cross stage boundaries, bf16 with ``--bf16``."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    return (args.seq_length, args.micro_batch_size, args.hidden_size), dtype
+    """Hidden states ``[s, b, h]`` cross stage boundaries, bf16/fp16 with ``--bf16``/``--fp16``."""
+    return (args.seq_length, args.micro_batch_size, args.hidden_size), model_dtype(args)

@@ -33,6 +33,8 @@ from megatron.trainer.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop import Segment, plan_segments, run_segments
 from megatron.trainer.lr_schedule import LRSchedule
 from megatron.trainer.basis_rotation import BasisRotationAdamW, RotationConfig
+from megatron.trainer.mixed_precision_args import loss_scale_config
+from megatron.pipeline.loss_scaling import StageLossScaler
 from megatron.trainer.optimizer import StageAdamW
 from megatron.trainer.runners import DistributedRunner, EmulatorRunner
 from megatron.trainer.task import PretrainTask
@@ -98,8 +100,15 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         inject_nonfinite_updates=frozenset(args.nonfinite_injections.get(stage, ())),
         inject_nonfinite_losses=frozenset(getattr(args, "inject_nonfinite_loss", ())),
         weight_policy=schedule_cls.stage_weight_policy(config, stage, optimizer),
+        loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
     )
     return StageWorker(setup, isolate_rng=isolate_rng)
+
+
+def _loss_scaler(args: argparse.Namespace, asynchronous: bool) -> StageLossScaler | None:
+    """``--fp16``: the stage's scaler, pipeline-wide for synchronous schedules, stage-local otherwise."""
+    config = loss_scale_config(args, asynchronous)
+    return None if config is None else StageLossScaler(config)
 
 
 def make_logger(args: argparse.Namespace, start_iteration: int = 0) -> TrainingLogger:

@@ -46,8 +46,16 @@ class TransformerArgs:
     normalization: str = "LayerNorm"  # or "RMSNorm"
     position_embedding_type: str = "learned_absolute"  # or "rope"
     bf16: bool = False
+    fp16: bool = False  # fp16 weights and activations (fp32 masters, dynamic loss scaling)
     # None: Transformer Engine's spec when TE imports and CUDA is available, else local + SDPA.
     use_transformer_engine: bool | None = None
+
+
+def model_dtype(args: TransformerArgs) -> torch.dtype:
+    """The dtype of a stage's weights and of the activations it sends: bf16, fp16 or fp32."""
+    if args.bf16:
+        return torch.bfloat16
+    return torch.float16 if args.fp16 else torch.float32
 
 
 def split_layers(
@@ -140,9 +148,10 @@ def transformer_config(args: TransformerArgs, num_stage_layers: int) -> Transfor
         output_layer_init_method=scaled_init_method_normal(args.init_method_std, args.num_layers),
         normalization=args.normalization,
         bf16=args.bf16,
+        fp16=args.fp16,
         # Built in fp32 and cast afterwards: params_dtype=bf16 leaves some modules in fp32.
         params_dtype=torch.float32,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=model_dtype(args),
         use_cpu_initialization=True,
         # Every parameter is overwritten by ``init_parameters``; skipping megatron's own init
         # saves time and leaves the global RNG untouched.
@@ -216,7 +225,7 @@ class PipelineStage(torch.nn.Module):
     @property
     def activation_dtype(self) -> torch.dtype:
         """Dtype of the hidden states crossing stage boundaries."""
-        return torch.bfloat16 if self.args.bf16 else torch.float32
+        return model_dtype(self.args)
 
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """``(s, b, h)`` of the tensors crossing stage boundaries (Megatron's layout)."""
@@ -281,6 +290,6 @@ def build_stage(
     make_rotary_device_agnostic(model)
     stage = wrap(model)
     stage.init_parameters(seed)
-    if args.bf16:
-        stage.model.bfloat16()
+    if args.bf16 or args.fp16:
+        stage.model.to(model_dtype(args))
     return stage.to(device)
