@@ -132,7 +132,7 @@ def test_fp16_trains_close_to_fp32(tmp_path, schedule: str, extra: tuple[str, ..
     assert all(math.isfinite(x) for x in losses)
     assert sum(losses[-4:]) / 4 < losses[0] - 0.05, losses  # it learns
     for g, w in zip(got, want):
-        assert abs(g["loss"] - w["loss"]) < 0.02, (g["iteration"], g["loss"], w["loss"])
+        assert abs(g["loss"] - w["loss"]) < 5e-3, (g["iteration"], g["loss"], w["loss"])
     for w in workers:
         assert_scales_follow_rule(w)
         assert max(_scales(w)) > 1024  # the scale grew after clean windows
@@ -193,9 +193,12 @@ def assert_bitwise(got, want) -> None:
 def test_half_precision_post_validation_equals_the_synchronous_run(tmp_path, precision) -> None:
     """Clipping at 1.0 makes some iterations roll back and redo: with the default (backup)
     rollback the bf16/fp16 run is bitwise ZB-2P without post-validation, N = 4."""
-    flags = (*precision, "--zb-profile-iters", "0", "--clip-grad", "1.0")
-    got = _train(tmp_path, "zb-2p", *flags, "--enable-optimizer-post-validation", n=4, iters=8, tag="pv")
-    want = _train(tmp_path, "zb-2p", *flags, n=4, iters=8, tag="sync")
+    # At this size the in-place rollback (--optimizer-post-validation-in-place) is already
+    # off by 1e-2 in the grad norm at the 5th iteration in bf16 (1e-5 in fp32).
+    flags = (*precision, "--zb-profile-iters", "0", "--clip-grad", "1.0", "--hidden-size", "32",
+             "--seq-length", "16", "--micro-batch-size", "2")
+    got = _train(tmp_path, "zb-2p", *flags, "--enable-optimizer-post-validation", n=4, iters=6, tag="pv")
+    want = _train(tmp_path, "zb-2p", *flags, n=4, iters=6, tag="sync")
     assert sum(w.post_validation.rollbacks for w in got[0]) > 0
     assert_bitwise(got, want)
 
@@ -207,4 +210,4 @@ def test_fp16_paci_runtime_equals_emulator(tmp_path) -> None:
     argv = tiny_args(2, "paci", 2, 24, "--fp16", "--loss-scale-window", "3")
     records, workers = assert_runtime_equals_emulator(argv, tmp_path)
     assert any(e["skipped"] for w in workers for e in w.update_log)
-    assert len({tuple(r["loss_scale"]) for r in records}) > 1
+    assert any(len(set(r["loss_scale"])) > 1 for r in records)  # the stages' scales parted
