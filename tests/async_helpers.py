@@ -90,3 +90,16 @@ def assert_runtime_equals_emulator(argv: list[str], out_dir: Path) -> tuple[list
     for name, value in dist_params.items():
         assert torch.equal(value, emu_params[name]), name
     return records, workers
+
+
+def assert_flag_error(capsys, argv: list[str], fragment: str) -> None:
+    """``argv`` (on a 2-stage, 2-layer GPT) exits 2 with one line of stderr containing ``fragment``."""
+    import pytest
+
+    from megatron.trainer.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "2", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err

@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from tests.async_helpers import assert_runtime_equals_emulator, emulate, final_params, tiny_args
+from tests.async_helpers import assert_flag_error, assert_runtime_equals_emulator, emulate, final_params, tiny_args
 
 pytestmark = pytest.mark.usefixtures("megatron_world1")
 
@@ -73,13 +73,7 @@ def test_scaler_follows_megatron_lms_rule() -> None:
     (["--enable-optimizer-post-validation", "--optimizer-post-validation-in-place"], "is for --bf16/--fp16"),
 ])
 def test_flag_errors_are_one_line(capsys, argv: list[str], fragment: str) -> None:
-    from megatron.trainer.arguments import parse_args
-
-    with pytest.raises(SystemExit) as exc:
-        parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "2", *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and fragment in err[0], err
+    assert_flag_error(capsys, argv, fragment)
 
 
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])

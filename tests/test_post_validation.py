@@ -33,7 +33,7 @@ from megatron.pipeline.validate import (
     validate_schedule,
     validate_streams,
 )
-from tests.async_helpers import emulate, final_params, run_pretrain, tiny_args
+from tests.async_helpers import assert_flag_error, emulate, final_params, run_pretrain, tiny_args
 
 PV = {POST_VALIDATION: True}
 ITERS = 10
@@ -146,13 +146,7 @@ def test_asynchronous_schedules_refuse_post_validation() -> None:
     (["--optimizer-post-validation-exact"], "needs --enable-optimizer-post-validation"),
 ])
 def test_flag_errors_are_one_line(capsys, argv: list[str], fragment: str) -> None:
-    from megatron.trainer.arguments import parse_args
-
-    with pytest.raises(SystemExit) as exc:
-        parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "2", *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and fragment in err[0], err
+    assert_flag_error(capsys, argv, fragment)
 
 
 # ------------------------------------------------------------------------------ training

@@ -147,7 +147,7 @@ class TrainingLogger:
             f"{mem_kind} (MB) per stage: [{', '.join(f'{m:.1f}' for m in mem)}]",
         ]
         if any(scale != 1.0 for scale in r["loss_scale"]):  # --fp16
-            parts.append(f"loss scale per stage: [{', '.join(f'{x:g}' for x in r['loss_scale'])}]")
+            parts.append(f"loss scale per stage: [{', '.join(f'{x:.1f}' for x in r['loss_scale'])}]")
         if any(r["skipped_updates"]):
             parts.append(f"skipped updates per stage: {r['skipped_updates']}")
         if self.log_drift:
@@ -190,6 +190,8 @@ class TensorBoardScalars:
             if r["peak_memory_mb"][stage]:
                 scalars[f"memory/peak-mb-stage{stage}"] = r["peak_memory_mb"][stage]
             scalars[f"skipped-updates/stage{stage}"] = r["skipped_updates"][stage]
+            if r["loss_scale"][stage] != 1.0:  # --fp16
+                scalars[f"loss-scale/stage{stage}"] = r["loss_scale"][stage]
         self.add(scalars, step)
 
     def close(self) -> None:
