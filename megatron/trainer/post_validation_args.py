@@ -23,7 +23,8 @@ def add_post_validation_args(parser: argparse.ArgumentParser) -> None:
                         "when clipping or a non-finite gradient requires it)")
     g.add_argument("--optimizer-post-validation-exact", action="store_true",
                    help="roll back from a backup of weights and Adam moments (bitwise) instead of the "
-                        "in-place arithmetic inverse (within a few ulp); costs one more copy of the state")
+                        "in-place arithmetic inverse (within a few ulp); costs one more copy of the state; the default "
+                        "with --bf16/--fp16 (see --optimizer-post-validation-in-place)")
     g.add_argument("--inject-nonfinite-loss", action="append", type=int, default=[], metavar="MICROBATCH",
                    help="testing: the loss of this global micro-batch (0-based) becomes NaN; repeatable")
 
