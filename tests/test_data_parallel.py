@@ -30,4 +30,7 @@ def test_two_replicas_per_stage_match_one_replica(tmp_path, schedule):
             torch.testing.assert_close(p2[name][keys], value[keys], rtol=0, atol=5e-5)
             torch.testing.assert_close(p2[name][~keys], value[~keys], rtol=1e-5, atol=1e-6)
         else:
-            torch.testing.assert_close(p2[name], value, rtol=1e-5, atol=1e-6)
+            # Adam divides by sqrt(v): where a gradient is tiny, the replicas' other summation
+            # order moves an update by a visible fraction of lr (1e-2). 1e-3 of one step's size
+            # bounds that noise on any CPU's kernels; a real mismatch is a whole step off.
+            torch.testing.assert_close(p2[name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
