@@ -1,0 +1,338 @@
+"""What the first GPU session should run: the places where the CUDA/NCCL path differs from
+CPU/gloo (``docs/gpu.md`` explains each one and names the torch source behind it).
+
+Every test here but the parameter-count check carries the ``gpu`` marker, so
+``tests/conftest.py`` skips it without CUDA. Two-rank NCCL tests also need two GPUs (NCCL does not allow two ranks of one communicator on
+one device); the Transformer Engine test needs ``transformer_engine``. Runs are tiny except
+where a message must exceed NCCL's internal buffer (``NCCL_MESSAGE_ARGS``: 8 MiB activations,
+see docs/gpu.md section 1) and the GPT-2-medium throughput smoke.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.async_helpers import REPO, emulate, read_log, run_pretrain, tiny_args
+from tests.test_fault_tolerance import _base_env, _free_port, _stop, _tail, _wait_for_training
+from tests.test_gpt_stage import TINY, build_pipeline, run_pipeline
+
+gpu = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+needs_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                              reason="needs transformer_engine")
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+# Activations [seq 512, micro-batch 8, hidden 512] fp32 = 8 MiB, above NCCL's default 4 MiB
+# buffer, so a send cannot complete without its receiver running (docs/gpu.md, section 1).
+NCCL_MESSAGE_ARGS = [
+    "--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512",
+    "--vocab-size", "512", "--micro-batch-size", "8", "--global-batch-size", "32",
+    "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "paci", "--lr", "1e-4",
+    "--log-interval", "1", "--device", "cuda", "--distributed-backend", "nccl",
+    "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2", *NO_DROPOUT,
+]
+ACTIVATION_MB = 512 * 8 * 512 * 4 / 2**20
+# Deterministic cuBLAS; read when CUDA initialises, so it must be in the ranks' environment.
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+# --------------------------------------------------------------------- models on one GPU
+
+
+@gpu
+def test_bf16_stage_sdpa_close_to_fp32(megatron_world1):
+    """The local spec (SDPA core attention, split linears) in bf16 on CUDA: forward and
+    backward run, and the loss is the fp32 CPU pipeline's within bf16 rounding."""
+    from megatron.trainer.data import MockGPTData
+    from megatron.trainer.models.sdpa_attention import SDPAAttention
+
+    local = dataclasses.replace(TINY, use_transformer_engine=False)
+    bf16 = dataclasses.replace(local, bf16=True)
+    gpu = build_pipeline(bf16, [2, 2], device="cuda")
+    cpu = build_pipeline(local, [2, 2], device="cpu")
+    assert any(isinstance(m, SDPAAttention) for m in gpu[0].modules())
+    batch = MockGPTData(local.seq_length, local.vocab_size, seed=0).micro_batch([0, 1])
+    gpu_loss, gpu_grads = run_pipeline(gpu, {k: v.cuda() for k, v in batch.items()})
+    cpu_loss, cpu_grads = run_pipeline(cpu, batch)
+    assert gpu_grads.keys() == cpu_grads.keys()
+    assert all(g.is_cuda and g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in gpu_grads.values())
+    assert _relative(gpu_loss.item(), cpu_loss.item()) < 2e-2, (gpu_loss.item(), cpu_loss.item())
+
+
+@gpu
+@needs_te
+def test_transformer_engine_stage_matches_local_spec(megatron_world1):
+    """Transformer Engine's spec builds, initialises from the same global names as the local
+    spec (so both start from the same values), and agrees with it within bf16 rounding."""
+    from megatron.trainer.data import MockGPTData
+
+    def stage(use_te: bool):
+        return build_pipeline(dataclasses.replace(TINY, bf16=True, use_transformer_engine=use_te), [4], device="cuda")
+
+    te, local = stage(True), stage(False)
+    assert any("transformer_engine" in type(m).__module__ for m in te[0].modules())
+    batch = {k: v.cuda() for k, v in MockGPTData(TINY.seq_length, TINY.vocab_size, seed=0).micro_batch([0, 1]).items()}
+    te_loss, te_grads = run_pipeline(te, batch)
+    local_loss, _ = run_pipeline(local, batch)
+    assert all(torch.isfinite(g).all() for g in te_grads.values())
+    assert _relative(te_loss.item(), local_loss.item()) < 2e-2, (te_loss.item(), local_loss.item())
+
+
+@gpu
+def test_emulator_on_cuda_matches_cpu(megatron_world1, tmp_path: Path):
+    """All stages in one process on cuda:0 train to the CPU emulator's losses (fp32, no
+    dropout: the emulator does not isolate the CUDA RNG per stage, docs/gpu.md F3). A small
+    lr keeps Adam's sign-like first steps on near-zero gradients from amplifying rounding."""
+    losses = {}
+    for device in ("cpu", "cuda"):
+        log = tmp_path / f"{device}.jsonl"
+        emulate(tiny_args(2, "paci", 4, 3, "--device", device, "--lr", "1e-4", "--log-json", str(log), *NO_DROPOUT))
+        losses[device] = [r["loss"] for r in read_log(log)]
+    assert len(losses["cuda"]) == 3
+    for cuda, cpu in zip(losses["cuda"], losses["cpu"]):
+        assert _relative(cuda, cpu) < 1e-4, losses
+
+
+# --------------------------------------------------------------------- device selection
+
+
+@gpu
+def test_resolve_device_sets_current_device_before_init(monkeypatch):
+    """``run_distributed`` selects LOCAL_RANK's GPU before ``init_process_group`` and binds the
+    process group to it (``device_id``: eager NCCL init), on every local rank."""
+    from megatron.trainer import training
+    from megatron.trainer.arguments import build_parser, parse_args
+    from megatron.trainer.gpt_task import GPTTask
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def fake_init(backend, **kwargs):
+        seen.append((backend, torch.cuda.current_device(), kwargs.get("device_id")))
+        raise Stop
+
+    count = torch.cuda.device_count()
+    monkeypatch.setattr(training.dist, "init_process_group", fake_init)
+    parser = build_parser()
+    GPTTask().add_arguments(parser)
+    for local_rank in range(count + 1):  # the last one wraps around
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        args = parse_args(tiny_args(1, "1f1b", 1, 1, "--device", "cuda"), parser)
+        with pytest.raises(Stop):
+            training.run_distributed(GPTTask(), args)
+        backend, current, device_id = seen[-1]
+        assert backend == "nccl" and current == local_rank % count
+        assert device_id == torch.device("cuda", local_rank % count)
+    torch.cuda.set_device(0)
+
+
+@gpu
+def test_single_rank_nccl_run(tmp_path: Path):
+    """``pretrain_gpt.py`` on one GPU: NCCL world of one, eager init, allocator peak logged."""
+    records, params = run_pretrain(
+        tiny_args(1, "1f1b", 2, 2, "--device", "cuda", "--distributed-backend", "nccl"), tmp_path)
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert records[-1]["peak_memory_mb"][0] > 0  # torch.cuda.max_memory_allocated, not the meter
+    assert params and all(torch.isfinite(p).all() for p in params.values())
+
+
+# --------------------------------------------------------------------- NCCL, two GPUs
+
+
+@gpu
+@two_gpus
+def test_paci_two_stages_nccl_matches_emulator(tmp_path: Path, monkeypatch):
+    """Two PACI stages over NCCL (8 MiB messages) train to the emulator's losses on one GPU.
+    fp32, no dropout, deterministic cuBLAS. The first loss (forward only, same kernels) must
+    agree to 1e-6; later ones within 1e-4 relative rather than bitwise (the ranks do not
+    enable torch's deterministic algorithms, so attention backward may reduce in another
+    order, docs/gpu.md section 7). A P2P deadlock (docs/gpu.md F1) fails here with a named
+    receive timeout."""
+    for key, value in DETERMINISTIC_ENV.items():
+        monkeypatch.setenv(key, value)
+    argv = [*NCCL_MESSAGE_ARGS, "--train-iters", "3"]
+    runtime, runtime_params = run_pretrain(argv, tmp_path / "runtime", timeout=600)
+    emulator, emulator_params = run_pretrain([*argv, "--pipeline-executor", "emulator"], tmp_path / "emulator",
+                                             timeout=600)
+    assert [r["iteration"] for r in runtime] == [r["iteration"] for r in emulator] == [1, 2, 3]
+    assert _relative(runtime[0]["loss"], emulator[0]["loss"]) < 1e-6, (runtime, emulator)
+    for a, b in zip(runtime, emulator):
+        assert _relative(a["loss"], b["loss"]) < 1e-4, (runtime, emulator)
+    assert runtime_params.keys() == emulator_params.keys()
+    worst = max(float((runtime_params[k] - emulator_params[k]).abs().max()) for k in runtime_params)
+    print(f"max |runtime - emulator| over parameters: {worst:.3e}")
+
+
+@gpu
+@two_gpus
+def test_nccl_runtime_memory_flat(tmp_path: Path):
+    """A long PACI segment (no drain for 30 iterations) keeps each rank's allocator peak flat:
+    NCCL sends report completion from their CUDA event, so the reaping loop frees them (the
+    gloo leak of issue 17 would add 4 x 8 MiB per iteration here)."""
+    records, _ = run_pretrain([*NCCL_MESSAGE_ARGS, "--train-iters", "30"], tmp_path, timeout=600)
+    peaks = [r["peak_memory_mb"] for r in records]
+    for stage in range(2):
+        early = max(p[stage] for p in peaks[4:10])
+        late = max(p[stage] for p in peaks[20:])
+        print(f"stage {stage}: allocator peak {early:.1f} MB (iterations 5-10), {late:.1f} MB (21-30)")
+        assert late <= early + ACTIVATION_MB, (stage, early, late)
+
+
+@gpu
+@two_gpus
+def test_nccl_receive_timeout_names_stage(tmp_path: Path):
+    """A stalled peer (SIGSTOP) makes the other rank fail within its receive timeout, with
+    our one-line error naming stage, rank and op: ``wait(timeout)`` blocks the CPU on NCCL."""
+    flags = [*tiny_args(2, "paci", 4, 1_000_000, "--device", "cuda", "--distributed-backend", "nccl"),
+             "--pipeline-timeout-seconds", "5", "--distributed-timeout-minutes", "2"]
+    log_json, port, procs, errs = tmp_path / "log.jsonl", _free_port(), [], []
+    for rank in range(2):
+        env = dict(_base_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        errs.append(tmp_path / f"rank{rank}.err")
+        with open(tmp_path / f"rank{rank}.out", "w") as out, open(errs[-1], "w") as err:
+            procs.append(subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *flags,
+                                           "--log-json", str(log_json)], cwd=REPO, env=env, stdout=out, stderr=err))
+    try:
+        _wait_for_training(log_json, procs, errs)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            procs[0].wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0 still running 120 s after its peer stopped:\n{_tail(errs[0])}")
+        print(f"rank 0 exited {time.monotonic() - stopped:.1f} s after its peer stopped")
+        stderr = errs[0].read_text(errors="replace")
+        assert procs[0].returncode != 0
+        line = re.search(r"\[megatron-async\] error: stage 0 \(rank 0\) at \S+.*", stderr)
+        assert line, stderr[-3000:]
+        assert "timeout" in line[0].lower() or "timed out" in line[0].lower(), line[0]
+    finally:
+        _stop(procs)
+
+
+_NCCL_WORK_SCRIPT = r"""
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=datetime.timedelta(minutes=2))
+store = dist.distributed_c10d._get_default_store()
+buf = torch.full((2 * 2**20,), float(rank), device="cuda")  # 8 MiB
+if rank == 0:
+    work = dist.isend(buf, dst=1)
+    torch.cuda.synchronize()  # returns once the send kernel ran, i.e. rank 1 received
+    print("send completed without wait:", work.is_completed(), flush=True)
+    store.set("sent", "1")
+    never = dist.irecv(torch.empty_like(buf), src=1)  # rank 1 never sends this
+    start = time.monotonic()
+    try:
+        never.wait(datetime.timedelta(seconds=3))
+        print("receive timeout: did not raise", flush=True)
+    except Exception as exc:
+        print(f"receive timeout raised after {time.monotonic() - start:.1f}s:", type(exc).__name__, exc, flush=True)
+else:
+    dist.irecv(buf, src=0).wait(datetime.timedelta(seconds=60))
+    print("received:", float(buf[0]), flush=True)
+    store.wait(["sent"], datetime.timedelta(seconds=120))
+sys.stdout.flush()
+os._exit(0)  # an aborted communicator must not be torn down politely
+"""
+
+
+@gpu
+@two_gpus
+def test_nccl_send_completes_without_wait(tmp_path: Path):
+    """The torch behaviour our send reaping and receive timeouts rely on (docs/gpu.md
+    section 2): an NCCL ``isend`` reports ``is_completed()`` once its kernel ran, without
+    ``wait()``; ``wait(timeout)`` on a receive nobody answers raises instead of hanging."""
+    script = tmp_path / "nccl_work.py"
+    script.write_text(_NCCL_WORK_SCRIPT)
+    port, procs = _free_port(), []
+    for rank in range(2):
+        env = dict(_base_env(), RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        _stop(procs)
+    print(*outputs, sep="\n")
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert "received: 0.0" in outputs[1]
+    assert "send completed without wait: True" in outputs[0]
+    raised = re.search(r"receive timeout raised after ([\d.]+)s", outputs[0])
+    assert raised and float(raised[1]) < 60, outputs[0]
+
+
+# --------------------------------------------------------------------- throughput smoke
+
+GPT2_MEDIUM = dict(layers=24, hidden=1024, heads=16, seq=1024, vocab=50304)
+# Dense bf16 peak by device-name substring, first match wins (PCIe H100s are slower).
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+
+
+def gpt_parameters(layers: int, hidden: int, seq: int, vocab: int) -> int:
+    """Parameters of our GPT stage stack: per layer 12h^2 + 13h (QKV, projection, MLP, two
+    LayerNorms, biases), word and position embeddings, final LayerNorm, untied output layer."""
+    return layers * (12 * hidden * hidden + 13 * hidden) + vocab * hidden + seq * hidden + 2 * hidden + vocab * hidden
+
+
+def peak_tflops() -> float | None:
+    if "MEGATRON_ASYNC_PEAK_TFLOPS" in os.environ:
+        return float(os.environ["MEGATRON_ASYNC_PEAK_TFLOPS"])
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in PEAK_BF16_TFLOPS if k in name), None)
+
+
+@gpu
+def test_gpt2_medium_throughput(tmp_path: Path):
+    """GPT-2 medium, bf16, TP = PP = 1 on one GPU: prints tokens/s and MFU
+    (6 * parameters * tokens/s / peak). The goal (>= 40% on an H100) is a benchmark target,
+    not asserted; the test asserts only that training ran and the loss is finite."""
+    m = GPT2_MEDIUM
+    argv = ["--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
+            "--num-attention-heads", str(m["heads"]), "--seq-length", str(m["seq"]), "--vocab-size", str(m["vocab"]),
+            "--micro-batch-size", "8", "--global-batch-size", "64", "--train-iters", "12", "--log-interval", "1",
+            "--lr", "1e-4", "--bf16", "--device", "cuda", "--pipeline-model-parallel-size", "1"]
+    records, _ = run_pretrain(argv, tmp_path, timeout=900)
+    assert len(records) == 12 and all(math.isfinite(r["loss"]) for r in records)
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in records[2:])  # two warm-up iterations
+    params = gpt_parameters(m["layers"], m["hidden"], m["seq"], m["vocab"])
+    peak = peak_tflops()
+    mfu = 6 * params * tokens_per_s / (peak * 1e12) if peak else float("nan")
+    print(f"GPT-2 medium bf16 on {torch.cuda.get_device_name(0)}: {params / 1e6:.0f}M parameters, "
+          f"{tokens_per_s:.0f} tokens/s, MFU {100 * mfu:.1f}% (peak {peak} TFLOP/s; target >= 40%)")
+
+
+def test_gpt_parameter_count_matches_the_model(megatron_world1):
+    """The MFU numerator counts exactly the parameters our stage stack builds (checked on a
+    small shape on CPU, so the formula is not a hand-written constant; runs without a GPU)."""
+    from megatron.trainer.models.gpt import GPTModelArgs
+
+    args = GPTModelArgs(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                        max_position_embeddings=32, vocab_size=256, use_transformer_engine=False)
+    (stage,) = build_pipeline(args, [2])
+    assert sum(p.numel() for p in stage.parameters()) == gpt_parameters(2, 64, 32, 256)
