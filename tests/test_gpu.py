@@ -1,11 +1,13 @@
 """What the first GPU session should run: the places where the CUDA/NCCL path differs from
 CPU/gloo (``docs/gpu.md`` explains each one and names the torch source behind it).
 
-Every test here but the parameter-count check carries the ``gpu`` marker, so
-``tests/conftest.py`` skips it without CUDA. Two-rank NCCL tests also need two GPUs (NCCL does not allow two ranks of one communicator on
+Every test here but the parameter-count check and the NCCL stream model (``nccl_stream_model``,
+a CPU replay of the runtime's posting order against NCCL's one-stream-per-communicator
+execution) carries the ``gpu`` marker, so ``tests/conftest.py`` skips it without CUDA. Two-rank NCCL tests also need two GPUs (NCCL does not allow two ranks of one communicator on
 one device); the Transformer Engine test needs ``transformer_engine``. Runs are tiny except
-where a message must exceed NCCL's internal buffer (``NCCL_MESSAGE_ARGS``: 8 MiB activations,
-see docs/gpu.md section 1) and the GPT-2-medium throughput smoke.
+where messages should be realistic (``NCCL_MESSAGE_ARGS``: 8 MiB activations, above NCCL's
+default buffer, so sends genuinely wait for their receivers and a leaked send is visible in the
+allocator) and the GPT-2-medium throughput smoke.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import pytest
 import torch
 
 from tests.async_helpers import REPO, emulate, read_log, run_pretrain, tiny_args
-from tests.test_fault_tolerance import _base_env, _free_port, _stop, _tail, _wait_for_training
+from tests.test_fault_tolerance import _base_env, _free_port, _stop, _tail
 from tests.test_gpt_stage import TINY, build_pipeline, run_pipeline
 
 gpu = pytest.mark.gpu
@@ -35,7 +37,8 @@ needs_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is 
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 # Activations [seq 512, micro-batch 8, hidden 512] fp32 = 8 MiB, above NCCL's default 4 MiB
-# buffer, so a send cannot complete without its receiver running (docs/gpu.md, section 1).
+# buffer, so a send cannot complete without its receiver running (docs/gpu.md, section 1), and
+# one leaked send per micro-batch would show in the allocator peak.
 NCCL_MESSAGE_ARGS = [
     "--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512",
     "--vocab-size", "512", "--micro-batch-size", "8", "--global-batch-size", "32",
@@ -202,8 +205,10 @@ def test_nccl_runtime_memory_flat(tmp_path: Path):
 @gpu
 @two_gpus
 def test_nccl_receive_timeout_names_stage(tmp_path: Path):
-    """A stalled peer (SIGSTOP) makes the other rank fail within its receive timeout, with
-    our one-line error naming stage, rank and op: ``wait(timeout)`` blocks the CPU on NCCL."""
+    """A stalled peer makes the other rank fail within its receive timeout, with our one-line
+    error naming stage, rank and op: ``wait(timeout)`` blocks the CPU on NCCL. The peer is
+    SIGSTOPped once training logs; if the P2P streams stall first (docs/gpu.md F1), that stall
+    is the stalled peer, and the same error is required (F1 itself fails the paci test)."""
     flags = [*tiny_args(2, "paci", 4, 1_000_000, "--device", "cuda", "--distributed-backend", "nccl"),
              "--pipeline-timeout-seconds", "5", "--distributed-timeout-minutes", "2"]
     log_json, port, procs, errs = tmp_path / "log.jsonl", _free_port(), [], []
@@ -215,8 +220,11 @@ def test_nccl_receive_timeout_names_stage(tmp_path: Path):
             procs.append(subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *flags,
                                            "--log-json", str(log_json)], cwd=REPO, env=env, stdout=out, stderr=err))
     try:
-        _wait_for_training(log_json, procs, errs)
-        os.kill(procs[1].pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 180
+        while not log_json.exists() and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # waiting for start-up, an external event
+        if log_json.exists():
+            os.kill(procs[1].pid, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
             procs[0].wait(timeout=120)
@@ -285,6 +293,49 @@ def test_nccl_send_completes_without_wait(tmp_path: Path):
     assert "send completed without wait: True" in outputs[0]
     raised = re.search(r"receive timeout raised after ([\d.]+)s", outputs[0])
     assert raised and float(raised[1]) < 60, outputs[0]
+
+
+# --------------------------------------------------------------------- NCCL streams, on paper (CPU)
+
+STREAM_MODEL_SCHEDULES = ["1f1b", "gpipe", "paci", "zb-h1", "zb-h2", "pipedream-2bw", "pipemare",
+                          "interleaved-1f1b", "amdp"]
+
+
+def _model_schedule(name: str, stages: int):
+    from megatron.pipeline.schedules import build_schedule
+    from megatron.pipeline.schedules.base import ScheduleConfig
+
+    chunks = 2 if name == "interleaved-1f1b" else 1
+    return build_schedule(name, ScheduleConfig(num_stages=stages, num_microbatches=2 * stages,
+                                               num_iterations=2, num_chunks=chunks))
+
+
+@pytest.mark.parametrize("name", STREAM_MODEL_SCHEDULES)
+def test_nccl_stream_model_per_direction_communicators_never_stall(name):
+    """The fix docs/gpu.md proposes for F1: one communicator per direction of each stage pair
+    turns NCCL's one-stream-per-communicator order into our FIFO-per-direction model, so the
+    runtime's posting order (receives prefetched four ops ahead) completes for every schedule."""
+    from tests.nccl_stream_model import stalls
+
+    for stages in (2, 4):
+        assert stalls(_model_schedule(name, stages), "per_direction") is None, (name, stages)
+
+
+def test_nccl_stream_model_shared_streams_stall_the_runtime():
+    """F1 on paper: with one stream per stage pair (lazy NCCL P2P) or one for all P2P (eager
+    init, what ``run_distributed`` sets up), the runtime's 1F1B posting order forms a cycle of
+    receives at the stream heads (stage 0 waits for grad 0, stage 1 for act 0), also without
+    prefetching. docs/gpu.md section 1."""
+    from tests.nccl_stream_model import stalls
+
+    schedule = _model_schedule("1f1b", 2)
+    for communicator in ("shared_pair", "one_world"):
+        for prefetch in (4, 1):
+            blocked = stalls(schedule, communicator, prefetch)
+            assert blocked is not None and set(blocked) == {0, 1}, (communicator, prefetch, blocked)
+    blocked = stalls(schedule, "shared_pair")
+    assert [(kind, str(msg)) for kind, msg in blocked.values()] == [
+        ("wait", "grad(mb0) s1.c0->s0.c0"), ("wait", "act(mb0) s0.c0->s1.c0")]
 
 
 # --------------------------------------------------------------------- throughput smoke
