@@ -3,7 +3,8 @@ CPU/gloo (``docs/gpu.md`` explains each one and names the torch source behind it
 
 Every test here but the parameter-count check and the NCCL stream model (``nccl_stream_model``,
 a CPU replay of the runtime's posting order against NCCL's one-stream-per-communicator
-execution) carries the ``gpu`` marker, so ``tests/conftest.py`` skips it without CUDA. Two-rank NCCL tests also need two GPUs (NCCL does not allow two ranks of one communicator on
+execution) carries the ``gpu`` marker, so ``tests/conftest.py`` skips it without CUDA.
+Two-rank NCCL tests also need two GPUs (NCCL does not allow two ranks of one communicator on
 one device); the Transformer Engine test needs ``transformer_engine``. Runs are tiny except
 where messages should be realistic (``NCCL_MESSAGE_ARGS``: 8 MiB activations, above NCCL's
 default buffer, so sends genuinely wait for their receivers and a leaked send is visible in the
@@ -165,8 +166,11 @@ def test_single_rank_nccl_run(tmp_path: Path):
 
 @gpu
 @two_gpus
-def test_paci_two_stages_nccl_matches_emulator(tmp_path: Path, monkeypatch):
-    """Two PACI stages over NCCL (8 MiB messages) train to the emulator's losses on one GPU.
+@pytest.mark.parametrize("schedule", ["paci", "1f1b", "amdp"])
+def test_two_stages_nccl_match_emulator(tmp_path: Path, monkeypatch, schedule: str):
+    """Two stages over NCCL (8 MiB messages) train to the emulator's losses on one GPU: PACI
+    (P2P only), 1F1B (plus the step's norm all-gather on the pipeline group) and AMDP (replica
+    all-gathers; docs/gpu.md F2 breaks it today).
     fp32, no dropout, deterministic cuBLAS. The first loss (forward only, same kernels) must
     agree to 1e-6; later ones within 1e-4 relative rather than bitwise (the ranks do not
     enable torch's deterministic algorithms, so attention backward may reduce in another
@@ -174,7 +178,7 @@ def test_paci_two_stages_nccl_matches_emulator(tmp_path: Path, monkeypatch):
     receive timeout."""
     for key, value in DETERMINISTIC_ENV.items():
         monkeypatch.setenv(key, value)
-    argv = [*NCCL_MESSAGE_ARGS, "--train-iters", "3"]
+    argv = [*NCCL_MESSAGE_ARGS, "--train-iters", "3", "--pipeline-schedule", schedule]
     runtime, runtime_params = run_pretrain(argv, tmp_path / "runtime", timeout=600)
     emulator, emulator_params = run_pretrain([*argv, "--pipeline-executor", "emulator"], tmp_path / "emulator",
                                              timeout=600)
