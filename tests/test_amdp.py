@@ -28,7 +28,7 @@ import torch
 from megatron.pipeline.executors.emulator import Emulator
 from megatron.pipeline.ir import MultiPipelineLayout, OpKind
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
-from megatron.pipeline.schedules.amdp import AMDP, K
+from megatron.pipeline.schedules.amdp import AMDP, K, PRELOAD
 from megatron.pipeline.simulator import OpCosts, simulate_schedule
 from megatron.pipeline.validate import validate_schedule
 from megatron.pipeline.worker import StageWorker
@@ -84,6 +84,14 @@ def amdp(d: int, t: int, iterations: int = 3, drain_every: int | None = None) ->
     return schedule
 
 
+def window_drift_bound(mb: int, t: int, d: int) -> int:
+    """The windowed-update bound, derived: a backward of window w = mb // t runs after step
+    w - 1 and before step w; a forward runs after step w - 1, or, in the first D micro-batches
+    of the window only, after step w - 2. So 1 step at most, and none after the first block."""
+    earliest_forward_version = max(0, mb // t - (1 if mb % t < d else 0))
+    return mb // t - earliest_forward_version
+
+
 def stream_drift(schedule: AMDP) -> dict[tuple[int, int], int]:
     """(micro-batch, logical stage) -> OPTs between its F and BW, counted from the streams."""
     lay, drift = schedule.layout, {}
@@ -115,15 +123,13 @@ def test_injection_limit_and_drift_bound_from_the_streams(d: int) -> None:
         for op in stream:
             if op.kind is OpKind.F:
                 open_[op.chunk] += 1
-                assert open_[op.chunk] <= K, op  # at most 2 per pipeline on every stage
+                assert open_[op.chunk] <= K + PRELOAD, op  # 2 per pipeline, plus the preload
             elif op.kind is OpKind.BW:
                 open_[op.chunk] -= 1
     drift = stream_drift(schedule)
     assert len(drift) == 3 * t * d
     for (mb, j), tau in drift.items():
-        assert tau <= K - 1, (mb, j, tau)  # Lemma 3.1 with K = 2 (see the module docstring)
-        if mb % t >= d:
-            assert tau == 0, (mb, j, tau)
+        assert tau <= window_drift_bound(mb, t, d), (mb, j, tau)
     assert max(drift.values()) == 1  # the first block of later windows does cross an update
 
 
@@ -144,11 +150,39 @@ def test_simulator_makespan_bubble_memory_drift() -> None:
     lay = layout(d)
     assert all(busy == 2 * t * 3 for busy in result.busy)  # every device: 2T forwards+backwards of cost 3
     assert result.makespan >= 2 * t * 3 and 0 <= result.bubble_rate < 0.5
-    assert all(peak <= K * lay.num_pipelines for peak in result.peak_memory)  # <= 2 per hosted stage
+    assert all(peak <= (K + PRELOAD) * lay.num_pipelines for peak in result.peak_memory)  # per hosted stage
     assert max(result.max_drift) == 1
     assert result.weight_memory == [lay.num_pipelines] * d  # one stage replica per pipeline: W/2
     for s, per_mb in enumerate(result.drift):
         assert all(tau == 0 for mb, tau in per_mb.items() if mb % t >= d)
+
+
+def steady_time_per_update(name: str, d: int, t: int, costs: object, k: int = 6) -> float:
+    """Marginal simulated time of one update: (makespan(k) - makespan(k/2)) / (k/2), i.e. the
+    steady state without start-up and drain (the benchmarks' measure)."""
+    span = [simulate_schedule(build_schedule(name, ScheduleConfig(d, t, num_iterations=i)), costs).makespan
+            for i in (k // 2, k)]
+    return (span[1] - span[0]) / (k - k // 2)
+
+
+@pytest.mark.parametrize("t_mult", [1, 2, 4])
+def test_bubble_filling_beats_1f1b_flush_and_matches_or_beats_2bw(t_mult: int) -> None:
+    # AMDP's setting: D = 8, t_B = 2 t_F, T in {D, 2D, 4D}, the same micro-batches per update
+    # for every schedule. 1F1B-flush's time is checked against its closed form (T + D - 1)(t_F +
+    # t_B); the bubble-free time is T (t_F + t_B). Uniform stages: 2BW is bubble-free, so AMDP
+    # can at best tie it; the preload keeps it within 9 % of the bubble-free time. Heavier last
+    # part (the LM head: 6 of the paper's 48 GPT layers plus a 50257 x 1600 head ~ 2.4 layers,
+    # so 1.4x): 2BW and 1F1B run at the slowest stage's pace while AMDP spreads the replicas
+    # of the heavy part over D/2 devices, which is where the paper's lead over 2BW comes from
+    # (1.07-1.17x at D = 8, Table 3).
+    d, t = 8, 8 * t_mult
+    uniform = OpCosts(t_f=1, t_b=2, t_w=0, t_bw=2)
+    flush, ours, tbw = (steady_time_per_update(n, d, t, uniform) for n in ("1f1b", "amdp", "pipedream-2bw"))
+    assert flush == (t + d - 1) * 3 and tbw == t * 3
+    assert flush / ours >= 1.0 and ours <= 1.09 * t * 3, (flush / ours, ours)
+    heavy = [uniform] * (d - 1) + [OpCosts(t_f=1.4, t_b=2.8, t_w=0, t_bw=2.8)]
+    flush, ours, tbw = (steady_time_per_update(n, d, t, heavy) for n in ("1f1b", "amdp", "pipedream-2bw"))
+    assert flush / ours >= 1.0 and tbw / ours >= 1.05, (flush / ours, tbw / ours)
 
 
 # ----------------------------------------------------------------------------- emulator
@@ -196,7 +230,7 @@ def test_emulator_drift_and_identical_replicas(megatron_world1, monkeypatch, d: 
     lay = workers[0].layout
     for (s, mb, chunk), tau in measured.items():
         assert chunk == mb % lay.num_chunks  # pipeline m mod P
-        assert tau <= 1 and (tau == 0 or mb % t < d), (s, mb, tau)
+        assert tau <= window_drift_bound(mb, t, d), (s, mb, tau)
     assert sum(measured.values()) > 0
     assert len(checked) == iterations * d  # each logical stage after each update
 

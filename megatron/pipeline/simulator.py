@@ -33,7 +33,11 @@ App. G), generalised to our IR and runtime:
   a fused BW frees ``M_B``. The peak is taken after each op. ``m_w`` defaults to 1/2, the
   reference scheduler's units (F = +2, B = -1, W = -1).
 * **Several model chunks per stage** (interleaved schedules): costs and ``M_B`` are per op, i.e.
-  per (micro-batch, chunk); pass per-chunk times.
+  per (micro-batch, chunk); pass per-chunk times. When the layout splits the model into as
+  many parts as devices (one chain, or AMDP's replicated pipelines), per-stage costs are those
+  of the *model part* an op runs (``layout.model_stage``): an AMDP device pays its hosted
+  logical stage's cost, so a heavy first/last part (embedding, LM head) lands on every device
+  that hosts a replica of it.
 * **Weight-version drift** of a micro-batch on a stage: the number of optimizer steps the stage
   applied between the micro-batch's F and its B (or BW). Always 0 for synchronous schedules,
   and for schedules that stash weights (PipeDream-2BW: the backward reads its forward's version).
@@ -362,15 +366,17 @@ def simulate_streams(
 
     durations = [{k: c.duration(k) for k in OpKind} for c in per_stage]
     deltas = [{k: c.memory_delta(k) for k in OpKind} for c in per_stage]
+    by_part = layout.num_model_stages == n  # costs follow the model part (AMDP: logical stage)
 
     def execute(op: Op, inputs: dict[Message, Any]) -> _SameForEvery:
         s = op.stage
+        part = layout.model_stage(s, op.chunk) if by_part else s
         start = free[s]
         for arrival in inputs.values():
             if arrival > start:
                 start = arrival
         kind = op.kind
-        duration = durations[s][kind]
+        duration = durations[part][kind]
         end = start + duration
         free[s] = end
         busy[s] += duration
@@ -378,7 +384,7 @@ def simulate_streams(
         if kind is OpKind.OPT:
             versions[s] += 1
         else:
-            mem[s] += deltas[s][kind]
+            mem[s] += deltas[part][kind]
             if mem[s] > peak[s]:
                 peak[s] = mem[s]
             if kind is OpKind.F:
@@ -389,7 +395,7 @@ def simulate_streams(
                     d = 0  # the backward reads the stashed version its forward read
                 if d > drift[s].get(op.microbatch, -1):
                     drift[s][op.microbatch] = d
-        return _SameForEvery(end + comm[s])
+        return _SameForEvery(end + comm[part])
 
     def execute_sync(ops: list[Op]) -> None:
         start = max(free[op.stage] for op in ops)
