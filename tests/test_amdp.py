@@ -283,3 +283,43 @@ def test_distributed_runtime_equals_emulator_bitwise(megatron_world1, tmp_path) 
     assert [(r["loss"], r["drift_max"]) for r in records] == [(r["loss"], r["drift_max"]) for r in emu_records]
     hosted = [name for w in workers for name, _ in GPTTask().named_parameters(w.setup.chunks)]
     assert len(hosted) == 2 * len(set(hosted))  # every parameter on two devices (D/2 = 2 replicas)
+
+
+# ----------------------------------------------------------------------------- optimizer sharding
+
+
+@pytest.mark.parametrize("d,extra", [(4, ("--bf16",)), (6, ("--clip-grad", "0.05"))])
+def test_sharded_optimizer_state_is_bitwise_the_replicated_one_at_1_over_p_memory(megatron_world1, d: int,
+                                                                                  extra: tuple[str, ...]) -> None:
+    # ZeRO-1 over the D/2 replicas (paper §3.4): each replica steps its range of every stage it
+    # hosts and all-gathers the rest. AdamW is element-wise, so weights and every owned moment /
+    # fp32-master element equal the replicated run's bits (bf16: masters are sharded too;
+    # clipping: the clip coefficient is shared). Memory: 1/P per device, up to range rounding.
+    base = ("--pipeline-executor", "emulator", "--hidden-size", "8", *extra)
+    sharded = emulate(tiny_args(d, "amdp", d, 2, *base))
+    replicated = emulate(tiny_args(d, "amdp", d, 2, *base, "--amdp-optimizer-state", "replicated"))
+    p = layout(d).num_pipelines
+    for ws, wr in zip(sharded, replicated):
+        assert ws.version == wr.version == 2
+        for a, b in zip(ws.setup.optimizer.parameters(), wr.setup.optimizer.parameters()):
+            assert torch.equal(a, b)
+        whole = {slot.name: slot for slot in wr.setup.optimizer._slots}
+        for slot in ws.setup.optimizer._slots:
+            lo, hi = slot.index
+            ref = whole[slot.name]
+            for mine, full in ((slot.exp_avg, ref.exp_avg), (slot.exp_avg_sq, ref.exp_avg_sq), (slot.master, ref.master)):
+                assert (mine is None) == (full is None)
+                if mine is not None:
+                    assert torch.equal(mine, full.reshape(-1)[lo:hi]), slot.name
+        full_bytes, shard_bytes = wr.setup.optimizer.state_bytes(), ws.setup.optimizer.state_bytes()
+        per_element = 12 if "--bf16" in extra else 8  # two fp32 moments (+ an fp32 master)
+        assert abs(shard_bytes - full_bytes / p) <= p * per_element, (ws.stage, shard_bytes, full_bytes)
+    total_full = sum(w.setup.optimizer.state_bytes() for w in replicated)
+    assert sum(w.setup.optimizer.state_bytes() for w in sharded) * p == total_full  # exactly 1/P overall
+
+
+def test_sharding_flag_is_refused_where_it_cannot_work() -> None:
+    for argv in (tiny_args(4, "1f1b", 4, 2, "--amdp-optimizer-state", "sharded"),
+                 tiny_args(4, "amdp", 4, 2, "--optimizer", "basis-rotation", "--amdp-optimizer-state", "sharded")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)

@@ -18,6 +18,17 @@ identical if they take the same step on the same gradient. At a ``sync`` OPT:
 
 Losses are scaled by 1/T (T = micro-batches per window over all pipelines), so the summed
 gradient is the window's mean, as in a synchronous step over T micro-batches.
+
+Optimizer-state sharding (ZeRO-1 over the replicas, AMDP §3.4): the replicas of a logical
+stage hold identical weights, gradients (after the sum) and, unsharded, identical optimizer
+states. Sharded, the stage's flat parameter vector (chunk parameter order) is cut into P
+contiguous ranges and the replica of pipeline ``p`` keeps AdamW state for, and steps, range
+``p`` only (:func:`optimizer_shards`); after the step the replicas all-gather the ranges
+(:func:`gather_shards_in_process`, :func:`gather_shards_distributed`). AdamW is element-wise
+with per-step scalars (lr, clip coefficient, bias corrections) that every replica computes
+alike, so each element gets the bits the unsharded step gives it, and a device keeps 1/P of
+the state of each stage it hosts. (The paper's owner scheme gives each device one whole stage
+instead; equal ranges make the saving exactly 1/P on every device, whatever the stage sizes.)
 """
 from __future__ import annotations
 
@@ -120,3 +131,95 @@ def reduce_distributed(worker: StageWorker, op: Op, replica_groups: dict[int, An
     norms = [torch.empty_like(own) for _ in range(group_size)]
     dist.all_gather(norms, own, group=sync_group)
     return [float(t) for t in norms]
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def shard_range(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """The flat range ``[start, stop)`` of part ``index`` of ``parts`` near-equal parts."""
+    return numel * index // parts, numel * (index + 1) // parts
+
+
+def _chunk_params(worker_chunks: Sequence[torch.nn.Module], chunk: int) -> list[torch.nn.Parameter]:
+    return [p for p in worker_chunks[chunk].parameters() if p.requires_grad]
+
+
+def optimizer_shards(layout: MultiPipelineLayout, chunks: Sequence[torch.nn.Module],
+                     named: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[str, tuple[int, int]]:
+    """Name -> the flat range of that parameter its replica owns (``StageAdamW(shards=...)``).
+
+    Chunk ``c`` is pipeline ``c``'s replica of its logical stage, so it owns part ``c`` of the
+    stage's flat parameter vector; each parameter gets its intersection with that part.
+    """
+    name_of = {id(p): name for name, p in named}
+    shards: dict[str, tuple[int, int]] = {}
+    for chunk in range(layout.num_chunks):
+        params = _chunk_params(chunks, chunk)
+        lo, hi = shard_range(sum(p.numel() for p in params), layout.num_pipelines, chunk)
+        offset = 0
+        for p in params:
+            start, stop = max(lo, offset), min(hi, offset + p.numel())
+            shards[name_of[id(p)]] = (start - offset, stop - offset) if stop > start else (0, 0)
+            offset += p.numel()
+    return shards
+
+
+def _flat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    if len({p.dtype for p in params}) > 1:
+        raise ValueError("optimizer sharding needs one parameter dtype per model chunk")
+    return torch.cat([p.data.reshape(-1) for p in params])
+
+
+def _assign_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def _is_sharded(worker: StageWorker) -> bool:
+    return bool(getattr(worker.setup.optimizer, "sharded", False))
+
+
+def gather_shards_in_process(workers: Sequence[StageWorker], ops: Sequence[Op]) -> None:
+    """Emulator: after a sharded window step, every replica takes each range from its owner."""
+    if not _is_sharded(workers[ops[0].stage]):
+        return
+    layout = workers[ops[0].stage].layout
+    assert isinstance(layout, MultiPipelineLayout)
+    stages = sorted({layout.logical_stage(op.stage, c) for op in ops for c in range(layout.num_chunks)})
+    for j in stages:
+        replicas = [_chunk_params(workers[d].setup.chunks, c) for d, c in layout.replicas(j)]
+        flats = [_flat_params(params) for params in replicas]
+        n, parts = flats[0].numel(), len(flats)
+        whole = torch.cat([flat[slice(*shard_range(n, parts, p))] for p, flat in enumerate(flats)])
+        for params in replicas:
+            _assign_params(params, whole)
+
+
+def gather_shards_distributed(worker: StageWorker, replica_groups: dict[int, Any]) -> None:
+    """Runtime: the same as :func:`gather_shards_in_process`, one all-gather per hosted stage
+    (increasing logical stage, like :func:`reduce_distributed`) of the owned ranges, padded to
+    the longest range since gloo's all-gather wants equal sizes."""
+    if not _is_sharded(worker):
+        return
+    layout = worker.layout
+    assert isinstance(layout, MultiPipelineLayout)
+    parts = layout.num_pipelines
+    for j, chunk in sorted((layout.logical_stage(worker.stage, c), c) for c in range(layout.num_chunks)):
+        params = _chunk_params(worker.setup.chunks, chunk)
+        flat = _flat_params(params)
+        n = flat.numel()
+        width = -(-n // parts)
+        lo, hi = shard_range(n, parts, chunk)
+        mine = torch.zeros(width, dtype=flat.dtype, device=flat.device)
+        mine[:hi - lo] = flat[lo:hi]
+        gathered = [torch.empty_like(mine) for _ in range(parts)]
+        dist.all_gather(gathered, mine, group=replica_groups[j])
+        by_device = dict(zip(sorted(d for d, _ in layout.replicas(j)), gathered))
+        pieces = []
+        for p, (device, _) in enumerate(layout.replicas(j)):
+            start, stop = shard_range(n, parts, p)
+            pieces.append(by_device[device][:stop - start])
+        _assign_params(params, torch.cat(pieces))

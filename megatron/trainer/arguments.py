@@ -19,6 +19,7 @@ from megatron.trainer.zero_bubble_args import add_zero_bubble_args, validate_zer
 from megatron.trainer.post_validation_args import (
     add_post_validation_args, post_validation_options, validate_post_validation_args)
 from megatron.trainer.pipemare_args import add_pipemare_args, pipemare_options, validate_pipemare_args
+from megatron.trainer.amdp_args import add_amdp_args, validate_amdp_args
 from megatron.trainer.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
 from megatron.trainer.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
 from megatron.trainer.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
@@ -136,6 +137,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_zero_bubble_args(p)
     add_post_validation_args(p)
     add_pipemare_args(p)
+    add_amdp_args(p)
     add_run_control_args(p)
     add_insight_args(p)  # --trace-dir, --pipeline-partition
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
@@ -240,6 +242,7 @@ def validate_args(args: argparse.Namespace) -> None:
     validate_mixed_precision_args(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
     validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
     validate_pipemare_args(args)  # --pipemare-* (T1, T2, synchronous warm-up)
+    validate_amdp_args(args)  # --amdp-optimizer-state
     try:
         validate_insight_args(args)  # --trace-dir, --pipeline-partition auto
     except InsightArgumentError as exc:

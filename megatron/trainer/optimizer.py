@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import Tensor
 from torch.nn import Parameter
 
 NoDecayFn = Callable[[str, Parameter], bool]
+# Optimizer-state sharding (ZeRO-1 over replicas, AMDP §3.4): parameter name -> the flat
+# element range [start, stop) of that parameter this optimizer owns and steps.
+Shards = Mapping[str, tuple[int, int]]
 
 # Parameter dtypes that get a separate fp32 master copy.  Other dtypes (fp32,
 # fp64) are precise enough to be their own master, exactly like torch.optim.
@@ -54,7 +57,9 @@ class _Slot:
     ``master`` is None when the parameter is its own master (fp32/fp64); we then
     fetch ``param.data`` at every use instead of caching an alias, so that a
     later ``param.data = ...`` (e.g. ``module.to(device)``) cannot leave us
-    updating a stale tensor.
+    updating a stale tensor. ``index`` is the flat element range of the parameter
+    the slot owns when the optimizer state is sharded (None: all of it); AdamW is
+    element-wise, so a shard's elements get exactly the bits the whole would.
     """
 
     name: str
@@ -63,26 +68,58 @@ class _Slot:
     exp_avg: Tensor
     exp_avg_sq: Tensor
     master: Optional[Tensor]
+    index: Optional[tuple[int, int]] = None
+
+    def data(self) -> Tensor:
+        """The owned part of ``param.data`` (a view: writes go to the parameter)."""
+        if self.index is None:
+            return self.param.data
+        return self.param.data.view(-1)[self.index[0]:self.index[1]]
+
+    def grad(self) -> Optional[Tensor]:
+        """The owned part of ``param.grad`` (None if there is no gradient)."""
+        grad = self.param.grad
+        if grad is None or self.index is None:
+            return grad
+        return grad.view(-1)[self.index[0]:self.index[1]]
 
     def target(self) -> Tensor:
         """The full-precision tensor the Adam arithmetic is applied to."""
-        return self.master if self.master is not None else self.param.data
+        return self.master if self.master is not None else self.data()
+
+    def write_back(self) -> None:
+        """Copy the fp32 master into the (low-precision) parameter; no-op without master."""
+        if self.master is not None:
+            self.data().copy_(self.master)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state: the moments and, for bf16/fp16 params, the master."""
+        tensors = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.master is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _make_slot(name: str, param: Parameter, decay: bool) -> _Slot:
+def _make_slot(name: str, param: Parameter, decay: bool, index: Optional[tuple[int, int]] = None) -> _Slot:
     """Allocate master copy (if needed) and zeroed moments, on the param's device."""
-    master: Optional[Tensor] = None
+    slot = _Slot(name=name, param=param, decay=decay, exp_avg=param, exp_avg_sq=param, master=None, index=index)
+    owned = slot.data().detach()
     if param.dtype in _LOW_PRECISION:
-        master = param.detach().to(dtype=torch.float32, copy=True)
-    reference = master if master is not None else param.detach()
-    return _Slot(
-        name=name,
-        param=param,
-        decay=decay,
-        exp_avg=torch.zeros_like(reference, memory_format=torch.preserve_format),
-        exp_avg_sq=torch.zeros_like(reference, memory_format=torch.preserve_format),
-        master=master,
-    )
+        slot.master = owned.to(dtype=torch.float32, copy=True)
+    reference = slot.master if slot.master is not None else owned
+    slot.exp_avg = torch.zeros_like(reference, memory_format=torch.preserve_format)
+    slot.exp_avg_sq = torch.zeros_like(reference, memory_format=torch.preserve_format)
+    return slot
+
+
+def _make_slots(named: list[tuple[str, Parameter]], no_decay: NoDecayFn, shards: Optional[Shards]) -> list[_Slot]:
+    """One slot per parameter; with ``shards``, one per non-empty owned range of a sharded one."""
+    slots = []
+    for name, p in named:
+        index = None if shards is None or name not in shards else shards[name]
+        if index is not None and not 0 <= index[0] <= index[1] <= p.numel():
+            raise ValueError(f"StageAdamW: shard {index} of {name} outside its {p.numel()} elements")
+        if index is None or index[1] > index[0]:
+            slots.append(_make_slot(name, p, not no_decay(name, p), index))
+    return slots
 
 
 def _check_unique(named: list[tuple[str, Parameter]]) -> None:
@@ -128,6 +165,10 @@ class StageAdamW:
       so a single ``step_count`` drives bias correction for all parameters.
       ``torch.optim.AdamW`` would skip such a parameter instead.
     * Parameters with ``requires_grad=False`` are not optimised.
+    * ``shards`` (name -> flat element range) keeps state for, and steps, only those ranges
+      of the named parameters (ZeRO-1 across identical replicas, AMDP §3.4): the other
+      elements are left to their owners and arrive by all-gather
+      (``megatron.pipeline.replicas``). Unnamed parameters are owned whole.
     """
 
     def __init__(
@@ -139,6 +180,7 @@ class StageAdamW:
         eps: float = 1e-8,
         no_decay_fn: Optional[NoDecayFn] = None,
         exact: bool = False,
+        shards: Optional[Shards] = None,
     ) -> None:
         betas = (float(betas[0]), float(betas[1]))
         _check_hyperparams(lr, weight_decay, betas, eps)
@@ -150,7 +192,11 @@ class StageAdamW:
         self.betas = betas
         self.eps = float(eps)
         self.step_count: int = 0
-        self._slots = [_make_slot(name, p, not no_decay(name, p)) for name, p in named]
+        # Every parameter (for grads, norms, zero_grad); the slots hold the state of what this
+        # optimizer steps: everything, or with ``shards`` only the owned ranges (ZeRO-1).
+        self._named = named
+        self.sharded = shards is not None
+        self._slots = _make_slots(named, no_decay, shards)
         # Rollback support (optimizer post-validation): the (lr, grad_scale) of the last
         # step while it can still be rolled back, and in exact mode a backup of every
         # slot's (target, exp_avg, exp_avg_sq) from before that step.
@@ -161,12 +207,16 @@ class StageAdamW:
     # ------------------------------------------------------------------ params
 
     def parameters(self) -> list[Parameter]:
-        """The parameters this optimizer updates, in construction order."""
-        return [slot.param for slot in self._slots]
+        """The parameters this optimizer updates (sharded: owns a part of), in construction order."""
+        return [p for _, p in self._named]
 
     def named_parameters(self) -> list[tuple[str, Parameter]]:
         """(name, parameter) pairs, in construction order."""
-        return [(slot.name, slot.param) for slot in self._slots]
+        return list(self._named)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held here (moments, fp32 masters): what sharding divides."""
+        return sum(slot.state_bytes() for slot in self._slots)
 
     @property
     def no_decay_names(self) -> frozenset[str]:
@@ -182,13 +232,13 @@ class StageAdamW:
 
     def _device(self) -> torch.device:
         """Where scalar reductions live: the (first) parameter's device."""
-        return self._slots[0].param.device if self._slots else torch.device("cpu")
+        return self._named[0][1].device if self._named else torch.device("cpu")
 
     # ------------------------------------------------------------ grad checks
 
     def _grads(self) -> list[Tensor]:
         """Existing gradients, detached (None grads are skipped: they count as 0)."""
-        return [slot.param.grad.detach() for slot in self._slots if slot.param.grad is not None]
+        return [p.grad.detach() for _, p in self._named if p.grad is not None]
 
     def grad_sq_norm(self) -> Tensor:
         """Sum of squares of all grads as an fp32 scalar on the params' device.
@@ -272,8 +322,7 @@ class StageAdamW:
         if slot.decay and self.weight_decay != 0:
             target.mul_(1 - lr * self.weight_decay)
         self._adam_update(slot, target, grad, step_size, bias_correction2_sqrt)
-        if slot.master is not None:
-            slot.param.data.copy_(slot.master)
+        slot.write_back()
 
     def _adam_update(self, slot: _Slot, target: Tensor, grad: Tensor, step_size: float,
                      bias_correction2_sqrt: float) -> None:
@@ -296,7 +345,7 @@ class StageAdamW:
         Skips the multiply when ``grad_scale == 1`` so unclipped steps stay
         bitwise identical to torch.optim.AdamW.
         """
-        grad = slot.param.grad
+        grad = slot.grad()
         if grad is None:
             return torch.zeros_like(target)
         grad = grad.detach().to(dtype=target.dtype)
@@ -374,8 +423,7 @@ class StageAdamW:
         slot.exp_avg.copy_((slot.exp_avg.double() - inc_m.double()).div_(beta1))
         inc_v = torch.zeros_like(slot.exp_avg_sq).addcmul_(grad, grad, value=1 - beta2)
         slot.exp_avg_sq.copy_((slot.exp_avg_sq.double() - inc_v.double()).div_(beta2).clamp_(min=0.0))
-        if slot.master is not None:
-            slot.param.data.copy_(slot.master)
+        slot.write_back()
 
     def _save_backup(self) -> None:
         """Exact mode: copy every slot's (target, exp_avg, exp_avg_sq) into reused buffers."""
@@ -397,8 +445,7 @@ class StageAdamW:
                 slot.target().copy_(theta)
                 slot.exp_avg.copy_(m)
                 slot.exp_avg_sq.copy_(v)
-                if slot.master is not None:
-                    slot.param.data.copy_(slot.master)
+                slot.write_back()
 
     def zero_grad(self) -> None:
         """Zero existing grads in place (None grads stay None).
@@ -408,8 +455,8 @@ class StageAdamW:
         keeping them avoids re-allocation every step and keeps any reference a
         communication hook holds to the buffer valid.
         """
-        for slot in self._slots:
-            grad = slot.param.grad
+        for _, p in self._named:
+            grad = p.grad
             if grad is None:
                 continue
             if grad.grad_fn is not None:  # left by backward(create_graph=True)
@@ -469,5 +516,4 @@ def _load_slot(slot: _Slot, entry: dict[str, Tensor]) -> None:
     with torch.no_grad():
         for live, saved in pairs:
             live.copy_(saved)
-        if slot.master is not None:
-            slot.param.data.copy_(slot.master)
+        slot.write_back()

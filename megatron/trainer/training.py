@@ -22,10 +22,12 @@ from megatron.pipeline.executors.distributed import PipelineRuntimeError, SideCh
 from megatron.pipeline.ir import MultiPipelineLayout
 from megatron.pipeline.parallel import RankLayout, StageGroups
 from megatron.pipeline.profiling import log_fixed_choice
+from megatron.pipeline.replicas import optimizer_shards
 from megatron.pipeline.schedules import build_schedule, schedule_class
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.worker import StageSetup, StageWorker
 from megatron.trainer.auto_partition import apply_auto_partition
+from megatron.trainer.amdp_args import amdp_shards_optimizer
 from megatron.trainer.arguments import build_parser, parse_args, pipeline_layout, schedule_config
 from megatron.trainer.checkpointing import CheckpointError, ResumePoint, check_resume, load_stage_state
 from megatron.trainer.launcher import free_port, is_worker_process, launch_local
@@ -35,7 +37,7 @@ from megatron.trainer.lr_schedule import LRSchedule
 from megatron.trainer.basis_rotation import BasisRotationAdamW, RotationConfig
 from megatron.trainer.mixed_precision_args import loss_scale_config
 from megatron.pipeline.loss_scaling import StageLossScaler
-from megatron.trainer.optimizer import StageAdamW
+from megatron.trainer.optimizer import Shards, StageAdamW
 from megatron.trainer.runners import DistributedRunner, EmulatorRunner
 from megatron.trainer.task import PretrainTask
 
@@ -54,9 +56,10 @@ def set_threads(args: argparse.Namespace, local_processes: int) -> None:
 
 
 def build_optimizer(args: argparse.Namespace, named: list[tuple[str, torch.nn.Parameter]],
-                    stage: int) -> StageAdamW:
+                    stage: int, shards: Shards | None = None) -> StageAdamW:
     """The stage's optimizer for ``--optimizer``; basis rotation gets the stage index and the
-    pipeline depth, which the stage-aware refresh budget depends on."""
+    pipeline depth, which the stage-aware refresh budget depends on. ``shards``: the ranges an
+    AMDP replica owns (``megatron.pipeline.replicas.optimizer_shards``)."""
     common = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
                   eps=args.adam_eps)
     if getattr(args, "optimizer", "adamw") == "basis-rotation":
@@ -65,7 +68,7 @@ def build_optimizer(args: argparse.Namespace, named: list[tuple[str, torch.nn.Pa
             refresh_interval=args.rotation_refresh_interval, stage_aware=args.rotation_stage_aware,
             stage=stage, num_stages=args.pipeline_model_parallel_size)
         return BasisRotationAdamW(named, rotation=rotation, **common)
-    return StageAdamW(named, exact=getattr(args, "optimizer_post_validation_exact", False), **common)
+    return StageAdamW(named, exact=getattr(args, "optimizer_post_validation_exact", False), shards=shards, **common)
 
 
 def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
@@ -75,7 +78,12 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
     if len(chunks) != layout.num_chunks:
         raise ValueError(f"task {task.name} built {len(chunks)} model chunks for stage {stage}, "
                          f"the pipeline layout has {layout.num_chunks}")
-    optimizer = build_optimizer(args, list(task.named_parameters(chunks)), stage)
+    named = list(task.named_parameters(chunks))
+    shards = None
+    if amdp_shards_optimizer(args):
+        assert isinstance(layout, MultiPipelineLayout)
+        shards = optimizer_shards(layout, chunks, named)
+    optimizer = build_optimizer(args, named, stage, shards)
     schedule = LRSchedule(
         max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,

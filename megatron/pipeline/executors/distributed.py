@@ -19,7 +19,7 @@ from megatron.pipeline.executors.common import ReportCadence, ReportSink, run_co
 from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind
 from megatron.pipeline.parallel import StageGroups
 from megatron.pipeline.post_validation import ValidationOutcomes, run_post_validation_op
-from megatron.pipeline.replicas import has_replicas, reduce_distributed
+from megatron.pipeline.replicas import gather_shards_distributed, has_replicas, reduce_distributed
 from megatron.pipeline.report import StageReport
 from megatron.pipeline.worker import StageWorker
 
@@ -141,6 +141,8 @@ class DistributedExecutor:
     def _optimizer_step(self, op: Op) -> None:
         self._all_reduce_data_parallel_grads()
         self.worker.apply_update(op, self._step_norms(op))
+        if op.sync and has_replicas(self.worker.layout):  # sharded optimizer state: all-gather the ranges
+            gather_shards_distributed(self.worker, self.groups.replicas)
         if self.cadence.due(op.update):
             self.sink.submit(self.worker.take_report(op.update), replica=self.groups.dp_rank)
 

@@ -16,7 +16,7 @@ from megatron.pipeline.executors.common import ReportCadence, ReportSink, run_co
 from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind, PipelineLayout
 from megatron.pipeline.post_validation import ValidationOutcomes, run_post_validation_op
 from megatron.pipeline.replay import ReplayEngine
-from megatron.pipeline.replicas import has_replicas, reduce_in_process
+from megatron.pipeline.replicas import gather_shards_in_process, has_replicas, reduce_in_process
 from megatron.pipeline.worker import StageWorker
 
 
@@ -61,6 +61,8 @@ class Emulator:
             norms = [self.workers[op.stage].grad_sq_norm(op) for op in ops]
         for op in ops:
             self.workers[op.stage].apply_update(op, norms)
+        if has_replicas(self.layout):  # sharded optimizer state: each replica stepped its range
+            gather_shards_in_process(self.workers, ops)
         for op in ops:
             self._maybe_report(self.workers[op.stage], op)
 
