@@ -50,7 +50,7 @@ def test_placement_properties_by_brute_force(d: int) -> None:
     for p in range(lay.num_pipelines):
         devices = [lay.device(p, j) for j in range(d)]
         assert sorted(devices) == list(range(d)), (p, devices)
-        step = 1 if p % 2 == 0 else -1  # even pipelines run down, odd ones up
+        step = 1 if p % 2 == 0 or d % 4 == 2 else -1  # even pipelines run down, odd ones up (D = 0 mod 4)
         assert all((devices[j + 1] - devices[j]) % d == step % d for j in range(d - 1))
         assert all(lay.logical_stage(devices[j], p) == j for j in range(d))
         assert all(lay.next_hop(devices[j], p) == ((devices[j + 1], p) if j < d - 1 else None) for j in range(d))
@@ -64,6 +64,40 @@ def test_placement_properties_by_brute_force(d: int) -> None:
         replica_devices = {dev for dev, _ in lay.replicas(j)}
         assert len(replica_devices) == lay.num_pipelines
         assert any(replica_devices <= set(g) for g in groups)  # closed under replicas
+
+
+@pytest.mark.parametrize("d", [4, 6, 8])
+def test_sync_groups_are_the_devices_that_hold_the_same_stages(d: int) -> None:
+    lay = layout(d)
+    hosted = {s: frozenset(lay.logical_stage(s, c) for c in range(lay.num_chunks)) for s in range(d)}
+    for s in range(d):
+        group = lay.sync_group(s)
+        assert len(group) == lay.num_pipelines < d  # P devices, never all of them
+        assert all(hosted[g] == hosted[s] for g in group)  # the devices of one group hold the same stages
+        assert set(group) == {dev for j in hosted[s] for dev, _ in lay.replicas(j)}
+
+
+def test_no_bidirectional_placement_has_smaller_sync_groups_at_d6() -> None:
+    # Why D = 2 (mod 4) runs every pipeline down (MultiPipelineLayout's docstring), by brute
+    # force: pipeline 0 fixed to the identity, the others any cyclic path in either direction.
+    d, paths = 6, [tuple((o + k * j) % 6 for j in range(6)) for o in range(6) for k in (1, -1)]
+    smallest = {}
+    for rest in ((a, b) for a in paths for b in paths):
+        pipes = (tuple(range(d)), *rest)
+        if any(len({pipe.index(s) for pipe in pipes}) < 3 for s in range(d)):
+            continue  # a device would host one stage twice
+        parent = list(range(d))  # union-find over devices holding replicas of one stage
+        def root(x: int) -> int:
+            while parent[x] != x:
+                x = parent[x]
+            return x
+        for j in range(d):
+            for pipe in pipes[1:]:
+                parent[root(pipe[j])] = root(pipes[0][j])
+        bidirectional = any((pipe[1] - pipe[0]) % d == d - 1 for pipe in pipes)
+        size = max(sum(root(x) == root(y) for x in range(d)) for y in range(d))
+        smallest[bidirectional] = min(smallest.get(bidirectional, d), size)
+    assert smallest == {True: d, False: d // 2}
 
 
 def test_placement_matches_the_released_code() -> None:

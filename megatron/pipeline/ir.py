@@ -181,31 +181,48 @@ class MultiPipelineLayout(PipelineLayout):
     the whole model: logical stage ``j`` of every pipeline has the same layers and weights.
     Micro-batch ``m`` runs on pipeline ``m mod P`` (AMDP's assignment).
 
-    Placement (Chimera-style, the AMDP code's mapping for D = 4 and 8, for any even D):
-    even ``p`` runs down, ``j -> (j + 2p) mod D``; odd ``p`` runs up,
-    ``j -> (D - 1 - j + 2(p - 1)) mod D``. Each is a bijection, and a device hosts P
-    distinct logical stages (even pipelines give it the stages ``-2p`` mod D, even numbers
-    spaced by 4, odd ones odd numbers, all distinct because fewer than D/4 + 1 of each).
+    Placement, D = 0 (mod 4) (Chimera-style, the AMDP code's mapping for D = 4 and 8): even
+    ``p`` runs down, ``j -> (j + 2p) mod D``; odd ``p`` runs up, ``j -> (D - 1 - j + 2(p - 1))
+    mod D``. Each is a bijection, and a device hosts P distinct logical stages (even pipelines
+    give it the stages ``-2p`` mod D, even numbers spaced by 4, odd ones odd numbers, all
+    distinct because fewer than D/4 + 1 of each).
+
+    Placement, D = 2 (mod 4): every pipeline runs down, ``j -> (j + 2p) mod D``, so device
+    ``s`` hosts the stages of its parity. With P = D/2 odd, no placement that has pipelines
+    in both directions lets the devices of a stage form a group smaller than all D devices:
+    a group closed under replicas holds exactly P devices and P stages (each of its devices
+    hosts P distinct stages of the group, each stage has P replicas in it); relabelling
+    devices so pipeline 0 is the identity, the group's stage set is invariant under a
+    reversed pipeline ``j -> c - j``; ``c`` must be odd (an even ``c`` has a fixed point,
+    a device that would host one stage twice), and a fixed-point-free involution only
+    leaves sets of even size invariant, but P is odd. One direction keeps the window step
+    within the P devices that hold the same stages (and simulates faster at D = 6: 1.13x
+    1F1B-flush at T = 4D against 0.97x with alternating directions, t_B = 2 t_F).
 
     The replicas of logical stage ``j`` live on the devices ``{device(p, j)}``; a ``sync``
     OPT is a collective over the connected component of that relation (:meth:`sync_group`):
-    for D = 4 and 8 the AMDP code's mirror groups ({0,3},{1,2}; {0,3,4,7},{1,2,5,6}), where
-    every device of a group hosts the same logical stages.
+    for D = 4 and 8 the AMDP code's mirror groups ({0,3},{1,2}; {0,3,4,7},{1,2,5,6}), for
+    D = 6 the parities ({0,2,4},{1,3,5}); for every even D the devices of a group host the
+    same logical stages.
     """
 
     @property
     def num_pipelines(self) -> int:
         return self.num_chunks
 
+    def runs_down(self, pipeline: int) -> bool:
+        """Whether ``pipeline``'s stage ``j + 1`` is on the device after stage ``j``'s."""
+        return pipeline % 2 == 0 or self.num_stages % 4 == 2
+
     def device(self, pipeline: int, logical_stage: int) -> int:
         d = self.num_stages
-        if pipeline % 2 == 0:
+        if self.runs_down(pipeline):
             return (logical_stage + 2 * pipeline) % d
         return (d - 1 - logical_stage + 2 * (pipeline - 1)) % d
 
     def logical_stage(self, stage: int, chunk: int) -> int:
         d = self.num_stages
-        if chunk % 2 == 0:
+        if self.runs_down(chunk):
             return (stage - 2 * chunk) % d
         return (d - 1 - stage + 2 * (chunk - 1)) % d
 
