@@ -357,3 +357,11 @@ def test_sharding_flag_is_refused_where_it_cannot_work() -> None:
                  tiny_args(4, "amdp", 4, 2, "--optimizer", "basis-rotation", "--amdp-optimizer-state", "sharded")):
         with pytest.raises(SystemExit):
             parse_args(argv)
+
+
+@pytest.mark.slow
+def test_distributed_runtime_equals_emulator_bitwise_at_d6_sharded(megatron_world1, tmp_path) -> None:
+    # D = 2 (mod 4): one-direction placement, sync groups {0,2,4} and {1,3,5}, sharded AdamW
+    # state with fp32 masters (bf16): the runtime's all-gathers give the emulator's bits.
+    argv = tiny_args(6, "amdp", 6, 2, "--bf16", "--clip-grad", "0.5", "--hidden-size", "8")
+    assert_runtime_equals_emulator(argv, tmp_path / "dist")
