@@ -46,7 +46,7 @@ for path in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from megatron.pipeline.schedules import build_schedule  # noqa: E402
-from megatron.pipeline.simulator import OpCosts, simulate_schedule  # noqa: E402
+from megatron.pipeline.simulator import OpCosts, simulate_schedule, steady_time_per_update  # noqa: E402
 from megatron.trainer.arguments import build_parser as trainer_parser  # noqa: E402
 from megatron.trainer.arguments import parse_args, schedule_config  # noqa: E402
 from megatron.trainer.synthetic_task import SyntheticCostTask  # noqa: E402
@@ -63,12 +63,12 @@ def predict(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     config = schedule_config(parse_args(run_argv(case, args), parser))
     costs = OpCosts(t_f=args.forward_ms, t_b=args.backward_ms, t_w=args.wgrad_ms)
     k = case.iterations
-    half, full = (simulate_schedule(build_schedule(case.schedule, dataclasses.replace(config, num_iterations=i)), costs)
-                  for i in (k // 2, k))
+    build = lambda i: build_schedule(case.schedule, dataclasses.replace(config, num_iterations=i))  # noqa: E731
+    full = simulate_schedule(build(k), costs)
     schedule = build_schedule(case.schedule, config)
     copies = getattr(schedule, "weight_copies", None)
     return {
-        "sim_ms": (full.makespan - half.makespan) / (k - k // 2),
+        "sim_ms": steady_time_per_update(build, k, costs),
         "sim_peak_mb": full.peak_memory,
         "sim_drift": max(full.max_drift),
         "weight_copies": [copies(config, s) if copies else 1 for s in range(case.stages)],
@@ -152,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             row.update(predict(case, args), samples_s=1000.0 * r.microbatches / r.measured_ms)
             row["sim_samples_s"] = 1000.0 * r.microbatches / row["sim_ms"]
         rows.append(row)
-    for row in rows:  # ratio to 1F1B-flush at the same depth
-        ref = next((x for x in rows if x["result"].schedule == "1f1b" and x["result"].stages == row["result"].stages
-                    and not x["result"].error), None)
+    for row in rows:  # ratio to 1F1B-flush at the same depth (and m, when 1F1B ran it)
+        refs = [x for x in rows if x["result"].schedule == "1f1b" and x["result"].stages == row["result"].stages
+                and not x["result"].error]
+        ref = next((x for x in refs if x["result"].microbatches == row["result"].microbatches), refs[0] if refs else None)
         if not row["result"].error:
             row["vs_1f1b"] = row["samples_s"] / ref["samples_s"] if ref else float("nan")
     rows += [{"result": r} for r in skipped]

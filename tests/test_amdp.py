@@ -30,6 +30,7 @@ from megatron.pipeline.ir import MultiPipelineLayout, OpKind
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.amdp import AMDP, K, PRELOAD
 from megatron.pipeline.simulator import OpCosts, simulate_schedule
+from megatron.pipeline.simulator import steady_time_per_update as simulator_steady_time
 from megatron.pipeline.validate import validate_schedule
 from megatron.pipeline.worker import StageWorker
 from megatron.trainer.arguments import parse_args
@@ -192,11 +193,8 @@ def test_simulator_makespan_bubble_memory_drift() -> None:
 
 
 def steady_time_per_update(name: str, d: int, t: int, costs: object, k: int = 6) -> float:
-    """Marginal simulated time of one update: (makespan(k) - makespan(k/2)) / (k/2), i.e. the
-    steady state without start-up and drain (the benchmarks' measure)."""
-    span = [simulate_schedule(build_schedule(name, ScheduleConfig(d, t, num_iterations=i)), costs).makespan
-            for i in (k // 2, k)]
-    return (span[1] - span[0]) / (k - k // 2)
+    """The simulator's marginal time of one update (steady state, the benchmarks' measure)."""
+    return simulator_steady_time(lambda i: build_schedule(name, ScheduleConfig(d, t, num_iterations=i)), k, costs)
 
 
 @pytest.mark.parametrize("t_mult", [1, 2, 4])

@@ -451,6 +451,18 @@ def simulate_schedule(
     )
 
 
+def steady_time_per_update(build: Any, iterations: int, costs: CostsLike = None) -> float:
+    """Marginal simulated time of one update, ``(makespan(k) - makespan(k/2)) / (k - k/2)`` for
+    ``k = iterations``: the steady state without start-up and the final drain, which is what a
+    long run's throughput sees (and what the benchmarks compare a measured run with).
+    ``build(i)`` returns the schedule for ``i`` iterations."""
+    half = iterations // 2
+    if half < 1:
+        raise ValueError(f"steady_time_per_update needs iterations >= 2, got {iterations}")
+    spans = [simulate_schedule(build(i), costs).makespan for i in (half, iterations)]
+    return (spans[1] - spans[0]) / (iterations - half)
+
+
 __all__ = [
     "OpCosts",
     "OpSpan",
@@ -461,4 +473,5 @@ __all__ = [
     "simulate_schedule",
     "simulate_streams",
     "stage_costs",
+    "steady_time_per_update",
 ]
