@@ -320,13 +320,13 @@ def test_distributed_runtime_equals_emulator_bitwise(megatron_world1, tmp_path) 
 # ----------------------------------------------------------------------------- optimizer sharding
 
 
-@pytest.mark.parametrize("d,extra", [(4, ("--bf16",)), (6, ("--clip-grad", "0.05"))])
+@pytest.mark.parametrize("d,extra", [(4, ("--bf16",)), (6, ("--clip-grad", "0.05")), (4, ("--fp16", "--initial-loss-scale", "1024"))])
 def test_sharded_optimizer_state_is_bitwise_the_replicated_one_at_1_over_p_memory(megatron_world1, d: int,
                                                                                   extra: tuple[str, ...]) -> None:
     # ZeRO-1 over the D/2 replicas (paper §3.4): each replica steps its range of every stage it
     # hosts and all-gathers the rest. AdamW is element-wise, so weights and every owned moment /
-    # fp32-master element equal the replicated run's bits (bf16: masters are sharded too;
-    # clipping: the clip coefficient is shared). Memory: 1/P per device, up to range rounding.
+    # fp32-master element equal the replicated run's bits (bf16, fp16: masters are sharded too,
+    # fp16 with its loss scale; clipping: the clip coefficient is shared). Memory: 1/P per device, up to range rounding.
     base = ("--pipeline-executor", "emulator", "--hidden-size", "8", *extra)
     sharded = emulate(tiny_args(d, "amdp", d, 2, *base))
     replicated = emulate(tiny_args(d, "amdp", d, 2, *base, "--amdp-optimizer-state", "replicated"))
@@ -344,7 +344,7 @@ def test_sharded_optimizer_state_is_bitwise_the_replicated_one_at_1_over_p_memor
                 if mine is not None:
                     assert torch.equal(mine, full.reshape(-1)[lo:hi]), slot.name
         full_bytes, shard_bytes = wr.setup.optimizer.state_bytes(), ws.setup.optimizer.state_bytes()
-        per_element = 12 if "--bf16" in extra else 8  # two fp32 moments (+ an fp32 master)
+        per_element = 8 if "--clip-grad" in extra else 12  # two fp32 moments (+ an fp32 master in bf16/fp16)
         assert abs(shard_bytes - full_bytes / p) <= p * per_element, (ws.stage, shard_bytes, full_bytes)
     total_full = sum(w.setup.optimizer.state_bytes() for w in replicated)
     assert sum(w.setup.optimizer.state_bytes() for w in sharded) * p == total_full  # exactly 1/P overall
