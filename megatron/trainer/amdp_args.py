@@ -3,7 +3,9 @@
 ``--amdp-optimizer-state sharded`` (the default, the paper's §3.4) keeps AdamW state (moments,
 fp32 masters) for 1/P of every hosted logical stage on each of its P = D/2 replicas and
 all-gathers the stepped ranges after the window step; ``replicated`` keeps the whole state on
-every replica (the paper's "without ZeRO" ablation). Both give the same bits.
+every replica (the paper's "without ZeRO" ablation). Both give the same bits. Basis rotation
+rotates whole matrices, so its state cannot be split by elements: it defaults to
+``replicated`` and refuses ``sharded``.
 """
 from __future__ import annotations
 
@@ -29,13 +31,15 @@ def validate_amdp_args(args: argparse.Namespace) -> None:
         if state is not None:
             raise ArgumentError("--amdp-optimizer-state needs --pipeline-schedule amdp")
         return
-    if state is None:
-        args.amdp_optimizer_state = state = "replicated" if getattr(args, "optimizer", "adamw") != "adamw" else "sharded"
-    if state == "sharded" and getattr(args, "optimizer", "adamw") != "adamw":
+    elementwise = getattr(args, "optimizer", "adamw") == "adamw"
+    if state is None:  # the default: sharded where the optimizer allows it
+        args.amdp_optimizer_state = state = "sharded" if elementwise else "replicated"
+    if state == "sharded" and not elementwise:
         raise ArgumentError(f"--amdp-optimizer-state sharded: --optimizer {args.optimizer} is not element-wise; "
                             "use --amdp-optimizer-state replicated")
 
 
 def amdp_shards_optimizer(args: argparse.Namespace) -> bool:
     """Whether this run's stage optimizers hold only their replica's range (see module doc)."""
-    return getattr(args, "pipeline_schedule", None) == "amdp" and getattr(args, "amdp_optimizer_state", None) == "sharded"
+    return (getattr(args, "pipeline_schedule", None) == "amdp"
+            and getattr(args, "amdp_optimizer_state", None) == "sharded")
