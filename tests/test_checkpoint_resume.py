@@ -78,6 +78,55 @@ def test_resumed_run_equals_straight_run_bitwise(megatron_world1, tmp_path: Path
         assert torch.equal(straight[name], resumed[name]), name
 
 
+def test_zb_2p_post_validation_resumes_with_the_profiled_order(megatron_world1, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """zb-2p profiles its first iterations (wall-clock, so two runs may choose different orders)
+    and, with post-validation, the order changes the numbers. The checkpoint keeps the decision:
+    resuming the straight run's own iteration-10 checkpoint reproduces its iterations 11-20
+    bitwise instead of profiling again (which ran zb-h1 for two more iterations and then
+    possibly another order)."""
+    extra = ("--enable-optimizer-post-validation", "--zb-profile-iters", "2")
+    straight_log, resumed_log = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
+    straight = final_params(emulate(_argv("zb-2p", extra, straight_log, "--save", str(tmp_path / "a"),
+                                          "--save-interval", str(STOP))))
+    middle = ckpt.iteration_dir(tmp_path / "a", STOP)
+    state = json.loads((middle / ckpt.METADATA).read_text())["schedule_state"]
+    assert state["profile_end"] == 2 and len(state["costs"]) == 2
+    shutil.copytree(middle, ckpt.iteration_dir(tmp_path / "b", STOP))
+    (tmp_path / "b" / ckpt.POINTER).write_text(f"{STOP}\n")
+    capsys.readouterr()
+    resumed = final_params(emulate(_argv("zb-2p", extra, resumed_log, "--load", str(tmp_path / "b"))))
+    assert "costs profiled" not in capsys.readouterr().out  # the saved decision, not a new profile
+    assert _losses(resumed_log) == _losses(straight_log)[STOP:]
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_a_save_removes_stale_staging_and_syncs_before_moving_the_pointer(
+        megatron_world1, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Crashed saves' leftovers of any iteration go; every file, the directory rename and the
+    pointer are fsync'd, and the pointer moves last."""
+    root = tmp_path / "ck"
+    for stale in ("iter_0000003.tmp", "iter_0000004.old"):
+        (root / stale).mkdir(parents=True)
+        (root / stale / "junk.pt").write_bytes(b"x" * 100)
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(f"replace {Path(b).name}"), real_replace(a, b))[1])
+    emulate(_argv("1f1b", (), tmp_path / "log.jsonl", "--save", str(root), "--train-iters", "2"))
+    assert sorted(p.name for p in root.iterdir()) == sorted([ckpt.POINTER, "iter_0000002"])
+    assert events[-3:] == ["fsync", f"replace {ckpt.POINTER}", "fsync"]  # file, rename, directory
+    renamed = events.index("replace iter_0000002")
+    assert events[renamed + 1] == "fsync"  # the directory, before the pointer
+    for name in (ckpt.rank_file_name(0, 0), ckpt.rank_file_name(1, 0), ckpt.METADATA):
+        at = events.index(f"replace {name}")
+        assert events[at - 1] == events[at + 1] == "fsync", name
+    meta = json.loads((root / "iter_0000002" / ckpt.METADATA).read_text())
+    for name, digest in meta["sha256"].items():
+        assert ckpt.file_checksum(root / "iter_0000002" / name) == digest
+
+
 def test_resume_really_restores_state(megatron_world1, tmp_path: Path) -> None:
     """Control: resuming with a fresh RNG or fresh optimizer moments does change the result,
     so the bitwise test above can fail."""
@@ -99,6 +148,7 @@ def test_resume_really_restores_state(megatron_world1, tmp_path: Path) -> None:
         meta_path = path.parent / ckpt.METADATA
         meta = json.loads(meta_path.read_text())
         meta["files"][path.name] = path.stat().st_size
+        meta["sha256"][path.name] = ckpt.file_checksum(path)
         meta_path.write_text(json.dumps(meta))
         damaged = final_params(emulate(_argv("paci", (), tmp_path / f"{damage}.jsonl", "--load", str(tmp_path / damage))))
         assert any(not torch.equal(reference[k], damaged[k]) for k in reference), damage
@@ -153,7 +203,12 @@ def test_a_crash_while_saving_leaves_the_last_checkpoint_loadable(megatron_world
 
 
 def test_load_from_an_empty_directory_starts_fresh(megatron_world1, tmp_path: Path) -> None:
-    args = parse_args(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(tmp_path / "nothing-yet")))
+    """Megatron's idiom ``--load X --save X`` starts fresh while X is missing or empty."""
+    missing = str(tmp_path / "nothing-yet")
+    args = parse_args(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", missing, "--save", missing))
+    assert ckpt.check_resume(GPTTask(), args) is None
+    (tmp_path / "empty").mkdir()
+    args = parse_args(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(tmp_path / "empty")))
     assert ckpt.check_resume(GPTTask(), args) is None
 
 
@@ -203,13 +258,17 @@ def test_truncated_rank_file_is_refused_before_any_rank_starts(saved: Path, tmp_
 
 
 def test_corrupt_rank_file_of_the_right_size_names_the_file(saved: Path, tmp_path: Path, megatron_world1) -> None:
+    """Caught by its checksum before any rank starts, and again by the rank that loads it."""
     victim = saved / "iter_0000003" / ckpt.rank_file_name(0, 0)
-    victim.write_bytes(b"\0" * victim.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, still a zip torch might read
+    victim.write_bytes(bytes(data))
+    assert f"checkpoint file {victim} is corrupt (SHA-256" in _resume_error(saved, tmp_path)
     args = parse_args(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(saved)))
-    point = ckpt.check_resume(GPTTask(), args)
+    point = ckpt.check_resume(GPTTask(), args, verify_files=False)
     assert point is not None
     workers = emulate(_argv("1f1b", (), tmp_path / "z.jsonl", "--train-iters", "1"))
-    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint file {victim} is truncated or corrupt"):
+    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint file {victim} is corrupt"):
         ckpt.load_stage_state(GPTTask(), workers[0], point, 0)
 
 

@@ -23,6 +23,7 @@ from megatron.trainer.amdp_args import add_amdp_args, validate_amdp_args
 from megatron.trainer.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
 from megatron.trainer.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
 from megatron.trainer.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
+from megatron.trainer.flag_checks import FlagError, OneLineParser, check_flag_values
 
 
 class ArgumentError(ValueError):
@@ -129,7 +130,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(description: str = "Megatron-Async pretraining") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    p = OneLineParser(description=description, allow_abbrev=False)
     _add_model_args(p)
     _add_training_args(p)
     _add_data_args(p)
@@ -362,8 +363,9 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     try:
+        check_flag_values(parser, args)  # every numeric flag in its domain, list flags parsed strictly
         finalize_args(args)
         validate_args(args)
-    except ArgumentError as exc:
+    except (ArgumentError, FlagError) as exc:
         parser.exit(2, f"error: {exc}\n")
     return args

@@ -16,22 +16,33 @@ gradient accumulation window is open (checked), so there is no accumulation stat
 What a schedule's weight policy carries across a drain (2BW's stashed version, PipeMare's
 delta) is saved with the stage (``weight_versions``).
 
-Atomicity: every rank writes into ``iter_XXXXXXX.tmp/`` (each file via a temporary name and
-``os.replace``); once all ranks are done, the coordinator writes ``metadata.json`` with the
-files' sizes, renames the directory into place and only then replaces the pointer file.
-A crash at any point leaves the previous pointer and its checkpoint untouched.
+Atomicity and durability: every rank writes into ``iter_XXXXXXX.tmp/`` (each file via a
+temporary name, hashed with SHA-256 while it is written, fsync'd, then ``os.replace``d, the
+directory fsync'd); once all ranks are done, the coordinator writes ``metadata.json`` with the
+files' sizes and checksums (fsync'd), renames the directory into place, fsyncs the parent,
+and only then replaces the pointer file the same way (temporary name, fsync, rename, fsync
+of the directory). A crash at any point leaves the previous pointer and its checkpoint
+untouched, and what the pointer names is on disk. Staging directories a crashed save left
+behind (``iter_*.tmp``, ``iter_*.old``) are removed by the next save.
 
 Loading is checked before any rank starts (:func:`check_resume`): the pointer, the
-directory, the signature (model shape, stage count, schedule, ...) and every file's size,
-each failure one line naming the file.
+directory, the signature (model shape, stage count, schedule, ...), every file's size and
+checksum, each failure one line naming the file. A rank verifies its own file's checksum
+again as it reads it (under torchrun no launcher checks first).
+
+A schedule that decides something during the run saves it too (``schedule_state`` in
+``metadata.json``): zb-1p / zb-2p save their profiled costs and the iteration profiling
+ended at, so the resumed run keeps the same order instead of profiling again.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,46 +111,133 @@ def staging_dir(root: str | Path, iteration: int) -> Path:
     return Path(str(iteration_dir(root, iteration)) + ".tmp")
 
 
+CHECKSUM_SUFFIX = ".sha256"  # a rank's checksum next to its file in staging, until publish
+
+
 def prepare_staging(root: str | Path, iteration: int) -> Path:
-    """Coordinator, before any rank writes: an empty staging directory (a crashed save's leftovers go)."""
+    """Coordinator, before any rank writes: an empty staging directory. Every crashed save's
+    leftovers go (``iter_*.tmp`` staging and ``iter_*.old`` trash of any iteration)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in [*root.glob("iter_*.tmp"), *root.glob("iter_*.old")]:
+        shutil.rmtree(stale, ignore_errors=True)
     staging = staging_dir(root, iteration)
-    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
 
 
+def fsync_directory(path: str | Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through (torch.save streams into it)."""
+
+    def __init__(self, file: io.BufferedWriter):
+        self.file, self.hash = file, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.hash.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _durable_replace(partial: Path, path: Path) -> None:
+    os.replace(partial, path)
+    fsync_directory(path.parent)
+
+
+def write_durable_text(path: Path, text: str) -> None:
+    """``text`` into ``path``: temporary name, fsync, rename, fsync of the directory."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    _durable_replace(partial, path)
+
+
 def write_rank_file(root: str | Path, iteration: int, stage: int, dp_rank: int, state: dict[str, Any]) -> None:
-    """Write one rank's state into the staging directory (temporary name, then rename)."""
+    """Write one rank's state into the staging directory (temporary name, fsync, rename), with
+    its SHA-256 (computed while writing) beside it for :func:`publish`."""
     path = staging_dir(root, iteration) / rank_file_name(stage, dp_rank)
     partial = path.with_suffix(".partial")
-    torch.save(state, partial)
-    os.replace(partial, path)
+    with open(partial, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(state, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    _durable_replace(partial, path)
+    write_durable_text(path.with_name(path.name + CHECKSUM_SUFFIX), writer.hash.hexdigest())
 
 
-def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_stages: int, dp_size: int) -> Path:
-    """Coordinator, after every rank wrote: metadata, rename into place, then the pointer."""
+def file_checksum(path: str | Path) -> str:
+    """SHA-256 of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def schedule_state(schedule: object) -> dict[str, Any] | None:
+    """What ``schedule`` decided during the run and must keep on resume (zb-1p/zb-2p's profiled
+    costs), or None."""
+    state = getattr(schedule, "checkpoint_state", None)
+    return state() if state is not None else None
+
+
+def restore_schedule_state(schedule: object, point: "ResumePoint | None") -> None:
+    """Hand a checkpoint's :func:`schedule_state` back to the resumed run's schedule."""
+    if point is not None and point.schedule_state is not None:
+        restore = getattr(schedule, "restore_checkpoint_state", None)
+        if restore is None:
+            raise CheckpointError(f"checkpoint {point.directory} holds schedule state, which "
+                                  f"{type(schedule).__name__} cannot take")
+        restore(point.schedule_state)
+
+
+def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_stages: int, dp_size: int,
+            schedule: dict[str, Any] | None = None) -> Path:
+    """Coordinator, after every rank wrote: metadata (sizes, checksums, the schedule's state),
+    rename into place, then the pointer; each step durable before the next."""
     staging, final = staging_dir(root, iteration), iteration_dir(root, iteration)
-    files = {}
+    files, checksums = {}, {}
     for stage in range(num_stages):
         for dp in range(dp_size):
             name = rank_file_name(stage, dp)
-            if not (staging / name).is_file():
+            sidecar = staging / (name + CHECKSUM_SUFFIX)
+            if not (staging / name).is_file() or not sidecar.is_file():
                 raise CheckpointError(f"checkpoint {staging}: {name} was not written")
             files[name] = (staging / name).stat().st_size
-    metadata = {"format": FORMAT_VERSION, "iteration": iteration, "signature": signature, "files": files}
-    (staging / METADATA).write_text(json.dumps(metadata, indent=1, sort_keys=True))
+            checksums[name] = sidecar.read_text().strip()
+            sidecar.unlink()
+    metadata = {"format": FORMAT_VERSION, "iteration": iteration, "signature": signature, "files": files,
+                "sha256": checksums, "schedule_state": schedule}
+    write_durable_text(staging / METADATA, json.dumps(metadata, indent=1, sort_keys=True))
     if final.exists():  # saving the same iteration again: the old copy goes only now
         trash = Path(str(final) + ".old")
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(final, trash)
         os.replace(staging, final)
+        fsync_directory(root)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(staging, final)
-    pointer = Path(root) / POINTER
-    partial = pointer.with_suffix(".partial")
-    partial.write_text(f"{iteration}\n")
-    os.replace(partial, pointer)
+        fsync_directory(root)
+    write_durable_text(Path(root) / POINTER, f"{iteration}\n")
     return final
 
 
@@ -150,6 +248,8 @@ def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_sta
 class ResumePoint:
     iteration: int
     directory: Path
+    checksums: dict[str, str] = field(default_factory=dict)  # rank file name -> SHA-256
+    schedule_state: dict[str, Any] | None = None
 
 
 def find_resume_point(root: str | Path) -> ResumePoint | None:
@@ -178,11 +278,13 @@ def _read_metadata(directory: Path) -> dict[str, Any]:
     return metadata
 
 
-def check_resume(task: PretrainTask, args: argparse.Namespace) -> ResumePoint | None:
+def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: bool = True) -> ResumePoint | None:
     """Validate ``--load`` before any rank starts; return where to resume (None: start fresh).
 
     Different model shape, stage count, schedule or batch layout, a missing or truncated rank
-    file: each is a one-line :class:`CheckpointError` naming the file.
+    file, a rank file whose checksum differs (``verify_files``; a rank checks its own file
+    again in :func:`load_stage_state`): each is a one-line :class:`CheckpointError` naming
+    the file.
     """
     if args.load is None:
         return None
@@ -204,17 +306,32 @@ def check_resume(task: PretrainTask, args: argparse.Namespace) -> ResumePoint | 
         if file.stat().st_size != size:
             raise CheckpointError(f"checkpoint file {file} is truncated or corrupt "
                                   f"({file.stat().st_size} bytes, {size} when saved)")
+    checksums = metadata.get("sha256", {})
+    if verify_files:
+        for name, expected in checksums.items():
+            _verify_checksum(point.directory / name, file_checksum(point.directory / name), expected)
     if point.iteration >= args.train_iters:
         raise CheckpointError(f"checkpoint {point.directory} is at iteration {point.iteration}, "
                               f"not before --train-iters {args.train_iters}: nothing left to train")
-    return point
+    return ResumePoint(point.iteration, point.directory, checksums, metadata.get("schedule_state"))
+
+
+def _verify_checksum(path: Path, actual: str, expected: str) -> None:
+    if actual != expected:
+        raise CheckpointError(f"checkpoint file {path} is corrupt (SHA-256 {actual[:12]}..., "
+                              f"{expected[:12]}... when saved)")
 
 
 def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint, dp_rank: int) -> None:
     """Restore one stage from its rank file (parameters, optimizer, RNG, drift histogram)."""
     path = point.directory / rank_file_name(worker.stage, dp_rank)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        data = path.read_bytes()
+        if path.name in point.checksums:
+            _verify_checksum(path, hashlib.sha256(data).hexdigest(), point.checksums[path.name])
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
         raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {type(exc).__name__}: {exc}") from None
     params = dict(task.named_parameters(worker.setup.chunks))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
+from megatron.trainer.checkpoint_paths import CheckpointPathError, check_checkpoint_paths
+
 
 class RunControlError(ValueError):
     """A bad evaluation / checkpoint / logging flag; one line for the user."""
@@ -26,7 +28,7 @@ def add_run_control_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=None,
                    help="checkpoint every N iterations (with --save; the run's end is always saved)")
     g.add_argument("--load", default=None, metavar="DIR",
-                   help="resume from DIR's latest checkpoint (starts fresh if DIR has none yet)")
+                   help="resume from DIR's latest checkpoint (fresh if DIR holds none yet; a missing DIR is an error unless it is also --save)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop after iteration N is a multiple of this (saving first with --save)")
     g = p.add_argument_group("tensorboard")
@@ -45,3 +47,7 @@ def validate_run_control_args(args: argparse.Namespace) -> None:
         raise RunControlError("--save-interval needs --save DIR")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise RunControlError("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
+    try:
+        check_checkpoint_paths(args)  # --save writable with room for a checkpoint, --load a directory
+    except CheckpointPathError as exc:
+        raise RunControlError(str(exc)) from None

@@ -81,6 +81,7 @@ class EmulatorRunner:
         self.tracers = [_tracer(args, w, 0, "emulator") for w in workers]
 
     def train(self, schedule: Schedule) -> None:
+        self.schedule = schedule  # what it decides while training (zb's profiled order) is checkpointed
         hook = emulator_profiling(schedule, self.workers)  # zb-1p / zb-2p with --zb-profile-iters
         with _tracing(self.workers, self.tracers, self.args):
             Emulator(self.workers, schedule.layout, self.cadence, self.sink, sync_hook=hook,
@@ -103,7 +104,8 @@ class EmulatorRunner:
         ckpt.prepare_staging(root, iteration)
         for w in self.workers:
             ckpt.write_rank_file(root, iteration, w.stage, 0, ckpt.stage_state(self.task, w))
-        ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.args), len(self.workers), 1)
+        ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.args), len(self.workers), 1,
+                     ckpt.schedule_state(getattr(self, "schedule", None)))
 
 
 class DistributedRunner:
@@ -117,6 +119,7 @@ class DistributedRunner:
         self.tracer = _tracer(args, worker, groups.dp_rank, "distributed")
 
     def train(self, schedule: Schedule) -> None:
+        self.schedule = schedule  # what it decides while training (zb's profiled order) is checkpointed
         hook = distributed_profiling(schedule, self.worker, self.groups, self.timeout, log=self.groups.rank == 0)
         if self.tracer is not None:  # a common instant for aligning the ranks' clocks
             dist.barrier(group=self.groups.reports)
@@ -150,5 +153,6 @@ class DistributedRunner:
         if coordinator:
             layout = self.groups.layout
             ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.args),
-                         layout.pipeline_size, layout.data_parallel_size)
+                         layout.pipeline_size, layout.data_parallel_size,
+                         ckpt.schedule_state(getattr(self, "schedule", None)))
         dist.barrier(group=self.groups.reports)

@@ -29,7 +29,8 @@ from megatron.pipeline.worker import StageSetup, StageWorker
 from megatron.trainer.auto_partition import apply_auto_partition
 from megatron.trainer.amdp_args import amdp_shards_optimizer
 from megatron.trainer.arguments import build_parser, parse_args, pipeline_layout, schedule_config
-from megatron.trainer.checkpointing import CheckpointError, ResumePoint, check_resume, load_stage_state
+from megatron.trainer.checkpointing import (
+    CheckpointError, ResumePoint, check_resume, load_stage_state, restore_schedule_state)
 from megatron.trainer.launcher import free_port, is_worker_process, launch_local
 from megatron.trainer.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop import Segment, plan_segments, run_segments
@@ -132,10 +133,13 @@ def make_logger(args: argparse.Namespace, start_iteration: int = 0) -> TrainingL
     )
 
 
-def run_schedule(args: argparse.Namespace, start: int) -> Schedule:
-    """The run's schedule from iteration ``start`` (0, or a checkpoint's iteration) to the end."""
+def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | None = None) -> Schedule:
+    """The run's schedule from iteration ``start`` (0, or a checkpoint's iteration) to the end,
+    with what the checkpoint's run decided (zb's profiled order) restored."""
     config = dataclasses.replace(schedule_config(args), first_iteration=start, num_iterations=args.train_iters - start)
-    return build_schedule(args.pipeline_schedule, config)
+    schedule = build_schedule(args.pipeline_schedule, config)
+    restore_schedule_state(schedule, resume)
+    return schedule
 
 
 def run_plan(args: argparse.Namespace, start: int) -> list[Segment]:
@@ -168,7 +172,7 @@ def _init_megatron_parallel_state() -> None:
 def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     """Train all stages in this process; return the stage workers (weights, statistics)."""
     set_threads(args, 1)
-    resume = check_resume_or_exit(task, args)
+    resume = check_resume_or_exit(task, args, verify_files=False)  # pretrain() verified them, loading does again
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
@@ -181,7 +185,7 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     start = _resume(task, workers, 0, resume)
     logger = make_logger(args, start)
     collector = ReportCollector(pp, logger.log_update)
-    schedule = run_schedule(args, start)
+    schedule = run_schedule(args, start, resume)
     cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
     log_fixed_choice(schedule)
     run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger)
@@ -215,13 +219,13 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
     stage, dp_rank, _ = layout.coords(rank)
     try:
-        resume = check_resume_or_exit(task, args)
+        resume = check_resume_or_exit(task, args, verify_files=False)  # each rank verifies the file it loads
         worker = build_worker(task, args, stage, dp_rank, device, isolate_rng=False)
         start = _resume(task, [worker], dp_rank, resume)
         logger = make_logger(args, start) if rank == 0 else None
         collector = ReportCollector(layout.world_size, logger.log_update) if logger else None
         reports = SideChannelReports(groups, collector, p2p_timeout)
-        schedule = run_schedule(args, start)
+        schedule = run_schedule(args, start, resume)
         cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
         if rank == 0:
             log_fixed_choice(schedule)
@@ -245,10 +249,11 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     return 0
 
 
-def check_resume_or_exit(task: PretrainTask, args: argparse.Namespace) -> ResumePoint | None:
+def check_resume_or_exit(task: PretrainTask, args: argparse.Namespace,
+                         verify_files: bool = True) -> ResumePoint | None:
     """``--load``'s checkpoint, validated (one line and exit 2 if it does not fit this run)."""
     try:
-        return check_resume(task, args)
+        return check_resume(task, args, verify_files)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -69,6 +69,7 @@ class ProfiledSchedule(SynchronousSchedule):
             raise ScheduleConfigError(f"{self.name}: profiling needs at least one iteration, got {self.profile_iters}")
         self.costs: tuple[OpCosts, ...] | None = None
         self.target: ZeroBubbleAuto | None = None
+        self._restored_profile_end: int | None = None  # set when a checkpoint hands back the decision
         # Fails now, not at iteration K, if the memory limit cannot hold any order.
         placeholder = self._build_target(PLACEHOLDER_COSTS)
         self.memory_limit = placeholder.memory_limit
@@ -94,9 +95,26 @@ class ProfiledSchedule(SynchronousSchedule):
 
     @property
     def profile_end(self) -> int:
-        """First global iteration after profiling: the run's first K iterations profile
-        (the run may start at a checkpoint; costs are measured again then)."""
+        """First global iteration after profiling: the run's first K iterations profile. A run
+        resumed from a checkpoint saved after the decision keeps the original run's value
+        (:meth:`restore_checkpoint_state`); one saved before it profiles again from its start."""
+        if self._restored_profile_end is not None:
+            return self._restored_profile_end
         return self.run_start + self.profile_iters
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """The decision (costs and where profiling ended), so a resumed run keeps the same order;
+        None before the decision."""
+        if self.costs is None:
+            return None
+        return {"profile_end": self.profile_end, "costs": [dataclasses.asdict(c) for c in self.costs]}
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Take a decision saved by :meth:`checkpoint_state`: the same costs give the same greedy
+        order (the greedy is deterministic), and profiling is not repeated."""
+        self.set_costs(tuple(OpCosts.from_dict(c) for c in state["costs"]))
+        self._restored_profile_end = int(state["profile_end"])
 
     @property
     def decided(self) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +32,9 @@ from typing import Any
 import numpy
 import torch
 
+from megatron.trainer.data.index_check import IndexFileError, read_index_header
 from megatron.trainer.data.samples import IndexedSamples
+from megatron.trainer.flag_checks import FlagError, parse_blend, parse_split_weights
 
 SplitMatrix = Sequence["tuple[float, float] | None"]
 
@@ -50,29 +51,13 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | 
     """Megatron's ``--data-path``: ``PREFIX [PREFIX ...]`` or ``W1 PREFIX1 W2 PREFIX2 ...``.
 
     Returns ``(prefixes, weights)``; ``weights`` is None without weights (then several
-    prefixes are blended in proportion to their sizes).
+    prefixes are blended in proportion to their sizes). Parsed strictly
+    (:func:`megatron.trainer.flag_checks.parse_blend`).
     """
-    items = [str(x).strip() for x in data_path if str(x).strip()]
-    if not items:
-        raise DataError("--data-path needs a dataset prefix (or weight/prefix pairs)")
-
-    def as_weight(text: str) -> float | None:
-        try:
-            return float(text)
-        except ValueError:
-            return None
-
-    if len(items) % 2 == 1:
-        return items, None
-    weights = [as_weight(x) for x in items[0::2]]
-    if all(w is None for w in weights):
-        return items, None
-    if any(w is None for w in weights):
-        bad = next(x for x, w in zip(items[0::2], weights) if w is None)
-        raise DataError(f"--data-path mixes weighted and unweighted prefixes ({bad!r} is not a weight)")
-    if any(w < 0 or not numpy.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise DataError(f"--data-path weights must be >= 0 with a positive sum, got {weights}")
-    return items[1::2], [float(w) for w in weights]
+    try:
+        return parse_blend(data_path)
+    except FlagError as exc:
+        raise DataError(str(exc)) from None
 
 
 def parse_split(split: str) -> list[tuple[float, float] | None]:
@@ -82,16 +67,10 @@ def parse_split(split: str) -> list[tuple[float, float] | None]:
         convert_split_vector_to_split_matrix,
     )
 
-    parts = re.findall(r"[.0-9]+", split)  # what megatron-core itself accepts
     try:
-        weights = [float(x) for x in parts]
-    except ValueError:
-        weights = []
-    if "-" in split or not 1 <= len(weights) <= 3 or not all(numpy.isfinite(weights)):
-        raise DataError(f"--split {split!r}: expected up to three non-negative numbers, e.g. 969,30,1")
-    weights += [0.0] * (3 - len(weights))
-    if weights[0] <= 0:
-        raise DataError(f"--split {split!r}: the training share must be positive")
+        weights = parse_split_weights(split)
+    except FlagError as exc:
+        raise DataError(str(exc)) from None
     total = sum(weights)
     return convert_split_vector_to_split_matrix([w / total for w in weights])
 
@@ -123,7 +102,10 @@ def inspect_prefix(prefix: str, split_matrix: SplitMatrix) -> PrefixInfo:
         if not os.path.isfile(path):
             raise DataError(f"--data-path {prefix}: missing {path}")
     try:
+        read_index_header(idx_path, bin_path)  # megatron-core only ever sees an index it can open
         dataset = IndexedDataset(prefix, multimodal=False, mmap=True)
+    except IndexFileError as exc:
+        raise DataError(str(exc)) from None
     except OSError as exc:  # unreadable, not malformed
         raise DataError(f"{exc.filename or idx_path}: {exc.strerror or exc}") from None
     except (AssertionError, ValueError, IndexError, struct.error, TypeError, KeyError) as exc:
