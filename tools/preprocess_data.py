@@ -32,7 +32,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # Only light imports at module level: worker processes start before torch is imported.
+from megatron.trainer.data.corpus import EncodingError, utf8_lines  # noqa: E402
+from megatron.trainer.flag_checks import OneLineParser  # noqa: E402
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
+from megatron.trainer.writable import OutputPathError, check_writable_directory  # noqa: E402
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[A-Z0-9])|\n\s*\n")
 
@@ -106,18 +109,22 @@ class Encoder:
 
 
 def _numbered_lines(path: str):
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InputError(f"{path}:{number}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        for number, line in utf8_lines(path):
             if line.strip():
                 yield number, line
+    except EncodingError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _has_content(path: str) -> bool:
+    """Whether ``path`` has a non-blank line (reads only up to the first one)."""
+    with open(path, "rb") as f:
+        return any(raw.strip() for raw in f)
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSONL file, one JSON object (document) per line")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="fields to extract, one dataset each")
@@ -143,9 +150,17 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--keep-newlines needs --split-sentences")
     if not os.path.isfile(args.input):
         p.error(f"--input {args.input}: no such file")
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    if not os.path.isdir(out_dir):
-        p.error(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist")
+    if not _has_content(args.input):
+        p.error(f"--input {args.input}: empty (no non-blank line), nothing to preprocess")
+    try:  # the output directory must exist and take files; no output file may be a directory
+        check_writable_directory(os.path.dirname(os.path.abspath(args.output_prefix)),
+                                 f"--output-prefix {args.output_prefix}: directory", create_missing=False)
+    except OutputPathError as exc:
+        p.error(str(exc))
+    for prefix in output_prefixes(args).values():
+        for path in (prefix + ".bin", prefix + ".idx"):
+            if os.path.isdir(path):
+                p.error(f"--output-prefix {args.output_prefix}: {path} is a directory")
     try:
         # Load once here: bad tokenizer files fail before any worker starts.
         args.tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
@@ -202,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     if pool is not None:
         pool.close()
         pool.join()
+    if tokens == 0:  # a dataset of no tokens trains nothing; say so instead of writing it
+        _abort(None, builders, prefixes)
+        print(f"error: --input {args.input}: {documents} documents but no tokens in --json-keys "
+              f"{' '.join(args.json_keys)}; nothing written", file=sys.stderr)
+        return 1
     for key, prefix in prefixes.items():
         builders[key].finalize(prefix + ".idx.tmp")
         os.replace(prefix + ".bin.tmp", prefix + ".bin")

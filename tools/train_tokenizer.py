@@ -29,18 +29,24 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron.trainer.data.corpus import pydoc_corpus, read_texts  # noqa: E402
+from megatron.trainer.flag_checks import OneLineParser  # noqa: E402
+from megatron.trainer.writable import OutputPathError, check_writable_directory  # noqa: E402
 from megatron.trainer.tokenizer.tokenizer import GPT2_EOD  # noqa: E402
 
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def _texts(args: argparse.Namespace) -> list[str]:
+def _texts(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
+    """The corpus; a missing file, bad UTF-8 or bad JSON is one ``error:`` line."""
     if not args.input:
         return pydoc_corpus("topic")
     for path in args.input:
         if not os.path.isfile(path):
-            raise SystemExit(f"error: --input {path}: no such file")
-    return list(read_texts(args.input, args.json_keys))
+            p.error(f"--input {path}: no such file")
+    try:
+        return list(read_texts(args.input, args.json_keys))
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 def train_bpe(texts: list[str], vocab_size: int, min_frequency: int, output_dir: str) -> list[str]:
@@ -99,7 +105,7 @@ def train_wordpiece(texts: list[str], vocab_size: int, min_frequency: int, lower
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--input", nargs="*", default=None, help="text or JSONL files (default: the pydoc corpus)")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to read")
     p.add_argument("--output-dir", required=True)
@@ -111,9 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.vocab_size < 258:
         p.error("--vocab-size must be at least 258 (256 byte tokens, <|endoftext|>, one merge)")
-    texts = _texts(args)
-    if not texts:
-        p.error("the input has no text")
+    if args.min_frequency < 0:
+        p.error(f"--min-frequency {args.min_frequency}: must be >= 0")
+    if args.wordpiece_vocab_size is not None and args.wordpiece_vocab_size <= len(BERT_SPECIALS):
+        p.error(f"--wordpiece-vocab-size {args.wordpiece_vocab_size}: must exceed its {len(BERT_SPECIALS)} special tokens")
+    try:  # before reading and training, not after
+        check_writable_directory(args.output_dir, "--output-dir")
+    except OutputPathError as exc:
+        p.error(str(exc))
+    texts = _texts(args, p)
+    if not any(t.strip() for t in texts):
+        p.error(f"--input {' '.join(args.input)}: no text (empty or blank)")
     os.makedirs(args.output_dir, exist_ok=True)
     written = train_bpe(texts, args.vocab_size, args.min_frequency, args.output_dir)
     if args.wordpiece:

@@ -5,8 +5,7 @@ train until the first checkpoint and then end in a traceback, losing that work. 
 any rank starts:
 
 * ``--save`` must be a directory we can create a file in, or a path whose nearest existing
-  ancestor is one (the first save creates the rest); the probe file is removed at once, so
-  a refused run leaves nothing behind;
+  ancestor is one (the first save creates the rest; :mod:`megatron.trainer.writable`);
 * the free space there must hold one checkpoint, estimated from the model config
   (:func:`estimate_checkpoint_bytes`: parameters plus AdamW moments and fp32 masters, one
   file per stage and data-parallel replica);
@@ -19,7 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
+
+from megatron.trainer.writable import OutputPathError, check_writable_directory
 
 
 class CheckpointPathError(ValueError):
@@ -49,39 +49,16 @@ def estimate_checkpoint_bytes(args: argparse.Namespace) -> int:
     return estimate_parameters(args) * per_parameter * args.data_parallel_size
 
 
-def _nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.lexists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def _probe_writable(directory: str) -> str | None:
-    """None if a file can be created in ``directory`` (and is removed again), else why not."""
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    os.close(fd)
-    os.remove(probe)
-    return None
-
-
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
 def check_save_path(args: argparse.Namespace) -> None:
     save = args.save
-    if os.path.lexists(save) and not os.path.isdir(save):
-        raise CheckpointPathError(f"--save {save}: exists and is not a directory")
-    existing = _nearest_existing(save)
-    if not os.path.isdir(existing):
-        raise CheckpointPathError(f"--save {save}: {existing} is not a directory")
-    why = _probe_writable(existing)
-    if why is not None:
-        where = "" if existing == os.path.abspath(save) else f" (nearest existing directory {existing})"
-        raise CheckpointPathError(f"--save {save}: not writable{where}: {why}")
+    try:
+        existing = check_writable_directory(save, "--save")
+    except OutputPathError as exc:
+        raise CheckpointPathError(str(exc)) from None
     need, free = estimate_checkpoint_bytes(args), shutil.disk_usage(existing).free
     if free < need:
         raise CheckpointPathError(

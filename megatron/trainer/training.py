@@ -277,14 +277,21 @@ def _fail(message: str) -> None:
     os._exit(1)
 
 
-def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | None = None) -> int:
-    """Entry point of ``pretrain_*.py``; returns the process exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+def preflight(task: PretrainTask, argv: list[str]) -> argparse.Namespace:
+    """Every up-front check of a launch: flags, data, tokenizer, paths and (outside a rank) the
+    checkpoint's files; exits with status 2 and one ``error:`` line on the first problem."""
     parser = build_parser(f"Megatron-Async {task.name} pretraining")
     task.add_arguments(parser)
     args = parse_args(argv, parser)
     if not is_worker_process():  # a bad checkpoint fails here, before any rank starts
         check_resume_or_exit(task, args)
+    return args
+
+
+def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | None = None) -> int:
+    """Entry point of ``pretrain_*.py``; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = preflight(task, argv)
     if args.pipeline_executor == "emulator":
         emulate(task, args)
         return 0

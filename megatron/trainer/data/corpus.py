@@ -41,22 +41,42 @@ def write_jsonl(documents: Iterable[str], path: str | os.PathLike, key: str = "t
     return count
 
 
+class EncodingError(ValueError):
+    """A line that is not UTF-8; the message names the file, the line and the byte offset."""
+
+
+def utf8_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of every line, decoded as UTF-8; a bad byte is an
+    :class:`EncodingError` saying where (line, and byte offset in the file), not a traceback."""
+    name, offset = os.fspath(path), 0
+    with open(name, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise EncodingError(f"{name}:{number}: not UTF-8 ({exc.reason} at byte offset "
+                                    f"{offset + exc.start} of the file, column {exc.start + 1} of the line)") from None
+            offset += len(raw)
+
+
 def read_texts(paths: Iterable[str | os.PathLike], json_keys: Iterable[str] = ("text",)) -> Iterator[str]:
-    """Texts from ``.jsonl``/``.json`` files (the given keys of each line) or plain text files."""
+    """Texts from ``.jsonl``/``.json`` files (the given keys of each line) or plain text files.
+    Malformed lines raise ValueError naming file and line (:class:`EncodingError` for bad UTF-8)."""
     keys = list(json_keys)
     for path in paths:
         name = os.fspath(path)
-        with open(name, encoding="utf-8") as f:
-            if name.endswith((".jsonl", ".json")):
-                for line_number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{name}:{line_number}: not JSON ({exc.msg})") from None
-                    for key in keys:
-                        if key in record:
-                            yield str(record[key])
-            else:
-                yield from f
+        if not name.endswith((".jsonl", ".json")):
+            yield from (line for _, line in utf8_lines(name))
+            continue
+        for line_number, line in utf8_lines(name):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{name}:{line_number}: not JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{name}:{line_number}: not a JSON object")
+            for key in keys:
+                if key in record:
+                    yield str(record[key])

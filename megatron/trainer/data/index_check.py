@@ -39,12 +39,12 @@ def read_index_header(idx_path: str, bin_path: str) -> IndexHeader:
     with open(idx_path, "rb") as f:
         raw = f.read(HEADER.size)
     if len(raw) < HEADER.size:
-        raise IndexFileError(f"{idx_path}: not a megatron-core index file ({size} bytes, shorter than its header)")
+        raise IndexFileError(f"{idx_path}: corrupt or not a megatron-core index file ({size} bytes, shorter than its header)")
     magic, version, code, sequences, documents = HEADER.unpack(raw)
     if magic != MAGIC:
-        raise IndexFileError(f"{idx_path}: not a megatron-core index file (bad magic {magic[:7]!r})")
+        raise IndexFileError(f"{idx_path}: corrupt or not a megatron-core index file (bad magic {magic[:7]!r})")
     if version != 1:
-        raise IndexFileError(f"{idx_path}: index version {version}, megatron-core reads version 1")
+        raise IndexFileError(f"{idx_path}: corrupt or unsupported index (version {version}, megatron-core reads 1)")
     if code not in DTYPE_SIZES:
         raise IndexFileError(f"{idx_path}: corrupt index (unknown token dtype code {code})")
     expected = HEADER.size + 12 * sequences + 8 * documents

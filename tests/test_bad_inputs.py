@@ -1,0 +1,577 @@
+"""A table of bad inputs: each is refused up front with one line, a non-zero exit, no rank
+started and nothing left behind.
+
+Flag, data, tokenizer, path and checkpoint cases run ``pretrain()`` itself in this process
+(what ``pretrain_gpt.py`` runs) with its three ways of starting work (the local launcher,
+the distributed runtime, the emulator) replaced by a tripwire: a case passes only if the
+refusal comes before any of them. The tools' cases call their ``main()``; a few cases run
+the real commands as subprocesses, where interpreter-exit output (megatron-core's
+``__del__`` tracebacks) would show.
+
+"Nothing left behind": every case runs in a fresh working directory, and the files under
+its temporary directory (inputs included) are the same before and after.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+
+from async_helpers import REPO, emulate
+
+from megatron.trainer import checkpointing as ckpt
+from megatron.trainer import training
+from megatron.trainer.arguments import build_parser
+from megatron.trainer.bert_task import BertTask
+from megatron.trainer.flag_checks import DOMAINS, numeric_actions
+from megatron.trainer.gpt_task import GPTTask
+
+TINY = ["--num-layers", "2", "--pipeline-model-parallel-size", "2", "--hidden-size", "16",
+        "--num-attention-heads", "2", "--seq-length", "8", "--vocab-size", "32", "--micro-batch-size", "1",
+        "--global-batch-size", "2", "--train-iters", "4", "--num-threads", "1"]
+VOCAB = 32  # token ids of the fixture datasets are below this
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+def _write_dataset(prefix: Path, documents: list[list[int]]) -> str:
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=DType.optimal_dtype(1000))
+    for doc in documents:
+        builder.add_document(numpy.array(doc, dtype=numpy.int64), [len(doc)])
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory, megatron_world1) -> dict[str, Path]:
+    """Shared, never modified: a good dataset, one with out-of-vocabulary ids, a checkpoint."""
+    root = tmp_path_factory.mktemp("inputs")
+    rng = numpy.random.default_rng(0)
+    good = _write_dataset(root / "good", [list(rng.integers(0, VOCAB, 40)) for _ in range(40)])
+    wide = _write_dataset(root / "wide", [list(rng.integers(0, 900, 40)) for _ in range(4)])
+    emulate([*TINY, "--pipeline-executor", "emulator", "--save", str(root / "ckpt"), "--exit-interval", "2"])
+    return {"root": root, "good": Path(good), "wide": Path(wide), "ckpt": root / "ckpt"}
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+class Spawned(AssertionError):
+    """A refused run started work."""
+
+
+def _tripwire(*_: Any, **__: Any) -> None:
+    raise Spawned("a rank, the emulator or the launcher was started")
+
+
+def _refused(run: Callable[[], Any], where: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``run`` in ``where``; assert the refusal; return its one line."""
+    before = _tree(where)
+    capsys.readouterr()
+    try:
+        result = run()
+    except SystemExit as exc:
+        result = exc.code
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert result not in (0, None), f"accepted: {out[-500:]}{err[-500:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    assert "Traceback" not in out
+    assert _tree(where) == before, "left files behind"
+    return lines[0]
+
+
+@pytest.fixture
+def refuse(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """``refuse(argv, task=GPTTask()) -> line``: ``pretrain()`` with tripwires instead of work."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    for name in ("launch_local", "run_distributed", "emulate"):
+        monkeypatch.setattr(training, name, _tripwire)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+
+    def run(argv: list[str], task: Any = None) -> str:
+        return _refused(lambda: training.pretrain(task or GPTTask(), argv), tmp_path, capsys)
+    return run
+
+
+# ------------------------------------------------------------------------- numeric flags
+
+NUMERIC = [
+    # (extra flags, what the line says)
+    (["--lr", "nan"], "--lr nan: must be a finite number"),
+    (["--lr", "inf"], "--lr inf: must be a finite number"),
+    (["--lr", "-0.001", "--min-lr", "-0.01"], "--lr -0.001: must be >= 0"),
+    (["--min-lr", "-1"], "--min-lr -1.0: must be >= 0"),
+    (["--adam-beta1", "1.5"], "--adam-beta1 1.5: must be in [0, 1)"),
+    (["--adam-beta1", "-0.1"], "--adam-beta1 -0.1: must be in [0, 1)"),
+    (["--adam-beta2", "1.0"], "--adam-beta2 1.0: must be in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps 0.0: must be > 0"),
+    (["--adam-eps=-1e-8"], "--adam-eps -1e-08: must be > 0"),
+    (["--clip-grad", "-1"], "--clip-grad -1.0: must be >= 0"),
+    (["--clip-grad", "nan"], "--clip-grad nan: must be a finite number"),
+    (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0"),
+    (["--hidden-dropout", "1.0"], "--hidden-dropout 1.0: must be in [0, 1)"),
+    (["--attention-dropout", "-0.1"], "--attention-dropout -0.1: must be in [0, 1)"),
+    (["--hidden-dropout", "nan"], "--hidden-dropout nan: must be a finite number"),
+    (["--init-method-std", "0"], "--init-method-std 0.0: must be > 0"),
+    (["--init-method-std", "-0.02"], "--init-method-std -0.02: must be > 0"),
+    (["--num-layers", "0"], "--num-layers 0: must be >= 1"),
+    (["--hidden-size", "0"], "--hidden-size 0: must be >= 1"),
+    (["--num-attention-heads", "0"], "--num-attention-heads 0: must be >= 1"),
+    (["--seq-length", "-8"], "--seq-length -8: must be >= 1"),
+    (["--micro-batch-size", "0"], "--micro-batch-size 0: must be >= 1"),
+    (["--global-batch-size", "0"], "--global-batch-size 0: must be >= 1"),
+    (["--train-iters", "0"], "--train-iters 0: must be >= 1"),
+    (["--vocab-size", "0"], "--vocab-size 0: must be >= 1"),
+    (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by 0: must be >= 1"),
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size 0: must be >= 1"),
+    (["--num-query-groups", "0"], "--num-query-groups 0: must be >= 1"),
+    (["--max-position-embeddings", "0"], "--max-position-embeddings 0: must be >= 1"),
+    (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size 0: must be >= 1"),
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0: must be >= 1"),
+    (["--data-parallel-size", "0"], "--data-parallel-size 0: must be >= 1"),
+    (["--seed", "-1"], "--seed -1: must be in [0, 4.29497e+09]"),
+    (["--seed", str(2**32)], "--seed 4294967296: must be in [0, 4.29497e+09]"),
+    (["--lr-warmup-iters", "-1"], "--lr-warmup-iters -1: must be >= 0"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters 0: must be >= 1"),
+    (["--log-interval", "0"], "--log-interval 0: must be >= 1"),
+    (["--eval-interval", "0"], "--eval-interval 0: must be >= 1"),
+    (["--eval-iters", "-1"], "--eval-iters -1: must be >= 0"),
+    (["--save-interval", "0"], "--save-interval 0: must be >= 1"),
+    (["--exit-interval", "-5"], "--exit-interval -5: must be >= 1"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0.0: must be > 0"),
+    (["--pipeline-timeout-seconds", "-1"], "--pipeline-timeout-seconds -1.0: must be > 0"),
+    (["--pipeline-timeout-seconds", "inf"], "--pipeline-timeout-seconds inf: must be a finite number"),
+    (["--num-threads", "0"], "--num-threads 0: must be >= 1"),
+    (["--pipeline-schedule", "zb-2p", "--zb-profile-iters", "-1"], "--zb-profile-iters -1: must be >= 0"),
+    (["--pipeline-schedule", "zb-2p", "--zb-memory-limit", "0"], "--zb-memory-limit 0.0: must be > 0"),
+    (["--pipeline-schedule", "pipemare", "--pipemare-discrepancy-decay", "1.5"],
+     "--pipemare-discrepancy-decay 1.5: must be in (0, 1)"),
+    (["--pipeline-schedule", "pipemare", "--pipemare-lr-anneal-iters", "0"],
+     "--pipemare-lr-anneal-iters 0: must be >= 1"),
+    (["--pipeline-layer-split", "2", "0"], "--pipeline-layer-split 0: must be >= 1"),
+    (["--num-layers-per-virtual-pipeline-stage", "0"], "--num-layers-per-virtual-pipeline-stage 0: must be >= 1"),
+    (["--pipeline-partition-memory-gb", "-1"], "--pipeline-partition-memory-gb -1.0: must be > 0"),
+    (["--optimizer", "basis-rotation", "--rotation-refresh-interval", "-1"],
+     "--rotation-refresh-interval -1: must be >= 0"),
+    # argparse's own refusals, one line too
+    (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+    (["--num-layers", "2.5"], "argument --num-layers: invalid int value: '2.5'"),
+    (["--pipeline-layer-split", "1", "x"], "invalid int value: 'x'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--pipeline-executor", "gpu"], "argument --pipeline-executor: invalid choice: 'gpu'"),
+    # cross-flag rules
+    (["--min-lr", "0.1", "--lr", "0.01"], "--min-lr 0.1 is larger than --lr 0.01"),
+    (["--hidden-size", "15"], "--hidden-size 15 is not divisible by --num-attention-heads 2"),
+    (["--num-layers", "3"], "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    (["--global-batch-size", "3", "--micro-batch-size", "2"], "--global-batch-size 3 is not divisible"),
+    (["--lr-warmup-iters", "50"], "--lr-warmup-iters exceeds --lr-decay-iters"),
+    (["--inject-nonfinite-grad", "x:y"], "--inject-nonfinite-grad expects STAGE:UPDATE"),
+]
+
+
+@pytest.mark.parametrize("flags,says", NUMERIC, ids=[" ".join(f) for f, _ in NUMERIC])
+def test_flag_values_are_refused_up_front(refuse, flags: list[str], says: str) -> None:
+    assert says in refuse([*TINY, *flags])
+
+
+def test_every_numeric_flag_has_a_domain() -> None:
+    """A new type=int/float flag must say where it lives (flag_checks.DOMAINS)."""
+    for task in (GPTTask(), BertTask()):
+        parser = build_parser()
+        task.add_arguments(parser)
+        missing = [a.option_strings[-1] for a in numeric_actions(parser) if a.dest not in DOMAINS]
+        assert not missing, f"add these flags to megatron.trainer.flag_checks.DOMAINS: {missing}"
+
+
+def test_bert_task_flags_are_range_checked(refuse) -> None:
+    assert "--mask-prob 1.5: must be in (0, 1)" in refuse([*TINY, "--mask-prob", "1.5"], BertTask())
+
+
+# --------------------------------------------------------------------------- list flags
+
+SPLITS = [
+    ("80,abc", "'abc' is not a number"),
+    ("80,-10,30", "shares must be finite and >= 0"),
+    ("0,50,50", "the training share must be positive"),
+    ("1,2,3,4", "expected up to three comma-separated numbers"),
+    ("nan,1,1", "shares must be finite and >= 0"),
+    ("", "expected up to three comma-separated numbers"),
+    ("80,,20", "'' is not a number"),
+]
+
+
+@pytest.mark.parametrize("split,says", SPLITS, ids=[s or "empty" for s, _ in SPLITS])
+def test_split_is_parsed_strictly(refuse, split: str, says: str) -> None:
+    assert says in refuse([*TINY, "--split", split])
+
+
+def test_split_is_parsed_strictly_with_real_data_too(refuse, inputs) -> None:
+    line = refuse([*TINY, "--data-path", str(inputs["good"]), "--tokenizer-type", "NullTokenizer",
+                   "--split", "80,abc"])
+    assert "--split '80,abc'" in line
+
+
+BLENDS = [
+    (lambda p: ["0.5", p, "0.5"], "3 items with weights among them"),
+    (lambda p: ["0.5", p, "abc", p], "'abc' is not a weight"),
+    (lambda p: [p, "0.5", p, "0.5"], "is not a weight"),
+    (lambda p: ["0.5", p, "0.5", "0.5"], "'0.5' stands where a dataset prefix belongs"),
+    (lambda p: ["-1", p, "2", p], "weights must be finite and >= 0"),
+    (lambda p: ["nan", p], "weights must be finite and >= 0"),
+    (lambda p: ["0", p, "0", p], "with a positive sum"),
+]
+
+
+@pytest.mark.parametrize("blend,says", BLENDS, ids=[str(i) for i in range(len(BLENDS))])
+def test_blends_are_parsed_strictly(refuse, inputs, blend, says: str) -> None:
+    argv = [*TINY, "--tokenizer-type", "NullTokenizer", "--data-path", *blend(str(inputs["good"]))]
+    assert says in refuse(argv)
+
+
+# --------------------------------------------------------------------- data and tokenizers
+
+
+def _broken_copy(src: Path, dst: Path, idx: bytes | None = None, bin_bytes: bytes | None = None) -> str:
+    for ext, data in ((".idx", idx), (".bin", bin_bytes)):
+        Path(str(dst) + ext).write_bytes(Path(str(src) + ext).read_bytes() if data is None else data)
+    return str(dst)
+
+
+DATA = {
+    "missing prefix": (lambda d, src: str(d / "nothing"), "missing"),
+    "garbage idx": (lambda d, src: _broken_copy(src, d / "g", idx=os.urandom(200)), "corrupt or not a megatron-core index"),
+    "idx magic only": (lambda d, src: _broken_copy(src, d / "m", idx=b"MMIDIDX\x00\x00"), "shorter than its header"),
+    "truncated idx": (lambda d, src: _broken_copy(src, d / "t", idx=Path(str(src) + ".idx").read_bytes()[:-7]),
+                      "corrupt or truncated index"),
+    "truncated bin": (lambda d, src: _broken_copy(src, d / "b", bin_bytes=Path(str(src) + ".bin").read_bytes()[:10]),
+                      "truncated"),
+    "empty bin": (lambda d, src: _broken_copy(src, d / "e", bin_bytes=b""), "empty (no tokens)"),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA))
+def test_bad_data_files(refuse, inputs, tmp_path: Path, case: str) -> None:
+    make, says = DATA[case]
+    prefix = make(tmp_path, inputs["good"])
+    line = refuse([*TINY, "--tokenizer-type", "NullTokenizer", "--data-path", prefix])
+    assert says in line and str(Path(prefix).name) in line, line
+
+
+def test_data_needs_a_tokenizer(refuse, inputs) -> None:
+    assert "--data-path needs --tokenizer-type" in refuse([*TINY, "--data-path", str(inputs["good"])])
+
+
+def test_data_and_mock_data_exclude_each_other(refuse, inputs) -> None:
+    assert "mutually exclusive" in refuse([*TINY, "--mock-data", "--data-path", str(inputs["good"]),
+                                           "--tokenizer-type", "NullTokenizer"])
+
+
+def test_token_ids_beyond_the_vocabulary(refuse, inputs) -> None:
+    line = refuse([*TINY, "--tokenizer-type", "NullTokenizer", "--data-path", str(inputs["wide"])])
+    assert str(inputs["wide"]) in line
+
+
+def test_no_validation_data_for_evaluation(refuse, inputs) -> None:
+    line = refuse([*TINY, "--tokenizer-type", "NullTokenizer", "--data-path", str(inputs["good"]),
+                   "--split", "100,0,0", "--eval-interval", "2"])
+    assert "leaves no validation sample" in line
+
+
+def test_data_cache_path_on_a_file(refuse, inputs, tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    line = refuse([*TINY, "--tokenizer-type", "NullTokenizer", "--data-path", str(inputs["good"]),
+                   "--data-cache-path", str(tmp_path / "f")])
+    assert "--data-cache-path" in line
+
+
+TOKENIZERS = {
+    "gpt2 without files": (lambda d: ["--tokenizer-type", "GPT2BPETokenizer"], "GPT2BPETokenizer needs --"),
+    "gpt2 missing files": (lambda d: ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(d / "v.json"),
+                                      "--merge-file", str(d / "m.txt")], "v.json"),
+    "gpt2 garbage vocab": (lambda d: ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                      _file(d / "bad.json", "{not json"), "--merge-file",
+                                      _file(d / "m.txt", "#version: 0.2\n")], "bad.json"),
+    "hf missing model": (lambda d: ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                    str(d / "none.json")], "none.json"),
+    "hf garbage model": (lambda d: ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                    _file(d / "tok.json", "[1, 2")], "tok.json"),
+    "wordpiece missing vocab": (lambda d: ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
+                                           str(d / "vocab.txt")], "vocab.txt"),
+    "unknown tokenizer": (lambda d: ["--tokenizer-type", "Tiktokenizer9"], "invalid choice"),
+}
+
+
+def _file(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", list(TOKENIZERS))
+def test_bad_tokenizers(refuse, tmp_path: Path, case: str) -> None:
+    make, says = TOKENIZERS[case]
+    assert says in refuse([*TINY, *make(tmp_path)])
+
+
+# ------------------------------------------------------------------------- output paths
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Path:
+    """A directory no file can be created in: chmod 555, or /sys where root ignores modes."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    path.chmod(0o555)
+    try:
+        (path / "probe").touch()
+    except OSError:
+        yield path
+    else:
+        (path / "probe").unlink()
+        if not os.path.isdir("/sys"):
+            pytest.skip("running as root without /sys: no read-only directory to test with")
+        yield Path("/sys")
+    path.chmod(0o755)
+
+
+def test_save_onto_a_regular_file(refuse, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert f"--save {tmp_path / 'file'}: exists and is not a directory" in refuse([*TINY, "--save", str(tmp_path / "file")])
+
+
+def test_save_below_a_regular_file(refuse, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in refuse([*TINY, "--save", str(tmp_path / "file" / "ckpt")])
+
+
+def test_save_into_a_read_only_directory(refuse, read_only_dir: Path) -> None:
+    assert "not writable" in refuse([*TINY, "--save", str(read_only_dir / "ckpt")])
+
+
+def test_save_without_room_for_a_checkpoint(refuse, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+
+    from megatron.trainer import checkpoint_paths
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint_paths.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    line = refuse([*TINY, "--save", str(tmp_path / "ckpt")])
+    assert "0.00 GB free, one checkpoint needs about" in line and "parameters with optimizer states" in line
+
+
+def test_checkpoint_size_estimate_matches_the_model(inputs) -> None:
+    """The estimate counts the parameters a real checkpoint holds (within 10 %)."""
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.checkpoint_paths import estimate_parameters
+
+    point = ckpt.find_resume_point(inputs["ckpt"])
+    assert point is not None
+    import torch
+
+    real = sum(t.numel() for name in (ckpt.rank_file_name(0, 0), ckpt.rank_file_name(1, 0))
+               for t in torch.load(point.directory / name, weights_only=False)["model"].values())
+    estimate = estimate_parameters(parse_args(TINY))
+    assert abs(estimate - real) <= 0.1 * real, (estimate, real)
+
+
+def test_load_a_regular_file(refuse, tmp_path: Path) -> None:
+    (tmp_path / "f.pt").write_bytes(b"x")
+    assert "--load" in refuse([*TINY, "--load", str(tmp_path / "f.pt")])
+
+
+def test_load_a_missing_directory(refuse, tmp_path: Path) -> None:
+    assert "no such directory" in refuse([*TINY, "--load", str(tmp_path / "nothing")])
+
+
+# -------------------------------------------------------------------------- checkpoints
+
+
+def _damaged(inputs: dict[str, Path], tmp_path: Path, damage: Callable[[Path], None]) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(inputs["ckpt"], root)
+    damage(root / "iter_0000002")
+    return root
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+CHECKPOINTS = {
+    "flipped byte": (lambda d: _flip(d / ckpt.rank_file_name(1, 0)), "is corrupt (SHA-256"),
+    "truncated file": (lambda d: (d / ckpt.rank_file_name(0, 0)).write_bytes(b"PK"), "truncated or corrupt"),
+    "missing file": (lambda d: (d / ckpt.rank_file_name(0, 0)).unlink(), "is missing"),
+    "garbage metadata": (lambda d: (d / ckpt.METADATA).write_text("{"), "missing or corrupt"),
+    "garbage pointer": (lambda d: (d.parent / ckpt.POINTER).write_text("two\n"), "not an iteration number"),
+    "pointer to nowhere": (lambda d: (d.parent / ckpt.POINTER).write_text("9\n"), "iter_0000009 is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINTS))
+def test_bad_checkpoints(refuse, inputs, tmp_path: Path, case: str) -> None:
+    damage, says = CHECKPOINTS[case]
+    root = _damaged(inputs, tmp_path, damage)
+    assert says in refuse([*TINY, "--load", str(root)])
+
+
+def test_checkpoint_of_another_model(refuse, inputs) -> None:
+    assert "--hidden-size 16, this run has 32" in refuse([*TINY, "--hidden-size", "32", "--load", str(inputs["ckpt"])])
+
+
+def test_checkpoint_at_the_end(refuse, inputs) -> None:
+    assert "nothing left to train" in refuse([*TINY, "--train-iters", "2", "--load", str(inputs["ckpt"])])
+
+
+# -------------------------------------------------------------------------------- tools
+
+
+def _tool_main(name: str) -> Callable[[list[str]], int]:
+    spec = importlib.util.spec_from_file_location(f"_tool_{name}", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.main
+
+
+@pytest.fixture(scope="module")
+def tools() -> dict[str, Callable[[list[str]], int]]:
+    return {name: _tool_main(name) for name in ("preprocess_data", "train_tokenizer")}
+
+
+def _corpus(tmp_path: Path) -> dict[str, str]:
+    files = {
+        "bad-utf8": b'{"text": "1 2 3"}\n{"text": "4 5 \xff 6"}\n',
+        "blank": b"\n   \n\n",
+        "empty": b"",
+        "no-text": b'{"text": ""}\n{"text": "  "}\n',
+        "bad-json": b'{"text": "1 2"}\n{"text": \n',
+        "good": b'{"text": "1 2 3 4"}\n',
+    }
+    for name, data in files.items():
+        (tmp_path / f"{name}.jsonl").write_bytes(data)
+    return {name: str(tmp_path / f"{name}.jsonl") for name in files}
+
+
+PREPROCESS = {
+    "not utf-8": (lambda c, d: ["--input", c["bad-utf8"]], "bad-utf8.jsonl:2: not UTF-8 (invalid start byte at byte offset 32"),
+    "empty": (lambda c, d: ["--input", c["empty"]], "empty (no non-blank line)"),
+    "blank": (lambda c, d: ["--input", c["blank"]], "empty (no non-blank line)"),
+    "no tokens": (lambda c, d: ["--input", c["no-text"]], "2 documents but no tokens"),
+    "bad json": (lambda c, d: ["--input", c["bad-json"]], "bad-json.jsonl:2: not a JSON object"),
+    "missing input": (lambda c, d: ["--input", str(d / "none.jsonl")], "no such file"),
+    "missing output dir": (lambda c, d: ["--input", c["good"], "--output-prefix", str(d / "no" / "x")],
+                           "directory does not exist"),
+    "output prefix is a dir": (lambda c, d: ["--input", c["good"], "--output-prefix", _mkdir(d / "x_text_document.bin", d / "x")],
+                               "is a directory"),
+    "bad workers": (lambda c, d: ["--input", c["good"], "--workers", "0"], "must be >= 1"),
+}
+
+
+def _mkdir(path: Path, prefix: Path) -> str:
+    path.mkdir()
+    return str(prefix)
+
+
+@pytest.mark.parametrize("case", list(PREPROCESS))
+def test_preprocess_data_refuses(tools, tmp_path: Path, capsys, monkeypatch, case: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    corpus = _corpus(tmp_path)
+    make, says = PREPROCESS[case]
+    argv = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--output-prefix", str(tmp_path / "out"),
+            *make(corpus, tmp_path)]
+    assert says in _refused(lambda: tools["preprocess_data"](argv), tmp_path, capsys)
+
+
+def test_preprocess_data_into_a_read_only_directory(tools, tmp_path: Path, read_only_dir: Path, capsys) -> None:
+    corpus = _corpus(tmp_path)
+    argv = ["--input", corpus["good"], "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--output-prefix", str(read_only_dir / "out")]
+    assert "not writable" in _refused(lambda: tools["preprocess_data"](argv), tmp_path, capsys)
+
+
+TOKENIZER_TOOL = {
+    "not utf-8": (lambda c, d: ["--input", c["bad-utf8"]], "bad-utf8.jsonl:2: not UTF-8"),
+    "blank": (lambda c, d: ["--input", c["blank"]], "no text (empty or blank)"),
+    "empty": (lambda c, d: ["--input", c["empty"]], "no text (empty or blank)"),
+    "bad json": (lambda c, d: ["--input", c["bad-json"]], "bad-json.jsonl:2: not JSON"),
+    "output is a file": (lambda c, d: ["--input", c["good"], "--output-dir", c["good"]], "exists and is not a directory"),
+    "vocab too small": (lambda c, d: ["--input", c["good"], "--vocab-size", "10"], "--vocab-size must be at least 258"),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZER_TOOL))
+def test_train_tokenizer_refuses(tools, tmp_path: Path, capsys, monkeypatch, case: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    corpus = _corpus(tmp_path)
+    make, says = TOKENIZER_TOOL[case]
+    argv = ["--output-dir", str(tmp_path / "tok"), "--vocab-size", "300", *make(corpus, tmp_path)]
+    assert says in _refused(lambda: tools["train_tokenizer"](argv), tmp_path, capsys)
+
+
+def test_train_tokenizer_into_a_read_only_directory(tools, tmp_path: Path, read_only_dir: Path, capsys) -> None:
+    corpus = _corpus(tmp_path)
+    argv = ["--input", corpus["good"], "--output-dir", str(read_only_dir / "tok")]
+    assert "not writable" in _refused(lambda: tools["train_tokenizer"](argv), tmp_path, capsys)
+
+
+# ------------------------------------------------------------------- real commands (few)
+
+
+def _command(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={**env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+
+
+def _one_line(proc: subprocess.CompletedProcess, where: Path, before: list[str]) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    assert "[megatron-async]" not in proc.stdout and "iteration" not in proc.stdout  # no rank ran
+    assert _tree(where) == before
+    return lines[0]
+
+
+def test_launcher_refuses_before_spawning(tmp_path: Path) -> None:
+    before = _tree(tmp_path)
+    proc = _command([str(REPO / "pretrain_gpt.py"), *TINY, "--lr", "nan"], tmp_path)
+    assert "--lr nan: must be a finite number" in _one_line(proc, tmp_path, before)
+
+
+def test_garbage_idx_is_one_line_without_a_del_traceback(refuse, inputs, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core's ``IndexedDataset.__del__`` on a half-built object would report an
+    ignored exception through ``sys.unraisablehook`` (a traceback after our line)."""
+    import gc
+
+    ignored: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    for garbage in (b"MMIDIDX\x00\x00" + os.urandom(60), os.urandom(300), b""):
+        prefix = _broken_copy(inputs["good"], tmp_path / "g", idx=garbage)
+        assert "corrupt" in refuse([*TINY, "--tokenizer-type", "NullTokenizer", "--data-path", prefix])
+        gc.collect()
+    assert not ignored, [str(u.exc_value) for u in ignored]
+
+
+def test_tool_reports_bad_encoding_as_one_line(tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path)
+    before = _tree(tmp_path)
+    proc = _command([str(REPO / "tools" / "train_tokenizer.py"), "--input", corpus["bad-utf8"],
+                     "--output-dir", str(tmp_path / "tok"), "--vocab-size", "300"], tmp_path)
+    line = _one_line(proc, tmp_path, before)
+    assert "bad-utf8.jsonl:2: not UTF-8" in line and "byte offset 32" in line
