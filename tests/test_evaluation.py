@@ -125,7 +125,7 @@ def test_tensorboard_events_are_written_and_readable(megatron_world1, tmp_path: 
 @pytest.mark.parametrize("flags,message", [
     (("--save-interval", "5"), "--save-interval needs --save DIR"),
     (("--eval-interval", "5", "--eval-iters", "0"), "--eval-interval needs --eval-iters >= 1"),
-    (("--exit-interval", "0"), "--exit-interval must be >= 1"),
+    (("--exit-interval", "0"), "--exit-interval must be >= 1, got 0"),
 ])
 def test_run_control_flag_errors(capsys, flags: tuple[str, ...], message: str) -> None:
     with pytest.raises(SystemExit) as info:

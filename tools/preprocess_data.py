@@ -18,7 +18,6 @@ document concatenate back to its exact text.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import re
@@ -32,7 +31,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # Only light imports at module level: worker processes start before torch is imported.
-from megatron.trainer.data.corpus import EncodingError, utf8_lines  # noqa: E402
+from megatron.trainer.data.corpus import EncodingError, json_record, utf8_lines  # noqa: E402
 from megatron.trainer.flag_checks import OneLineParser  # noqa: E402
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
 from megatron.trainer.writable import OutputPathError, check_writable_directory  # noqa: E402
@@ -77,11 +76,9 @@ class Encoder:
         line_number, line = numbered_line
         where = f"{self.args.input}:{line_number}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: not a JSON object ({exc.msg})") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{where}: not a JSON object")
+            record = json_record(line, where)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
         ids, lens = {}, {}
         for key in self.args.json_keys:
             if key not in record:

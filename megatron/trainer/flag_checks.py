@@ -48,11 +48,18 @@ class Domain:
         return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
 
     def __str__(self) -> str:
+        low, high = _show(self.low), _show(self.high)
         if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
+            return f"{'>' if self.low_open else '>='} {low}"
         if self.low is None:
-            return f"{'<' if self.high_open else '<='} {self.high:g}"
-        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            return f"{'<' if self.high_open else '<='} {high}"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+def _show(bound: float | None) -> str:
+    if bound is None:
+        return ""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 AT_LEAST_1 = Domain(1)
@@ -114,10 +121,10 @@ def check_flag_values(parser: argparse.ArgumentParser, args: argparse.Namespace)
             if value is None:
                 continue
             if isinstance(value, float) and not math.isfinite(value):
-                raise FlagError(f"{flag} {value}: must be a finite number")
+                raise FlagError(f"{flag} must be a finite number, got {value}")
             domain = DOMAINS.get(action.dest)
             if domain is not None and value not in domain:
-                raise FlagError(f"{flag} {value}: must be {domain}")
+                raise FlagError(f"{flag} must be {domain}, got {value}")
     for dest, parse in LIST_PARSERS.items():
         value = getattr(args, dest, None)
         if value is not None:

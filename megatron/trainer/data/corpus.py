@@ -59,6 +59,17 @@ def utf8_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
             offset += len(raw)
 
 
+def json_record(line: str, where: str) -> dict:
+    """One JSONL line as a JSON object; ValueError "``where``: not a JSON object (why)"."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not a JSON object ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    return record
+
+
 def read_texts(paths: Iterable[str | os.PathLike], json_keys: Iterable[str] = ("text",)) -> Iterator[str]:
     """Texts from ``.jsonl``/``.json`` files (the given keys of each line) or plain text files.
     Malformed lines raise ValueError naming file and line (:class:`EncodingError` for bad UTF-8)."""
@@ -71,12 +82,7 @@ def read_texts(paths: Iterable[str | os.PathLike], json_keys: Iterable[str] = ("
         for line_number, line in utf8_lines(name):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{name}:{line_number}: not JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{name}:{line_number}: not a JSON object")
+            record = json_record(line, f"{name}:{line_number}")
             for key in keys:
                 if key in record:
                     yield str(record[key])
