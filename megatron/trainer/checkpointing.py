@@ -200,12 +200,11 @@ def schedule_state(schedule: object) -> dict[str, Any] | None:
 
 
 def restore_schedule_state(schedule: object, point: "ResumePoint | None") -> None:
-    """Hand a checkpoint's :func:`schedule_state` back to the resumed run's schedule."""
-    if point is not None and point.schedule_state is not None:
-        restore = getattr(schedule, "restore_checkpoint_state", None)
-        if restore is None:
-            raise CheckpointError(f"checkpoint {point.directory} holds schedule state, which "
-                                  f"{type(schedule).__name__} cannot take")
+    """Hand a checkpoint's :func:`schedule_state` back to the resumed run's schedule. A schedule
+    that decides nothing at run time ignores it (e.g. zb-2p resumed with ``--zb-costs``: the
+    user fixed the order on purpose)."""
+    restore = getattr(schedule, "restore_checkpoint_state", None)
+    if point is not None and point.schedule_state is not None and restore is not None:
         restore(point.schedule_state)
 
 
