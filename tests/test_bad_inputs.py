@@ -169,6 +169,9 @@ NUMERIC = [
     (["--pipeline-partition-memory-gb", "-1"], "--pipeline-partition-memory-gb must be > 0, got -1.0"),
     (["--optimizer", "basis-rotation", "--rotation-refresh-interval", "-1"],
      "--rotation-refresh-interval must be >= 0, got -1"),
+    (["--fp16", "--loss-scale", "-4"], "--loss-scale must be > 0, got -4.0"),
+    (["--fp16", "--initial-loss-scale", "nan"], "--initial-loss-scale must be a finite number, got nan"),
+    (["--fp16", "--hysteresis", "0"], "--hysteresis must be >= 1, got 0"),
     # argparse's own refusals, one line too
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (["--num-layers", "2.5"], "argument --num-layers: invalid int value: '2.5'"),

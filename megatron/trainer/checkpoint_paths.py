@@ -42,10 +42,11 @@ def estimate_parameters(args: argparse.Namespace) -> int:
 
 
 def estimate_checkpoint_bytes(args: argparse.Namespace) -> int:
-    """Bytes of one checkpoint: per parameter its value (2 bytes in bf16, else 4), AdamW's two
-    fp32 moments and, in bf16, the fp32 master copy; every data-parallel replica writes its
-    own files."""
-    per_parameter = (2 + 8 + 4) if args.bf16 else (4 + 8)
+    """Bytes of one checkpoint: per parameter its value (2 bytes in bf16/fp16, else 4), AdamW's
+    two fp32 moments and, in half precision, the fp32 master copy; every data-parallel replica
+    writes its own files."""
+    half = args.bf16 or getattr(args, "fp16", False)
+    per_parameter = (2 + 8 + 4) if half else (4 + 8)
     return estimate_parameters(args) * per_parameter * args.data_parallel_size
 
 

@@ -84,6 +84,8 @@ DOMAINS: dict[str, Domain] = {
     "lr": NON_NEGATIVE, "min_lr": NON_NEGATIVE, "lr_warmup_iters": NON_NEGATIVE, "lr_decay_iters": AT_LEAST_1,
     "weight_decay": NON_NEGATIVE, "adam_beta1": BETA, "adam_beta2": BETA, "adam_eps": POSITIVE,
     "clip_grad": NON_NEGATIVE, "rotation_refresh_interval": NON_NEGATIVE,
+    "loss_scale": POSITIVE, "initial_loss_scale": POSITIVE, "min_loss_scale": POSITIVE,
+    "loss_scale_window": AT_LEAST_1, "hysteresis": AT_LEAST_1,
     # parallelism
     "pipeline_model_parallel_size": AT_LEAST_1, "tensor_model_parallel_size": AT_LEAST_1,
     "data_parallel_size": AT_LEAST_1, "pipeline_layer_split": AT_LEAST_1,
