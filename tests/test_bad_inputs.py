@@ -392,6 +392,25 @@ def test_checkpoint_size_estimate_matches_the_model(inputs) -> None:
     assert abs(estimate - real) <= 0.1 * real, (estimate, real)
 
 
+@pytest.mark.parametrize("flag,kind,says", [
+    ("--log-json", "dir", "is a directory, not a file"),
+    ("--log-json", "below-file", "is not a directory"),
+    ("--tensorboard-dir", "file", "exists and is not a directory"),
+    ("--trace-dir", "file", "exists and is not a directory"),
+    ("--dump-final-params", "below-file", "is not a directory"),
+])
+def test_unusable_output_paths(refuse, tmp_path: Path, flag: str, kind: str, says: str) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("x")
+    path = {"dir": tmp_path / "d", "file": tmp_path / "f", "below-file": tmp_path / "f" / "out"}[kind]
+    line = refuse([*TINY, flag, str(path)])
+    assert line.startswith(f"error: {flag} {path}") and says in line, line
+
+
+def test_log_json_into_a_read_only_directory(refuse, read_only_dir: Path) -> None:
+    assert "not writable" in refuse([*TINY, "--log-json", str(read_only_dir / "log.jsonl")])
+
+
 def test_load_a_regular_file(refuse, tmp_path: Path) -> None:
     (tmp_path / "f.pt").write_bytes(b"x")
     assert "--load" in refuse([*TINY, "--load", str(tmp_path / "f.pt")])

@@ -19,7 +19,7 @@ import argparse
 import os
 import shutil
 
-from megatron.trainer.writable import OutputPathError, check_writable_directory
+from megatron.trainer.writable import OutputPathError, check_output_flags, check_writable_directory
 
 
 class CheckpointPathError(ValueError):
@@ -81,8 +81,13 @@ def check_load_path(args: argparse.Namespace) -> None:
 
 
 def check_checkpoint_paths(args: argparse.Namespace) -> None:
-    """Both checks; :class:`CheckpointPathError` for the first problem."""
+    """Both checks, then the other output flags (``--log-json``, ``--tensorboard-dir``, ...);
+    :class:`CheckpointPathError` for the first problem."""
     if args.load is not None:
         check_load_path(args)
     if args.save is not None:
         check_save_path(args)
+    try:
+        check_output_flags(args)
+    except OutputPathError as exc:
+        raise CheckpointPathError(str(exc)) from None

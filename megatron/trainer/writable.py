@@ -50,3 +50,27 @@ def check_writable_directory(path: str, flag: str, create_missing: bool = True) 
         where = "" if existing == os.path.abspath(path) else f" (nearest existing directory {existing})"
         raise OutputPathError(f"{flag} {path}: not writable{where}: {why}")
     return existing
+
+
+# Output flags other than --save (which also needs room for a checkpoint): a directory each,
+# or a file whose directory must take it.
+OUTPUT_DIRECTORIES = ("tensorboard_dir", "trace_dir", "dump_final_params")
+OUTPUT_FILES = ("log_json",)
+
+
+def check_output_flags(args: object) -> None:
+    """Every output flag of :data:`OUTPUT_DIRECTORIES` / :data:`OUTPUT_FILES` that is set can be
+    written (:class:`OutputPathError` otherwise), so a bad path fails before training, not in a
+    rank at its first log line or at the end of the run."""
+    for dest in OUTPUT_DIRECTORIES:
+        path = getattr(args, dest, None)
+        if path is not None:
+            check_writable_directory(path, "--" + dest.replace("_", "-"))
+    for dest in OUTPUT_FILES:
+        path = getattr(args, dest, None)
+        if path is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if os.path.isdir(path):
+            raise OutputPathError(f"{flag} {path}: is a directory, not a file")
+        check_writable_directory(os.path.dirname(os.path.abspath(path)), f"{flag} {path}: directory")
