@@ -23,6 +23,9 @@
 #                                      run python directly, no torchrun (the trainer reads SLURM_*)
 #                   EXIT_SIGNAL=SIGUSR1  with CHECKPOINT_DIR: --exit-signal-handler --exit-signal SIG
 #                                      (that signal saves a checkpoint and exits 0)
+#                   EXIT_CHECK_INTERVAL=N  --exit-check-interval N: an asynchronous schedule stops only
+#                                      where it drains (SAVE_INTERVAL, or every N iterations); keep
+#                                      N iterations under the Slurm signal's 120 s lead
 #                   FORCE_CPU=1        the CPU fallback even with GPUs
 #                   EXECUTOR=emulator  all stages in one python process, no torchrun (DP = 1)
 #                   DRY_RUN=1          print the command line (one line, shell-quoted) and exit
@@ -104,6 +107,7 @@ set_run_args() {
     if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
         RUN_ARGS+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "${SAVE_INTERVAL:-100}")
         if [[ -n "${EXIT_SIGNAL:-}" ]]; then RUN_ARGS+=(--exit-signal-handler --exit-signal "$EXIT_SIGNAL"); fi
+        if [[ -n "${EXIT_CHECK_INTERVAL:-}" ]]; then RUN_ARGS+=(--exit-check-interval "$EXIT_CHECK_INTERVAL"); fi
     fi
     if [[ -n "${EVAL_INTERVAL:-}" ]]; then
         RUN_ARGS+=(--eval-interval "$EVAL_INTERVAL" --eval-iters "${EVAL_ITERS:-10}")

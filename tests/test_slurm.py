@@ -97,7 +97,7 @@ def start_batch(tmp_path: Path, script: str, hosts: list[str], **env_overrides: 
                "NODES", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "PP", "DP",
                "SCHEDULE", "MODEL", "EXAMPLE", "CHECKPOINT_DIR", "TRAIN_ITERS", "MICRO_BATCHES", "DATA_PATH",
                "FORCE_CPU", "EXECUTOR", "DRY_RUN", "EXTRA_ARGS", "REPO_DIR", "LOG_JSON", "MOCK_DATA", "LAUNCHER",
-               "LAUNCH_EXEC", "EXIT_SIGNAL", "REQUEUE")}
+               "LAUNCH_EXEC", "EXIT_SIGNAL", "EXIT_CHECK_INTERVAL", "REQUEUE", "SAVE_INTERVAL")}
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_LOG=str(tmp_path / "calls.jsonl"),
         FAKE_HOSTS=" ".join(hosts), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=f"gpu[{hosts[0][3:]}-{hosts[-1][3:]}]",
@@ -279,6 +279,13 @@ def test_job_environment_defaults(tmp_path):
         assert "--exit-signal-handler" in train and flag(train, "--exit-signal") == "SIGUSR1"
         assert flag(train, "--save") == flag(train, "--load")
         assert "--mock-data" in train
+        assert "--exit-check-interval" not in train  # only when asked: it adds drains to asynchronous schedules
+
+
+def test_exit_check_interval_reaches_the_trainer(tmp_path):
+    proc, rec = run_batch(tmp_path, "pretrain.sbatch", HOSTS4[:1], EXIT_CHECK_INTERVAL="5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert flag(trainer_args(rec["torchrun"][0]["argv"]), "--exit-check-interval") == "5"
 
 
 @pytest.mark.parametrize("script", ["pretrain.sbatch", "pretrain_single_node.sbatch"])
