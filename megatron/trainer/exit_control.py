@@ -28,8 +28,12 @@ class StopControl:
         minutes = args.exit_duration_in_mins
         self.deadline = PROCESS_START + 60.0 * minutes if minutes is not None and decides_time else None
         self.agree = agree
+        self._previous = signal.signal(self.signal, self._catch) if self.signal is not None else None
+
+    def restore(self) -> None:
+        """Put the exit signal's previous handler back (a run inside a longer-lived process)."""
         if self.signal is not None:
-            signal.signal(self.signal, self._catch)
+            signal.signal(self.signal, self._previous)
 
     def _catch(self, _signum: int, _frame: object) -> None:
         self.caught = True  # repeated deliveries (Slurm, then torchrun forwarding) change nothing

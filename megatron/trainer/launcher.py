@@ -148,12 +148,17 @@ class SignalForwarder:
     def __init__(self, signals: Sequence[int]):
         self.signals = tuple(dict.fromkeys(signals))
         self.pending: list[int] = []
+        self.received: list[int] = []
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> SignalForwarder:
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, lambda num, _frame: self.pending.append(num))
+            self._previous[sig] = signal.signal(sig, self._queue)
         return self
+
+    def _queue(self, signum: int, _frame: object) -> None:
+        self.pending.append(signum)
+        self.received.append(signum)
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
@@ -178,7 +183,9 @@ def launch_local(world_size: int, argv: Sequence[str], grace_seconds: float = 15
 
     With ``target`` (and :func:`fork_is_safe`), ranks are forked and call ``target()``;
     otherwise each rank runs ``python *argv``. ``forward_signals`` received by the launcher
-    go to every rank.
+    go to every rank. When one of them stopped the ranks (any rank failed), the launcher then
+    dies of that signal itself, as a program without a handler would: promptly (no interpreter
+    teardown of torch) and with the status a shell expects (128 + N).
     """
     port = free_port()
     procs: list[RankProcess] = []
@@ -190,7 +197,19 @@ def launch_local(world_size: int, argv: Sequence[str], grace_seconds: float = 15
                 procs.append(ForkedRank(target, env, forwarder.signals))  # type: ignore[arg-type]
             else:
                 procs.append(subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}))
-        return supervise(procs, grace_seconds, forwarder)
+        code = supervise(procs, grace_seconds, forwarder)
+    if code != 0 and forwarder.received:
+        die_of(forwarder.received[0])
+    return code
+
+
+def die_of(sig: int) -> None:
+    """End this process by ``sig``'s default action (after flushing what it printed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)  # a signal whose default action is not to terminate
 
 
 def supervise(procs: Sequence[RankProcess], grace_seconds: float,

@@ -43,8 +43,9 @@ def die_with_parent(expected_parent: int | None) -> None:
     parent = os.getppid() if expected_parent is None else expected_parent
     if not _set_parent_death_signal(signal.SIGKILL):
         return
-    if os.getppid() != parent or parent == 1:
-        os._exit(1)  # the parent died before the request took effect
+    if os.getppid() != parent or parent == 1:  # the parent died before the request took effect
+        print(f"error: this rank's launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def guard_rank_process() -> None:

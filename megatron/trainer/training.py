@@ -188,8 +188,12 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     schedule = run_schedule(args, start)
     cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
     log_fixed_choice(schedule)
-    run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger,
-                 stop=stop)
+    try:
+        run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger,
+                     stop=stop)
+    finally:
+        if stop is not None:
+            stop.restore()
     logger.close()
     if args.log_weight_version_drift:
         _print_drift_histograms(workers)
