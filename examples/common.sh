@@ -19,6 +19,13 @@
 #   evaluation      EVAL_INTERVAL EVAL_ITERS
 #   logging         LOG_INTERVAL LOG_JSON TENSORBOARD_DIR
 #   launch          NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE RDZV_BACKEND RDZV_ID
+#                   LAUNCHER=srun      this process is one rank of an srun step (one task per GPU):
+#                                      run python directly, no torchrun (the trainer reads SLURM_*)
+#                   EXIT_SIGNAL=SIGUSR1  with CHECKPOINT_DIR: --exit-signal-handler --exit-signal SIG
+#                                      (that signal saves a checkpoint and exits 0)
+#                   EXIT_CHECK_INTERVAL=N  --exit-check-interval N: an asynchronous schedule stops only
+#                                      where it drains (SAVE_INTERVAL, or every N iterations); keep
+#                                      N iterations under the Slurm signal's 120 s lead
 #                   FORCE_CPU=1        the CPU fallback even with GPUs
 #                   EXECUTOR=emulator  all stages in one python process, no torchrun (DP = 1)
 #                   DRY_RUN=1          print the command line (one line, shell-quoted) and exit
@@ -99,6 +106,8 @@ set_run_args() {
     )
     if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
         RUN_ARGS+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "${SAVE_INTERVAL:-100}")
+        if [[ -n "${EXIT_SIGNAL:-}" ]]; then RUN_ARGS+=(--exit-signal-handler --exit-signal "$EXIT_SIGNAL"); fi
+        if [[ -n "${EXIT_CHECK_INTERVAL:-}" ]]; then RUN_ARGS+=(--exit-check-interval "$EXIT_CHECK_INTERVAL"); fi
     fi
     if [[ -n "${EVAL_INTERVAL:-}" ]]; then
         RUN_ARGS+=(--eval-interval "$EVAL_INTERVAL" --eval-iters "${EVAL_ITERS:-10}")
@@ -107,13 +116,21 @@ set_run_args() {
 }
 
 # Run (or with DRY_RUN=1 print) SCRIPT with the given trainer flags: torchrun with this node's
-# share of PP x DP ranks, or one python process with EXECUTOR=emulator.
+# share of PP x DP ranks, one python process with EXECUTOR=emulator, or this task's rank with
+# LAUNCHER=srun. With LAUNCH_EXEC=1 (the Slurm scripts) the command replaces this shell, so
+# signals from Slurm reach torchrun or the rank itself, not a shell that would die of them.
 launch() {
     local script="$1"; shift
     local -a extra cmd
     read -r -a extra <<< "${EXTRA_ARGS:-}"
     if [[ "${EXECUTOR:-distributed}" == "emulator" ]]; then
         cmd=(python "$REPO_DIR/$script" --pipeline-executor emulator "$@" "${extra[@]}")
+    elif [[ "${LAUNCHER:-torchrun}" == "srun" ]]; then
+        if [[ -n "${SLURM_NTASKS:-}" ]] && (( PP * DP != SLURM_NTASKS )); then
+            echo "error: PP=$PP x DP=$DP = $((PP * DP)) ranks, but the srun step has SLURM_NTASKS=$SLURM_NTASKS tasks" >&2
+            return 2
+        fi
+        cmd=(python "$REPO_DIR/$script" "$@" "${extra[@]}")
     else
         local ranks=$((PP * DP))
         if (( ranks % NNODES )); then
@@ -136,6 +153,7 @@ launch() {
         return 0
     fi
     echo "+ ${cmd[*]}" >&2
+    if [[ "${LAUNCH_EXEC:-0}" == "1" ]]; then exec "${cmd[@]}"; fi
     "${cmd[@]}"
 }
 
@@ -212,10 +230,21 @@ example_script() {
 # Slurm batch scripts (examples/slurm/): the job's topology, exported for examples/slurm/node.sh
 # and the example it runs. NODES (default: the allocation's), GPUS_PER_NODE, MODEL (gpt),
 # SCHEDULE (paci), EXAMPLE (default: the example of MODEL and SCHEDULE), CHECKPOINT_DIR
-# (default: checkpoints/MODEL_SCHEDULE, so a requeued job resumes), MASTER_PORT.
+# (default: checkpoints/MODEL_SCHEDULE, so a requeued job resumes), MASTER_PORT, MOCK_DATA=1
+# (train on mock data without DATA_PATH; refused otherwise), EXIT_SIGNAL (SIGUSR1: the signal
+# #SBATCH --signal=B:USR1@120 sends, passed on to the ranks, which save and exit 0).
 # MASTER_ADDR is the first host of `scontrol show hostnames "$SLURM_JOB_NODELIST"`.
 slurm_env() {
     cd "$REPO_DIR"
+    if [[ -z "${DATA_PATH:-}" && "${MOCK_DATA:-0}" != "1" ]]; then
+        echo "error: no DATA_PATH: a cluster job does not train on mock data unless MOCK_DATA=1" >&2
+        return 2
+    fi
+    if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]] && (( GPUS_PER_NODE > SLURM_GPUS_ON_NODE )); then
+        echo "error: GPUS_PER_NODE=$GPUS_PER_NODE but the job has $SLURM_GPUS_ON_NODE GPUs per node" \
+             "(submit with sbatch --gpus-per-node=$GPUS_PER_NODE)" >&2
+        return 2
+    fi
     NNODES="${NODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}"
     local -a hosts
     mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm job}")
@@ -229,8 +258,54 @@ slurm_env() {
     MODEL="${MODEL:-gpt}"; SCHEDULE="${SCHEDULE:-paci}"
     EXAMPLE="${EXAMPLE:-$(example_script "$MODEL" "$SCHEDULE")}"
     CHECKPOINT_DIR="${CHECKPOINT_DIR:-$REPO_DIR/checkpoints/${MODEL}_${SCHEDULE}}"
+    EXIT_SIGNAL="${EXIT_SIGNAL:-SIGUSR1}"
     mkdir -p "$CHECKPOINT_DIR"
-    export NNODES MASTER_ADDR MASTER_PORT RDZV_ID MODEL SCHEDULE EXAMPLE CHECKPOINT_DIR GPUS_PER_NODE
+    export NNODES MASTER_ADDR MASTER_PORT RDZV_ID MODEL SCHEDULE EXAMPLE CHECKPOINT_DIR GPUS_PER_NODE EXIT_SIGNAL
+    export LAUNCH_EXEC=1 LAUNCHER="${LAUNCHER:-torchrun}"
+    # torchrun passes EXIT_SIGNAL on to its workers (instead of dying of it) and waits this long for
+    # their checkpoint before SIGKILL; keep it below the --signal lead time.
+    export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,$EXIT_SIGNAL}"
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}"
+    # NCCL: a failed or timed-out collective aborts the rank instead of hanging the job; one CUDA
+    # connection as Megatron-LM sets it. Site-specific, set them yourself where needed, e.g.
+    #   NCCL_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5 NCCL_IB_TIMEOUT=22 NCCL_IB_QPS_PER_CONNECTION=4
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+    export NCCL_ASYNC_ERROR_HANDLING="${NCCL_ASYNC_ERROR_HANDLING:-1}"  # its name before torch 2.2
+    export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+    # pyxis: CONTAINER_IMAGE (e.g. the docker/ image) and CONTAINER_MOUNTS (SRC:DST[,...]; the
+    # repository is mounted at its own path, so the same paths work inside).
+    SRUN_CONTAINER_ARGS=()
+    if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+        SRUN_CONTAINER_ARGS=(--container-image="$CONTAINER_IMAGE"
+                             --container-mounts="$REPO_DIR:$REPO_DIR${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}"
+                             --container-workdir="$REPO_DIR")
+    fi
     echo "[slurm] job ${SLURM_JOB_ID:-?}: $NNODES node(s) x $GPUS_PER_NODE GPUs, rendezvous $MASTER_ADDR:$MASTER_PORT," \
-         "$EXAMPLE (schedule $SCHEDULE), checkpoints $CHECKPOINT_DIR" >&2
+         "$EXAMPLE (schedule $SCHEDULE, launcher $LAUNCHER), checkpoints $CHECKPOINT_DIR" \
+         "${CONTAINER_IMAGE:+, container $CONTAINER_IMAGE}" >&2
+}
+
+# Run the job's step "$@" in the background and wait for it. The batch shell's USR1
+# (#SBATCH --signal=B:USR1@T, T seconds before the time limit) is passed on to the step, whose
+# ranks save a checkpoint and exit; then the job is requeued (REQUEUE=0: not) and resumes from
+# CHECKPOINT_DIR. TERM (scancel) is passed on without a requeue.
+slurm_run_step() {
+    local step_pid="" signalled="" rc=0
+    trap 'signalled=USR1; if [[ -n "$step_pid" ]]; then kill -USR1 "$step_pid" || true; fi' USR1
+    trap 'signalled=${signalled:-TERM}; if [[ -n "$step_pid" ]]; then kill -TERM "$step_pid" || true; fi' TERM
+    "$@" &
+    step_pid=$!
+    if [[ -n "$signalled" ]]; then kill "-$signalled" "$step_pid"; fi  # arrived while starting it
+    while :; do
+        rc=0; wait "$step_pid" || rc=$?
+        if (( rc > 128 )) && kill -0 "$step_pid" 2>/dev/null; then continue; fi  # a trap ran; the step still runs
+        break
+    done
+    trap - USR1 TERM
+    if [[ "$signalled" == "USR1" && "${REQUEUE:-1}" == "1" ]]; then
+        echo "[slurm] USR1 before the time limit: the step saved and exited ($rc); requeueing job $SLURM_JOB_ID" >&2
+        scontrol requeue "$SLURM_JOB_ID"
+        return 0
+    fi
+    return "$rc"
 }

@@ -215,3 +215,33 @@ def test_install_script_keeps_torch_and_installs_only_this_repo(tmp_path):
     assert set(installs) <= {"megatron-async", "megatron-core"}, installs
     if "megatron-core" in installs:
         assert installs["megatron-core"] == "0.16.1"
+
+
+# --- what the image installs --------------------------------------------------------------------
+
+IMAGE_NEEDS = {"pytest": "pytest", "pytest-xdist": "xdist", "tensorboard": "tensorboard",
+               "matplotlib": "matplotlib", "nltk": "nltk", "regex": "regex"}  # distribution -> module
+
+
+def _requirement_names(specs: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[;@ ]", spec, maxsplit=1)[0].strip().lower() for spec in specs}
+
+
+def test_image_installs_and_imports_what_the_tests_and_tools_need():
+    """The README's tests (pytest -n 2, tensorboard and matplotlib tests) and tools/ (nltk, regex):
+    declared in pyproject.toml where the image's install (EXTRAS=test) gets them, and imported
+    by the build's smoke check, so a missing one fails the build rather than the first test."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runs = [i.args for i in check_dockerfile(DOCKERFILE.read_text(), REPO) if i.name == "RUN"]
+    install = next(r for r in runs if "docker/install.sh" in r)
+    extras = re.search(r"EXTRAS=(\S+)", install)
+    assert extras, install
+    declared = _requirement_names(project["dependencies"])
+    for extra in extras.group(1).split(","):
+        declared |= _requirement_names(project["optional-dependencies"][extra])
+    assert set(IMAGE_NEEDS) <= declared, set(IMAGE_NEEDS) - declared
+    imported = {name.strip() for r in runs for line in re.findall(r'python -c "import ([\w, ]+);', r)
+                for name in line.split(",")}
+    assert set(IMAGE_NEEDS.values()) <= imported, set(IMAGE_NEEDS.values()) - imported

@@ -24,6 +24,7 @@ from megatron.trainer.run_control_args import RunControlError, add_run_control_a
 from megatron.trainer.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
 from megatron.trainer.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
 from megatron.trainer.flag_checks import FlagError, OneLineParser, check_flag_values
+from megatron.trainer.exit_args import add_exit_args, validate_exit_args
 
 
 class ArgumentError(ValueError):
@@ -140,6 +141,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_pipemare_args(p)
     add_amdp_args(p)
     add_run_control_args(p)
+    add_exit_args(p)  # --exit-signal-handler, --exit-signal, --exit-duration-in-mins
     add_insight_args(p)  # --trace-dir, --pipeline-partition
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
     _add_logging_args(p)
@@ -250,6 +252,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError(str(exc)) from None
     try:
         validate_run_control_args(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
+        validate_exit_args(args)  # --exit-signal-handler, --exit-duration-in-mins (ExitArgumentError)
     except RunControlError as exc:
         raise ArgumentError(str(exc)) from None
     for check in getattr(args, "task_checks", ()):  # a task's own flags (parser.set_defaults)

@@ -10,6 +10,11 @@ and megatron-core: importing them costs ~10 s of CPU per process, so N exec'd ra
 2-core laptop spend most of a short run importing. Forking is only used when it is safe:
 no CUDA context, no extra Python threads. Otherwise (GPU runs) each rank is a fresh
 ``python`` process, as torchrun would start it.
+
+The launcher owns its ranks: each one dies with it (:mod:`megatron.trainer.process_guard`,
+the kernel's parent-death signal), and SIGTERM, SIGINT and the run's ``--exit-signal`` sent
+to the launcher are forwarded to every rank, so ``kill``, Ctrl-C or a container stop reach
+them (with ``--exit-signal-handler`` they save a checkpoint first and exit 0).
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Protocol
+
+from megatron.trainer.process_guard import LAUNCHER_PID_ENV, die_with_parent, exit_code_of
 
 LAUNCHED_ENV = "MEGATRON_ASYNC_LAUNCHED"
 
@@ -43,7 +50,7 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     return dict(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        **{LAUNCHED_ENV: "1"},
+        **{LAUNCHED_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())},
     )
 
 
@@ -61,13 +68,18 @@ class RankProcess(Protocol):
 class ForkedRank:
     """A rank forked from this process, running ``target()`` with its rank environment."""
 
-    def __init__(self, target: Callable[[], int], env: dict[str, str]):
+    def __init__(self, target: Callable[[], int], env: dict[str, str],
+                 reset_signals: Sequence[int] = ()):
         sys.stdout.flush()
         sys.stderr.flush()
+        launcher = os.getpid()
         pid = os.fork()
         if pid == 0:  # child: never return into the launcher's stack
             code = 1
             try:
+                for sig in reset_signals:  # the launcher's forwarding handlers are not the rank's
+                    signal.signal(sig, signal.SIG_DFL)
+                die_with_parent(launcher)
                 os.environ.update(env)
                 name_this_process(f"megatron-rank{env['RANK']}")
                 code = int(target() or 0)
@@ -126,48 +138,102 @@ def fork_is_safe() -> bool:
     return torch is None or not torch.cuda.is_initialized()
 
 
+class SignalForwarder:
+    """Queues the signals the launcher receives; :func:`supervise` passes them to every rank.
+
+    Installed before the first rank starts, so no signal falls between spawning and
+    supervising; forwarding happens in the supervision loop, not in the handler.
+    """
+
+    def __init__(self, signals: Sequence[int]):
+        self.signals = tuple(dict.fromkeys(signals))
+        self.pending: list[int] = []
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> SignalForwarder:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._queue)
+        return self
+
+    def _queue(self, signum: int, _frame: object) -> None:
+        self.pending.append(signum)
+        self.received.append(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def forward(self, procs: Sequence[RankProcess]) -> None:
+        while self.pending:
+            sig = self.pending.pop(0)
+            print(f"[megatron-async] launcher got {signal.Signals(sig).name}: forwarding it to "
+                  f"{sum(p.poll() is None for p in procs)} rank(s)", file=sys.stderr, flush=True)
+            for p in procs:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:  # exited meanwhile
+                    pass
+
+
 def launch_local(world_size: int, argv: Sequence[str], grace_seconds: float = 150.0,
-                 target: Callable[[], int] | None = None) -> int:
+                 target: Callable[[], int] | None = None,
+                 forward_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> int:
     """Run ``world_size`` ranks on this machine; return the launch's exit code.
 
     With ``target`` (and :func:`fork_is_safe`), ranks are forked and call ``target()``;
-    otherwise each rank runs ``python *argv``.
+    otherwise each rank runs ``python *argv``. ``forward_signals`` received by the launcher
+    go to every rank. When one of them stopped the ranks (any rank failed), the launcher then
+    dies of that signal itself, as a program without a handler would: promptly (no interpreter
+    teardown of torch) and with the status a shell expects (128 + N).
     """
     port = free_port()
     procs: list[RankProcess] = []
     fork = target is not None and fork_is_safe()
-    for rank in range(world_size):
-        env = rank_environment(rank, world_size, port)
-        if fork:
-            procs.append(ForkedRank(target, env))  # type: ignore[arg-type]
-        else:
-            procs.append(subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}))
-    return supervise(procs, grace_seconds)
+    with SignalForwarder(forward_signals) as forwarder:
+        for rank in range(world_size):
+            env = rank_environment(rank, world_size, port)
+            if fork:
+                procs.append(ForkedRank(target, env, forwarder.signals))  # type: ignore[arg-type]
+            else:
+                procs.append(subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}))
+        code = supervise(procs, grace_seconds, forwarder)
+    if code != 0 and forwarder.received:
+        die_of(forwarder.received[0])
+    return code
 
 
-def supervise(procs: Sequence[RankProcess], grace_seconds: float) -> int:
+def die_of(sig: int) -> None:
+    """End this process by ``sig``'s default action (after flushing what it printed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)  # a signal whose default action is not to terminate
+
+
+def supervise(procs: Sequence[RankProcess], grace_seconds: float,
+              forwarder: SignalForwarder | None = None) -> int:
     """Wait for every rank; once one fails, give the others ``grace_seconds`` to follow."""
     failed_at: float | None = None
     code = 0
-    try:
-        while any(p.poll() is None for p in procs):
-            for p in procs:
-                rc = p.poll()
-                if rc not in (None, 0) and failed_at is None:
-                    failed_at, code = time.monotonic(), rc
-            if failed_at is not None and time.monotonic() - failed_at > grace_seconds:
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGTERM)
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
+    while any(p.poll() is None for p in procs):
+        if forwarder is not None:
+            forwarder.forward(procs)
         for p in procs:
-            p.send_signal(signal.SIGINT)
+            rc = p.poll()
+            if rc not in (None, 0) and failed_at is None:
+                failed_at, code = time.monotonic(), rc
+        if failed_at is not None and time.monotonic() - failed_at > grace_seconds:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.2)
     for p in procs:
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    return code or next((p.returncode for p in procs if p.returncode), 0)
+    return exit_code_of(code or next((p.returncode for p in procs if p.returncode), 0))

@@ -2,8 +2,9 @@
 
 A run is cut into segments that end where something needs the whole pipeline still:
 an evaluation (``--eval-interval``), a checkpoint (``--save-interval``, the run's end) or an
-early exit (``--exit-interval``). Each segment is the run's schedule restricted to its
-iterations (:meth:`Schedule.segment`), so every stream ends drained: asynchronous schedules
+early exit (``--exit-interval``), or a stop check (``--exit-signal-handler``,
+``--exit-duration-in-mins``: every rank agrees at a segment end whether to save and stop).
+Each segment is the run's schedule restricted to its iterations (:meth:`Schedule.segment`), so every stream ends drained: asynchronous schedules
 fill and drain once per segment, and nothing is in flight while evaluating or saving.
 
 A segment boundary changes an asynchronous schedule's numbers (a drain is a flush), so
@@ -44,12 +45,14 @@ def plan_segments(
     save_interval: int | None = None,
     exit_interval: int | None = None,
     saving: bool = False,
+    check_interval: int | None = None,
 ) -> list[Segment]:
     """Segments from ``start`` to ``train_iters`` (Megatron's semantics of the intervals).
 
     Evaluation after every multiple of ``eval_interval`` and at the end (then also on the
     test split); a checkpoint (when ``saving``) after every multiple of ``save_interval``, at
-    an early exit and at the end; an exit after the first multiple of ``exit_interval``.
+    an early exit and at the end; an exit after the first multiple of ``exit_interval``; a
+    segment end (a stop check, nothing else) after every multiple of ``check_interval``.
     """
     def due(interval: int | None, iteration: int) -> bool:
         return bool(interval) and iteration % interval == 0  # type: ignore[operator]
@@ -59,7 +62,7 @@ def plan_segments(
     for it in range(start + 1, train_iters + 1):
         end_of_run = it == train_iters
         stop = due(exit_interval, it) and not end_of_run
-        if not (end_of_run or stop or due(eval_interval, it) or due(save_interval, it)):
+        if not (end_of_run or stop or due(eval_interval, it) or due(save_interval, it) or due(check_interval, it)):
             continue
         segments.append(Segment(
             first, it,
@@ -91,12 +94,18 @@ def run_segments(
     runner: SegmentRunner,
     logger: TrainingLogger | None,
     say: Callable[[str], None] = print,
+    stop: Callable[[int], str | None] | None = None,
 ) -> None:
-    """Train ``segments`` in order; ``logger`` is None on ranks that do not log."""
+    """Train ``segments`` in order; ``logger`` is None on ranks that do not log.
+
+    ``stop(iteration)`` is asked after every segment but the last (all ranks get the same
+    answer); a reason stops the run there, after saving a checkpoint.
+    """
     current = schedule
     for seg in segments:
         current = current.segment(seg.first, seg.end - seg.first)
         runner.train(current)
+        reason = stop(seg.end) if stop is not None and seg is not segments[-1] else None
         with logger.paused() if logger is not None else contextlib.nullcontext():
             for split, wanted in (("valid", seg.evaluate), ("test", seg.test)):
                 if not wanted:
@@ -106,11 +115,14 @@ def run_segments(
                     say(f"[megatron-async] no {split} data: skipping its evaluation")
                 elif logger is not None:
                     logger.log_evaluation(seg.end, split, *result)
-            if seg.save:
+            if seg.save or reason:
                 began = time.perf_counter()
                 runner.save(seg.end)
                 say(f"[megatron-async] saved checkpoint at iteration {seg.end} "
                     f"({time.perf_counter() - began:.1f} s)")
+        if reason:
+            say(f"[megatron-async] exiting after iteration {seg.end}: {reason}")
+            return
         if seg.exit:
             say(f"[megatron-async] exiting after iteration {seg.end} (--exit-interval)")
             return

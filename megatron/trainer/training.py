@@ -29,6 +29,7 @@ from megatron.pipeline.worker import StageSetup, StageWorker
 from megatron.trainer.auto_partition import apply_auto_partition
 from megatron.trainer.amdp_args import amdp_shards_optimizer
 from megatron.trainer.arguments import build_parser, parse_args, pipeline_layout, schedule_config
+from megatron.trainer.exit_control import launcher_signals, rank_signal_defaults, stop_control
 from megatron.trainer.checkpointing import (
     CheckpointError, ResumePoint, check_resume, load_stage_state, restore_schedule_state)
 from megatron.trainer.launcher import free_port, is_worker_process, launch_local
@@ -39,6 +40,8 @@ from megatron.trainer.basis_rotation import BasisRotationAdamW, RotationConfig
 from megatron.trainer.mixed_precision_args import loss_scale_config
 from megatron.pipeline.loss_scaling import StageLossScaler
 from megatron.trainer.optimizer import Shards, StageAdamW
+from megatron.trainer.process_guard import guard_rank_process
+from megatron.trainer.slurm_env import SlurmEnvironmentError, adopt_slurm_task_environment
 from megatron.trainer.runners import DistributedRunner, EmulatorRunner
 from megatron.trainer.task import PretrainTask
 
@@ -144,7 +147,7 @@ def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | Non
 
 def run_plan(args: argparse.Namespace, start: int) -> list[Segment]:
     return plan_segments(start, args.train_iters, args.eval_interval, args.save_interval, args.exit_interval,
-                         saving=args.save is not None)
+                         saving=args.save is not None, check_interval=getattr(args, "exit_check_every", None))
 
 
 def dump_parameters(task: PretrainTask, worker: StageWorker, directory: str) -> None:
@@ -172,6 +175,7 @@ def _init_megatron_parallel_state() -> None:
 def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     """Train all stages in this process; return the stage workers (weights, statistics)."""
     set_threads(args, 1)
+    stop = stop_control(args, decides_time=True)  # --exit-signal-handler: the handler goes in first
     resume = check_resume_or_exit(task, args, verify_files=False)  # pretrain() verified them, loading does again
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
@@ -188,7 +192,12 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     schedule = run_schedule(args, start, resume)
     cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
     log_fixed_choice(schedule)
-    run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger)
+    try:
+        run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger,
+                     stop=stop)
+    finally:
+        if stop is not None:
+            stop.restore()
     logger.close()
     if args.log_weight_version_drift:
         _print_drift_histograms(workers)
@@ -200,6 +209,8 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
 
 def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    rank_signal_defaults(args)
+    stop = stop_control(args, decides_time=rank == 0)  # the handler goes in before the rendezvous
     set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))
     device = resolve_device(args, local_rank)
     backend = args.distributed_backend
@@ -230,8 +241,10 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         if rank == 0:
             log_fixed_choice(schedule)
         runner = DistributedRunner(task, args, worker, groups, cadence, reports, p2p_timeout)
+        if stop is not None:
+            stop.agree = lambda flags: _all_reduce_max(flags, groups)
         run_segments(schedule, run_plan(args, start), runner, logger,
-                     say=lambda line: print(line, flush=True) if rank == 0 else None)
+                     say=lambda line: print(line, flush=True) if rank == 0 else None, stop=stop)
         reports.flush()
         if logger:
             logger.close()
@@ -247,6 +260,13 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     dist.barrier(group=groups.reports)
     dist.destroy_process_group()
     return 0
+
+
+def _all_reduce_max(values: list[float], groups: StageGroups) -> list[float]:
+    """Element-wise MAX of ``values`` over every rank (the stop decision; CPU, like the reports)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=groups.reports)
+    return tensor.tolist()
 
 
 def check_resume_or_exit(task: PretrainTask, args: argparse.Namespace,
@@ -291,6 +311,13 @@ def preflight(task: PretrainTask, argv: list[str]) -> argparse.Namespace:
 def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | None = None) -> int:
     """Entry point of ``pretrain_*.py``; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        adopt_slurm_task_environment()  # srun, one task per GPU: each task is a rank
+    except SlurmEnvironmentError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if is_worker_process():
+        guard_rank_process()  # dies with our launcher or torchrun's agent
     args = preflight(task, argv)
     if args.pipeline_executor == "emulator":
         emulate(task, args)
@@ -303,7 +330,8 @@ def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | No
         return run_distributed(task, args)
     # CPU ranks are forked from here (imports already paid); GPU ranks start fresh processes.
     target = (lambda: run_distributed(task, args)) if _runs_on_cpu(args) else None
-    return launch_local(args.world_size, [script or sys.argv[0], *argv], target=target)
+    return launch_local(args.world_size, [script or sys.argv[0], *argv], target=target,
+                        forward_signals=launcher_signals(args))
 
 
 def _runs_on_cpu(args: argparse.Namespace) -> bool:
