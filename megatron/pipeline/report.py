@@ -31,6 +31,7 @@ class StageReport:
     act_peak_bytes: int  # max bytes of saved activations at once
     mem_peak_bytes: int  # device peak allocated (CUDA) or 0
     loss_scale: float = 1.0  # fp16: the stage's loss scale at the report
+    param_sq: float = 0.0  # sum of squared parameters at the report (--log-params-norm), else 0
 
     @property
     def drift_mean(self) -> float:

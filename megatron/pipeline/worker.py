@@ -94,6 +94,8 @@ class StageSetup:
     weight_policy: WeightPolicy | None = None
     # fp16: this stage's loss scaler (megatron.pipeline.loss_scaling); None: no loss scaling.
     loss_scaler: StageLossScaler | None = None
+    # --log-params-norm: reports carry the sum of squares of this stage's parameters.
+    report_params_norm: bool = False
 
 
 class StageWorker:
@@ -131,6 +133,11 @@ class StageWorker:
     @property
     def version(self) -> int:
         return self.setup.optimizer.step_count
+
+    @torch.no_grad()
+    def _param_sq(self) -> float:
+        """Sum of squares of this stage's parameters (the live weights), in float64."""
+        return float(sum(p.detach().double().pow(2).sum() for p in self.setup.optimizer.parameters()))
 
     def _reset_interval(self) -> None:
         self._drifts: list[int] = []
@@ -422,6 +429,7 @@ class StageWorker:
             act_peak_bytes=self.meter.peak_bytes,
             mem_peak_bytes=int(mem),
             loss_scale=1.0 if self.setup.loss_scaler is None else self.setup.loss_scaler.scale,
+            param_sq=self._param_sq() if self.setup.report_params_norm else 0.0,
         )
         self._reset_interval()
         return report

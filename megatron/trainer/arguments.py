@@ -25,6 +25,9 @@ from megatron.trainer.insight_args import InsightArgumentError, add_insight_args
 from megatron.trainer.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
 from megatron.trainer.flag_checks import FlagError, OneLineParser, check_flag_values
 from megatron.trainer.exit_args import add_exit_args, validate_exit_args
+from megatron.trainer.lr_schedule import DECAY_STYLES
+from megatron.trainer.megatron_compat_args import (
+    CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
 
 
 class ArgumentError(ValueError):
@@ -49,7 +52,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default="learned_absolute")
     g.add_argument("--bf16", action="store_true", help="bf16 model and activations (fp32 master weights)")
     g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
                    help="auto: Transformer Engine layer spec on GPU when installed, else the local spec with SDPA attention")
@@ -62,13 +65,14 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=["adamw", "basis-rotation"], default="adamw",
-                   help="basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md)")
+    g.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "basis-rotation"], default="adamw",
+                   help="adam: Megatron-LM's name for AdamW (decoupled weight decay); "
+                        "basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="cosine")
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="cosine")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -145,6 +149,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_insight_args(p)  # --trace-dir, --pipeline-partition
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
     _add_logging_args(p)
+    add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
     return p
 
 
@@ -170,8 +175,6 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
         args.global_batch_size = args.micro_batch_size * dp
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
     if args.data_path is None:
         args.mock_data = True
     args.world_size = pp * tp * dp
@@ -179,6 +182,10 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     per_chunk = args.num_layers_per_virtual_pipeline_stage
     args.num_model_chunks = max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1
     args.num_microbatches = args.global_batch_size // max(1, args.micro_batch_size * dp)
+    try:
+        finalize_megatron_compat_args(args)  # --train-samples, --*-samples, --lr-warmup-fraction, rampup
+    except CompatArgumentError as exc:
+        raise ArgumentError(str(exc)) from None
     return args
 
 
@@ -246,6 +253,10 @@ def validate_args(args: argparse.Namespace) -> None:
     validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
     validate_pipemare_args(args)  # --pipemare-* (T1, T2, synchronous warm-up)
     validate_amdp_args(args)  # --amdp-optimizer-state
+    try:
+        validate_megatron_compat_args(args)  # Megatron-LM's model, rampup, loading and logging flags
+    except CompatArgumentError as exc:
+        raise ArgumentError(str(exc)) from None
     try:
         validate_insight_args(args)  # --trace-dir, --pipeline-partition auto
     except InsightArgumentError as exc:

@@ -309,7 +309,7 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
     if verify_files:
         for name, expected in checksums.items():
             _verify_checksum(point.directory / name, file_checksum(point.directory / name), expected)
-    if point.iteration >= args.train_iters:
+    if point.iteration >= args.train_iters and not getattr(args, "finetune", False):
         raise CheckpointError(f"checkpoint {point.directory} is at iteration {point.iteration}, "
                               f"not before --train-iters {args.train_iters}: nothing left to train")
     return ResumePoint(point.iteration, point.directory, checksums, metadata.get("schedule_state"))
@@ -321,8 +321,14 @@ def _verify_checksum(path: Path, actual: str, expected: str) -> None:
                               f"{expected[:12]}... when saved)")
 
 
-def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint, dp_rank: int) -> None:
-    """Restore one stage from its rank file (parameters, optimizer, RNG, drift histogram)."""
+def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint, dp_rank: int,
+                     optimizer: bool = True, rng: bool = True) -> None:
+    """Restore one stage from its rank file (parameters, optimizer, RNG, drift histogram).
+
+    ``optimizer=False`` (``--no-load-optim``, ``--finetune``) keeps the fresh optimizer and
+    the weight-version state that counts its updates; ``rng=False`` (``--finetune``) also
+    the fresh RNG and drift histogram.
+    """
     path = point.directory / rank_file_name(worker.stage, dp_rank)
     try:
         data = path.read_bytes()
@@ -345,13 +351,15 @@ def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint
                 raise CheckpointError(f"checkpoint file {path}: {name} has shape {tuple(saved[name].shape)}, "
                                       f"the model has {tuple(p.shape)}")
             p.data.copy_(saved[name])
-    try:
-        worker.setup.optimizer.load_state_dict(state["optimizer"])
-    except (KeyError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint file {path}: optimizer state does not fit: {exc}") from None
-    worker.set_rng_state(state["rng"])
-    worker.drift_histogram.clear()
-    worker.drift_histogram.update(state.get("drift_histogram", {}))
-    worker.weights.load_state_dict(state.get("weight_versions", {}))
-    if worker.setup.loss_scaler is not None and "loss_scaler" in state:  # fp16: resume the scale
-        worker.setup.loss_scaler.load_state_dict(state["loss_scaler"])
+    if optimizer:
+        try:
+            worker.setup.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint file {path}: optimizer state does not fit: {exc}") from None
+        worker.weights.load_state_dict(state.get("weight_versions", {}))
+        if worker.setup.loss_scaler is not None and "loss_scaler" in state:  # fp16: resume the scale
+            worker.setup.loss_scaler.load_state_dict(state["loss_scaler"])
+    if rng:
+        worker.set_rng_state(state["rng"])
+        worker.drift_histogram.clear()
+        worker.drift_histogram.update(state.get("drift_histogram", {}))

@@ -51,6 +51,12 @@ class TrainingLogger:
     records: list[dict[str, Any]] = field(default_factory=list)
     start_iteration: int = 0  # a resumed run continues the iteration count
     tensorboard_dir: str | None = None
+    # Samples consumed before an iteration (a batch-size rampup); None: a constant batch.
+    samples_before: Callable[[int], int] | None = None
+    flops_per_sample: float = 0.0  # --log-throughput: model FLOPs of one sample's training
+    num_gpus: int = 1  # ranks the throughput is shared by
+    log_params_norm: bool = False
+    wandb: Any = None  # a wandb run (--wandb-project), rank 0 only
 
     def __post_init__(self) -> None:
         self._start = time.perf_counter()
@@ -104,12 +110,15 @@ class TrainingLogger:
         loss_count = sum(r.loss_count for r in reports)
         last = [r for r in reports if r.stage == self.num_stages - 1]
         stage0 = [r for r in reports if r.stage == 0]
-        tokens_per_s = self.tokens_per_iteration * iters / interval if interval > 0 else 0.0
+        samples = self._consumed(iteration) - self._consumed(iteration - iters)
+        tokens = samples * self.tokens_per_iteration // self.samples_per_iteration
+        tokens_per_s = tokens / interval if interval > 0 else 0.0
         elapsed = now - self._start
         eta = elapsed / max(1, iteration - self.start_iteration) * (self.train_iters - iteration)
         record: dict[str, Any] = {
             "iteration": iteration,
-            "consumed_samples": iteration * self.samples_per_iteration,
+            "consumed_samples": self._consumed(iteration),
+            "global_batch_size": self._consumed(iteration) - self._consumed(iteration - 1),
             "loss": loss_sum / loss_count if loss_count else math.nan,
             "lr": stage0[0].lr if stage0 else math.nan,
             "grad_norm": last[0].grad_norm if last else math.nan,
@@ -127,8 +136,14 @@ class TrainingLogger:
                 lambda rs: sum(r.drift_sum for r in rs) / max(1, sum(r.drift_count for r in rs))),
             "loss_scale": _per_stage(reports, self.num_stages, lambda rs: min(r.loss_scale for r in rs)),
         }
+        if self.flops_per_sample:
+            record["tflops_per_gpu"] = self.flops_per_sample * samples / max(interval, 1e-12) / self.num_gpus / 1e12
+        if self.log_params_norm:  # replicas hold the same weights: one report per stage
+            record["params_norm"] = math.sqrt(sum(_per_stage(reports, self.num_stages, lambda rs: rs[0].param_sq)))
         self._print(record)
         self._write(record)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=iteration)
         if self._tensorboard is not None:
             self._tensorboard.add_training(record, iteration)
 
@@ -148,13 +163,26 @@ class TrainingLogger:
         ]
         if any(scale != 1.0 for scale in r["loss_scale"]):  # --fp16
             parts.append(f"loss scale per stage: [{', '.join(f'{x:.1f}' for x in r['loss_scale'])}]")
+        if "tflops_per_gpu" in r:
+            parts.append(f"throughput per GPU (TFLOP/s/GPU): {r['tflops_per_gpu']:.1f}")
+        if "params_norm" in r:
+            parts.append(f"params norm: {r['params_norm']:.3f}")
         if any(r["skipped_updates"]):
             parts.append(f"skipped updates per stage: {r['skipped_updates']}")
         if self.log_drift:
             parts.append(f"drift max: {r['drift_max']} mean: [{', '.join(f'{d:.2f}' for d in r['drift_mean'])}]")
         print(" | ".join(parts), file=self.stream, flush=True)
 
+    def _consumed(self, iteration: int) -> int:
+        """Samples consumed by the first ``iteration`` iterations."""
+        if self.samples_before is not None:
+            return self.samples_before(iteration)
+        return iteration * self.samples_per_iteration
+
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         if self._json is not None:
             self._json.close()
             self._json = None

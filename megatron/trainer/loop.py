@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +46,7 @@ def plan_segments(
     exit_interval: int | None = None,
     saving: bool = False,
     check_interval: int | None = None,
+    boundaries: Collection[int] = (),
 ) -> list[Segment]:
     """Segments from ``start`` to ``train_iters`` (Megatron's semantics of the intervals).
 
@@ -53,6 +54,7 @@ def plan_segments(
     test split); a checkpoint (when ``saving``) after every multiple of ``save_interval``, at
     an early exit and at the end; an exit after the first multiple of ``exit_interval``; a
     segment end (a stop check, nothing else) after every multiple of ``check_interval``.
+    A segment also ends at every iteration of ``boundaries`` (a batch-size rampup's changes).
     """
     def due(interval: int | None, iteration: int) -> bool:
         return bool(interval) and iteration % interval == 0  # type: ignore[operator]
@@ -62,7 +64,8 @@ def plan_segments(
     for it in range(start + 1, train_iters + 1):
         end_of_run = it == train_iters
         stop = due(exit_interval, it) and not end_of_run
-        if not (end_of_run or stop or due(eval_interval, it) or due(save_interval, it) or due(check_interval, it)):
+        if not (end_of_run or stop or due(eval_interval, it) or due(save_interval, it) or due(check_interval, it)
+                or it in boundaries):
             continue
         segments.append(Segment(
             first, it,
@@ -95,15 +98,18 @@ def run_segments(
     logger: TrainingLogger | None,
     say: Callable[[str], None] = print,
     stop: Callable[[int], str | None] | None = None,
+    schedule_for: Callable[[int, int], Schedule] | None = None,
 ) -> None:
     """Train ``segments`` in order; ``logger`` is None on ranks that do not log.
 
     ``stop(iteration)`` is asked after every segment but the last (all ranks get the same
     answer); a reason stops the run there, after saving a checkpoint.
+    ``schedule_for(first, count)`` gives a segment's schedule (default: ``schedule``
+    restricted to it; a batch-size rampup builds one per accumulation).
     """
     current = schedule
     for seg in segments:
-        current = current.segment(seg.first, seg.end - seg.first)
+        current = (schedule_for or current.segment)(seg.first, seg.end - seg.first)
         runner.train(current)
         reason = stop(seg.end) if stop is not None and seg is not segments[-1] else None
         with logger.paused() if logger is not None else contextlib.nullcontext():

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron.trainer.arguments import pipeline_layout
+from megatron.trainer.megatron_compat_args import compat_model_kwargs
 from megatron.trainer.models.stage import PipelineStage, model_dtype, split_layers
 from megatron.trainer.task import Batch, microbatch_sample_indices
 
@@ -40,6 +41,7 @@ def transformer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         bf16=args.bf16,
         fp16=args.fp16,
         use_transformer_engine=impl,
+        **compat_model_kwargs(args),
     )
 
 

@@ -42,6 +42,8 @@ from megatron.pipeline.loss_scaling import StageLossScaler
 from megatron.trainer.optimizer import Shards, StageAdamW
 from megatron.trainer.process_guard import guard_rank_process
 from megatron.trainer.slurm_env import SlurmEnvironmentError, adopt_slurm_task_environment
+from megatron.trainer.megatron_compat_args import flops_per_iteration, wandb_run
+from megatron.trainer.rampup import segment_boundaries, segment_schedules
 from megatron.trainer.runners import DistributedRunner, EmulatorRunner
 from megatron.trainer.task import PretrainTask
 
@@ -91,6 +93,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
     schedule = LRSchedule(
         max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
+        wsd_decay_steps=args.lr_wsd_decay_iters or 0, wsd_decay_style=args.lr_wsd_decay_style,
     )
     shape, dtype = task.activation_spec(args)
     # Asynchronous variants shape what a stage's passes read and its learning rate (2BW, PipeMare).
@@ -113,6 +116,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         inject_nonfinite_losses=frozenset(getattr(args, "inject_nonfinite_loss", ())),
         weight_policy=schedule_cls.stage_weight_policy(config, stage, optimizer),
         loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
+        report_params_norm=args.log_params_norm,
     )
     return StageWorker(setup, isolate_rng=isolate_rng)
 
@@ -133,6 +137,11 @@ def make_logger(args: argparse.Namespace, start_iteration: int = 0) -> TrainingL
         json_path=args.log_json,
         start_iteration=start_iteration,
         tensorboard_dir=args.tensorboard_dir,
+        samples_before=args.batch_plan.consumed_before,
+        flops_per_sample=flops_per_iteration(args, 1) if args.log_throughput else 0.0,
+        num_gpus=args.world_size,
+        log_params_norm=args.log_params_norm,
+        wandb=wandb_run(args),
     )
 
 
@@ -147,7 +156,8 @@ def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | Non
 
 def run_plan(args: argparse.Namespace, start: int) -> list[Segment]:
     return plan_segments(start, args.train_iters, args.eval_interval, args.save_interval, args.exit_interval,
-                         saving=args.save is not None, check_interval=getattr(args, "exit_check_every", None))
+                         saving=args.save is not None, check_interval=getattr(args, "exit_check_every", None),
+                         boundaries=segment_boundaries(args))
 
 
 def dump_parameters(task: PretrainTask, worker: StageWorker, directory: str) -> None:
@@ -186,7 +196,7 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     apply_auto_partition(task, args, device)  # --pipeline-partition auto: profile, then split
     pp = args.pipeline_model_parallel_size
     workers = [build_worker(task, args, s, 0, device, isolate_rng=True) for s in range(pp)]
-    start = _resume(task, workers, 0, resume)
+    start = _resume(task, args, workers, 0, resume)
     logger = make_logger(args, start)
     collector = ReportCollector(pp, logger.log_update)
     schedule = run_schedule(args, start, resume)
@@ -194,7 +204,7 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     log_fixed_choice(schedule)
     try:
         run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger,
-                     stop=stop)
+                     stop=stop, schedule_for=segment_schedules(args, schedule, workers))
     finally:
         if stop is not None:
             stop.restore()
@@ -232,7 +242,7 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     try:
         resume = check_resume_or_exit(task, args, verify_files=False)  # each rank verifies the file it loads
         worker = build_worker(task, args, stage, dp_rank, device, isolate_rng=False)
-        start = _resume(task, [worker], dp_rank, resume)
+        start = _resume(task, args, [worker], dp_rank, resume)
         logger = make_logger(args, start) if rank == 0 else None
         collector = ReportCollector(layout.world_size, logger.log_update) if logger else None
         reports = SideChannelReports(groups, collector, p2p_timeout)
@@ -244,7 +254,8 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         if stop is not None:
             stop.agree = lambda flags: _all_reduce_max(flags, groups)
         run_segments(schedule, run_plan(args, start), runner, logger,
-                     say=lambda line: print(line, flush=True) if rank == 0 else None, stop=stop)
+                     say=lambda line: print(line, flush=True) if rank == 0 else None, stop=stop,
+                     schedule_for=segment_schedules(args, schedule, [worker]))
         reports.flush()
         if logger:
             logger.close()
@@ -279,15 +290,24 @@ def check_resume_or_exit(task: PretrainTask, args: argparse.Namespace,
         sys.exit(2)
 
 
-def _resume(task: PretrainTask, workers: list[StageWorker], dp_rank: int, point: ResumePoint | None) -> int:
-    """Load ``point`` into ``workers``; return the iteration training starts at."""
+def _resume(task: PretrainTask, args: argparse.Namespace, workers: list[StageWorker], dp_rank: int,
+            point: ResumePoint | None) -> int:
+    """Load ``point`` into ``workers``; return the iteration training starts at.
+
+    ``--no-load-optim``: weights, RNG and iteration, a fresh optimizer (and with it a fresh LR
+    schedule, which counts the optimizer's updates). ``--finetune``: weights only, iteration 0.
+    """
     if point is None:
         return 0
+    fresh_optimizer = args.no_load_optim or args.finetune
     for w in workers:
-        load_stage_state(task, w, point, dp_rank)
+        load_stage_state(task, w, point, dp_rank, optimizer=not fresh_optimizer, rng=not args.finetune)
+    start = 0 if args.finetune else point.iteration
     if dp_rank == 0 and workers[0].stage == 0:
-        print(f"[megatron-async] resumed from {point.directory} at iteration {point.iteration}", flush=True)
-    return point.iteration
+        what = "weights" if args.finetune else "weights and RNG" if args.no_load_optim else "checkpoint"
+        print(f"[megatron-async] loaded {what} from {point.directory} (iteration {point.iteration}); "
+              f"training from iteration {start}", flush=True)
+    return start
 
 
 def _fail(message: str) -> None:

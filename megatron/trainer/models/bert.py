@@ -144,6 +144,7 @@ def build_bert_stage(
             post_process=post_process,
             share_embeddings_and_output_weights=False,  # as for GPT: no tied first/last sync
             position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,  # BertModel has no rotary base (10000)
             add_binary_head=args.add_binary_head,
         )
 

@@ -97,6 +97,8 @@ def build_gpt_stage(
             # Tied embeddings with PP > 1 need a first/last-stage sync megatron does on CUDA.
             share_embeddings_and_output_weights=False,
             position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
         )
 
     wrap: Callable[[torch.nn.Module], GPTStage] = lambda model: GPTStage(args, layers, model)

@@ -38,12 +38,14 @@ class DeviceAgnosticRotaryEmbedding(RotaryEmbedding):
         return emb[:, None, None, :]
 
 
-def make_rotary_device_agnostic(model: torch.nn.Module) -> None:
+def make_rotary_device_agnostic(
+    model: torch.nn.Module, rotary_percent: float = 1.0, rotary_base: int = 10000
+) -> None:
     """Swap a GPT model's ``rotary_pos_emb`` for the device-agnostic version, in place.
 
-    Rebuilt from the model's own config with GPTModel's defaults (rotary percent 1, base 10000,
-    no scaling); the frequencies are checked to be identical so a drift in megatron's defaults
-    cannot go unnoticed.
+    Rebuilt from the model's own config with the percent and base the model was built with
+    (``--rotary-percent``, ``--rotary-base``; no scaling); the frequencies are checked to be
+    identical so a drift in megatron's defaults cannot go unnoticed.
     """
     old = getattr(model, "rotary_pos_emb", None)
     if old is None or type(old) is not RotaryEmbedding:
@@ -51,7 +53,8 @@ def make_rotary_device_agnostic(model: torch.nn.Module) -> None:
     config = model.config
     new = DeviceAgnosticRotaryEmbedding(
         kv_channels=config.kv_channels,
-        rotary_percent=1.0,
+        rotary_percent=rotary_percent,
+        rotary_base=rotary_base,
         rotary_interleaved=config.rotary_interleaved,
         seq_len_interpolation_factor=old.seq_len_interpolation_factor,
         use_cpu_initialization=True,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
@@ -47,6 +47,15 @@ class TransformerArgs:
     position_embedding_type: str = "learned_absolute"  # or "rope"
     bf16: bool = False
     fp16: bool = False  # fp16 weights and activations (fp32 masters, dynamic loss scaling)
+    # Megatron-LM's --swiglu, --disable-bias-linear, --norm-epsilon, --kv-channels,
+    # --rotary-base, --rotary-percent, --attention-backend (see megatron_compat_args).
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    norm_epsilon: float = 1e-5
+    kv_channels: int | None = None  # None: hidden_size // num_attention_heads
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    attention_backend: str = "auto"
     # None: Transformer Engine's spec when TE imports and CUDA is available, else local + SDPA.
     use_transformer_engine: bool | None = None
 
@@ -147,6 +156,12 @@ def transformer_config(args: TransformerArgs, num_stage_layers: int) -> Transfor
         init_method=init_method_normal(args.init_method_std),
         output_layer_init_method=scaled_init_method_normal(args.init_method_std, args.num_layers),
         normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=args.add_bias_linear,
+        kv_channels=args.kv_channels,
+        attention_backend=AttnBackend[args.attention_backend],
         bf16=args.bf16,
         fp16=args.fp16,
         # Built in fp32 and cast afterwards: params_dtype=bf16 leaves some modules in fp32.
@@ -287,7 +302,7 @@ def build_stage(
     # default init from the global CPU RNG; fork it so building a stage has no side effects.
     with torch.random.fork_rng(devices=[]):
         model = make(config, use_te)
-    make_rotary_device_agnostic(model)
+    make_rotary_device_agnostic(model, args.rotary_percent, args.rotary_base)
     stage = wrap(model)
     stage.init_parameters(seed)
     if args.bf16 or args.fp16:

@@ -1,0 +1,123 @@
+"""Megatron-LM's model options (--swiglu, --disable-bias-linear, --normalization RMSNorm,
+--group-query-attention, --kv-channels, --norm-epsilon, --rotary-base/--rotary-percent,
+--position-embedding-type none, --untie-embeddings-and-output-weights) build the model they
+name, for GPT and BERT, and a pipelined run with them equals a non-pipelined one.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.trainer.arguments import build_parser, parse_args
+from megatron.trainer.bert_task import BertTask
+from megatron.trainer.gpt_task import GPTTask
+from tests.async_helpers import emulate
+
+pytestmark = pytest.mark.usefixtures("megatron_world1")
+
+H, HEADS = 32, 4
+BASE = ["--num-layers", "2", "--hidden-size", str(H), "--num-attention-heads", str(HEADS), "--seq-length", "16",
+        "--vocab-size", "64", "--micro-batch-size", "1", "--device", "cpu", "--hidden-dropout", "0",
+        "--attention-dropout", "0"]
+
+
+def _build(task, *flags: str) -> dict[str, torch.nn.Module | torch.Tensor]:
+    """The single stage's megatron-core model and its parameters by global name."""
+    parser = build_parser()
+    task.add_arguments(parser)
+    args = parse_args([*BASE, *flags], parser)
+    (chunk,) = task.build_stage(args, 0, torch.device("cpu"))
+    return {"model": chunk.model, **{name: p for name, p in chunk.global_named_parameters()}}
+
+
+@pytest.mark.parametrize("task", [GPTTask(), BertTask()], ids=["gpt", "bert"])
+def test_swiglu_doubles_fc1_and_gates_with_silu(task):
+    block = "decoder" if task.name == "gpt" else "encoder"
+    fc1, fc2 = f"{block}.layers.0.mlp.linear_fc1.weight", f"{block}.layers.0.mlp.linear_fc2.weight"
+    assert _build(task)[fc1].shape == (4 * H, H)
+    gated = _build(task, "--swiglu")
+    ffn = int((4 * H * 2 / 3) / 64) * 64  # Megatron-LM's default ffn size under --swiglu
+    assert gated[fc1].shape == (2 * ffn, H) and gated[fc2].shape == (H, ffn)
+    assert _build(task, "--swiglu", "--ffn-hidden-size", "48")[fc1].shape == (2 * 48, H)
+    config = gated["model"].config
+    assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
+
+
+@pytest.mark.parametrize("task", [GPTTask(), BertTask()], ids=["gpt", "bert"])
+def test_disable_bias_linear_removes_linear_biases(task):
+    plain, nobias = _build(task), _build(task, "--disable-bias-linear")
+    linear_bias = [n for n in plain if n.endswith("bias") and ("linear_" in n)]
+    assert linear_bias  # the default has them
+    assert not [n for n in nobias if n.endswith("bias") and "linear_" in n]
+    assert [n for n in nobias if n.endswith("layernorm.bias")]  # norms keep theirs
+
+
+@pytest.mark.parametrize("task", [GPTTask(), BertTask()], ids=["gpt", "bert"])
+def test_rmsnorm_and_epsilon(task):
+    model = _build(task, "--normalization", "RMSNorm", "--norm-epsilon", "1e-6")["model"]
+    rms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert rms and all(m.eps == 1e-6 for m in rms)
+    assert not [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+
+
+@pytest.mark.parametrize("task", [GPTTask(), BertTask()], ids=["gpt", "bert"])
+def test_gqa_and_kv_channels_shape_qkv(task):
+    block = "decoder" if task.name == "gpt" else "encoder"
+    qkv = f"{block}.layers.0.self_attention.linear_qkv.weight"
+    assert _build(task)[qkv].shape == (3 * H, H)
+    # Megatron's --group-query-attention without --num-query-groups: one group.
+    assert _build(task, "--group-query-attention")[qkv].shape == ((HEADS + 2) * H // HEADS, H)
+    assert _build(task, "--group-query-attention", "--num-query-groups", "2")[qkv].shape == ((HEADS + 4) * 8, H)
+    kv = _build(task, "--kv-channels", "16")
+    assert kv[qkv].shape == (3 * HEADS * 16, H)
+    assert kv[f"{block}.layers.0.self_attention.linear_proj.weight"].shape == (H, HEADS * 16)
+
+
+def test_rope_base_and_percent_reach_the_rotary_embedding():
+    rope = _build(GPTTask(), "--position-embedding-type", "rope", "--rotary-base", "500000",
+                  "--rotary-percent", "0.5")["model"].rotary_pos_emb
+    head = H // HEADS
+    dim = int(head * 0.5)
+    expected = 1.0 / (500000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    torch.testing.assert_close(rope.inv_freq.cpu(), expected)
+
+
+def test_position_embedding_none_has_no_position_parameters():
+    params = _build(GPTTask(), "--position-embedding-type", "none")
+    assert "embedding.position_embeddings.weight" not in params
+    assert "embedding.position_embeddings.weight" in _build(GPTTask())
+
+
+def test_untied_output_layer_is_its_own_weight():
+    params = _build(GPTTask(), "--untie-embeddings-and-output-weights")
+    out, emb = params["output_layer.weight"], params["embedding.word_embeddings.weight"]
+    assert out.shape == emb.shape and out.data_ptr() != emb.data_ptr() and not torch.equal(out, emb)
+
+
+ALL_OPTIONS = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--group-query-attention",
+               "--num-query-groups", "1", "--position-embedding-type", "rope", "--rotary-base", "1000",
+               "--rotary-percent", "0.5", "--norm-epsilon", "1e-6", "--kv-channels", "16",
+               "--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.parametrize("task,options", [
+    (GPTTask(), ALL_OPTIONS),
+    (BertTask(), [o for o in ALL_OPTIONS if o not in ("--rotary-base", "1000")]),
+], ids=["gpt", "bert"])
+def test_pipelined_run_equals_unpipelined_with_options(task, options):
+    """1F1B over 2 stages reproduces 1 stage: losses and final parameters, all options on."""
+    def run(stages: int) -> dict[str, torch.Tensor]:
+        argv = [*BASE, "--pipeline-model-parallel-size", str(stages), "--pipeline-executor", "emulator",
+                "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-2", "--log-interval", "1",
+                "--num-threads", "1", *options]
+        workers = emulate(argv, task)
+        return {n: p.detach().clone() for w in workers for n, p in task.named_parameters(w.setup.chunks)}
+
+    one, two = run(1), run(2)
+    assert one.keys() == two.keys()
+    initial = _build(task, *options)
+    moved = 0
+    for name, value in one.items():
+        torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        moved += not torch.equal(value, initial[name])
+    assert moved == len(one)  # training changed every tensor: the comparison is not vacuous
