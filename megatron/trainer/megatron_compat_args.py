@@ -13,9 +13,11 @@ Each flag here either works or is refused with one line before any rank starts:
 * checkpoint loading options (``--no-load-optim``, ``--finetune``);
 * logging options (``--log-throughput``, ``--log-params-norm``, ``--wandb-*``).
 
-Our learning rate is a function of a stage's update count (asynchronous stages step on their
-own clocks), so sample counts are converted to iterations: the first iteration after which
-at least that many samples were consumed.
+``--train-samples`` gives Megatron-LM's iteration count (partial last batch dropped). Our
+learning rate is a function of a stage's update count (asynchronous stages step on their own
+clocks), so the learning-rate sample counts are converted to iterations: the first iteration
+after which at least that many samples were consumed (exact when they are multiples of a
+constant global batch).
 
 :data:`REFUSED_FLAGS` lists Megatron-LM flags accepted by the parser only to be refused with
 one line (a clearer error than argparse's "unrecognized arguments").
@@ -42,6 +44,13 @@ REFUSED_FLAGS: dict[str, str] = {
     "overlap_grad_reduce": "--overlap-grad-reduce is not supported: the data-parallel all-reduce runs at the update",
     "overlap_param_gather": "--overlap-param-gather needs --use-distributed-optimizer, which is not supported",
     "recompute_activations": "--recompute-activations is not supported: activation recomputation is not implemented",
+}
+
+
+# dest -> why setting it changes nothing: flags that ask for what every run here does anyway.
+DEFAULT_BEHAVIOUR_FLAGS: dict[str, str] = {
+    "untie_embeddings_and_output_weights": "the output layer always has its own weight (tied weights would need "
+                                           "a first/last-stage gradient sync, which is not implemented)",
 }
 
 
@@ -99,8 +108,14 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
 
 def finalize_megatron_compat_args(args: argparse.Namespace) -> None:
     """Derive iteration counts from sample counts and fractions (after the global batch is known)."""
-    from megatron.trainer.rampup import batch_plan, iterations_for_samples
+    from megatron.trainer.rampup import batch_plan
 
+    for flag in ("train_samples", "lr_decay_samples", "lr_wsd_decay_samples", "kv_channels"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise CompatArgumentError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.lr_warmup_samples < 0:
+        raise CompatArgumentError("--lr-warmup-samples must be >= 0")
     if args.train_iters is not None and args.train_samples is not None:
         raise CompatArgumentError("--train-iters and --train-samples are mutually exclusive")
     if args.swiglu and args.ffn_hidden_size is None:
@@ -110,32 +125,31 @@ def finalize_megatron_compat_args(args: argparse.Namespace) -> None:
     args.batch_plan = batch_plan(args)  # global batch per iteration (constant without rampup)
     if args.train_iters is None:
         args.train_iters = (DEFAULT_TRAIN_ITERS if args.train_samples is None
-                            else iterations_for_samples(args.train_samples, args, "--train-samples"))
-    _samples_to_iters(args, "lr_decay_samples", "lr_decay_iters")
+                            else args.batch_plan.iterations_in(args.train_samples))
+    _samples_to_iters(args, args.lr_decay_samples, "lr_decay_iters")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_samples:
         if args.lr_warmup_iters:
             raise CompatArgumentError("--lr-warmup-iters and --lr-warmup-samples are mutually exclusive")
-        args.lr_warmup_iters = iterations_for_samples(args.lr_warmup_samples, args, "--lr-warmup-samples")
+        args.lr_warmup_iters = args.batch_plan.iterations_for(args.lr_warmup_samples)
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
             raise CompatArgumentError("can only specify one of --lr-warmup-fraction and --lr-warmup-iters/-samples")
         if not 0.0 <= args.lr_warmup_fraction <= 1.0:
             raise CompatArgumentError("--lr-warmup-fraction must be in [0, 1]")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    _samples_to_iters(args, "lr_wsd_decay_samples", "lr_wsd_decay_iters")
+    _samples_to_iters(args, args.lr_wsd_decay_samples, "lr_wsd_decay_iters")
 
 
-def _samples_to_iters(args: argparse.Namespace, samples: str, iters: str) -> None:
-    """``--X-samples`` -> ``--X-iters`` (one of them at most)."""
-    value = getattr(args, samples)
-    if value is None:
+def _samples_to_iters(args: argparse.Namespace, samples: int | None, iters: str) -> None:
+    """``--X-samples`` (its value ``samples``) -> ``--X-iters`` (one of them at most)."""
+    if samples is None:
         return
-    flag = "--" + samples.replace("_", "-")
     if getattr(args, iters) is not None:
-        raise CompatArgumentError(f"{flag} and --{iters.replace('_', '-')} are mutually exclusive")
-    setattr(args, iters, iterations_for_samples(value, args, flag))
+        flag = "--" + iters.replace("_", "-")
+        raise CompatArgumentError(f"{flag.replace('-iters', '-samples')} and {flag} are mutually exclusive")
+    setattr(args, iters, args.batch_plan.iterations_for(samples))
 
 
 def validate_megatron_compat_args(args: argparse.Namespace) -> None:
@@ -147,12 +161,6 @@ def validate_megatron_compat_args(args: argparse.Namespace) -> None:
         raise CompatArgumentError("--optimizer sgd is not implemented (adam/adamw and basis-rotation are)")
     if args.optimizer == "adam":  # Megatron-LM's adam is AdamW: decoupled weight decay
         args.optimizer = "adamw"
-    for flag in ("train_samples", "lr_decay_samples", "lr_wsd_decay_samples", "kv_channels"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise CompatArgumentError(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.lr_warmup_samples < 0:
-        raise CompatArgumentError("--lr-warmup-samples must be >= 0")
     if args.norm_epsilon <= 0:
         raise CompatArgumentError("--norm-epsilon must be > 0")
     if not 0.0 < args.rotary_percent <= 1.0:

@@ -14,6 +14,10 @@ segment) and each segment runs the schedule built for its ``a``. A schedule that
 some ``a`` of the ramp (too few micro-batches for its stages, AMDP's split over pipelines,
 interleaving's groups) is refused up front with one line naming the batch.
 
+Schedules whose per-stage state is built for one ``a`` (PipeDream-2BW's weight double
+buffer, PipeMare's delay-based correction and learning rate) or whose plan comes from costs
+profiled once (zb-1p, zb-2p) are refused with one line.
+
 Megatron-LM itself refuses a rampup with ``--train-iters`` (it wants ``--train-samples``);
 we allow both: with ``--train-iters`` the run is that many (ramping) iterations. The learning
 rate counts updates, not samples (see :mod:`megatron.trainer.megatron_compat_args`).
@@ -60,6 +64,18 @@ class BatchPlan:
             return bisect_left(cumulative, samples)
         return len(self.ramp) + -(-(samples - cumulative[-1]) // self.final)
 
+    def iterations_in(self, samples: int) -> int:
+        """Iterations of a ``--train-samples`` run, as Megatron-LM counts them: the ramp while
+        fewer than ``samples`` were consumed, then the whole final batches that fit (a partial
+        last batch is dropped)."""
+        iterations = consumed = 0
+        for batch in self.ramp:
+            if consumed > samples:
+                break
+            consumed += batch
+            iterations += 1
+        return iterations + max(0, samples - consumed) // self.final
+
     def changes(self, train_iters: int) -> list[int]:
         """Iterations ``i`` in ``(0, train_iters)`` whose batch differs from iteration ``i - 1``'s."""
         return [i for i in range(1, min(train_iters, len(self.ramp) + 1))
@@ -93,19 +109,22 @@ def batch_plan(args: argparse.Namespace) -> BatchPlan:
         consumed += batch
 
 
-def iterations_for_samples(samples: int, args: argparse.Namespace, flag: str) -> int:
-    if samples < 0:
-        raise RampupError(f"{flag} must be >= 0")
-    return args.batch_plan.iterations_for(samples)
-
-
 def validate_rampup(args: argparse.Namespace) -> None:
     """Every batch of the ramp splits into micro-batches, and the schedule runs each ``a``."""
     if args.rampup_batch_size is None:
         return
+    from megatron.pipeline.schedules.profiled import PROFILE_OPTION
+    from megatron.trainer.arguments import schedule_config
+
+    cls = schedule_class(args.pipeline_schedule)
+    fixed = _built_for_one_accumulation(cls)
+    if schedule_config(args).options.get(PROFILE_OPTION):
+        fixed = "plans from costs profiled once at the run's start (pass --zb-costs and --zb-profile-iters 0)"
+    if fixed:
+        raise RampupError(f"--rampup-batch-size: {args.pipeline_schedule} {fixed}, which a rampup changes "
+                          f"(1f1b, gpipe, interleaved-1f1b, zb-*, paci and amdp ramp)")
     per_microbatch = args.micro_batch_size * args.data_parallel_size
     plan: BatchPlan = args.batch_plan
-    from megatron.trainer.arguments import schedule_config
 
     for batch in sorted(set(plan.ramp[:args.train_iters])):
         if batch % per_microbatch:
@@ -114,9 +133,22 @@ def validate_rampup(args: argparse.Namespace) -> None:
                               f"{args.data_parallel_size}")
         config = dataclasses.replace(schedule_config(args), num_microbatches=batch // per_microbatch)
         try:
-            schedule_class(args.pipeline_schedule).check_config(config)
+            cls.check_config(config)
         except ScheduleConfigError as exc:
             raise RampupError(f"--rampup-batch-size: global batch {batch} of the ramp: {exc}") from None
+
+
+def _built_for_one_accumulation(cls: type[Schedule]) -> str | None:
+    """Why ``cls`` cannot change its accumulation mid-run (None: it can, segment by segment).
+
+    Weight policies (2BW's double buffer, PipeMare's delay and correction) and per-stage
+    learning-rate rules are built once per stage from the run's ``a``.
+    """
+    if cls.stage_weight_policy.__func__ is not Schedule.stage_weight_policy.__func__:  # type: ignore[attr-defined]
+        return "keeps weight versions counted in micro-batches per update"
+    if cls.stage_lr_schedule.__func__ is not Schedule.stage_lr_schedule.__func__:  # type: ignore[attr-defined]
+        return "derives its per-stage learning rate from the micro-batches per update"
+    return None
 
 
 def segment_boundaries(args: argparse.Namespace) -> list[int]:
