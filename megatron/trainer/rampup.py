@@ -162,15 +162,17 @@ def microbatches_before(args: argparse.Namespace, iteration: int) -> int:
 
 
 def segment_schedules(args: argparse.Namespace, base: Schedule,
-                      workers: Sequence[StageWorker]) -> Callable[[int, int], Schedule]:
+                      workers: Sequence[StageWorker]) -> Callable[[int, int], Schedule] | None:
     """``(first, count) -> schedule`` of a segment, and the workers set up for it.
 
-    Without a rampup, the run's schedule restricted to the segment. With one, the schedule
-    built for the segment's accumulation ``a``: its micro-batch ``first * a + j`` reads data
-    micro-batch ``microbatches_before(first) + j``, and losses are scaled by ``1 / a``.
+    None without a rampup (the loop restricts the run's schedule to each segment). With one,
+    the schedule built for the segment's accumulation ``a``: its micro-batch ``first * a + j``
+    reads data micro-batch ``microbatches_before(first) + j``, and losses are scaled by
+    ``1 / a``. Each segment continues the previous segment's schedule of the same ``a``, so
+    what a schedule decides while running carries over, as without a rampup.
     """
     if args.rampup_batch_size is None:
-        return base.segment
+        return None
     data = [w.setup.batch_fn for w in workers]
     built: dict[int, Schedule] = {}
     per_microbatch = args.micro_batch_size * args.data_parallel_size
@@ -184,6 +186,7 @@ def segment_schedules(args: argparse.Namespace, base: Schedule,
         for worker, batch_fn in zip(workers, data):
             worker.setup.microbatches_per_update = a
             worker.setup.batch_fn = (lambda fn: lambda mb: fn(mb + offset))(batch_fn)
-        return built[a].segment(first, count)
+        built[a] = built[a].segment(first, count)
+        return built[a]
 
     return schedule_for
