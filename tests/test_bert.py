@@ -290,7 +290,8 @@ def test_no_binary_head_flag_and_middle_batch_keys_for_gpt(tmp_path: Path):
     from megatron.trainer.arguments import parse_args
     from megatron.trainer.gpt_task import GPTTask
 
-    args = parse_args(tiny_args(3, "1f1b", 1, 1, "--reset-attention-mask"))  # no longer refused at N > 2
+    args = parse_args(tiny_args(3, "1f1b", 1, 1))
+    args.reset_attention_mask = True  # a --data-path flag (mock data has no documents); fine at N > 2
     (middle,) = GPTTask().build_stage(args, 1, torch.device("cpu"))
     assert middle.middle_batch_keys == ("attention_mask",)
 

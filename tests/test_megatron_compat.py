@@ -275,3 +275,53 @@ def test_no_load_optim_and_finetune(tmp_path):
     assert all(w.setup.optimizer.step_count == 2 for w in workers)
     _, fresh = _run(tmp_path, "fresh", 1)
     assert tuned[0]["loss"] < fresh[0]["loss"]
+
+
+# ------------------------------------------------------------------------ logging
+
+
+def test_params_norm_and_throughput_are_logged(tmp_path):
+    import math
+
+    from megatron.trainer.gpt_task import GPTTask
+    from megatron.trainer.megatron_compat_args import flops_per_iteration
+
+    log = tmp_path / "log.jsonl"
+    argv = [*tiny_args(2, "1f1b", 2, 2), "--pipeline-executor", "emulator", "--log-params-norm",
+            "--log-throughput", "--log-json", str(log)]
+    workers = emulate(argv)
+    last = [json.loads(line) for line in log.read_text().splitlines()][-1]
+    final = [p for w in workers for _, p in GPTTask().named_parameters(w.setup.chunks)]
+    assert last["params_norm"] == pytest.approx(math.sqrt(sum(float(p.double().pow(2).sum()) for p in final)))
+    assert last["tflops_per_gpu"] > 0
+    # 6 x matrix parameters x tokens is the usual estimate; ours also counts attention scores
+    # and leaves out the input embedding (a lookup, no multiply).
+    args = parse_args(argv)
+    matrices = {n: p for w in workers for n, p in GPTTask().named_parameters(w.setup.chunks)
+                if p.dim() == 2 and "embedding" not in n}
+    assert flops_per_iteration(args, 1) == pytest.approx(6 * sum(p.numel() for p in matrices.values())
+                                                         * args.seq_length, rel=0.3)
+
+
+def test_wandb_receives_every_logged_record():
+    from megatron.pipeline.report import StageReport
+    from megatron.trainer.logger import TrainingLogger
+
+    class FakeRun:
+        def __init__(self):
+            self.logged, self.finished = [], False
+
+        def log(self, values, step):
+            self.logged.append((step, values))
+
+        def finish(self):
+            self.finished = True
+
+    run = FakeRun()
+    logger = TrainingLogger(num_stages=1, train_iters=2, samples_per_iteration=2, tokens_per_iteration=16, wandb=run)
+    report = StageReport(stage=0, update=0, updates=1, skipped=0, loss_sum=2.0, loss_count=1, tokens=8, lr=0.1,
+                         grad_norm=1.0, drift_max=0, drift_sum=0, drift_count=0, act_peak_count=1,
+                         act_peak_bytes=1, mem_peak_bytes=0)
+    logger.log_update(0, [report])
+    logger.close()
+    assert run.finished and run.logged[0][0] == 1 and run.logged[0][1]["loss"] == 2.0
