@@ -17,7 +17,7 @@ from megatron.trainer.arguments import build_parser, parse_args
 from megatron.trainer.bert_task import BertTask
 from megatron.trainer.megatron_compat_args import DEFAULT_BEHAVIOUR_FLAGS, REFUSED_FLAGS
 from megatron.trainer.synthetic_task import SyntheticCostTask
-from tests.async_helpers import REPO, emulate, tiny_args
+from tests.async_helpers import REPO, assert_runtime_equals_emulator, emulate, tiny_args
 
 SOURCES = [*sorted((REPO / "megatron").rglob("*.py")), *sorted(REPO.glob("pretrain_*.py"))]
 
@@ -230,6 +230,14 @@ def test_rampup_trains_and_logs_the_calculator_batches(tmp_path):
     assert json.loads(log2.read_text().splitlines()[0])["loss"] == records[0]["loss"]
 
 
+@pytest.mark.usefixtures("megatron_world1")
+def test_rampup_runtime_equals_emulator(tmp_path):
+    """Two gloo ranks ramp the same way as the emulator, bit for bit."""
+    records, _ = assert_runtime_equals_emulator(
+        [*tiny_args(2, "paci", 6, 4), "--rampup-batch-size", "2", "2", "8", "--device", "cpu"], tmp_path)
+    assert [r["global_batch_size"] for r in records] == calculator_batches(2, 2, 8, 6, 4)
+
+
 # ------------------------------------------------------------------------ WSD
 
 
@@ -275,6 +283,9 @@ def test_no_load_optim_and_finetune(tmp_path):
     assert all(w.setup.optimizer.step_count == 2 for w in workers)
     _, fresh = _run(tmp_path, "fresh", 1)
     assert tuned[0]["loss"] < fresh[0]["loss"]
+    # A model option the checkpoint was not saved with is refused (one line, exit 2).
+    with pytest.raises(SystemExit):
+        _run(tmp_path, "eps", 5, "--load", ckpt, "--norm-epsilon", "1e-6")
 
 
 # ------------------------------------------------------------------------ logging

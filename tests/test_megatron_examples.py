@@ -22,29 +22,34 @@ pytestmark = pytest.mark.usefixtures("megatron_world1")
 
 CKPT, TB = "$CHECKPOINT_PATH", "$TENSORBOARD_LOGS_PATH"
 
+# The scripts' arrays: GPT_MODEL_ARGS / BERT_MODEL_ARGS, TRAINING_ARGS, MODEL_PARALLEL_ARGS,
+# DATA_ARGS, EVAL_AND_LOGGING_ARGS (the last identical in all three).
+EVAL_AND_LOGGING_ARGS = [
+    "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000", "--save", CKPT, "--load", CKPT,
+    "--eval-iters", "10", "--tensorboard-dir", TB,
+]
+GPT_DATA_ARGS = ["--data-path", "$DATA_PATH", "--vocab-file", "$VOCAB_FILE", "--merge-file", "$MERGE_FILE",
+                 "--split", "949,50,1"]
+# The part of TRAINING_ARGS both GPT-3 scripts share, after the batch sizes and --train-iters.
+GPT3_OPTIMIZER_ARGS = [
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006",
+    "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+    "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000",
+]
 GPT_175B = [
     "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
     "--max-position-embeddings", "2048", "--attention-backend", "auto",
     "--micro-batch-size", "1", "--global-batch-size", "1536", "--rampup-batch-size", "16", "16", "5859375",
-    "--train-iters", "500000", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-    "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine",
-    "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000",
+    "--train-iters", "500000", *GPT3_OPTIMIZER_ARGS,
     "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
-    "--data-path", "$DATA_PATH", "--vocab-file", "$VOCAB_FILE", "--merge-file", "$MERGE_FILE", "--split", "949,50,1",
-    "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000", "--save", CKPT, "--load", CKPT,
-    "--eval-iters", "10", "--tensorboard-dir", TB,
+    *GPT_DATA_ARGS, *EVAL_AND_LOGGING_ARGS,
 ]
 GPT_857M = [
     "--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
     "--max-position-embeddings", "2048", "--attention-backend", "auto",
-    "--micro-batch-size", "8", "--global-batch-size", "128", "--train-iters", "500000", "--weight-decay", "0.1",
-    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16",
-    "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
-    "--lr-decay-iters", "430000",
+    "--micro-batch-size", "8", "--global-batch-size", "128", "--train-iters", "500000", *GPT3_OPTIMIZER_ARGS,
     "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "1",
-    "--data-path", "$DATA_PATH", "--vocab-file", "$VOCAB_FILE", "--merge-file", "$MERGE_FILE", "--split", "949,50,1",
-    "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000", "--save", CKPT, "--load", CKPT,
-    "--eval-iters", "10", "--tensorboard-dir", TB,
+    *GPT_DATA_ARGS, *EVAL_AND_LOGGING_ARGS,
 ]
 BERT_340M = [
     "--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "512",
@@ -54,8 +59,7 @@ BERT_340M = [
     "--min-lr", "1.0e-5", "--weight-decay", "1e-2", "--lr-warmup-fraction", ".01", "--clip-grad", "1.0",
     "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
     "--data-path", "$DATA_PATH", "--vocab-file", "$VOCAB_FILE", "--split", "949,50,1",
-    "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000", "--save", CKPT, "--load", CKPT,
-    "--eval-iters", "10", "--tensorboard-dir", TB,
+    *EVAL_AND_LOGGING_ARGS,
 ]
 
 # (flag, Megatron-LM's value) -> shrunk value; a value not listed stays as it is.

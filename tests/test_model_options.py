@@ -92,6 +92,8 @@ def test_untied_output_layer_is_its_own_weight():
     params = _build(GPTTask(), "--untie-embeddings-and-output-weights")
     out, emb = params["output_layer.weight"], params["embedding.word_embeddings.weight"]
     assert out.shape == emb.shape and out.data_ptr() != emb.data_ptr() and not torch.equal(out, emb)
+    default = _build(GPTTask())  # what every run does (DEFAULT_BEHAVIOUR_FLAGS): the same model
+    assert default.keys() == params.keys() and torch.equal(default["output_layer.weight"], out)
 
 
 ALL_OPTIONS = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--group-query-attention",

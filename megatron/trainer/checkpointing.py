@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from megatron.pipeline.worker import StageWorker
+from megatron.trainer.megatron_compat_args import COMPAT_SIGNATURE_FLAGS
 from megatron.trainer.task import PretrainTask
 
 POINTER = "latest_checkpointed_iteration.txt"
@@ -60,7 +61,7 @@ SIGNATURE_FLAGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "seq_length", "max_position_embeddings", "vocab_size", "normalization", "position_embedding_type",
     "pipeline_model_parallel_size", "num_model_chunks", "pipeline_layer_split", "data_parallel_size",
-    "pipeline_schedule", "num_microbatches", "micro_batch_size", "bf16", "fp16",
+    "pipeline_schedule", "num_microbatches", "micro_batch_size", "bf16", "fp16", *COMPAT_SIGNATURE_FLAGS,
 )
 
 

@@ -54,6 +54,10 @@ DEFAULT_BEHAVIOUR_FLAGS: dict[str, str] = {
 }
 
 
+# Model flags of this module a checkpoint must have been saved with (checked on --load).
+COMPAT_SIGNATURE_FLAGS = ("swiglu", "add_bias_linear", "kv_channels", "norm_epsilon", "rotary_base", "rotary_percent")
+
+
 class CompatArgumentError(ValueError):
     """A bad Megatron-LM compatibility flag; one line for the user."""
 
