@@ -123,3 +123,14 @@ def test_pipelined_run_equals_unpipelined_with_options(task, options):
         torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         moved += not torch.equal(value, initial[name])
     assert moved == len(one)  # training changed every tensor: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("backend", ["local", "unfused"])
+def test_local_attention_backends_run_our_sdpa_attention(backend):
+    """Megatron's unfused/local maths is what our SDPA core attention computes: same model."""
+    from megatron.trainer.models.sdpa_attention import SDPAAttention
+
+    auto, chosen = _build(GPTTask()), _build(GPTTask(), "--attention-backend", backend)
+    attention = [type(m) for m in chosen["model"].modules() if "Attention" in type(m).__name__]
+    assert SDPAAttention in attention
+    assert all(torch.equal(auto[n], p) for n, p in chosen.items() if n != "model")

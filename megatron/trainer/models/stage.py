@@ -161,7 +161,6 @@ def transformer_config(args: TransformerArgs, num_stage_layers: int) -> Transfor
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=args.add_bias_linear,
         kv_channels=args.kv_channels,
-        attention_backend=AttnBackend[args.attention_backend],
         bf16=args.bf16,
         fp16=args.fp16,
         # Built in fp32 and cast afterwards: params_dtype=bf16 leaves some modules in fp32.
@@ -292,6 +291,8 @@ def build_stage(
         raise ValueError(f"layers {layers} outside a {args.num_layers}-layer model")
     use_te = resolve_use_transformer_engine(args.use_transformer_engine)
     config = transformer_config(args, len(layers))
+    if use_te:  # --attention-backend picks TE's kernel; the local spec's SDPA is the unfused maths
+        config.attention_backend = AttnBackend[args.attention_backend]
     if use_te:
         from megatron.core import tensor_parallel
 
