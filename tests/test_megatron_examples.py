@@ -2,14 +2,16 @@
 
 The flag sets are those of NVIDIA/Megatron-LM ``examples/gpt3/train_gpt3_175b_distributed.sh``,
 ``examples/gpt3/train_gpt3_857m_distributed.sh`` and ``examples/bert/train_bert_340m_distributed.sh``,
-flag for flag and in order; :data:`SHRINK` replaces only sizes and lengths. Three changes,
-each named: ``--mock-data`` stands in for ``--data-path``/``--vocab-file``/``--merge-file``
-(no corpus in CI), ``--tensor-model-parallel-size 1`` (tensor parallelism is not supported
-yet), and ``--fp16`` is left out until fp16 with loss scaling lands (then drop it from
-:data:`NOT_YET`). The runs use the in-process emulator on CPU.
+flag for flag and in order (``--fp16`` with dynamic loss scaling included); :data:`SHRINK`
+replaces only sizes and lengths. Two changes, each named: ``--mock-data`` stands in for
+``--data-path``/``--vocab-file``/``--merge-file`` (no corpus in CI) and
+``--tensor-model-parallel-size 1`` (tensor parallelism is not supported yet). The runs use the
+in-process emulator on CPU.
 """
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -71,15 +73,16 @@ SHRINK = {
     ("--max-position-embeddings", "2048"): "32", ("--max-position-embeddings", "512"): "32",
     ("--micro-batch-size", "8"): "1", ("--micro-batch-size", "4"): "1",
     ("--global-batch-size", "1536"): "6", ("--global-batch-size", "128"): "2", ("--global-batch-size", "32"): "2",
-    ("--train-iters", "500000"): "4", ("--train-iters", "1000000"): "3",
-    ("--lr-decay-iters", "430000"): "4", ("--lr-decay-iters", "990000"): "3",
+    # Long enough for --fp16's loss scale to come down from Megatron's 2^32 (one halving per
+    # overflowing step) and then apply updates.
+    ("--train-iters", "500000"): "24", ("--train-iters", "1000000"): "24",
+    ("--lr-decay-iters", "430000"): "24", ("--lr-decay-iters", "990000"): "24",
     ("--tensor-model-parallel-size", "8"): "1", ("--pipeline-model-parallel-size", "16"): "2",
-    ("--log-interval", "100"): "1", ("--save-interval", "10000"): "2", ("--eval-interval", "1000"): "2",
+    ("--log-interval", "100"): "1", ("--save-interval", "10000"): "12", ("--eval-interval", "1000"): "12",
     ("--eval-iters", "10"): "1",
 }
 RAMPUP = ("16", "16", "5859375"), ("2", "2", "8")  # start, increment, samples
 DATA_FLAGS = ("--data-path", "--vocab-file", "--merge-file")  # replaced by --mock-data
-NOT_YET = ("--fp16",)  # another change adds fp16 with loss scaling
 LOCAL = ["--mock-data", "--pipeline-executor", "emulator", "--device", "cpu", "--num-threads", "1"]
 
 
@@ -89,9 +92,6 @@ def shrink(flags: list[str], tmp: Path) -> list[str]:
     i = 0
     while i < len(flags):
         flag = flags[i]
-        if flag in NOT_YET:
-            i += 1
-            continue
         if flag == "--rampup-batch-size":
             assert tuple(flags[i + 1:i + 4]) == RAMPUP[0]
             out += [flag, *RAMPUP[1]]
@@ -110,10 +110,18 @@ def shrink(flags: list[str], tmp: Path) -> list[str]:
 @pytest.mark.parametrize("flags,task", [(GPT_175B, GPTTask()), (GPT_857M, GPTTask()), (BERT_340M, BertTask())],
                          ids=["gpt3-175b", "gpt3-857m", "bert-340m"])
 def test_megatron_example_flag_set_runs(flags, task, tmp_path):
-    argv = shrink(flags, tmp_path)
+    log = tmp_path / "log.jsonl"
+    argv = [*shrink(flags, tmp_path), "--log-json", str(log)]
     workers = emulate(argv, task)
     train_iters = int(argv[argv.index("--train-iters") + 1])
-    assert all(w.setup.optimizer.step_count == train_iters for w in workers)  # every update applied
+    records = [r for r in map(json.loads, log.read_text().splitlines()) if "eval_split" not in r]
+    assert [r["iteration"] for r in records] == list(range(1, train_iters + 1))
+    assert all(math.isfinite(r["loss"]) for r in records)
+    # fp16 starts at Megatron's loss scale 2^32: overflowing steps are skipped, the rest applied.
+    skipped = [sum(stages) for stages in zip(*(r["skipped_updates"] for r in records))]  # per stage
+    assert [w.setup.optimizer.step_count for w in workers] == [train_iters - s for s in skipped]
+    assert min(w.setup.optimizer.step_count for w in workers) >= 1
+    assert records[-1]["loss_scale"][0] < 2.0 ** 32
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(train_iters)
     assert any((tmp_path / "tb").iterdir())
     # Running it again resumes from the checkpoint (--load) and finds nothing left to train.
