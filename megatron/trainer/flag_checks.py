@@ -103,6 +103,11 @@ DOMAINS: dict[str, Domain] = {
     "pipeline_partition_memory_gb": POSITIVE, "pipeline_partition_profile_iters": AT_LEAST_1,
     # BERT
     "mask_prob": OPEN_UNIT, "short_seq_prob": UNIT,
+    # Megatron-LM compatibility (megatron_compat_args): model, sample counts, WSD, rampup
+    "norm_epsilon": POSITIVE, "kv_channels": AT_LEAST_1, "rotary_base": AT_LEAST_1,
+    "rotary_percent": Domain(0, 1, low_open=True), "train_samples": AT_LEAST_1,
+    "lr_warmup_samples": NON_NEGATIVE, "lr_decay_samples": AT_LEAST_1, "lr_warmup_fraction": UNIT,
+    "lr_wsd_decay_iters": AT_LEAST_1, "lr_wsd_decay_samples": AT_LEAST_1, "rampup_batch_size": NON_NEGATIVE,
 }
 
 

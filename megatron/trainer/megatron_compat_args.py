@@ -111,15 +111,11 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
 
 
 def finalize_megatron_compat_args(args: argparse.Namespace) -> None:
-    """Derive iteration counts from sample counts and fractions (after the global batch is known)."""
+    """Derive iteration counts from sample counts and fractions (after the global batch is known).
+
+    Each value is already in its domain (``flag_checks.DOMAINS``); these are the cross-flag rules."""
     from megatron.trainer.rampup import batch_plan
 
-    for flag in ("train_samples", "lr_decay_samples", "lr_wsd_decay_samples", "kv_channels"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise CompatArgumentError(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.lr_warmup_samples < 0:
-        raise CompatArgumentError("--lr-warmup-samples must be >= 0")
     if args.train_iters is not None and args.train_samples is not None:
         raise CompatArgumentError("--train-iters and --train-samples are mutually exclusive")
     if args.swiglu and args.ffn_hidden_size is None:
@@ -140,8 +136,6 @@ def finalize_megatron_compat_args(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
             raise CompatArgumentError("can only specify one of --lr-warmup-fraction and --lr-warmup-iters/-samples")
-        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
-            raise CompatArgumentError("--lr-warmup-fraction must be in [0, 1]")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     _samples_to_iters(args, args.lr_wsd_decay_samples, "lr_wsd_decay_iters")
 
@@ -165,12 +159,6 @@ def validate_megatron_compat_args(args: argparse.Namespace) -> None:
         raise CompatArgumentError("--optimizer sgd is not implemented (adam/adamw and basis-rotation are)")
     if args.optimizer == "adam":  # Megatron-LM's adam is AdamW: decoupled weight decay
         args.optimizer = "adamw"
-    if args.norm_epsilon <= 0:
-        raise CompatArgumentError("--norm-epsilon must be > 0")
-    if not 0.0 < args.rotary_percent <= 1.0:
-        raise CompatArgumentError("--rotary-percent must be in (0, 1]")
-    if args.rotary_base < 1:
-        raise CompatArgumentError("--rotary-base must be >= 1")
     _validate_wsd(args)
     _validate_model_options(args)
     _validate_transformer_impl(args)
