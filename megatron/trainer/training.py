@@ -304,9 +304,9 @@ def _resume(task: PretrainTask, args: argparse.Namespace, workers: list[StageWor
         load_stage_state(task, w, point, dp_rank, optimizer=not fresh_optimizer, rng=not args.finetune)
     start = 0 if args.finetune else point.iteration
     if dp_rank == 0 and workers[0].stage == 0:
-        what = "weights" if args.finetune else "weights and RNG" if args.no_load_optim else "checkpoint"
-        print(f"[megatron-async] loaded {what} from {point.directory} (iteration {point.iteration}); "
-              f"training from iteration {start}", flush=True)
+        fresh = " (weights only, from iteration 0)" if args.finetune else \
+            " (fresh optimizer and LR schedule)" if args.no_load_optim else ""
+        print(f"[megatron-async] resumed from {point.directory} at iteration {point.iteration}{fresh}", flush=True)
     return start
 
 
