@@ -17,8 +17,10 @@ The sampler is also used by ``tests/test_memory_flat.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -133,8 +135,11 @@ def sample_run(cmd: list[str], log: Path, ranks: bool, interval_s: float = 0.05,
                         out.series.setdefault(process_name(pid), []).append((iteration, rss))
             time.sleep(interval_s)
     finally:
-        if proc.poll() is None:
-            proc.kill()  # the launcher's forked ranks see their parent die and fail on their own
+        if proc.poll() is None:  # timed out or interrupted: end the ranks, then their launcher
+            for pid in pids if ranks else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.kill()
         proc.wait()
         err.close()
     out.wall_s = time.monotonic() - began
