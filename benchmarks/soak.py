@@ -162,6 +162,17 @@ def slope(points: list[tuple[int, int]]) -> float:
     return sum((x - mx) * (y - my) for x, y in points) / sxx
 
 
+def median_slope(points: list[tuple[int, int]]) -> float:
+    """Theil-Sen slope: the median of the slopes between all pairs of samples.
+
+    Steady growth (a leak) moves every pair's slope; a one-off step (the allocator extending
+    the heap when a timing-dependent peak of live tensors is reached for the first time) moves
+    only the pairs that straddle it, so the median ignores it unless steps are everywhere.
+    """
+    pairs = sorted((y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 != x1)
+    return pairs[len(pairs) // 2] if pairs else float("nan")
+
+
 def after(points: list[tuple[int, int]], first_iteration: int) -> list[tuple[int, int]]:
     return [(x, y) for x, y in points if x >= first_iteration]
 
