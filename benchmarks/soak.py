@@ -11,7 +11,8 @@ in bytes per iteration. Flat memory means a slope of at most about 1 byte per it
     python benchmarks/soak.py                                    # 20k emulator + 2 x 2k distributed iterations
     python benchmarks/soak.py --emulator-iters 2000 --dist-iters 400 --json soak.json
 
-The defaults take about 20 minutes on a quiet 2-core machine (see docs/benchmarks.md).
+The defaults take about 12 minutes on a 2-core machine shared with other work (4000 emulator
+iterations took 104 s there, 2000 distributed ones 91-122 s; see docs/benchmarks.md).
 The sampler is also used by ``tests/test_memory_flat.py``.
 """
 from __future__ import annotations
