@@ -47,3 +47,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def keep_update_history(monkeypatch):
+    """Stage workers keep every update's log entry (by default only the logging interval's)."""
+    from megatron.pipeline.worker import StageWorker
+
+    monkeypatch.setattr(StageWorker, "keep_update_history", True)
+    yield

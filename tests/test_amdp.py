@@ -267,7 +267,7 @@ def test_emulator_drift_and_identical_replicas(megatron_world1, monkeypatch, d: 
     assert len(checked) == iterations * d  # each logical stage after each update
 
 
-def test_nonfinite_gradient_skips_the_whole_sync_group(megatron_world1) -> None:
+def test_nonfinite_gradient_skips_the_whole_sync_group(megatron_world1, keep_update_history) -> None:
     # A NaN on device 1 before update 1: its replica sums turn NaN on devices 1 and 2 (the
     # sync group {1, 2} of D = 4), which skip together; devices 0 and 3 step on.
     workers = emulate(tiny_args(4, "amdp", 4, 3, "--pipeline-executor", "emulator", "--inject-nonfinite-grad", "1:1"))

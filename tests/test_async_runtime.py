@@ -40,12 +40,15 @@ def test_nonfinite_gradient_skips_only_that_stage_and_training_continues(tmp_pat
     records, _ = run_pretrain(argv, tmp_path / "run")
     skipped = [r["skipped_updates"] for r in records]
     assert skipped[2] == [0, 1], skipped  # iteration 3 = local update 2 of stage 1
+    # the logged norm is the last stage's: not finite when it skipped, not a made-up 0.0
+    norms = [r["grad_norm"] for r in records]
+    assert math.isnan(norms[2]) and all(math.isfinite(g) and g > 0 for i, g in enumerate(norms) if i != 2), norms
     assert all(s == [0, 0] for i, s in enumerate(skipped) if i != 2)
     assert all(math.isfinite(r["loss"]) for r in records)
     assert records[-1]["iteration"] == 6
 
 
-def test_skipped_update_leaves_that_stage_one_version_behind(megatron_world1):
+def test_skipped_update_leaves_that_stage_one_version_behind(megatron_world1, keep_update_history):
     workers = emulate(tiny_args(2, "paci", 2, 4, "--pipeline-executor", "emulator", "--inject-nonfinite-grad", "1:1"))
     assert [w.version for w in workers] == [4, 3]
     assert [e["skipped"] for e in workers[1].update_log] == [False, True, False, False]

@@ -187,7 +187,7 @@ def assert_same_training(got, want, exact: bool) -> None:
         assert _same(g["loss"], w["loss"]) or math.isclose(g["loss"], w["loss"], rel_tol=1e-6), (g, w)
         # The gradient norm reacts more than the loss to the in-place rollback's last-bit
         # differences in the weights (~1e-7 relative): up to ~1e-6 observed.
-        assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (g, w)
+        assert _same(g["grad_norm"], w["grad_norm"]) or math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (g, w)
     for name, want_value in want_params.items():
         diff = got_params[name] - want_value
         if name.endswith("linear_qkv.bias"):
@@ -245,7 +245,8 @@ def test_post_validated_interleaved_equals_interleaved(megatron_world1, tmp_path
     assert_same_training(got, want, exact)
 
 
-def test_nonfinite_loss_skips_the_step_on_every_stage_and_training_continues(megatron_world1, tmp_path) -> None:
+def test_nonfinite_loss_skips_the_step_on_every_stage_and_training_continues(megatron_world1, keep_update_history,
+                                                                              tmp_path) -> None:
     n, iters = 4, 5
     poisoned = 2 * n + 3  # a micro-batch of iteration 2 (update 1)
     workers, records = _train(n, "zb-h1", "--enable-optimizer-post-validation", "--optimizer-post-validation-exact",
@@ -266,7 +267,8 @@ def test_nonfinite_loss_skips_the_step_on_every_stage_and_training_continues(meg
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["in-place", "exact"])
-def test_nonfinite_gradient_on_the_last_stage_rolls_the_others_back(megatron_world1, tmp_path, exact) -> None:
+def test_nonfinite_gradient_on_the_last_stage_rolls_the_others_back(megatron_world1, keep_update_history, tmp_path,
+                                                                    exact) -> None:
     n, iters = 4, 5
     flags = ["--inject-nonfinite-grad", f"{n - 1}:1"]
     pv_flags = ["--enable-optimizer-post-validation", *(["--optimizer-post-validation-exact"] if exact else [])]

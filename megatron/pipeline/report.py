@@ -6,7 +6,7 @@ to the logging rank; the emulator hands the objects over directly. Both log the 
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -42,16 +42,19 @@ class StageReport:
         return self.loss_sum / self.loss_count if self.loss_count else math.nan
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([float(v) for v in astuple(self)], dtype=torch.float64)
+        return torch.tensor([float(getattr(self, name)) for name, _ in _FIELDS], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "StageReport":
-        values = t.tolist()
-        kwargs = {}
-        for f, v in zip(fields(cls), values):
-            kwargs[f.name] = int(v) if f.type in ("int", int) else float(v)
-        return cls(**kwargs)
+        return cls(**{name: kind(v) for (name, kind), v in zip(_FIELDS, t.tolist())})
 
     @classmethod
     def size(cls) -> int:
-        return len(fields(cls))
+        return len(_FIELDS)
+
+
+# (name, int or float) of every field, computed once: ``dataclasses.fields()`` builds its tuple
+# from a generator, and CPython keeps each such tuple on a free list when it is freed (up to
+# 2000 per size), so calling it per report grows a rank's memory for thousands of iterations.
+_FIELDS: tuple[tuple[str, type], ...] = tuple(
+    (f.name, int if f.type in ("int", int) else float) for f in fields(StageReport))

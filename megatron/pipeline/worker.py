@@ -101,6 +101,12 @@ class StageSetup:
 class StageWorker:
     """Executes F / B / W / BW / OPT for one stage and keeps its statistics."""
 
+    #: Keep every update's entry in ``update_log`` (and post-validation's ``log``) for the
+    #: whole run. Off by default: the logs then hold the current logging interval only, so
+    #: memory does not grow with the number of iterations. Tests that inspect a run's
+    #: history turn it on (the ``keep_update_history`` fixture).
+    keep_update_history: bool = False
+
     def __init__(self, setup: StageSetup, isolate_rng: bool = False):
         self.setup = setup
         self.stage = setup.stage
@@ -111,7 +117,7 @@ class StageWorker:
         self.meter = ActivationMeter(setup.optimizer.parameters())
         self.weights = setup.weight_policy or WeightPolicy(setup.optimizer.parameters(), setup.optimizer)
         self.drift_histogram: Counter[int] = Counter()
-        self.update_log: list[dict[str, Any]] = []  # per update: lr, norm, skipped
+        self.update_log: list[dict[str, Any]] = []  # per update of the interval: lr, norm, skipped
         self.post_validation = PostValidationState()  # see megatron.pipeline.post_validation
         # (micro-batch, chunk) -> (loss, tokens) on the last stage, until reported: a report
         # for update k takes the micro-batches of updates <= k only (with post-validation the
@@ -140,6 +146,9 @@ class StageWorker:
         return float(sum(p.detach().double().pow(2).sum() for p in self.setup.optimizer.parameters()))
 
     def _reset_interval(self) -> None:
+        if not self.keep_update_history:
+            self.update_log.clear()
+            self.post_validation.log.clear()
         self._drifts: list[int] = []
         self._updates = 0
         self._skipped = 0
@@ -394,6 +403,7 @@ class StageWorker:
         scale = {} if self.setup.loss_scaler is None else {"loss_scale": self.setup.loss_scaler.scale}
         if lr is None:
             self._skipped += 1
+            self._last_norm = math.nan  # not 0.0: the gradients were not finite
             self.update_log.append({"update": update, "skipped": True, **scale})
             print(
                 f"[megatron-async] stage {self.stage}: skipped update {update} "

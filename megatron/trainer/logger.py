@@ -7,7 +7,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,7 +48,7 @@ class TrainingLogger:
     log_drift: bool = False
     json_path: str | None = None
     stream: IO[str] = sys.stdout
-    records: list[dict[str, Any]] = field(default_factory=list)
+    last_record: dict[str, Any] | None = None  # only the latest: a long run must not grow
     start_iteration: int = 0  # a resumed run continues the iteration count
     tensorboard_dir: str | None = None
     # Samples consumed before an iteration (a batch-size rampup); None: a constant batch.
@@ -95,7 +95,7 @@ class TrainingLogger:
         return record
 
     def _write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
+        self.last_record = record
         if self._json is not None:
             self._json.write(json.dumps(record) + "\n")
             self._json.flush()

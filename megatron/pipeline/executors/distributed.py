@@ -1,7 +1,8 @@
 """The distributed runtime: one process per stage, op streams over torch.distributed P2P.
 
 Receives are posted a few ops ahead (in op order, so per-peer FIFO matching is preserved)
-to overlap communication with compute; sends are non-blocking and reaped as they complete;
+to overlap communication with compute; sends are non-blocking, and each sent tensor is
+released as soon as its send completes (:mod:`~megatron.pipeline.executors.send_reaper`);
 activations are freed by the worker as soon as their backward ran. Every wait has a
 timeout, and any failure is raised as :class:`PipelineRuntimeError` naming stage and op.
 """
@@ -16,16 +17,14 @@ import torch.distributed as dist
 
 from megatron.pipeline.comm import Message, op_recvs
 from megatron.pipeline.executors.common import ReportCadence, ReportSink, run_compute_op
+from megatron.pipeline.executors.errors import PipelineRuntimeError
+from megatron.pipeline.executors.send_reaper import SendReaper, wait_or_raise
 from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind
 from megatron.pipeline.parallel import StageGroups
 from megatron.pipeline.post_validation import ValidationOutcomes, run_post_validation_op
 from megatron.pipeline.replicas import gather_shards_distributed, has_replicas, reduce_distributed
 from megatron.pipeline.report import StageReport
 from megatron.pipeline.worker import StageWorker
-
-
-class PipelineRuntimeError(RuntimeError):
-    """A failure in the pipeline runtime; the message names the stage, rank and op."""
 
 
 class P2PChannel:
@@ -39,7 +38,7 @@ class P2PChannel:
         # same activation twice (a stale copy to DRAIN, then the re-sent one).
         self._posted: dict[Message, deque[tuple[dist.Work | None, torch.Tensor]]] = {}
         self._local: dict[Message, torch.Tensor] = {}  # stage sending to itself
-        self._sends: deque[tuple[dist.Work, torch.Tensor, Message]] = deque()
+        self._sends = SendReaper(timeout, threaded=worker.setup.device.type == "cpu")
 
     def _peer(self, stage: int) -> int:
         return self.groups.layout.rank(stage, self.groups.dp_rank)
@@ -60,31 +59,19 @@ class P2PChannel:
         work, buf = queue.popleft()
         if not queue:
             del self._posted[msg]
-        try:
-            work.wait(self.timeout)
-        except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise PipelineRuntimeError(
-                f"receiving {msg} from stage {msg.src_stage} (rank {self._peer(msg.src_stage)}) "
-                f"failed (receive timeout {self.timeout.total_seconds():.0f}s): {exc}"
-            ) from exc
+        wait_or_raise(work, self.timeout, f"receiving {msg} from stage {msg.src_stage} (rank {self._peer(msg.src_stage)})")
         return buf
 
     def send(self, msg: Message, tensor: torch.Tensor) -> None:
         if msg.src_stage == msg.dst_stage:
             self._local[msg] = tensor.clone()
             return
-        tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, dst=self._peer(msg.dst_stage)), tensor, msg))
-        while self._sends and self._sends[0][0].is_completed():
-            self._sends.popleft()
+        tensor = tensor.contiguous()  # a no-op (no copy) for the contiguous tensors stages produce
+        peer = self._peer(msg.dst_stage)
+        self._sends.add(peer, dist.isend(tensor, dst=peer), tensor, msg)
 
     def flush(self) -> None:
-        while self._sends:
-            work, _, msg = self._sends.popleft()
-            try:
-                work.wait(self.timeout)
-            except Exception as exc:  # noqa: BLE001
-                raise PipelineRuntimeError(f"sending {msg} failed or timed out: {exc}") from exc
+        self._sends.flush()
 
 
 def _is_barrier(op: Op) -> bool:
@@ -218,13 +205,13 @@ class SideChannelReports:
         self.collector = collector
         self.timeout = timeout
         self.logging_rank = logging_rank
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sends = SendReaper(timeout, threaded=True)  # the side group is gloo
 
     def submit(self, report: StageReport, replica: int) -> None:
         if self.groups.rank != self.logging_rank:
             t = report.to_tensor()
-            self._sends.append((dist.isend(t, dst=self.logging_rank, group=self.groups.reports), t))
-            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+            work = dist.isend(t, dst=self.logging_rank, group=self.groups.reports)
+            self._sends.add(self.logging_rank, work, t, f"the statistics of update {report.update}")
             return
         assert self.collector is not None
         self.collector.submit(report, replica)
@@ -233,17 +220,9 @@ class SideChannelReports:
                 continue
             buf = torch.empty(StageReport.size(), dtype=torch.float64)
             work = dist.irecv(buf, src=rank, group=self.groups.reports)
-            try:
-                work.wait(self.timeout)
-            except Exception as exc:  # noqa: BLE001
-                stage = self.groups.layout.coords(rank)[0]
-                raise PipelineRuntimeError(
-                    f"collecting statistics of update {report.update} from stage {stage} (rank {rank}) "
-                    f"failed (timeout {self.timeout.total_seconds():.0f}s): {exc}"
-                ) from exc
+            stage = self.groups.layout.coords(rank)[0]
+            wait_or_raise(work, self.timeout, f"collecting statistics of update {report.update} from stage {stage} (rank {rank})")
             self.collector.submit(StageReport.from_tensor(buf), self.groups.layout.coords(rank)[1])
 
     def flush(self) -> None:
-        for work, _ in self._sends:
-            work.wait(self.timeout)
-        self._sends = []
+        self._sends.flush()
