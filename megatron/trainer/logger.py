@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from megatron.pipeline.report import StageReport
+from megatron.trainer.run_summary import RunSummary
 
 
 class ReportCollector:
@@ -51,15 +52,20 @@ class TrainingLogger:
     records: list[dict[str, Any]] = field(default_factory=list)
     start_iteration: int = 0  # a resumed run continues the iteration count
     tensorboard_dir: str | None = None
+    # Asynchronous schedules: every stage steps on its own clock, so its lr and grad norm are
+    # logged per stage (synchronous stages share both).
+    per_stage_optimizer: bool = False
+    aux_loss_name: str | None = None  # a task's separately logged loss part ("sop loss")
 
     def __post_init__(self) -> None:
         self._start = time.perf_counter()
+        self._wall_start = self._start
         self._last_time = self._start
         self._last_iteration = self.start_iteration
+        self.summary = RunSummary(self.start_iteration, self.tokens_per_iteration)
         self._json: IO[str] | None = None
         if self.json_path:
-            Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
-            self._json = open(self.json_path, "a")
+            self._json = open_new_json_log(self.json_path, self.stream)
         self._tensorboard = TensorBoardScalars(self.tensorboard_dir) if self.tensorboard_dir else None
 
     @contextlib.contextmanager
@@ -84,6 +90,7 @@ class TrainingLogger:
         print(f"{bar}\n{line}\n{bar}", file=self.stream, flush=True)
         record = {"iteration": iteration, "eval_split": split, "eval_loss": loss, "eval_ppl": ppl, "eval_tokens": tokens}
         self._write(record)
+        self.summary.add_evaluation(record)
         if self._tensorboard is not None:
             self._tensorboard.add({f"{split}/lm-loss": loss, f"{split}/lm-loss-ppl": ppl}, iteration)
         return record
@@ -113,6 +120,8 @@ class TrainingLogger:
             "loss": loss_sum / loss_count if loss_count else math.nan,
             "lr": stage0[0].lr if stage0 else math.nan,
             "grad_norm": last[0].grad_norm if last else math.nan,
+            "lr_per_stage": _per_stage(reports, self.num_stages, lambda rs: rs[0].lr if rs else math.nan),
+            "grad_norm_per_stage": _per_stage(reports, self.num_stages, lambda rs: rs[0].grad_norm if rs else math.nan),
             "skipped_updates": _per_stage(reports, self.num_stages, lambda rs: max(r.skipped for r in rs)),
             "tokens_per_s": tokens_per_s,
             "iteration_time_ms": 1000.0 * interval / iters,
@@ -127,10 +136,15 @@ class TrainingLogger:
                 lambda rs: sum(r.drift_sum for r in rs) / max(1, sum(r.drift_count for r in rs))),
             "loss_scale": _per_stage(reports, self.num_stages, lambda rs: min(r.loss_scale for r in rs)),
         }
+        aux_count = sum(r.aux_loss_count for r in reports)
+        if self.aux_loss_name and aux_count:
+            record[_json_key(self.aux_loss_name)] = sum(r.aux_loss_sum for r in reports) / aux_count
         self._print(record)
         self._write(record)
+        self.summary.add_training(record)
         if self._tensorboard is not None:
-            self._tensorboard.add_training(record, iteration)
+            aux_key = _json_key(self.aux_loss_name) if self.aux_loss_name else None
+            self._tensorboard.add_training(record, iteration, self.per_stage_optimizer, aux_key)
 
     def _print(self, r: dict[str, Any]) -> None:
         mem = r["peak_memory_mb"] if any(r["peak_memory_mb"]) else r["peak_activation_mb"]
@@ -141,6 +155,10 @@ class TrainingLogger:
             f"elapsed time per iteration (ms): {r['iteration_time_ms']:.1f}",
             f"learning rate: {r['lr']:.6E}",
             f"lm loss: {r['loss']:.6E}",
+        ]
+        if self.aux_loss_name and _json_key(self.aux_loss_name) in r:
+            parts.append(f"{self.aux_loss_name}: {r[_json_key(self.aux_loss_name)]:.6E}")
+        parts += [
             f"grad norm: {r['grad_norm']:.3f}",
             f"tokens/s: {r['tokens_per_s']:.0f}",
             f"elapsed: {_hms(r['elapsed_s'])} ETA: {_hms(r['eta_s'])}",
@@ -148,11 +166,22 @@ class TrainingLogger:
         ]
         if any(scale != 1.0 for scale in r["loss_scale"]):  # --fp16
             parts.append(f"loss scale per stage: [{', '.join(f'{x:.1f}' for x in r['loss_scale'])}]")
+        if self.per_stage_optimizer:
+            parts.append(f"lr per stage: [{', '.join(f'{v:.3E}' for v in r['lr_per_stage'])}]")
+            parts.append(f"grad norm per stage: [{', '.join(f'{v:.3f}' for v in r['grad_norm_per_stage'])}]")
         if any(r["skipped_updates"]):
             parts.append(f"skipped updates per stage: {r['skipped_updates']}")
         if self.log_drift:
             parts.append(f"drift max: {r['drift_max']} mean: [{', '.join(f'{d:.2f}' for d in r['drift_mean'])}]")
         print(" | ".join(parts), file=self.stream, flush=True)
+
+    def summary_lines(self) -> list[str]:
+        now = time.perf_counter()
+        return self.summary.lines(wall_s=now - self._wall_start, train_s=now - self._start)
+
+    def log_summary(self) -> None:
+        """The end-of-run summary (iterations, tokens, time, throughput, losses, memory)."""
+        print("\n".join(self.summary_lines()), file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._json is not None:
@@ -180,9 +209,16 @@ class TensorBoardScalars:
                 self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 
-    def add_training(self, r: dict[str, Any], step: int) -> None:
+    def add_training(self, r: dict[str, Any], step: int, per_stage_optimizer: bool = False,
+                     aux_key: str | None = None) -> None:
         scalars = {"train/lm-loss": r["loss"], "train/learning-rate": r["lr"], "train/grad-norm": r["grad_norm"],
                    "throughput/tokens-per-s": r["tokens_per_s"], "throughput/iteration-time-ms": r["iteration_time_ms"]}
+        if aux_key in r:
+            scalars[f"train/{aux_key.replace('_', '-')}"] = r[aux_key]
+        if per_stage_optimizer:
+            for stage, (lr, norm) in enumerate(zip(r["lr_per_stage"], r["grad_norm_per_stage"])):
+                scalars[f"learning-rate/stage{stage}"] = lr
+                scalars[f"grad-norm/stage{stage}"] = norm
         for stage in range(len(r["drift_max"])):
             scalars[f"drift/max-stage{stage}"] = r["drift_max"][stage]
             scalars[f"drift/mean-stage{stage}"] = r["drift_mean"][stage]
@@ -196,6 +232,28 @@ class TensorBoardScalars:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _json_key(name: str) -> str:
+    """A log label as a JSON/record key: "sop loss" -> "sop_loss"."""
+    return name.replace(" ", "_").replace("-", "_")
+
+
+def open_new_json_log(path: str, stream: IO[str]) -> IO[str]:
+    """Open ``--log-json PATH`` for a new run: one file per run, never two runs in one file.
+
+    An earlier run's non-empty log at PATH is kept, renamed to ``PATH.1`` (or the first free
+    ``PATH.N``), so a requeued or resumed job neither appends to nor destroys it.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_file() and target.stat().st_size > 0:
+        n = 1
+        while Path(f"{path}.{n}").exists():
+            n += 1
+        target.rename(f"{path}.{n}")
+        print(f"[megatron-async] --log-json: the previous run's {path} is now {path}.{n}", file=stream, flush=True)
+    return open(target, "w")
 
 
 def _hms(seconds: float) -> str:
