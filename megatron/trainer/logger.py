@@ -48,7 +48,7 @@ class TrainingLogger:
     tokens_per_iteration: int
     log_drift: bool = False
     json_path: str | None = None
-    stream: IO[str] = sys.stdout
+    stream: IO[str] = None  # type: ignore[assignment]  # None: sys.stdout when the logger is made
     records: list[dict[str, Any]] = field(default_factory=list)
     start_iteration: int = 0  # a resumed run continues the iteration count
     tensorboard_dir: str | None = None
@@ -58,6 +58,8 @@ class TrainingLogger:
     aux_loss_name: str | None = None  # a task's separately logged loss part ("sop loss")
 
     def __post_init__(self) -> None:
+        if self.stream is None:  # looked up now, not at import: tests and tools swap sys.stdout
+            self.stream = sys.stdout
         self._start = time.perf_counter()
         self._wall_start = self._start
         self._last_time = self._start

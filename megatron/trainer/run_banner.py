@@ -46,10 +46,10 @@ def parameter_line(params_per_stage: Sequence[int]) -> str:
     return f"parameters per stage: [{per_stage}] | total: {sum(params_per_stage):,}"
 
 
-def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int]) -> list[str]:
+def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int], executor: str) -> list[str]:
     lines = argument_lines(args)
     lines.append(f"{args.pipeline_schedule} on {args.pipeline_model_parallel_size} stages "
-                 f"({args.pipeline_executor} executor) | {parameter_line(params_per_stage)}")
+                 f"({executor}) | {parameter_line(params_per_stage)}")
     lines.append(data_source_line(args))
     optional = optional_packages_line()
     if optional:
@@ -57,5 +57,6 @@ def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int]) -> l
     return lines
 
 
-def print_banner(args: argparse.Namespace, params_per_stage: Sequence[int], stream: IO[str]) -> None:
-    print("\n".join(banner_lines(args, params_per_stage)), file=stream, flush=True)
+def print_banner(args: argparse.Namespace, params_per_stage: Sequence[int], executor: str, stream: IO[str]) -> None:
+    """``executor`` says what runs the stages: the emulator, or one process per rank."""
+    print("\n".join(banner_lines(args, params_per_stage, executor)), file=stream, flush=True)

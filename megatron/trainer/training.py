@@ -196,7 +196,7 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     pp = args.pipeline_model_parallel_size
     workers = [build_worker(task, args, s, 0, device, isolate_rng=True) for s in range(pp)]
     start = _resume(task, workers, 0, resume)
-    print_banner(args, [stage_parameter_count(w) for w in workers], sys.stdout)
+    print_banner(args, [stage_parameter_count(w) for w in workers], "emulator, one process", sys.stdout)
     logger = make_logger(args, start, task)
     collector = ReportCollector(pp, logger.log_update)
     schedule = run_schedule(args, start, resume)
@@ -249,7 +249,8 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         dist.all_gather_object(counts, (stage, dp_rank, stage_parameter_count(worker)), group=groups.reports)
         if rank == 0:
             per_stage = dict((s, n) for s, d, n in counts if d == 0)  # type: ignore[misc]
-            print_banner(args, [per_stage[s] for s in sorted(per_stage)], sys.stdout)
+            print_banner(args, [per_stage[s] for s in sorted(per_stage)],
+                         f"distributed runtime, {layout.world_size} ranks", sys.stdout)
         logger = make_logger(args, start, task) if rank == 0 else None
         collector = ReportCollector(layout.world_size, logger.log_update) if logger else None
         reports = SideChannelReports(groups, collector, p2p_timeout)
