@@ -8,9 +8,11 @@ datasets) feed the next exactly as for a user following the README. Not run:
 * lines whose trailing comment starts with ``gpu`` or ``long`` (GPU-only or long-running);
 * cluster and container commands (``sbatch``, ``srun``, ``salloc``, ``scontrol``, ``docker``).
 
-Shrinking is explicit and small: ``--train-iters N`` and ``TRAIN_ITERS=N`` in a snippet are
-capped at :data:`CAP`, and the examples get ``TRAIN_ITERS`` / ``FORCE_CPU`` from the
-environment (their documented overrides). Everything else runs verbatim. The test also checks
+Shrinking is explicit and small: ``--train-iters N`` in a snippet is capped at :data:`CAP`;
+the examples get their documented environment overrides ``FORCE_CPU=1``,
+``EXECUTOR=emulator`` (one process instead of four torchrun ranks, each paying megatron-core's
+import) and ``TRAIN_ITERS`` = :data:`EXAMPLE_ITERS`, which also caps a snippet's own
+``TRAIN_ITERS=N``. Everything else runs verbatim. The test also checks
 that ``.gitignore`` names everything the snippets create, and that no rank printed
 megatron-core's per-import optional-package warnings.
 """
@@ -24,7 +26,8 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CAP = 20  # iterations
+CAP = 20  # iterations of a direct pretrain_*.py line
+EXAMPLE_ITERS = 2  # iterations of an examples/*.sh line
 SKIP_TAGS = ("gpu", "long")
 CLUSTER_PROGRAMS = {"sbatch", "srun", "salloc", "scontrol", "docker"}
 
@@ -59,8 +62,8 @@ def skip_reason(line: str) -> str | None:
 
 
 def cap_iterations(line: str) -> str:
-    return re.sub(r"(--train-iters[ =]|\bTRAIN_ITERS=)(\d+)",
-                  lambda m: m.group(1) + str(min(int(m.group(2)), CAP)), line)
+    line = re.sub(r"(--train-iters[ =])(\d+)", lambda m: m.group(1) + str(min(int(m.group(2)), CAP)), line)
+    return re.sub(r"\b(TRAIN_ITERS=)(\d+)", lambda m: m.group(1) + str(min(int(m.group(2)), EXAMPLE_ITERS)), line)
 
 
 def test_readme_blocks_parse() -> None:
@@ -69,7 +72,7 @@ def test_readme_blocks_parse() -> None:
     assert blocks == [["a b  # gpu: x", "TRAIN_ITERS=2000 sbatch s"]]
     assert [skip_reason(line) for line in blocks[0]] == ["marked # gpu", "sbatch: cluster or container"]
     assert cap_iterations("x --train-iters 2000 TRAIN_ITERS=5 --train-iters=300") == \
-        f"x --train-iters {CAP} TRAIN_ITERS=5 --train-iters={CAP}"
+        f"x --train-iters {CAP} TRAIN_ITERS={EXAMPLE_ITERS} --train-iters={CAP}"
 
 
 def _free_port() -> int:
@@ -94,7 +97,8 @@ def test_readme_snippets_run_verbatim(tmp_path: Path) -> None:
             (tmp_path / entry.name).symlink_to(entry)
     linked = {p.name for p in tmp_path.iterdir()}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(FORCE_CPU="1", TRAIN_ITERS=str(CAP), OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+    env.update(FORCE_CPU="1", EXECUTOR="emulator", TRAIN_ITERS=str(EXAMPLE_ITERS), OMP_NUM_THREADS="1",
+               MASTER_PORT=str(_free_port()))
     ran, skipped = 0, []
     for block in blocks:
         lines = []
