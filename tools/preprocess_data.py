@@ -133,7 +133,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json or BERT vocab.txt")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
-    g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json (or its directory)")
+    g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json (or its directory), SentencePiece or tiktoken model")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: number of ids")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     g = p.add_argument_group("output data")
