@@ -53,6 +53,17 @@ def test_log_json_starts_a_new_file_per_run(megatron_world1, capsys, tmp_path: P
     assert "log.jsonl.1" in out
 
 
+def test_log_json_of_a_resumed_run_continues_from_its_checkpoint(megatron_world1, capsys, tmp_path: Path) -> None:
+    """Checkpoint at 2, the attempt went on to 3 (not in the checkpoint): the resumed run's
+    log is 1, 2 of the first attempt and its own 3; the first attempt's whole log is kept."""
+    ckpt = str(tmp_path / "ckpt")
+    _, _, first = _run(capsys, tmp_path, "--save", ckpt, "--save-interval", "2")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    _, _, resumed = _run(capsys, tmp_path, "--load", ckpt)
+    assert [r["iteration"] for r in resumed] == [1, 2, 3]
+    assert resumed[:2] == first[:2] and read_log(tmp_path / "log.jsonl.1") == first
+
+
 def test_async_stages_log_their_own_lr_and_grad_norm(megatron_world1, capsys, tmp_path: Path) -> None:
     """PACI: each stage steps on its own clock; the log shows each stage's last update."""
     workers, out, records = _run(capsys, tmp_path, "--lr-warmup-iters", "2")

@@ -67,7 +67,7 @@ class TrainingLogger:
         self.summary = RunSummary(self.start_iteration, self.tokens_per_iteration)
         self._json: IO[str] | None = None
         if self.json_path:
-            self._json = open_new_json_log(self.json_path, self.stream)
+            self._json = open_json_log(self.json_path, self.start_iteration, self.stream)
         self._tensorboard = TensorBoardScalars(self.tensorboard_dir) if self.tensorboard_dir else None
 
     @contextlib.contextmanager
@@ -241,21 +241,41 @@ def _json_key(name: str) -> str:
     return name.replace(" ", "_").replace("-", "_")
 
 
-def open_new_json_log(path: str, stream: IO[str]) -> IO[str]:
-    """Open ``--log-json PATH`` for a new run: one file per run, never two runs in one file.
+def open_json_log(path: str, start_iteration: int, stream: IO[str]) -> IO[str]:
+    """Open ``--log-json PATH`` so that two runs never mix in one file.
 
-    An earlier run's non-empty log at PATH is kept, renamed to ``PATH.1`` (or the first free
-    ``PATH.N``), so a requeued or resumed job neither appends to nor destroys it.
+    A fresh run (``start_iteration`` 0) starts a new file: an earlier run's non-empty log at
+    PATH is kept, renamed to ``PATH.1`` (or the first free ``PATH.N``). A run resumed from a
+    checkpoint at iteration k continues its own log: it keeps the records up to k and appends;
+    records after k (an interrupted attempt that the checkpoint does not include) move, with
+    the whole previous file, to ``PATH.N``.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_file() and target.stat().st_size > 0:
-        n = 1
-        while Path(f"{path}.{n}").exists():
-            n += 1
-        target.rename(f"{path}.{n}")
-        print(f"[megatron-async] --log-json: the previous run's {path} is now {path}.{n}", file=stream, flush=True)
-    return open(target, "w")
+    if not (target.is_file() and target.stat().st_size > 0):
+        return open(target, "w")
+    lines = target.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if start_iteration and _iteration_of(line) <= start_iteration]
+    if len(kept) == len(lines):
+        return open(target, "a")
+    n = 1
+    while Path(f"{path}.{n}").exists():
+        n += 1
+    target.rename(f"{path}.{n}")
+    print(f"[megatron-async] --log-json: the previous log {path} is now {path}.{n}"
+          + (f"; {path} keeps its records up to iteration {start_iteration}" if kept else ""),
+          file=stream, flush=True)
+    out = open(target, "w")
+    out.writelines(kept)
+    out.flush()
+    return out
+
+
+def _iteration_of(line: str) -> float:
+    try:
+        return float(json.loads(line).get("iteration", math.inf))
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf
 
 
 def _hms(seconds: float) -> str:
