@@ -208,7 +208,6 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     finally:
         if stop is not None:
             stop.restore()
-    run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger)
     logger.log_summary()
     logger.close()
     if args.log_weight_version_drift:
