@@ -323,9 +323,10 @@ def bert_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("bert_data")
     docs = root / "docs.jsonl"
     write_jsonl(pydoc_corpus("topic")[:16], docs)
-    assert train_tokenizer(["--input", str(docs), "--output-dir", str(root / "tok"), "--vocab-size", "600",
-                            "--wordpiece", "--wordpiece-vocab-size", "400"]) == 0
-    vocab = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(root / "tok" / "vocab.txt")]
+    for kind in ([], ["--wordpiece", "--wordpiece-vocab-size", "400"]):  # BPE, then WordPiece beside it
+        assert train_tokenizer(["--input", str(docs), "--output-dir", str(root / "tok"), "--vocab-size", "600",
+                                *kind]) == 0
+    vocab = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(root / "tok" / "wordpiece-vocab.txt")]
     assert preprocess(["--input", str(docs), "--output-prefix", str(root / "docs"), *vocab,
                        "--split-sentences", "--workers", "1"]) == 0
     return root, [*vocab, "--data-path", str(root / "docs_text_sentence"), "--data-cache-path", str(root / "cache")]
@@ -364,14 +365,14 @@ def _corpus_argv(root: Path, tmp: Path, *tokenizer: str) -> list[str]:
 
 def test_bert_trains_with_hugging_face_wordpiece_tokenizer(bert_corpus, tmp_path: Path, monkeypatch):
     """tools/train_tokenizer.py --wordpiece also writes a tokenizer.json naming BERT's special
-    tokens; it encodes like vocab.txt and drives BERT's masked-LM dataset."""
+    tokens; it encodes like wordpiece-vocab.txt and drives BERT's masked-LM dataset."""
     from megatron.trainer.tokenizer import build_tokenizer
 
     root, _ = bert_corpus
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(root / "tok" / "wordpiece"))
-    wp = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(root / "tok" / "vocab.txt"))
+    wp = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(root / "tok" / "wordpiece-vocab.txt"))
     text = "The assignment statement binds names to objects."
     assert hf.tokenize(text) == wp.tokenize(text)
     assert (hf.cls, hf.sep, hf.mask, hf.pad) == (wp.cls, wp.sep, wp.mask, wp.pad)
@@ -402,7 +403,7 @@ def test_bert_data_errors_are_one_line(bert_corpus, tmp_path: Path, capsys, monk
 
     bpe = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok")]
     assert "BERT needs [CLS], [SEP], [MASK] and [PAD]" in error(_corpus_argv(root, tmp_path, *bpe))
-    vocab = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(root / "tok" / "vocab.txt")]
+    vocab = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(root / "tok" / "wordpiece-vocab.txt")]
     src = tmp_path / "one.jsonl"
     src.write_text("".join(json.dumps({"text": f"Document {i} has one sentence only."}) + "\n" for i in range(40)))
     assert preprocess(["--input", str(src), "--output-prefix", str(tmp_path / "one"), *vocab]) == 0

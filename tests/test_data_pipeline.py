@@ -43,8 +43,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> argparse.Namespace:
 
     root = tmp_path_factory.mktemp("data")
     tok = root / "tok"
-    assert train_tokenizer(["--output-dir", str(tok), "--vocab-size", str(TOKENIZER_VOCAB), "--wordpiece",
-                            "--wordpiece-vocab-size", "500"]) == 0
+    assert train_tokenizer(["--output-dir", str(tok), "--vocab-size", str(TOKENIZER_VOCAB)]) == 0
+    gpt2_files = {name: (tok / name).read_bytes() for name in ("vocab.json", "merges.txt", "tokenizer.json")}
+    assert train_tokenizer(["--output-dir", str(tok), "--wordpiece", "--wordpiece-vocab-size", "500"]) == 0
+    # WordPiece beside BPE in one directory leaves the BPE files as they were.
+    assert {name: (tok / name).read_bytes() for name in gpt2_files} == gpt2_files
     topics = root / "topics.jsonl"
     assert make_corpus(["--output", str(topics)]) == 0
     paragraphs = root / "paragraphs.jsonl"
@@ -97,7 +100,7 @@ def test_tokenizer_json_and_gpt2_files_agree(corpus) -> None:
 
 
 def test_bert_wordpiece_and_null_tokenizers(corpus) -> None:
-    bert = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(corpus.tok / "vocab.txt"))
+    bert = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(corpus.tok / "wordpiece-vocab.txt"))
     specials = {bert.cls, bert.sep, bert.pad, bert.mask, bert.eod}
     assert len(specials) == 5 and max(specials) < bert.vocab_size
     assert bert.inv_vocab[bert.cls] == "[CLS]" and bert.inv_vocab[bert.eod] == "[EOS]"

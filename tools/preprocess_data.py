@@ -9,18 +9,17 @@ For every ``--json-keys`` field K this writes ``{output-prefix}_{K}_document.bin
 {output-prefix}_{K}_document`` then trains on. Each input line is one JSON object, one
 document. Files appear only when complete (written under a temporary name, then renamed).
 
-``--split-sentences`` uses a small built-in rule-based splitter (sentence-final ``.!?``
-followed by whitespace and a capital, digit, quote or bracket; blank lines), no NLTK
-download. Sentences lose their surrounding whitespace as with Megatron-LM's NLTK splitter;
-``--keep-newlines`` keeps each sentence's trailing whitespace, so the sentences of a
-document concatenate back to its exact text.
+``--split-sentences`` splits with nltk's Punkt like Megatron-LM, offline: the installed English
+model when nltk has one, else Punkt trained on the input's first characters
+(``megatron/trainer/data/sentence_split.py``); nothing is downloaded. Sentences lose their
+surrounding whitespace as in Megatron-LM; ``--keep-newlines`` keeps each sentence's trailing
+whitespace, so the sentences of a document concatenate back to its exact text.
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -33,29 +32,13 @@ if str(REPO) not in sys.path:
 # Only light imports at module level: worker processes start before torch is imported.
 from megatron.trainer.data.corpus import EncodingError, json_record, utf8_lines  # noqa: E402
 from megatron.trainer.flag_checks import OneLineParser  # noqa: E402
+from megatron.trainer.data.sentence_split import TRAINING_SAMPLE_CHARS, build_splitter, split_sentences  # noqa: E402
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
 from megatron.trainer.writable import OutputPathError, check_writable_directory  # noqa: E402
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[A-Z0-9])|\n\s*\n")
 
 
 class InputError(ValueError):
     """A bad input line; the message is one line with file and line number."""
-
-
-def split_sentences(text: str, keep_whitespace: bool = False) -> list[str]:
-    """Rule-based sentence split. With ``keep_whitespace`` the pieces concatenate to ``text``."""
-    pieces, start = [], 0
-    for match in _SENTENCE_END.finditer(text):
-        # Closing quotes/brackets after the full stop belong to the sentence, whitespace after.
-        end = match.start() + len(match.group(0)) - len(match.group(0).lstrip("\"')]"))
-        cut = match.end() if keep_whitespace else end
-        pieces.append(text[start:cut])
-        start = match.end()
-    pieces.append(text[start:])
-    if keep_whitespace:
-        return [p for p in pieces if p]
-    return [p.strip() for p in pieces if p.strip()]
 
 
 class Encoder:
@@ -63,8 +46,9 @@ class Encoder:
 
     tokenizer: Any = None
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, splitter: Any = None) -> None:
         self.args = args
+        self.splitter = splitter  # Punkt with --split-sentences (pickled into each worker)
 
     def initializer(self) -> None:
         Encoder.tokenizer = build_tokenizer(
@@ -85,7 +69,7 @@ class Encoder:
                 raise InputError(f"{where}: no {key!r} field (--json-keys {' '.join(self.args.json_keys)})")
             text = str(record[key])
             if self.args.split_sentences:
-                sentences = split_sentences(text, keep_whitespace=self.args.keep_newlines)
+                sentences = split_sentences(self.splitter, text, keep_whitespace=self.args.keep_newlines)
             else:
                 sentences = [text]
             doc_ids: list[int] = []
@@ -120,6 +104,24 @@ def _has_content(path: str) -> bool:
         return any(raw.strip() for raw in f)
 
 
+def _sample_texts(args: argparse.Namespace):
+    """The --json-keys texts of the input's leading lines (Punkt's training sample); lines that
+    are not JSON objects are skipped here and reported with their line number by the encoder."""
+    size = 0
+    for _, line in _numbered_lines(args.input):
+        try:
+            record = json_record(line, args.input)
+        except ValueError:
+            continue
+        for key in args.json_keys:
+            if key in record:
+                text = str(record[key])
+                size += len(text)
+                yield text
+        if size >= TRAINING_SAMPLE_CHARS:
+            return
+
+
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     g = p.add_argument_group("input data")
@@ -131,7 +133,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json or BERT vocab.txt")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
-    g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json (or its directory)")
+    g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json (or its directory), SentencePiece or tiktoken model")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: number of ids")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     g = p.add_argument_group("output data")
@@ -176,7 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     args = get_args(argv)
     vocab_size = args.tokenizer.vocab_size
     del args.tokenizer  # workers build their own; keep the Namespace picklable and small
-    encoder = Encoder(args)
+    splitter = None
+    if args.split_sentences:
+        try:
+            splitter, how = build_splitter(_sample_texts(args))
+        except InputError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"Splitting sentences with {how}.", file=sys.stderr, flush=True)
+    encoder = Encoder(args, splitter)
     start = time.monotonic()
     pool = None
     if args.workers > 1:

@@ -1,16 +1,18 @@
-"""Train a byte-level BPE tokenizer (GPT-2 style) with the Hugging Face ``tokenizers`` library.
+"""Train a byte-level BPE tokenizer (GPT-2 style) or BERT WordPiece with Hugging Face ``tokenizers``.
 
     python tools/train_tokenizer.py --output-dir tok --vocab-size 8192           # pydoc corpus
     python tools/train_tokenizer.py --output-dir tok --input corpus.jsonl --json-keys text
     python tools/train_tokenizer.py --output-dir tok --vocab-size 1024 --wordpiece
 
-Writes ``tokenizer.json`` (+ ``tokenizer_config.json``), for ``--tokenizer-type
-HuggingFaceTokenizer --tokenizer-model tok/tokenizer.json``, and GPT-2-style ``vocab.json`` +
-``merges.txt`` for ``--tokenizer-type GPT2BPETokenizer --vocab-file tok/vocab.json
---merge-file tok/merges.txt``. ``--wordpiece`` also trains a BERT WordPiece ``vocab.txt``
-(``--tokenizer-type BertWordPieceLowerCase --vocab-file tok/vocab.txt``) and the same as
-``tok/wordpiece/tokenizer.json`` (``--tokenizer-type HuggingFaceTokenizer --tokenizer-model
-tok/wordpiece``).
+BPE (the default) writes ``tokenizer.json`` (+ ``tokenizer_config.json``), for
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model tok/tokenizer.json``, and GPT-2-style
+``vocab.json`` + ``merges.txt`` for ``--tokenizer-type GPT2BPETokenizer --vocab-file
+tok/vocab.json --merge-file tok/merges.txt``. ``--wordpiece`` trains BERT WordPiece instead:
+``wordpiece-vocab.txt`` (``--tokenizer-type BertWordPieceLowerCase --vocab-file
+tok/wordpiece-vocab.txt``) and the same as ``tok/wordpiece/tokenizer.json``
+(``--tokenizer-type HuggingFaceTokenizer --tokenizer-model tok/wordpiece``). The two kinds
+never share a file name, so both can live in one ``--output-dir`` and training one never
+overwrites the other.
 
 Without ``--input`` the corpus is CPython's own documentation topics (``pydoc_data``), so this
 runs offline. Inputs ending in ``.jsonl``/``.json`` are read one JSON object per line (the
@@ -34,6 +36,7 @@ from megatron.trainer.writable import OutputPathError, check_writable_directory 
 from megatron.trainer.tokenizer.tokenizer import GPT2_EOD  # noqa: E402
 
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDPIECE_VOCAB = "wordpiece-vocab.txt"  # not vocab.txt: one --output-dir holds BPE and WordPiece
 
 
 def _texts(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
@@ -75,7 +78,7 @@ def train_bpe(texts: list[str], vocab_size: int, min_frequency: int, output_dir:
 
 def train_wordpiece(texts: list[str], vocab_size: int, min_frequency: int, lower_case: bool,
                     output_dir: str) -> list[str]:
-    """Train BERT WordPiece; write vocab.txt (one token per line, id = line number) and the same
+    """Train BERT WordPiece; write wordpiece-vocab.txt (one token per line, id = line number) and the same
     tokenizer as wordpiece/tokenizer.json, whose tokenizer_config.json names BERT's special
     tokens (so ``--tokenizer-type HuggingFaceTokenizer`` serves BERT too)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -90,7 +93,7 @@ def train_wordpiece(texts: list[str], vocab_size: int, min_frequency: int, lower
     )
     tok.train_from_iterator(texts, trainer)
     vocab = tok.get_vocab()
-    path = os.path.join(output_dir, "vocab.txt")
+    path = os.path.join(output_dir, WORDPIECE_VOCAB)
     with open(path, "w", encoding="utf-8") as f:
         for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
             f.write(token + "\n")
@@ -111,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary, 256 bytes + merges + <|endoftext|>")
     p.add_argument("--min-frequency", type=int, default=2)
-    p.add_argument("--wordpiece", action="store_true", help="also train a BERT WordPiece vocab.txt")
+    p.add_argument("--wordpiece", action="store_true",
+                   help=f"train BERT WordPiece ({WORDPIECE_VOCAB}, wordpiece/tokenizer.json) instead of BPE")
     p.add_argument("--wordpiece-vocab-size", type=int, default=None, help="default: --vocab-size")
     p.add_argument("--wordpiece-case", action="store_true", help="case-preserving WordPiece (BertWordPieceCase)")
     args = p.parse_args(argv)
-    if args.vocab_size < 258:
+    if args.vocab_size < 258 and not args.wordpiece:
         p.error("--vocab-size must be at least 258 (256 byte tokens, <|endoftext|>, one merge)")
     if args.min_frequency < 0:
         p.error(f"--min-frequency {args.min_frequency}: must be >= 0")
@@ -129,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     if not any(t.strip() for t in texts):
         p.error(f"--input {' '.join(args.input)}: no text (empty or blank)")
     os.makedirs(args.output_dir, exist_ok=True)
-    written = train_bpe(texts, args.vocab_size, args.min_frequency, args.output_dir)
     if args.wordpiece:
         size = args.wordpiece_vocab_size or args.vocab_size
-        written += train_wordpiece(texts, size, args.min_frequency, not args.wordpiece_case, args.output_dir)
+        written = train_wordpiece(texts, size, args.min_frequency, not args.wordpiece_case, args.output_dir)
+    else:
+        written = train_bpe(texts, args.vocab_size, args.min_frequency, args.output_dir)
     chars = sum(len(t) for t in texts)
     print(f"trained on {len(texts)} texts ({chars} characters); wrote {', '.join(written)}")
     return 0

@@ -32,6 +32,8 @@ class StageReport:
     mem_peak_bytes: int  # device peak allocated (CUDA) or 0
     loss_scale: float = 1.0  # fp16: the stage's loss scale at the report
     param_sq: float = 0.0  # sum of squared parameters at the report (--log-params-norm), else 0
+    aux_loss_sum: float = 0.0  # a task's logged part of the loss (BERT's sentence order), last stage
+    aux_loss_count: int = 0
 
     @property
     def drift_mean(self) -> float:

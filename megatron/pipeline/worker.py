@@ -96,6 +96,8 @@ class StageSetup:
     loss_scaler: StageLossScaler | None = None
     # --log-params-norm: reports carry the sum of squares of this stage's parameters.
     report_params_norm: bool = False
+    # A part of the loss logged on its own (BERT's sentence-order loss); None: nothing extra.
+    aux_loss_fn: Callable[[Any, Batch], torch.Tensor | None] | None = None
 
 
 class StageWorker:
@@ -113,6 +115,7 @@ class StageWorker:
         self.layout = setup.layout
         self._stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._fwd_version: dict[tuple[int, int], int] = {}
+        self._aux_losses: dict[tuple[int, int], torch.Tensor] = {}  # setup.aux_loss_fn, until reported
         self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # B done, W pending
         self.meter = ActivationMeter(setup.optimizer.parameters())
         self.weights = setup.weight_policy or WeightPolicy(setup.optimizer.parameters(), setup.optimizer)
@@ -264,6 +267,11 @@ class StageWorker:
                 if op.microbatch in self.setup.inject_nonfinite_losses:
                     loss = loss * float("nan")
                 self._losses[key] = (loss.detach(), num_tokens)
+                if self.setup.aux_loss_fn is not None:
+                    with torch.no_grad():
+                        aux = self.setup.aux_loss_fn(out, batch)
+                    if aux is not None:
+                        self._aux_losses[key] = aux.detach()
                 out = loss / self.setup.microbatches_per_update
         self._stash[key] = (x, out)
         if self.layout.is_last(self.stage, op.chunk):
@@ -313,6 +321,7 @@ class StageWorker:
         del self._stash[key]
         self._fwd_version.pop(key, None)
         self._losses.pop(key, None)
+        self._aux_losses.pop(key, None)
         self.meter.release(key)
 
     def backward(self, op: Op, grad_output: torch.Tensor | None) -> torch.Tensor | None:
@@ -421,6 +430,7 @@ class StageWorker:
         done = [key for key in self._losses if key[0] // a <= update]
         taken = [self._losses.pop(key) for key in done]
         loss_sum = float(torch.stack([loss for loss, _ in taken]).sum()) if taken else 0.0
+        aux = [self._aux_losses.pop(key) for key in done if key in self._aux_losses]
         mem = torch.cuda.max_memory_allocated(self.setup.device) if self.setup.device.type == "cuda" else 0
         report = StageReport(
             stage=self.stage,
@@ -440,6 +450,8 @@ class StageWorker:
             mem_peak_bytes=int(mem),
             loss_scale=1.0 if self.setup.loss_scaler is None else self.setup.loss_scaler.scale,
             param_sq=self._param_sq() if self.setup.report_params_norm else 0.0,
+            aux_loss_sum=float(torch.stack(aux).sum()) if aux else 0.0,
+            aux_loss_count=len(aux),
         )
         self._reset_interval()
         return report

@@ -15,7 +15,7 @@ from megatron.trainer.arguments import ArgumentError
 from megatron.trainer.data.bert_dataset import BertDataSource, build_bert_datasets, check_bert_data
 from megatron.trainer.data.gpt_dataset import DataError
 from megatron.trainer.data.mock_bert import FIRST_WORD, MIN_SEQ_LENGTH, MockBertData
-from megatron.trainer.models.bert import BertModelArgs, BertOutput, bert_loss, build_bert_stage
+from megatron.trainer.models.bert import BertModelArgs, BertOutput, bert_loss, build_bert_stage, sentence_order_loss
 from megatron.trainer.stage_tasks import (
     build_chunks,
     global_named_parameters,
@@ -102,6 +102,12 @@ class BertTask:
 
     def loss_fn(self, output: BertOutput, batch: Batch) -> tuple[torch.Tensor, int]:
         return bert_loss(output, batch)
+
+    # The sentence-order part of the loss, logged on its own (text, --log-json, TensorBoard).
+    aux_loss_name = "sop loss"
+
+    def aux_loss_fn(self, output: BertOutput, batch: Batch) -> torch.Tensor | None:
+        return sentence_order_loss(output, batch)
 
     def activation_spec(self, args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
         return hidden_activation_spec(args)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from megatron.pipeline.report import StageReport
+from megatron.trainer.run_summary import RunSummary
 
 
 class ReportCollector:
@@ -47,7 +48,7 @@ class TrainingLogger:
     tokens_per_iteration: int
     log_drift: bool = False
     json_path: str | None = None
-    stream: IO[str] = sys.stdout
+    stream: IO[str] = None  # type: ignore[assignment]  # None: sys.stdout when the logger is made
     last_record: dict[str, Any] | None = None  # only the latest: a long run must not grow
     start_iteration: int = 0  # a resumed run continues the iteration count
     tensorboard_dir: str | None = None
@@ -57,15 +58,22 @@ class TrainingLogger:
     num_gpus: int = 1  # ranks the throughput is shared by
     log_params_norm: bool = False
     wandb: Any = None  # a wandb run (--wandb-project), rank 0 only
+    # Asynchronous schedules: every stage steps on its own clock, so its lr and grad norm are
+    # logged per stage (synchronous stages share both).
+    per_stage_optimizer: bool = False
+    aux_loss_name: str | None = None  # a task's separately logged loss part ("sop loss")
 
     def __post_init__(self) -> None:
+        if self.stream is None:  # looked up now, not at import: tests and tools swap sys.stdout
+            self.stream = sys.stdout
         self._start = time.perf_counter()
+        self._wall_start = self._start
         self._last_time = self._start
         self._last_iteration = self.start_iteration
+        self.summary = RunSummary(self.start_iteration, self.tokens_per_iteration)
         self._json: IO[str] | None = None
         if self.json_path:
-            Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
-            self._json = open(self.json_path, "a")
+            self._json = open_json_log(self.json_path, self.start_iteration, self.stream)
         self._tensorboard = TensorBoardScalars(self.tensorboard_dir) if self.tensorboard_dir else None
 
     @contextlib.contextmanager
@@ -90,6 +98,7 @@ class TrainingLogger:
         print(f"{bar}\n{line}\n{bar}", file=self.stream, flush=True)
         record = {"iteration": iteration, "eval_split": split, "eval_loss": loss, "eval_ppl": ppl, "eval_tokens": tokens}
         self._write(record)
+        self.summary.add_evaluation(record)
         if self._tensorboard is not None:
             self._tensorboard.add({f"{split}/lm-loss": loss, f"{split}/lm-loss-ppl": ppl}, iteration)
         return record
@@ -122,6 +131,8 @@ class TrainingLogger:
             "loss": loss_sum / loss_count if loss_count else math.nan,
             "lr": stage0[0].lr if stage0 else math.nan,
             "grad_norm": last[0].grad_norm if last else math.nan,
+            "lr_per_stage": _per_stage(reports, self.num_stages, lambda rs: rs[0].lr if rs else math.nan),
+            "grad_norm_per_stage": _per_stage(reports, self.num_stages, lambda rs: rs[0].grad_norm if rs else math.nan),
             "skipped_updates": _per_stage(reports, self.num_stages, lambda rs: max(r.skipped for r in rs)),
             "tokens_per_s": tokens_per_s,
             "iteration_time_ms": 1000.0 * interval / iters,
@@ -140,12 +151,17 @@ class TrainingLogger:
             record["tflops_per_gpu"] = self.flops_per_sample * samples / max(interval, 1e-12) / self.num_gpus / 1e12
         if self.log_params_norm:  # replicas hold the same weights: one report per stage
             record["params_norm"] = math.sqrt(sum(_per_stage(reports, self.num_stages, lambda rs: rs[0].param_sq)))
+        aux_count = sum(r.aux_loss_count for r in reports)
+        if self.aux_loss_name and aux_count:
+            record[_json_key(self.aux_loss_name)] = sum(r.aux_loss_sum for r in reports) / aux_count
         self._print(record)
         self._write(record)
+        self.summary.add_training(record)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=iteration)
         if self._tensorboard is not None:
-            self._tensorboard.add_training(record, iteration)
+            aux_key = _json_key(self.aux_loss_name) if self.aux_loss_name else None
+            self._tensorboard.add_training(record, iteration, self.per_stage_optimizer, aux_key)
 
     def _print(self, r: dict[str, Any]) -> None:
         mem = r["peak_memory_mb"] if any(r["peak_memory_mb"]) else r["peak_activation_mb"]
@@ -156,6 +172,10 @@ class TrainingLogger:
             f"elapsed time per iteration (ms): {r['iteration_time_ms']:.1f}",
             f"learning rate: {r['lr']:.6E}",
             f"lm loss: {r['loss']:.6E}",
+        ]
+        if self.aux_loss_name and _json_key(self.aux_loss_name) in r:
+            parts.append(f"{self.aux_loss_name}: {r[_json_key(self.aux_loss_name)]:.6E}")
+        parts += [
             f"grad norm: {r['grad_norm']:.3f}",
             f"tokens/s: {r['tokens_per_s']:.0f}",
             f"elapsed: {_hms(r['elapsed_s'])} ETA: {_hms(r['eta_s'])}",
@@ -167,6 +187,9 @@ class TrainingLogger:
             parts.append(f"throughput per GPU (TFLOP/s/GPU): {r['tflops_per_gpu']:.1f}")
         if "params_norm" in r:
             parts.append(f"params norm: {r['params_norm']:.3f}")
+        if self.per_stage_optimizer:
+            parts.append(f"lr per stage: [{', '.join(f'{v:.3E}' for v in r['lr_per_stage'])}]")
+            parts.append(f"grad norm per stage: [{', '.join(f'{v:.3f}' for v in r['grad_norm_per_stage'])}]")
         if any(r["skipped_updates"]):
             parts.append(f"skipped updates per stage: {r['skipped_updates']}")
         if self.log_drift:
@@ -178,6 +201,14 @@ class TrainingLogger:
         if self.samples_before is not None:
             return self.samples_before(iteration)
         return iteration * self.samples_per_iteration
+
+    def summary_lines(self) -> list[str]:
+        now = time.perf_counter()
+        return self.summary.lines(wall_s=now - self._wall_start, train_s=now - self._start)
+
+    def log_summary(self) -> None:
+        """The end-of-run summary (iterations, tokens, time, throughput, losses, memory)."""
+        print("\n".join(self.summary_lines()), file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.wandb is not None:
@@ -208,9 +239,16 @@ class TensorBoardScalars:
                 self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 
-    def add_training(self, r: dict[str, Any], step: int) -> None:
+    def add_training(self, r: dict[str, Any], step: int, per_stage_optimizer: bool = False,
+                     aux_key: str | None = None) -> None:
         scalars = {"train/lm-loss": r["loss"], "train/learning-rate": r["lr"], "train/grad-norm": r["grad_norm"],
                    "throughput/tokens-per-s": r["tokens_per_s"], "throughput/iteration-time-ms": r["iteration_time_ms"]}
+        if aux_key in r:
+            scalars[f"train/{aux_key.replace('_', '-')}"] = r[aux_key]
+        if per_stage_optimizer:
+            for stage, (lr, norm) in enumerate(zip(r["lr_per_stage"], r["grad_norm_per_stage"])):
+                scalars[f"learning-rate/stage{stage}"] = lr
+                scalars[f"grad-norm/stage{stage}"] = norm
         for stage in range(len(r["drift_max"])):
             scalars[f"drift/max-stage{stage}"] = r["drift_max"][stage]
             scalars[f"drift/mean-stage{stage}"] = r["drift_mean"][stage]
@@ -224,6 +262,48 @@ class TensorBoardScalars:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _json_key(name: str) -> str:
+    """A log label as a JSON/record key: "sop loss" -> "sop_loss"."""
+    return name.replace(" ", "_").replace("-", "_")
+
+
+def open_json_log(path: str, start_iteration: int, stream: IO[str]) -> IO[str]:
+    """Open ``--log-json PATH`` so that two runs never mix in one file.
+
+    A fresh run (``start_iteration`` 0) starts a new file: an earlier run's non-empty log at
+    PATH is kept, renamed to ``PATH.1`` (or the first free ``PATH.N``). A run resumed from a
+    checkpoint at iteration k continues its own log: it keeps the records up to k and appends;
+    records after k (an interrupted attempt that the checkpoint does not include) move, with
+    the whole previous file, to ``PATH.N``.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not (target.is_file() and target.stat().st_size > 0):
+        return open(target, "w")
+    lines = target.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if start_iteration and _iteration_of(line) <= start_iteration]
+    if len(kept) == len(lines):
+        return open(target, "a")
+    n = 1
+    while Path(f"{path}.{n}").exists():
+        n += 1
+    target.rename(f"{path}.{n}")
+    print(f"[megatron-async] --log-json: the previous log {path} is now {path}.{n}"
+          + (f"; {path} keeps its records up to iteration {start_iteration}" if kept else ""),
+          file=stream, flush=True)
+    out = open(target, "w")
+    out.writelines(kept)
+    out.flush()
+    return out
+
+
+def _iteration_of(line: str) -> float:
+    try:
+        return float(json.loads(line).get("iteration", math.inf))
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf
 
 
 def _hms(seconds: float) -> str:

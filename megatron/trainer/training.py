@@ -35,6 +35,7 @@ from megatron.trainer.checkpointing import (
 from megatron.trainer.launcher import free_port, is_worker_process, launch_local
 from megatron.trainer.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop import Segment, plan_segments, run_segments
+from megatron.trainer.run_banner import print_banner
 from megatron.trainer.lr_schedule import LRSchedule
 from megatron.trainer.basis_rotation import BasisRotationAdamW, RotationConfig
 from megatron.trainer.mixed_precision_args import loss_scale_config
@@ -117,6 +118,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         weight_policy=schedule_cls.stage_weight_policy(config, stage, optimizer),
         loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
         report_params_norm=args.log_params_norm,
+        aux_loss_fn=getattr(task, "aux_loss_fn", None),
     )
     return StageWorker(setup, isolate_rng=isolate_rng)
 
@@ -127,7 +129,7 @@ def _loss_scaler(args: argparse.Namespace, asynchronous: bool) -> StageLossScale
     return None if config is None else StageLossScaler(config)
 
 
-def make_logger(args: argparse.Namespace, start_iteration: int = 0) -> TrainingLogger:
+def make_logger(args: argparse.Namespace, start_iteration: int = 0, task: PretrainTask | None = None) -> TrainingLogger:
     return TrainingLogger(
         num_stages=args.pipeline_model_parallel_size,
         train_iters=args.train_iters,
@@ -142,7 +144,14 @@ def make_logger(args: argparse.Namespace, start_iteration: int = 0) -> TrainingL
         num_gpus=args.world_size,
         log_params_norm=args.log_params_norm,
         wandb=wandb_run(args),
+        per_stage_optimizer=schedule_class(args.pipeline_schedule).asynchronous,
+        aux_loss_name=getattr(task, "aux_loss_name", None),
     )
+
+
+def stage_parameter_count(worker: StageWorker) -> int:
+    """Parameters of one stage (all its model chunks), for the start banner."""
+    return sum(p.numel() for chunk in worker.setup.chunks for p in chunk.parameters())
 
 
 def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | None = None) -> Schedule:
@@ -197,7 +206,8 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     pp = args.pipeline_model_parallel_size
     workers = [build_worker(task, args, s, 0, device, isolate_rng=True) for s in range(pp)]
     start = _resume(task, args, workers, 0, resume)
-    logger = make_logger(args, start)
+    print_banner(args, [stage_parameter_count(w) for w in workers], "emulator, one process", sys.stdout)
+    logger = make_logger(args, start, task)
     collector = ReportCollector(pp, logger.log_update)
     schedule = run_schedule(args, start, resume)
     cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
@@ -208,6 +218,7 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     finally:
         if stop is not None:
             stop.restore()
+    logger.log_summary()
     logger.close()
     if args.log_weight_version_drift:
         _print_drift_histograms(workers)
@@ -243,7 +254,13 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         resume = check_resume_or_exit(task, args, verify_files=False)  # each rank verifies the file it loads
         worker = build_worker(task, args, stage, dp_rank, device, isolate_rng=False)
         start = _resume(task, args, [worker], dp_rank, resume)
-        logger = make_logger(args, start) if rank == 0 else None
+        counts: list[tuple[int, int, int] | None] = [None] * layout.world_size
+        dist.all_gather_object(counts, (stage, dp_rank, stage_parameter_count(worker)), group=groups.reports)
+        if rank == 0:
+            per_stage = dict((s, n) for s, d, n in counts if d == 0)  # type: ignore[misc]
+            print_banner(args, [per_stage[s] for s in sorted(per_stage)],
+                         f"distributed runtime, {layout.world_size} ranks", sys.stdout)
+        logger = make_logger(args, start, task) if rank == 0 else None
         collector = ReportCollector(layout.world_size, logger.log_update) if logger else None
         reports = SideChannelReports(groups, collector, p2p_timeout)
         schedule = run_schedule(args, start, resume)
@@ -258,6 +275,7 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
                      schedule_for=segment_schedules(args, schedule, [worker]))
         reports.flush()
         if logger:
+            logger.log_summary()
             logger.close()
         if args.log_weight_version_drift and dp_rank == 0:
             _print_drift_histograms([worker])

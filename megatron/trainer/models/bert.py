@@ -156,12 +156,21 @@ def bert_loss(output: BertOutput, batch: dict[str, torch.Tensor]) -> tuple[torch
     """Megatron's BERT loss: masked-LM cross-entropy averaged over the masked tokens, plus the
     sentence-order cross-entropy over the micro-batch when the binary head is on; and the
     number of masked tokens."""
-    lm_loss, binary_logits = output
+    lm_loss = output[0]
     loss_mask = batch["loss_mask"].to(device=lm_loss.device, dtype=torch.float32)
     num_tokens = int(loss_mask.sum().item())
     loss = (lm_loss * loss_mask).sum() / max(num_tokens, 1)
-    if binary_logits is not None:
-        order = batch["sentence_order"].to(device=binary_logits.device).view(-1)
-        loss = loss + torch.nn.functional.cross_entropy(
-            binary_logits.view(-1, 2), order, ignore_index=-1)
+    order_loss = sentence_order_loss(output, batch)
+    if order_loss is not None:
+        loss = loss + order_loss
     return loss, num_tokens
+
+
+def sentence_order_loss(output: BertOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The sentence-order cross-entropy of the micro-batch; None without the binary head.
+    Part of :func:`bert_loss`, and logged on its own as Megatron-LM's "sop loss"."""
+    binary_logits = output[1]
+    if binary_logits is None:
+        return None
+    order = batch["sentence_order"].to(device=binary_logits.device).view(-1)
+    return torch.nn.functional.cross_entropy(binary_logits.view(-1, 2), order, ignore_index=-1)

@@ -1,21 +1,23 @@
-"""Tokenizers (GPT-2 BPE, Hugging Face JSON, BERT WordPiece, null) behind one interface."""
+"""Tokenizers (GPT-2 BPE, Hugging Face JSON, BERT WordPiece; megatron-core's null, SentencePiece,
+TikToken) behind one interface."""
 
 from megatron.trainer.tokenizer.tokenizer import (
     TOKENIZER_TYPES,
     BertWordPieceTokenizer,
     GPT2BPETokenizer,
     HuggingFaceTokenizer,
-    NullTokenizer,
     Tokenizer,
     TokenizerError,
     build_tokenizer,
     tokenizer_from_args,
     vocab_size_with_padding,
 )
+from megatron.trainer.tokenizer.core_backed import CoreTokenizer, NullTokenizer
 
 __all__ = [
     "TOKENIZER_TYPES",
     "BertWordPieceTokenizer",
+    "CoreTokenizer",
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",

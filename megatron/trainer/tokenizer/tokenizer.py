@@ -9,11 +9,15 @@ Megatron-LM's ``--tokenizer-type`` names select an implementation:
 ``BertWordPieceLowerCase`` BERT WordPiece from a ``vocab.txt``, lower-casing and accent-stripping
 ``BertWordPieceCase``      BERT WordPiece from a ``vocab.txt``, case-preserving
 ``NullTokenizer``          text is already space-separated integer ids (``--vocab-size`` V:
-                           vocabulary V + 1, end-of-document V)
+                           vocabulary V + 1, end-of-document V); megatron-core's
+``SentencePieceTokenizer`` a SentencePiece ``--tokenizer-model`` (needs ``sentencepiece``)
+``TikTokenizer``           a tiktoken vocabulary ``--tokenizer-model`` (needs ``tiktoken``)
 =========================  ================================================================
 
-The heavy lifting (BPE merges, WordPiece, normalisation) is done by the Hugging Face
-``tokenizers`` library. Every failure to load is a :class:`TokenizerError` whose message is
+The last three are megatron-core's tokenizers (:mod:`.core_backed`). The first four are thin
+adapters over the Hugging Face ``tokenizers`` library, which does the heavy lifting (BPE
+merges, WordPiece, normalisation): megatron-core's versions of them need ``transformers`` and,
+for GPT-2 and BERT, a Hugging Face hub download at run time (see :mod:`.core_backed`). Every failure to load is a :class:`TokenizerError` whose message is
 one line naming the offending file.
 
 The objects double as megatron-core dataset tokenizers: ``GPTDatasetConfig(tokenizer=...)``
@@ -36,6 +40,8 @@ TOKENIZER_TYPES = (
     "BertWordPieceLowerCase",
     "BertWordPieceCase",
     "NullTokenizer",
+    "SentencePieceTokenizer",
+    "TikTokenizer",
 )
 
 GPT2_EOD = "<|endoftext|>"
@@ -365,44 +371,6 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
         return self._bos
 
 
-class NullTokenizer(Tokenizer):
-    """Text that already is space-separated ids below ``vocab_size``; Megatron-LM's
-    ``NullTokenizer``: the vocabulary has one extra id, ``vocab_size``, the end of document."""
-
-    name = "NullTokenizer"
-
-    def __init__(self, vocab_size: int | None) -> None:
-        if vocab_size is None or vocab_size < 1:
-            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size >= 1")
-        super().__init__(vocab_size=vocab_size)
-        self._ids = int(vocab_size)
-
-    def tokenize(self, text: str) -> list[int]:
-        try:
-            ids = [int(x) for x in text.split()]
-        except ValueError:
-            raise TokenizerError(f"NullTokenizer input must be space-separated integers, got {text[:40]!r}") from None
-        bad = next((i for i in ids if not 0 <= i <= self._ids), None)
-        if bad is not None:
-            raise TokenizerError(f"NullTokenizer id {bad} outside 0..{self._ids} (--vocab-size {self._ids})")
-        return ids
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return " ".join(str(int(i)) for i in ids)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._ids + 1
-
-    @property
-    def eod(self) -> int:
-        return self._ids
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return {str(i): i for i in range(self._ids + 1)}
-
-
 def build_tokenizer(
     tokenizer_type: str,
     vocab_file: str | None = None,
@@ -419,8 +387,10 @@ def build_tokenizer(
         return HuggingFaceTokenizer(_require_file(tokenizer_model, "--tokenizer-model", tokenizer_type))
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return BertWordPieceTokenizer(vocab_file, lower_case=tokenizer_type == "BertWordPieceLowerCase")
-    if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(vocab_size)
+    if tokenizer_type in ("NullTokenizer", "SentencePieceTokenizer", "TikTokenizer"):
+        from megatron.trainer.tokenizer.core_backed import core_tokenizer
+
+        return core_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
     raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
