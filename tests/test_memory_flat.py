@@ -80,3 +80,37 @@ def test_emulator_keeps_nothing_per_iteration(megatron_world1, monkeypatch) -> N
 def test_update_history_is_kept_when_asked(megatron_world1, keep_update_history) -> None:
     workers = emulate(tiny_args(2, "paci", 2, 6, "--pipeline-executor", "emulator", "--log-interval", "2"))
     assert [[e["update"] for e in w.update_log] for w in workers] == [list(range(6))] * 2
+
+
+_RECORDED_ENTRIES = """
+import os, pickle, sys
+import torch, torch.distributed as dist
+from megatron.trainer import flight_recorder
+flight_recorder.disable_unless_requested()
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+norms = [torch.zeros(1)]
+for _ in range(10):  # the synchronous step's grad-norm all-gather, once per iteration
+    dist.all_gather(norms, torch.ones(1))
+print(len(pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"]))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("user_size, entries", [(None, 0), ("2000", 10)])
+def test_flight_recorder_keeps_no_collectives_unless_asked(user_size, entries, monkeypatch) -> None:
+    """torch's c10d flight recorder kept a ~0.5 KB entry per collective (2000 by default),
+    growing the logging rank's heap for its first ~2000 iterations; the trainer turns it off
+    before creating process groups, unless the user set a buffer size (then it is kept)."""
+    import subprocess
+    import sys
+
+    from megatron.trainer.flight_recorder import BUFFER_SIZE_VARS
+    from megatron.trainer.launcher import free_port
+
+    for var in BUFFER_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if user_size is not None:
+        monkeypatch.setenv(BUFFER_SIZE_VARS[0], user_size)
+    out = subprocess.run([sys.executable, "-c", _RECORDED_ENTRIES, str(free_port())], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert int(out.split()[-1]) == entries, out

@@ -45,6 +45,7 @@ from megatron.trainer.process_guard import guard_rank_process
 from megatron.trainer.slurm_env import SlurmEnvironmentError, adopt_slurm_task_environment
 from megatron.trainer.megatron_compat_args import flops_per_iteration, wandb_run
 from megatron.trainer.rampup import segment_boundaries, segment_schedules
+from megatron.trainer import flight_recorder
 from megatron.trainer.runners import DistributedRunner, EmulatorRunner
 from megatron.trainer.task import PretrainTask
 
@@ -197,6 +198,7 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     stop = stop_control(args, decides_time=True)  # --exit-signal-handler: the handler goes in first
     resume = check_resume_or_exit(task, args, verify_files=False)  # pretrain() verified them, loading does again
     if not dist.is_initialized():
+        flight_recorder.disable_unless_requested()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
@@ -238,6 +240,7 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    flight_recorder.disable_unless_requested()  # its ring grew the logging rank's heap by ~1 MB
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size)
     # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
