@@ -93,8 +93,11 @@ class NullTokenizer(CoreTokenizer):
         self._ids = int(vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
+        words = text.split()
+        if not words:  # core would read "" as one bad id; empty text is no tokens
+            return []
         try:
-            ids = super().tokenize(" ".join(text.split()))  # core splits on single spaces only
+            ids = super().tokenize(" ".join(words))  # core splits on single spaces only
         except ValueError:
             raise TokenizerError(f"NullTokenizer input must be space-separated integers, got {text[:40]!r}") from None
         bad = next((i for i in ids if not 0 <= i <= self._ids), None)
