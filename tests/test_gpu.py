@@ -355,6 +355,24 @@ def test_nccl_stream_model_per_direction_communicators_never_stall(name):
         assert stalls(_model_schedule(name, stages), "per_direction") is None, (name, stages)
 
 
+@pytest.mark.parametrize("name", STREAM_MODEL_SCHEDULES)
+def test_runtime_has_one_p2p_group_per_direction_of_every_message(name):
+    """The runtime's side of the fix: ``StageGroups`` builds a group for each (src, dst) stage
+    pair of ``directed_links`` and ``P2PChannel`` sends and receives every message on the group
+    of its direction, so each group carries one direction only (the model's ``per_direction``
+    key). Every message the runtime posts must have such a group, in both directions' sets."""
+    from megatron.pipeline.parallel import directed_links
+    from tests.nccl_stream_model import posting_program
+
+    for stages in (2, 4):
+        schedule = _model_schedule(name, stages)
+        links = set(directed_links(schedule.layout))
+        used = {(m.src_stage, m.dst_stage) for s in range(stages)
+                for kind, m in posting_program(schedule, s) if kind in ("send", "recv")}
+        assert used <= links, (name, stages, used - links)
+        assert all((dst, src) in links for src, dst in links)  # activations out, gradients back
+
+
 def test_nccl_stream_model_shared_streams_stall_the_runtime():
     """F1 on paper: with one stream per stage pair (lazy NCCL P2P) or one for all P2P (eager
     init, what ``run_distributed`` sets up), the runtime's 1F1B posting order forms a cycle of

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron.pipeline.ir import MultiPipelineLayout
+from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,13 @@ class StageGroups:
     replicas: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     sync: dist.ProcessGroup | None = None
     sync_size: int = 0
+    # Point-to-point: one two-rank group per *direction* of every stage link this rank uses,
+    # keyed (src stage, dst stage). NCCL runs a communicator's sends and receives in order on
+    # one stream, so with a shared group a receive posted ahead (or a backward's receive
+    # queued behind a forward's send) blocks the other direction and the pipeline deadlocks;
+    # one group per direction keeps each stream one-way and in the FIFO order the validator
+    # checks. gloo does not need it, but uses it too, so the CPU tests exercise the same path.
+    p2p: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
 
     @property
     def stage(self) -> int:
@@ -56,9 +63,13 @@ class StageGroups:
     def dp_rank(self) -> int:
         return self.layout.coords(self.rank)[1]
 
+    def p2p_group(self, src_stage: int, dst_stage: int) -> dist.ProcessGroup:
+        """The group of messages from ``src_stage`` to ``dst_stage`` (this rank's dp/tp index)."""
+        return self.p2p[(src_stage, dst_stage)]
+
     @classmethod
     def create(cls, layout: RankLayout, timeout: timedelta,
-               stage_layout: MultiPipelineLayout | None = None) -> "StageGroups":
+               stage_layout: PipelineLayout | None = None) -> "StageGroups":
         rank = dist.get_rank()
         if dist.get_world_size() != layout.world_size:
             raise ValueError(
@@ -76,9 +87,19 @@ class StageGroups:
             (stage, tp), timeout)
         reports = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
         groups = cls(layout, rank, pipeline, data_parallel, reports)
-        if stage_layout is not None:
+        stage_layout = stage_layout or PipelineLayout(layout.pipeline_size)
+        groups._create_p2p_groups(stage_layout, timeout)
+        if isinstance(stage_layout, MultiPipelineLayout):
             groups._create_replica_groups(stage_layout, timeout)
         return groups
+
+    def _create_p2p_groups(self, stage_layout: PipelineLayout, timeout: timedelta) -> None:
+        """Both directions of every hop of the layout's chains, at every dp/tp index."""
+        stage = self.stage
+        for src, dst in directed_links(stage_layout):
+            group = self._create_over_stages([src, dst], timeout)
+            if stage in (src, dst):
+                self.p2p[(src, dst)] = group
 
     def _create_replica_groups(self, stage_layout: MultiPipelineLayout, timeout: timedelta) -> None:
         """One group per logical stage (its replicas) and per sync group, for every dp/tp index."""
@@ -103,6 +124,18 @@ class StageGroups:
                                    for t in range(layout.tensor_parallel_size)}, (dp, tp), timeout)
         assert picked is not None
         return picked
+
+
+def directed_links(stage_layout: PipelineLayout) -> list[tuple[int, int]]:
+    """Every (src stage, dst stage) pair a message travels between, sorted: activations along
+    each chunk's next hop and gradients back (evaluation and replays use the same hops)."""
+    links = set()
+    for stage in range(stage_layout.num_stages):
+        for chunk in range(stage_layout.num_chunks):
+            hop = stage_layout.next_hop(stage, chunk)
+            if hop is not None and hop[0] != stage:
+                links.update({(stage, hop[0]), (hop[0], stage)})
+    return sorted(links)
 
 
 def _create_and_pick(

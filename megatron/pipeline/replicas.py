@@ -127,7 +127,8 @@ def reduce_distributed(worker: StageWorker, op: Op, replica_groups: dict[int, An
         dist.all_gather(gathered, mine, group=replica_groups[j])
         by_device = dict(zip(sorted(d for d, _ in layout.replicas(j)), gathered))
         _assign(grads, _sum_in_order([by_device[d] for d, _ in layout.replicas(j)]))
-    own = torch.tensor([owned_sq_norm(worker)], dtype=torch.float64)
+    # On the stage's device: the sync group is an NCCL group on GPUs (NCCL takes no CPU tensors).
+    own = torch.tensor([owned_sq_norm(worker)], dtype=torch.float64, device=worker.setup.device)
     norms = [torch.empty_like(own) for _ in range(group_size)]
     dist.all_gather(norms, own, group=sync_group)
     return [float(t) for t in norms]

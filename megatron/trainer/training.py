@@ -246,9 +246,8 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
     # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
     p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
-    stage_layout = pipeline_layout(args)  # AMDP's replicated pipelines need replica groups
-    groups = StageGroups.create(layout, p2p_timeout,
-                                stage_layout if isinstance(stage_layout, MultiPipelineLayout) else None)
+    stage_layout = pipeline_layout(args)  # P2P groups per link direction; AMDP's replica groups
+    groups = StageGroups.create(layout, p2p_timeout, stage_layout)
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
     apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all

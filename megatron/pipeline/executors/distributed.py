@@ -48,7 +48,8 @@ class P2PChannel:
             return
         shape, dtype = self.worker.recv_spec(msg)
         buf = torch.empty(shape, dtype=dtype, device=self.worker.setup.device)
-        self._posted.setdefault(msg, deque()).append((dist.irecv(buf, src=self._peer(msg.src_stage)), buf))
+        group = self.groups.p2p_group(msg.src_stage, msg.dst_stage)
+        self._posted.setdefault(msg, deque()).append((dist.irecv(buf, src=self._peer(msg.src_stage), group=group), buf))
 
     def wait(self, msg: Message) -> torch.Tensor:
         if msg in self._local:
@@ -68,7 +69,8 @@ class P2PChannel:
             return
         tensor = tensor.contiguous()  # a no-op (no copy) for the contiguous tensors stages produce
         peer = self._peer(msg.dst_stage)
-        self._sends.add(peer, dist.isend(tensor, dst=peer), tensor, msg)
+        group = self.groups.p2p_group(msg.src_stage, msg.dst_stage)
+        self._sends.add(peer, dist.isend(tensor, dst=peer, group=group), tensor, msg)
 
     def flush(self) -> None:
         self._sends.flush()
