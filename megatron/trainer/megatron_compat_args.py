@@ -165,7 +165,7 @@ def validate_megatron_compat_args(args: argparse.Namespace) -> None:
     _validate_data_flags(args)
     _validate_loading(args)
     if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
-        raise CompatArgumentError("--wandb-project needs the wandb package: pip install wandb")
+        raise CompatArgumentError("--wandb-project needs the wandb package: pip install -e \".[wandb]\" (or pip install wandb)")
     if args.wandb_project is None and (args.wandb_exp_name or args.wandb_save_dir):
         raise CompatArgumentError("--wandb-exp-name/--wandb-save-dir need --wandb-project")
     from megatron.trainer.rampup import validate_rampup
