@@ -6,8 +6,8 @@
 """
 import sys
 
-from megatron.trainer.bert_task import BertTask
-from megatron.trainer.training import pretrain
+from megatron.trainer.tasks.bert import BertTask
+from megatron.trainer.loop.training import pretrain
 
 if __name__ == "__main__":
     sys.exit(pretrain(BertTask(), sys.argv[1:], script=__file__))

@@ -6,8 +6,8 @@
 """
 import sys
 
-from megatron.trainer.gpt_task import GPTTask
-from megatron.trainer.training import pretrain
+from megatron.trainer.tasks.gpt import GPTTask
+from megatron.trainer.loop.training import pretrain
 
 if __name__ == "__main__":
     sys.exit(pretrain(GPTTask(), sys.argv[1:], script=__file__))

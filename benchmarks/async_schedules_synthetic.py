@@ -3,7 +3,7 @@
 Runs 1f1b (flush every iteration), paci, async-1f1b, pipedream-2bw, pipemare and amdp through the
 real distributed runtime (one gloo process per device, one torch thread each) with
 ``benchmarks/schedule_efficiency.py``'s runner: every stage's forward sleeps T_F and its backward
-T_B (``megatron/trainer/synthetic_task.py``: sleeps stand in for compute on purpose, so N processes
+T_B (``megatron/trainer/tasks/synthetic.py``: sleeps stand in for compute on purpose, so N processes
 on 2 cores behave like N devices; an AMDP chunk sleeps the whole T_F / T_B because a micro-batch
 passes one chunk per device).
 
@@ -47,9 +47,9 @@ for path in (REPO, REPO / "benchmarks"):
 
 from megatron.pipeline.schedules import build_schedule  # noqa: E402
 from megatron.pipeline.simulator import OpCosts, simulate_schedule, steady_time_per_update  # noqa: E402
-from megatron.trainer.arguments import build_parser as trainer_parser  # noqa: E402
-from megatron.trainer.arguments import parse_args, schedule_config  # noqa: E402
-from megatron.trainer.synthetic_task import SyntheticCostTask  # noqa: E402
+from megatron.trainer.config.arguments import build_parser as trainer_parser  # noqa: E402
+from megatron.trainer.config.arguments import parse_args, schedule_config  # noqa: E402
+from megatron.trainer.tasks.synthetic import SyntheticCostTask  # noqa: E402
 from schedule_efficiency import (  # noqa: E402
     Case, Result, best_of, build_parser, markdown_table, plan_cases, run_argv, run_case, sleep_overshoot_ms)
 

@@ -206,11 +206,11 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str) -> No
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt_task import gpt_model_args
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.tasks.gpt import gpt_model_args
     from megatron.trainer.models.gpt import build_gpt_stage
     from megatron.trainer.models.stage import split_layers
-    from megatron.trainer.training import _init_megatron_parallel_state
+    from megatron.trainer.loop.training import _init_megatron_parallel_state
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

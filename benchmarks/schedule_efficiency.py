@@ -1,7 +1,7 @@
 """Schedule efficiency through the real distributed runtime, on the synthetic-cost model.
 
 Every stage's forward sleeps ``t_f`` and its backward ``t_b`` (plus ``t_w`` for the weight gradient with
-``--wgrad-ms``; ``megatron/trainer/synthetic_task.py``: sleeps stand in for compute on purpose), so N ranks on a 2-core machine behave like N devices
+``--wgrad-ms``; ``megatron/trainer/tasks/synthetic.py``: sleeps stand in for compute on purpose), so N ranks on a 2-core machine behave like N devices
 with known op costs. For each (schedule, N, m) this launches ``benchmarks/synthetic_stage_run.py``
 (one gloo process per stage, one torch thread each), reads its ``--log-json`` records and compares
 the measured steady-state time per iteration with
@@ -56,7 +56,7 @@ OPTIONAL_SCHEDULES = ("paci", "async-1f1b")  # added by default when registered
 # Synchronous schedules whose iteration time is (m + N - 1)(t_f + t_b); for any other synchronous
 # schedule (interleaved, Zero Bubble, ...) the harness has no analytic value and prints nan.
 FLUSH_SCHEDULES = ("1f1b", "gpipe")
-# The trainer's log line with the order a profiled zb-1p / zb-2p run decided (megatron.pipeline.profiling).
+# The trainer's log line with the order a profiled zb-1p / zb-2p run decided (megatron.pipeline.runtime.profiling).
 ZB_CHOICE_MARKER = "zero-bubble-schedule "
 # Environment variables that would make the launched script think it is a rank already.
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

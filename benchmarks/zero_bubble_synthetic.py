@@ -1,7 +1,7 @@
 """Zero Bubble schedules on synthetic-cost stages: measured iteration time vs the timing simulator.
 
 Every stage's F sleeps T_F, its B (input gradient) T_B and its W (weight gradient) T_W; a fused
-backward sleeps T_B + T_W (``megatron/trainer/synthetic_task.py``: sleeps stand in for compute on
+backward sleeps T_B + T_W (``megatron/trainer/tasks/synthetic.py``: sleeps stand in for compute on
 purpose, through the runtime's own weight-gradient deferral). For each cost set, N and m this runs
 1f1b, zb-h1, zb-h2, zb-1p and zb-2p through the real distributed runtime (one gloo process per
 stage, one torch thread each) with ``benchmarks/schedule_efficiency.py``'s runner, and puts the
@@ -50,7 +50,7 @@ for path in (REPO, REPO / "benchmarks"):
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule  # noqa: E402
 from megatron.pipeline.schedules.profiled import schedule_from_choice  # noqa: E402
 from megatron.pipeline.simulator import OpCosts, simulate_schedule  # noqa: E402
-from megatron.trainer.zero_bubble_args import ZB_AUTO_SCHEDULES  # noqa: E402
+from megatron.trainer.config.zero_bubble_args import ZB_AUTO_SCHEDULES  # noqa: E402
 from schedule_efficiency import Case, Result, best_of, build_parser, run_case, sleep_overshoot_ms  # noqa: E402
 
 ZB_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p")

@@ -30,9 +30,9 @@ def emulate(argv: list[str], task=None):
     """Run the emulator in this process (needs the ``megatron_world1`` fixture); return workers.
 
     ``task`` defaults to GPT; a task with its own flags (BERT) gets them on the parser."""
-    from megatron.trainer.arguments import build_parser, parse_args
-    from megatron.trainer.gpt_task import GPTTask
-    from megatron.trainer.training import emulate as run
+    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.tasks.gpt import GPTTask
+    from megatron.trainer.loop.training import emulate as run
 
     task = task or GPTTask()
     parser = build_parser()
@@ -49,7 +49,7 @@ def final_params(workers) -> dict[str, torch.Tensor]:
 
 
 def _named(worker):
-    from megatron.trainer.gpt_task import GPTTask
+    from megatron.trainer.tasks.gpt import GPTTask
 
     return GPTTask().named_parameters(worker.setup.chunks)
 
@@ -96,7 +96,7 @@ def assert_flag_error(capsys, argv: list[str], fragment: str) -> None:
     """``argv`` (on a 2-stage, 2-layer GPT) exits 2 with one line of stderr containing ``fragment``."""
     import pytest
 
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "2", *argv])

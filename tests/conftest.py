@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def keep_update_history(monkeypatch):
     """Stage workers keep every update's log entry (by default only the logging interval's)."""
-    from megatron.pipeline.worker import StageWorker
+    from megatron.pipeline.runtime.worker import StageWorker
 
     monkeypatch.setattr(StageWorker, "keep_update_history", True)
     yield

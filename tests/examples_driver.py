@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main() -> None:
     from megatron.pipeline.schedules import SCHEDULES
-    from megatron.trainer.bert_task import BertTask
-    from megatron.trainer.gpt_task import GPTTask
-    from megatron.trainer.training import pretrain
+    from megatron.trainer.tasks.bert import BertTask
+    from megatron.trainer.tasks.gpt import GPTTask
+    from megatron.trainer.loop.training import pretrain
 
     for i, line in enumerate(sys.stdin):
         argv = shlex.split(line)

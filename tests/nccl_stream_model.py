@@ -5,7 +5,7 @@ communicator on that communicator's single stream, in posting order, and a kerne
 when its counterpart runs (``ProcessGroupNCCL::pointToPoint``: one stream per communicator key;
 a receive at the head of a stream holds back every later send on it). This module replays the
 runtime's *posting order* -- the same prefetch window, barriers and op-to-message mapping as
-:class:`~megatron.pipeline.executors.distributed.DistributedExecutor` -- against that stream
+:class:`~megatron.pipeline.runtime.executors.distributed.DistributedExecutor` -- against that stream
 model, under a choice of communicator per message:
 
 * ``shared_pair``: one communicator per stage pair (torch's lazy 2-rank P2P communicators);
@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 
 from megatron.pipeline.comm import Message, op_recvs, op_sends
-from megatron.pipeline.executors.distributed import _is_barrier
+from megatron.pipeline.runtime.executors.distributed import _is_barrier
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.schedules.base import Schedule
 

@@ -1,6 +1,6 @@
 """An independent numpy float64 re-derivation of basis-rotation AdamW for one 2-D weight
 (``../shared/papers/basis_rotation.txt`` next to the repository, with the choices the
-project documents in ``megatron/trainer/basis_rotation.py``), written from the formulas, not
+project documents in ``megatron/trainer/optim/basis_rotation.py``), written from the formulas, not
 from the project's code:
 
 * decoupled weight decay ``W *= 1 - lr wd``, then Adam with bias corrections on the rotated

@@ -25,16 +25,16 @@ from collections import defaultdict
 import pytest
 import torch
 
-from megatron.pipeline.executors.emulator import Emulator
+from megatron.pipeline.runtime.executors.emulator import Emulator
 from megatron.pipeline.ir import MultiPipelineLayout, OpKind
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.amdp import AMDP, K, PRELOAD
 from megatron.pipeline.simulator import OpCosts, simulate_schedule
 from megatron.pipeline.simulator import steady_time_per_update as simulator_steady_time
 from megatron.pipeline.validate import validate_schedule
-from megatron.pipeline.worker import StageWorker
-from megatron.trainer.arguments import parse_args
-from megatron.trainer.gpt_task import GPTTask
+from megatron.pipeline.runtime.worker import StageWorker
+from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.tasks.gpt import GPTTask
 from tests.async_helpers import assert_runtime_equals_emulator, emulate, tiny_args
 
 

@@ -27,12 +27,12 @@ import pytest
 
 from async_helpers import REPO, emulate
 
-from megatron.trainer import checkpointing as ckpt
-from megatron.trainer import training
-from megatron.trainer.arguments import build_parser
-from megatron.trainer.bert_task import BertTask
-from megatron.trainer.flag_checks import DOMAINS, numeric_actions
-from megatron.trainer.gpt_task import GPTTask
+from megatron.trainer.checkpointing import checkpoint as ckpt
+from megatron.trainer.loop import training
+from megatron.trainer.config.arguments import build_parser
+from megatron.trainer.tasks.bert import BertTask
+from megatron.trainer.config.flag_checks import DOMAINS, numeric_actions
+from megatron.trainer.tasks.gpt import GPTTask
 
 TINY = ["--num-layers", "2", "--pipeline-model-parallel-size", "2", "--hidden-size", "16",
         "--num-attention-heads", "2", "--seq-length", "8", "--vocab-size", "32", "--micro-batch-size", "1",
@@ -199,7 +199,7 @@ def test_every_numeric_flag_has_a_domain() -> None:
         parser = build_parser()
         task.add_arguments(parser)
         missing = [a.option_strings[-1] for a in numeric_actions(parser) if a.dest not in DOMAINS]
-        assert not missing, f"add these flags to megatron.trainer.flag_checks.DOMAINS: {missing}"
+        assert not missing, f"add these flags to megatron.trainer.config.flag_checks.DOMAINS: {missing}"
 
 
 def test_bert_task_flags_are_range_checked(refuse) -> None:
@@ -369,7 +369,7 @@ def test_save_into_a_read_only_directory(refuse, read_only_dir: Path) -> None:
 def test_save_without_room_for_a_checkpoint(refuse, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import collections
 
-    from megatron.trainer import checkpoint_paths
+    from megatron.trainer.checkpointing import paths as checkpoint_paths
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(checkpoint_paths.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
@@ -379,8 +379,8 @@ def test_save_without_room_for_a_checkpoint(refuse, tmp_path: Path, monkeypatch:
 
 def test_checkpoint_size_estimate_matches_the_model(inputs) -> None:
     """The estimate counts the parameters a real checkpoint holds (within 10 %)."""
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.checkpoint_paths import estimate_parameters
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.checkpointing.paths import estimate_parameters
 
     point = ckpt.find_resume_point(inputs["ckpt"])
     assert point is not None

@@ -1,4 +1,4 @@
-"""Tests for ``--optimizer basis-rotation`` (megatron.trainer.basis_rotation).
+"""Tests for ``--optimizer basis-rotation`` (megatron.trainer.optim.basis_rotation).
 
 Identity basis == AdamW bitwise; bases stay orthogonal; the second moment is carried into a
 new basis by the documented formula (checked against an explicit Kronecker computation);
@@ -25,16 +25,16 @@ from test_optimizer import (
 )
 from torch import Tensor, nn
 
-from megatron.trainer import checkpointing as ckpt
-from megatron.trainer.arguments import parse_args
-from megatron.trainer.basis_rotation import (
+from megatron.trainer.checkpointing import checkpoint as ckpt
+from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.optim.basis_rotation import (
     BasisRotationAdamW,
     RotationConfig,
     carry_second_moment,
     refresh_rate,
     refreshes_at,
 )
-from megatron.trainer.optimizer import StageAdamW
+from megatron.trainer.optim.adamw import StageAdamW
 
 
 def rotation_opt(model: nn.Module, **config) -> BasisRotationAdamW:

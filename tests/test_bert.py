@@ -16,7 +16,7 @@ import numpy
 import pytest
 import torch
 
-from megatron.trainer.bert_task import BertTask
+from megatron.trainer.tasks.bert import BertTask
 from megatron.trainer.data.mock_bert import CLS, MASK, PAD, SEP, MockBertData
 from megatron.trainer.models.bert import (
     BertModelArgs,
@@ -287,8 +287,8 @@ def test_no_binary_head_flag_and_middle_batch_keys_for_gpt(tmp_path: Path):
     op = Op(OpKind.F, stage=1, microbatch=0)
     gpt = emulate(tiny_args(3, "1f1b", 1, 1, "--pipeline-executor", "emulator"))
     assert gpt[1]._batch(op) == {}
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt_task import GPTTask
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.tasks.gpt import GPTTask
 
     args = parse_args(tiny_args(3, "1f1b", 1, 1))
     args.reset_attention_mask = True  # a --data-path flag (mock data has no documents); fine at N > 2
@@ -297,7 +297,7 @@ def test_no_binary_head_flag_and_middle_batch_keys_for_gpt(tmp_path: Path):
 
 
 def test_bert_flag_errors(capsys, monkeypatch):
-    from megatron.trainer.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_args
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
@@ -385,7 +385,7 @@ def test_bert_trains_with_hugging_face_wordpiece_tokenizer(bert_corpus, tmp_path
 def test_bert_data_errors_are_one_line(bert_corpus, tmp_path: Path, capsys, monkeypatch):
     """A tokenizer without BERT's special tokens, and unsplit documents (one sentence each)
     with the sentence-order head, fail before any rank starts."""
-    from megatron.trainer.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_args
     from tools.preprocess_data import main as preprocess
 
     root, _ = bert_corpus
@@ -415,7 +415,7 @@ def test_bert_data_errors_are_one_line(bert_corpus, tmp_path: Path, capsys, monk
 def test_evaluation_without_validation_documents_is_refused_up_front(bert_corpus, capsys, monkeypatch):
     """BERT samples need multi-sentence documents; a 2% validation share of 16 documents has
     none, so --eval-interval must fail before any rank starts (not skip evaluation silently)."""
-    from megatron.trainer.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_args
 
     root, data = bert_corpus
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

@@ -21,7 +21,7 @@ from megatron.pipeline.ir import B, F, W, Op, OpKind, PipelineLayout
 from megatron.pipeline.schedules import SCHEDULES, register
 from megatron.pipeline.schedules.base import SynchronousSchedule, one_f_one_b
 from megatron.pipeline.validate import validate_schedule
-from megatron.pipeline.wgrad import active_deferral, defer_weight_grads
+from megatron.pipeline.runtime.wgrad import active_deferral, defer_weight_grads
 from megatron.trainer.data import MockGPTData
 from megatron.trainer.models.gpt import GPTModelArgs, build_gpt_stage, gpt_loss, split_layers
 from tests.async_helpers import emulate, final_params, tiny_args
@@ -302,9 +302,9 @@ def test_gpt_stage_b_defers_exactly_the_layer_linears():
 
 
 def _worker(chunk: torch.nn.Module, loss_fn, layout=PipelineLayout(1), stage=0):
-    from megatron.pipeline.worker import StageSetup, StageWorker
-    from megatron.trainer.lr_schedule import LRSchedule
-    from megatron.trainer.optimizer import StageAdamW
+    from megatron.pipeline.runtime.worker import StageSetup, StageWorker
+    from megatron.trainer.optim.lr_schedule import LRSchedule
+    from megatron.trainer.optim.adamw import StageAdamW
 
     setup = StageSetup(
         stage=stage, layout=layout, chunks=[chunk],

@@ -22,9 +22,9 @@ import torch
 from async_helpers import REPO, emulate, eval_records, final_params, run_pretrain, tiny_args
 
 from megatron.pipeline.schedules import SCHEDULES
-from megatron.trainer import checkpointing as ckpt
-from megatron.trainer.arguments import parse_args
-from megatron.trainer.gpt_task import GPTTask
+from megatron.trainer.checkpointing import checkpoint as ckpt
+from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.tasks.gpt import GPTTask
 
 TOTAL, STOP = 20, 10
 

@@ -16,7 +16,7 @@ import numpy
 import pytest
 import torch
 
-from megatron.trainer.arguments import parse_args
+from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.data.corpus import pydoc_corpus, write_jsonl
 from megatron.trainer.tokenizer import TokenizerError, build_tokenizer
 
@@ -287,7 +287,7 @@ def _data_args(corpus: argparse.Namespace, *data: str, extra: tuple[str, ...] = 
 
 def test_samples_are_a_pure_function_of_the_index(corpus, megatron_world1, _no_torchrun_env) -> None:
     from megatron.trainer.data import gpt_dataset
-    from megatron.trainer.gpt_task import GPTTask
+    from megatron.trainer.tasks.gpt import GPTTask
 
     args = _data_args(corpus, corpus.topics_prefix)
     train, valid, test = gpt_dataset.build_gpt_datasets(args)

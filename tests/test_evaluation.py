@@ -17,9 +17,9 @@ from async_helpers import emulate, read_log, tiny_args
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules.evaluation import evaluation_streams
 from megatron.pipeline.validate import validate_streams
-from megatron.trainer.arguments import parse_args
-from megatron.trainer.gpt_task import GPTTask
-from megatron.trainer.loop import Segment, plan_segments
+from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.tasks.gpt import GPTTask
+from megatron.trainer.loop.segments import Segment, plan_segments
 
 EVAL_ITERS = 2
 

@@ -122,9 +122,9 @@ def test_emulator_rng_rewind_repeats_dropout_masks(megatron_world1, device: str)
     (docs/gpu.md F3): the cuda case is a strict xfail, so fixing F3 turns it into a failure
     that asks for the mark to go."""
     from megatron.pipeline.ir import Op, OpKind
-    from megatron.trainer.arguments import build_parser, parse_args
-    from megatron.trainer.gpt_task import GPTTask
-    from megatron.trainer.training import build_worker
+    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.tasks.gpt import GPTTask
+    from megatron.trainer.loop.training import build_worker
 
     parser = build_parser()
     GPTTask().add_arguments(parser)
@@ -150,9 +150,9 @@ def test_emulator_rng_rewind_repeats_dropout_masks(megatron_world1, device: str)
 def test_resolve_device_sets_current_device_before_init(monkeypatch):
     """``run_distributed`` selects LOCAL_RANK's GPU before ``init_process_group`` and binds the
     process group to it (``device_id``: eager NCCL init), on every local rank."""
-    from megatron.trainer import training
-    from megatron.trainer.arguments import build_parser, parse_args
-    from megatron.trainer.gpt_task import GPTTask
+    from megatron.trainer.loop import training
+    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.tasks.gpt import GPTTask
 
     class Stop(Exception):
         pass
@@ -361,7 +361,7 @@ def test_runtime_has_one_p2p_group_per_direction_of_every_message(name):
     pair of ``directed_links`` and ``P2PChannel`` sends and receives every message on the group
     of its direction, so each group carries one direction only (the model's ``per_direction``
     key). Every message the runtime posts must have such a group, in both directions' sets."""
-    from megatron.pipeline.parallel import directed_links
+    from megatron.pipeline.runtime.parallel import directed_links
     from tests.nccl_stream_model import posting_program
 
     for stages in (2, 4):

@@ -22,7 +22,7 @@ from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.interleaved import Interleaved1F1B, forward_slots, warmup_forwards
 from megatron.pipeline.validate import validate_schedule, validate_streams
-from megatron.trainer.arguments import parse_args
+from megatron.trainer.config.arguments import parse_args
 from tests.async_helpers import emulate, final_params, run_pretrain, tiny_args
 from tests.test_reference import _qkv_bias_mask
 
@@ -175,7 +175,7 @@ def test_flags_derive_chunks_per_stage(no_torchrun_env: None) -> None:
                        "--micro-batch-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
                        "--pipeline-schedule", NAME])
     assert args.num_model_chunks == 2
-    from megatron.trainer.arguments import schedule_config
+    from megatron.trainer.config.arguments import schedule_config
 
     assert schedule_config(args).layout == PipelineLayout(2, 2)
     # K = layers per stage gives one chunk: allowed with plain schedules, changes nothing.
@@ -218,7 +218,7 @@ def test_bad_interleaving_flags_exit_2_with_one_line(case: str, capsys: pytest.C
 
 
 def test_chunks_hold_the_layers_of_their_virtual_stages(megatron_world1: None, no_torchrun_env: None) -> None:
-    from megatron.trainer.gpt_task import GPTTask
+    from megatron.trainer.tasks.gpt import GPTTask
 
     args = parse_args([*tiny_args(2, NAME, 2, 1), "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"])
     task = GPTTask()

@@ -23,8 +23,8 @@ import torch
 
 from async_helpers import REPO, emulate, final_params, tiny_args
 
-from megatron.trainer.arguments import parse_args
-from megatron.trainer.loop import plan_segments
+from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.loop.segments import plan_segments
 
 GONE_WITHIN_S = 5.0
 STARTUP_TIMEOUT_S = 180
@@ -125,7 +125,7 @@ def test_killing_the_local_launcher_leaves_no_rank(tmp_path, sig):
 
 RANK_SCRIPT = """
 import os, signal, sys
-from megatron.trainer.process_guard import guard_rank_process
+from megatron.trainer.launch.process_guard import guard_rank_process
 guard_rank_process()
 with open(os.path.join(sys.argv[1], "rank%s.pid" % os.environ["RANK"]), "w") as f:
     f.write(str(os.getpid()))
@@ -159,7 +159,7 @@ def _kill_parent_and_check_ranks(tmp_path: Path, cmd: list[str], world: int) -> 
 
 def test_exec_ranks_die_with_a_killed_launcher(tmp_path):
     """GPU runs exec a fresh python per rank: those die with the launcher too."""
-    launcher = ("import sys; from megatron.trainer.launcher import launch_local; "
+    launcher = ("import sys; from megatron.trainer.launch.launcher import launch_local; "
                 "sys.exit(launch_local(2, ['rank.py', sys.argv[1]]))")
     _kill_parent_and_check_ranks(tmp_path, [sys.executable, "-c", launcher, str(tmp_path)], 2)
 
@@ -263,7 +263,7 @@ def test_exit_flags_are_refused_up_front(capsys, extra, message):
 
 
 def test_the_launcher_forwards_the_exit_signal_too():
-    from megatron.trainer.exit_control import launcher_signals
+    from megatron.trainer.launch.exit_control import launcher_signals
 
     base = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--save", "d"]
     assert launcher_signals(parse_args(base)) == (signal.SIGTERM, signal.SIGINT)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.trainer.arguments import build_parser, parse_args
-from megatron.trainer.bert_task import BertTask
-from megatron.trainer.megatron_compat_args import DEFAULT_BEHAVIOUR_FLAGS, REFUSED_FLAGS
-from megatron.trainer.synthetic_task import SyntheticCostTask
+from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.tasks.bert import BertTask
+from megatron.trainer.config.megatron_compat_args import DEFAULT_BEHAVIOUR_FLAGS, REFUSED_FLAGS
+from megatron.trainer.tasks.synthetic import SyntheticCostTask
 from tests.async_helpers import REPO, assert_runtime_equals_emulator, emulate, tiny_args
 
 SOURCES = [*sorted((REPO / "megatron").rglob("*.py")), *sorted(REPO.glob("pretrain_*.py"))]
@@ -187,9 +187,9 @@ def test_rampup_segments_read_each_sample_once_per_calculator(schedule):
     batch per iteration, consecutive data micro-batches, and steps once per iteration."""
     from megatron.pipeline.ir import OpKind
     from megatron.pipeline.schedules import build_schedule
-    from megatron.trainer.arguments import schedule_config
-    from megatron.trainer.loop import plan_segments
-    from megatron.trainer.rampup import segment_boundaries, segment_schedules
+    from megatron.trainer.config.arguments import schedule_config
+    from megatron.trainer.loop.segments import plan_segments
+    from megatron.trainer.loop.rampup import segment_boundaries, segment_schedules
 
     pp, ramp = (4, (4, 4, 12)) if schedule == "amdp" else (2, (4, 2, 12))  # AMDP: multiples of its depth
     args = parse_args([*BASE, "--num-layers", str(pp), "--pipeline-model-parallel-size", str(pp),
@@ -256,7 +256,7 @@ def test_rampup_resume_equals_straight_run(tmp_path):
 
 
 def test_wsd_is_reachable_and_follows_lr_schedule(tmp_path):
-    from megatron.trainer.lr_schedule import LRSchedule
+    from megatron.trainer.optim.lr_schedule import LRSchedule
 
     log = tmp_path / "log.jsonl"
     emulate([*tiny_args(1, "1f1b", 1, 6), "--pipeline-executor", "emulator", "--lr-decay-style", "WSD",
@@ -308,8 +308,8 @@ def test_no_load_optim_and_finetune(tmp_path):
 def test_params_norm_and_throughput_are_logged(tmp_path):
     import math
 
-    from megatron.trainer.gpt_task import GPTTask
-    from megatron.trainer.megatron_compat_args import flops_per_iteration
+    from megatron.trainer.tasks.gpt import GPTTask
+    from megatron.trainer.config.megatron_compat_args import flops_per_iteration
 
     log = tmp_path / "log.jsonl"
     argv = [*tiny_args(2, "1f1b", 2, 2), "--pipeline-executor", "emulator", "--log-params-norm",
@@ -329,8 +329,8 @@ def test_params_norm_and_throughput_are_logged(tmp_path):
 
 
 def test_wandb_receives_every_logged_record():
-    from megatron.pipeline.report import StageReport
-    from megatron.trainer.logger import TrainingLogger
+    from megatron.pipeline.runtime.report import StageReport
+    from megatron.trainer.loop.logger import TrainingLogger
 
     class FakeRun:
         def __init__(self):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.bert_task import BertTask
-from megatron.trainer.gpt_task import GPTTask
+from megatron.trainer.tasks.bert import BertTask
+from megatron.trainer.tasks.gpt import GPTTask
 from tests.async_helpers import emulate
 
 pytestmark = pytest.mark.usefixtures("megatron_world1")

@@ -56,7 +56,7 @@ def test_distributed_ranks_rss_does_not_grow_by_a_microbatch_over_100_iterations
 
 
 def test_emulator_keeps_nothing_per_iteration(megatron_world1, monkeypatch) -> None:
-    from megatron.trainer.logger import TrainingLogger
+    from megatron.trainer.loop.logger import TrainingLogger
 
     first, last, interval = 80, 80 + WINDOW, 4
     objects: dict[int, int] = {}
@@ -85,7 +85,7 @@ def test_update_history_is_kept_when_asked(megatron_world1, keep_update_history)
 _RECORDED_ENTRIES = """
 import os, pickle, sys
 import torch, torch.distributed as dist
-from megatron.trainer import flight_recorder
+from megatron.trainer.launch import flight_recorder
 flight_recorder.disable_unless_requested()
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
 norms = [torch.zeros(1)]
@@ -104,8 +104,8 @@ def test_flight_recorder_keeps_no_collectives_unless_asked(user_size, entries, m
     import subprocess
     import sys
 
-    from megatron.trainer.flight_recorder import BUFFER_SIZE_VARS
-    from megatron.trainer.launcher import free_port
+    from megatron.trainer.launch.flight_recorder import BUFFER_SIZE_VARS
+    from megatron.trainer.launch.launcher import free_port
 
     for var in BUFFER_SIZE_VARS:
         monkeypatch.delenv(var, raising=False)

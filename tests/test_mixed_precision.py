@@ -48,7 +48,7 @@ def reference_scales(found_inf: list[bool], initial: float, minimum: float, wind
 
 
 def test_scaler_follows_megatron_lms_rule() -> None:
-    from megatron.pipeline.loss_scaling import LossScaleConfig, StageLossScaler
+    from megatron.pipeline.runtime.loss_scaling import LossScaleConfig, StageLossScaler
 
     random = torch.rand(200, generator=torch.Generator().manual_seed(0)) < 0.3
     flags = [False] * 7 + [True] * 12 + [bool(b) for b in random]  # growth, backoff to the minimum, mixed
@@ -79,7 +79,7 @@ def test_flag_errors_are_one_line(capsys, argv: list[str], fragment: str) -> Non
 
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
 def test_half_precision_post_validation_rolls_back_exactly_by_default(precision: str) -> None:
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_args
 
     base = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", precision, "--enable-optimizer-post-validation"]
     assert parse_args(base).optimizer_post_validation_exact

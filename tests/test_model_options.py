@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.trainer.arguments import build_parser, parse_args
-from megatron.trainer.bert_task import BertTask
-from megatron.trainer.gpt_task import GPTTask
+from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.tasks.bert import BertTask
+from megatron.trainer.tasks.gpt import GPTTask
 from tests.async_helpers import emulate
 
 pytestmark = pytest.mark.usefixtures("megatron_world1")

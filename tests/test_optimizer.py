@@ -1,4 +1,4 @@
-"""Tests for the stage-local AdamW (megatron.trainer.optimizer) and LRSchedule.
+"""Tests for the stage-local AdamW (megatron.trainer.optim.adamw) and LRSchedule.
 
 The reference for the optimizer is torch.optim.AdamW(foreach=False); the
 reference for the schedule is megatron-core's OptimizerParamScheduler.
@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from megatron.trainer import optimizer as optimizer_module
-from megatron.trainer.lr_schedule import LRSchedule
-from megatron.trainer.optimizer import StageAdamW
+from megatron.trainer.optim import adamw as optimizer_module
+from megatron.trainer.optim.lr_schedule import LRSchedule
+from megatron.trainer.optim.adamw import StageAdamW
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8

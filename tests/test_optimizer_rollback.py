@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron.trainer.optimizer import StageAdamW
+from megatron.trainer.optim.adamw import StageAdamW
 
 BETAS = (0.9, 0.95)
 WD = 0.1

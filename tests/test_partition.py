@@ -105,9 +105,9 @@ def test_auto_partition_end_to_end_in_the_emulator(capsys: pytest.CaptureFixture
     """
     import re
 
-    from megatron.trainer.arguments import build_parser, parse_args
-    from megatron.trainer.gpt_task import GPTTask
-    from megatron.trainer.training import emulate
+    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.tasks.gpt import GPTTask
+    from megatron.trainer.loop.training import emulate
 
     task = GPTTask()
     parser = build_parser("gpt")

@@ -14,7 +14,7 @@ from megatron.pipeline.ir import Op, OpKind
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 from megatron.pipeline.schedules.pipemare import OPTION, PipeMareOptions, RescheduledLR, stage_delay
 from megatron.pipeline.validate import validate_schedule
-from megatron.pipeline.weight_versions import DiscrepancyCorrection
+from megatron.pipeline.runtime.weight_versions import DiscrepancyCorrection
 from tests import paci_oracle
 from tests import tiny_pipeline as tiny
 from tests.async_helpers import assert_runtime_equals_emulator, tiny_args
@@ -286,7 +286,7 @@ def test_discrepancy_correction_policy_on_the_quadratic_model(decay: float | Non
                                    ("--pipeline-schedule", "pipemare", "--pipemare-discrepancy-decay", "1.5"),
                                    ("--pipeline-schedule", "pipemare", "--pipemare-lr-anneal-iters", "0")])
 def test_bad_flags_fail_before_training(flags: tuple[str, ...]) -> None:
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args([*tiny_args(2, "pipemare", 2, 4), *flags])

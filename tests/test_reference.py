@@ -209,11 +209,11 @@ def key_mask(shape: torch.Size) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reference(megatron_world1: None, launched) -> Reference:
     """Plain training of the unsplit model."""
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_args
     from megatron.trainer.data.mock import MockGPTData
-    from megatron.trainer.gpt_task import gpt_model_args
+    from megatron.trainer.tasks.gpt import gpt_model_args
     from megatron.trainer.models.gpt import build_gpt_stage
-    from megatron.trainer.task import microbatch_sample_indices
+    from megatron.trainer.tasks.task import microbatch_sample_indices
 
     args = parse_args(COMMON)
     assert args.pipeline_model_parallel_size == 1 and args.num_microbatches == GBS // MBS
@@ -264,8 +264,8 @@ def reference(megatron_world1: None, launched) -> Reference:
 @pytest.fixture(scope="module")
 def emulator_runs(megatron_world1: None, launched, tmp_path_factory: pytest.TempPathFactory) -> dict[int, RunResult]:
     """``--pipeline-executor emulator`` through the real entry point, in this process."""
-    from megatron.trainer.gpt_task import GPTTask
-    from megatron.trainer.training import pretrain
+    from megatron.trainer.tasks.gpt import GPTTask
+    from megatron.trainer.loop.training import pretrain
 
     root = tmp_path_factory.mktemp("emu")
     runs = {}

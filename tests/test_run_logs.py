@@ -82,7 +82,7 @@ def test_sync_schedule_keeps_one_lr(megatron_world1, capsys, tmp_path: Path) -> 
 
 
 def test_bert_logs_sentence_order_loss(megatron_world1, capsys, tmp_path: Path) -> None:
-    from megatron.trainer.bert_task import BertTask
+    from megatron.trainer.tasks.bert import BertTask
 
     argv = ["--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",
             "--micro-batch-size", "2", "--num-threads", "1", "--num-layers", "2",
@@ -110,7 +110,7 @@ def test_optional_package_notices_filtered_and_named_once() -> None:
     import importlib.util
     import warnings
 
-    from megatron.trainer.optional_packages import optional_packages_line, quiet_imports
+    from megatron.trainer.launch.optional_packages import optional_packages_line, quiet_imports
 
     with warnings.catch_warnings(record=True) as caught:  # restores the filters afterwards
         warnings.simplefilter("always")

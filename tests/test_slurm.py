@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.slurm_env import adopt_slurm_task_environment, tasks_on_this_node
+from megatron.trainer.launch.slurm_env import adopt_slurm_task_environment, tasks_on_this_node
 
 REPO = Path(__file__).resolve().parent.parent
 SLURM = REPO / "examples" / "slurm"

@@ -76,9 +76,9 @@ def _synthetic_worker(t_b: float, t_w: float):
     """A one-stage synthetic-cost worker built exactly as the trainer builds it."""
     import torch
 
-    from megatron.trainer.arguments import build_parser, parse_args
-    from megatron.trainer.synthetic_task import SyntheticCostTask
-    from megatron.trainer.training import build_worker
+    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.tasks.synthetic import SyntheticCostTask
+    from megatron.trainer.loop.training import build_worker
 
     task = SyntheticCostTask()
     parser = build_parser("synthetic")
@@ -131,8 +131,8 @@ def test_synthetic_wgrad_sleep_lands_in_w_or_in_the_fused_backward() -> None:
 
 def test_synthetic_wgrad_defaults_to_zero() -> None:
     """Backwards compatible: without the flag a backward sleeps T_B only and W costs nothing."""
-    from megatron.trainer.arguments import build_parser
-    from megatron.trainer.synthetic_task import SyntheticCostTask
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.tasks.synthetic import SyntheticCostTask
 
     parser = build_parser("synthetic")
     SyntheticCostTask().add_arguments(parser)
@@ -144,8 +144,8 @@ def test_synthetic_wgrad_defaults_to_zero() -> None:
 
 
 def _synthetic_args(*argv: str):
-    from megatron.trainer.arguments import build_parser, parse_args
-    from megatron.trainer.synthetic_task import SyntheticCostTask
+    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.tasks.synthetic import SyntheticCostTask
 
     parser = build_parser("synthetic")
     SyntheticCostTask().add_arguments(parser)
@@ -166,8 +166,8 @@ def test_synthetic_chunks_follow_the_layout_and_keep_the_per_stage_cost() -> Non
     """
     import torch
 
-    from megatron.trainer.arguments import pipeline_layout
-    from megatron.trainer.synthetic_task import SyntheticCostTask
+    from megatron.trainer.config.arguments import pipeline_layout
+    from megatron.trainer.tasks.synthetic import SyntheticCostTask
 
     task, cpu = SyntheticCostTask(), torch.device("cpu")
     cases = [
@@ -202,8 +202,8 @@ def test_synthetic_task_trains_amdp_and_2bw_in_the_emulator(megatron_world1, sch
     AMDP's replicas of each logical stage identical after the window updates."""
     import torch
 
-    from megatron.trainer.synthetic_task import SyntheticCostTask
-    from megatron.trainer.training import emulate
+    from megatron.trainer.tasks.synthetic import SyntheticCostTask
+    from megatron.trainer.loop.training import emulate
 
     task = SyntheticCostTask()
     args = _synthetic_args("--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(stages),

@@ -1,12 +1,12 @@
 """Peak activation memory: the timing simulator's model against the runtime's own accounting.
 
 The runtime counts, per stage, the bytes autograd saved for each micro-batch
-(:class:`~megatron.pipeline.memory.ActivationMeter`); a B shrinks a micro-batch to what its W
+(:class:`~megatron.pipeline.runtime.memory.ActivationMeter`); a B shrinks a micro-batch to what its W
 still holds (the split linears' ``x`` and ``dy``) and W releases it. The simulator counts in
 units of ``M_B`` (a micro-batch's activations on that stage): F +1, B ``m_w - 1``, W ``-m_w``.
 
 Units are measured, not assumed: ``M_B`` per stage is the meter's peak with one micro-batch,
-``M_W / M_B`` what the profiler (:class:`~megatron.pipeline.profiling.OpProfiler`) sees the
+``M_W / M_B`` what the profiler (:class:`~megatron.pipeline.runtime.profiling.OpProfiler`) sees the
 meter keep after B over what F saved. Every micro-batch of a fixed-shape model saves the same
 storages, so the runtime's peak is exactly ``a M_B + b M_W`` for whole counts ``a, b`` and the
 simulator's is ``a + b m_w``: they agree to rounding (tolerance 1e-6 relative, no slack needed;
@@ -41,9 +41,9 @@ class _NoReports:
 
 
 def _workers(num_microbatches: int):
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt_task import GPTTask
-    from megatron.trainer.training import build_worker
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.tasks.gpt import GPTTask
+    from megatron.trainer.loop.training import build_worker
 
     args = parse_args([
         *TINY_GPT, "--num-layers", str(N), "--pipeline-model-parallel-size", str(N),
@@ -56,9 +56,9 @@ def _workers(num_microbatches: int):
 
 def _run(schedule, workers=None, profilers: bool = False):
     """Train ``schedule`` in the emulator (with its profiling hook, if any); return the workers."""
-    from megatron.pipeline.executors.common import ReportCadence
-    from megatron.pipeline.executors.emulator import Emulator
-    from megatron.pipeline.profiling import OpProfiler, emulator_profiling
+    from megatron.pipeline.runtime.executors.common import ReportCadence
+    from megatron.pipeline.runtime.executors.emulator import Emulator
+    from megatron.pipeline.runtime.profiling import OpProfiler, emulator_profiling
 
     workers = workers or _workers(schedule.config.num_microbatches)
     hook = emulator_profiling(schedule, workers)
@@ -174,7 +174,7 @@ def test_trainer_plans_with_the_bound_unless_told(monkeypatch) -> None:
     """Without profiling, --zb-costs without M_W/M_B and the placeholder use M_W / M_B = 1."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    from megatron.trainer.arguments import parse_args, schedule_config
+    from megatron.trainer.config.arguments import parse_args, schedule_config
 
     base = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--global-batch-size", "8"]
     for extra, m_w in ((["--zb-costs", "1,1,1,0"], 1.0), (["--zb-profile-iters", "0"], 1.0),

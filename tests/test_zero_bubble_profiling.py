@@ -9,8 +9,8 @@ import torch
 
 from megatron.pipeline.comm import op_sends
 from megatron.pipeline.ir import B, F, W, Op, OpKind
-from megatron.pipeline.memory import ActivationMeter
-from megatron.pipeline.profiling import SUMMARY_FIELDS, OpProfiler, costs_from_summaries
+from megatron.pipeline.runtime.memory import ActivationMeter
+from megatron.pipeline.runtime.profiling import SUMMARY_FIELDS, OpProfiler, costs_from_summaries
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.profiled import CostsNotProfiled, ProfiledSchedule
@@ -202,7 +202,7 @@ BAD = {
 def test_bad_zb_flags_exit_2_with_one_line(case: str, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     import torch.distributed as dist
 
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_args
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a process group was started during argument validation")
@@ -218,7 +218,7 @@ def test_bad_zb_flags_exit_2_with_one_line(case: str, capsys: pytest.CaptureFixt
 
 
 def test_zb_flags_become_schedule_options(tmp_path) -> None:
-    from megatron.trainer.arguments import parse_args, schedule_config
+    from megatron.trainer.config.arguments import parse_args, schedule_config
 
     def options(*extra):
         return schedule_config(parse_args([*BASE, *extra])).options

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.pipeline.executors.common import ReportCadence
-from megatron.pipeline.executors.emulator import Emulator
+from megatron.pipeline.runtime.executors.common import ReportCadence
+from megatron.pipeline.runtime.executors.emulator import Emulator
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
-from megatron.pipeline.worker import StageSetup, StageWorker
+from megatron.pipeline.runtime.worker import StageSetup, StageWorker
 
 DIM = 3
 

@@ -31,10 +31,10 @@ if str(REPO) not in sys.path:
 
 # Only light imports at module level: worker processes start before torch is imported.
 from megatron.trainer.data.corpus import EncodingError, json_record, utf8_lines  # noqa: E402
-from megatron.trainer.flag_checks import OneLineParser  # noqa: E402
+from megatron.trainer.config.flag_checks import OneLineParser  # noqa: E402
 from megatron.trainer.data.sentence_split import TRAINING_SAMPLE_CHARS, build_splitter, split_sentences  # noqa: E402
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
-from megatron.trainer.writable import OutputPathError, check_writable_directory  # noqa: E402
+from megatron.trainer.checkpointing.writable import OutputPathError, check_writable_directory  # noqa: E402
 
 
 class InputError(ValueError):

@@ -31,8 +31,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron.trainer.data.corpus import pydoc_corpus, read_texts  # noqa: E402
-from megatron.trainer.flag_checks import OneLineParser  # noqa: E402
-from megatron.trainer.writable import OutputPathError, check_writable_directory  # noqa: E402
+from megatron.trainer.config.flag_checks import OneLineParser  # noqa: E402
+from megatron.trainer.checkpointing.writable import OutputPathError, check_writable_directory  # noqa: E402
 from megatron.trainer.tokenizer.tokenizer import GPT2_EOD  # noqa: E402
 
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

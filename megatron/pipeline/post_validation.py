@@ -75,7 +75,7 @@ from megatron.pipeline.ir import (
 )
 
 if TYPE_CHECKING:
-    from megatron.pipeline.worker import StageWorker
+    from megatron.pipeline.runtime.worker import StageWorker
 
 #: ``ScheduleConfig.options`` key that turns each synchronous step into PSTEP + VALIDATE
 POST_VALIDATION = "post_validation"

@@ -28,7 +28,7 @@ from megatron.pipeline.comm import Message, op_recvs, op_sends
 from megatron.pipeline.ir import MultiPipelineLayout, Op, OpKind, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.simulator import OpCosts, OpSpan, SimulationResult, simulate_streams
-from megatron.pipeline.tracing import TRACE_FORMAT
+from megatron.pipeline.runtime.tracing import TRACE_FORMAT
 
 NS_PER_MS = 1e6
 

@@ -75,8 +75,8 @@ def run_argv(spec: RunSpec, data: StudyData, out_dir: Path) -> list[str]:
 
 def check_argv(argv: Sequence[str]) -> None:
     """Parse one run's flags here, before any run starts: a bad grid fails in one line, at once."""
-    from megatron.trainer.arguments import build_parser, parse_args
-    from megatron.trainer.gpt_task import GPTTask
+    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.tasks.gpt import GPTTask
 
     parser = build_parser()
     GPTTask().add_arguments(parser)
@@ -109,7 +109,7 @@ def run_study(specs: Sequence[RunSpec], data: StudyData, out_dir: Path, jobs: in
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    from megatron.trainer.launcher import fork_is_safe
+    from megatron.trainer.launch.launcher import fork_is_safe
 
     return multiprocessing.get_context("fork" if fork_is_safe() else "spawn")
 
@@ -122,8 +122,8 @@ def _run_one(task: tuple[RunSpec, list[str], str]) -> tuple[RunSpec, int, float]
     os.dup2(fd, 2)
     json_log = Path(argv[argv.index("--log-json") + 1])
     json_log.unlink(missing_ok=True)  # --log-json appends
-    from megatron.trainer.gpt_task import GPTTask
-    from megatron.trainer.training import pretrain
+    from megatron.trainer.tasks.gpt import GPTTask
+    from megatron.trainer.loop.training import pretrain
 
     start = time.perf_counter()
     try:

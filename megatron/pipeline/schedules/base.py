@@ -124,7 +124,7 @@ class Schedule(abc.ABC):
 
     @classmethod
     def stage_weight_policy(cls, config: ScheduleConfig, stage: int, optimizer: Any) -> Any:
-        """The :class:`~megatron.pipeline.weight_versions.WeightPolicy` of ``stage``'s worker
+        """The :class:`~megatron.pipeline.runtime.weight_versions.WeightPolicy` of ``stage``'s worker
         (None: forwards and backwards read the live weights)."""
         return None
 

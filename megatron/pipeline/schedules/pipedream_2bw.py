@@ -3,7 +3,7 @@
 The op streams are PACI's (1F1B without flushes, each stage steps after its ``a`` local
 backwards, ``a`` = micro-batches per global batch per replica); what differs is which weights
 the passes read, decided in the stage worker by
-:class:`~megatron.pipeline.weight_versions.DoubleBufferedWeights`: window ``w``'s micro-batches
+:class:`~megatron.pipeline.runtime.weight_versions.DoubleBufferedWeights`: window ``w``'s micro-batches
 run forward and backward on version ``w - 1`` (weight stashing, drift 0), so
 ``W(t+1) = W(t) - lr * grad f(W(t-1))`` and each stage holds two weight versions, one extra copy.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.paci import PACI
-from megatron.pipeline.weight_versions import DoubleBufferedWeights
+from megatron.pipeline.runtime.weight_versions import DoubleBufferedWeights
 
 
 class PipeDream2BW(PACI):

@@ -10,7 +10,7 @@ switched on by its own option:
   ``p_k = 1 - min(k / K, 1)`` (spec eq. 4), ``k`` the 0-based index of the update.
 * **T2** (``discrepancy_decay = D``): the backward reads ``w - (tau_fwd - tau_bkwd) * delta`` with
   ``delta <- gamma * delta + (1 - gamma) * (w_{t+1} - w_t)``, ``gamma = D ** (1 / (tau_fwd - tau_bkwd))``
-  (:class:`~megatron.pipeline.weight_versions.DiscrepancyCorrection`).
+  (:class:`~megatron.pipeline.runtime.weight_versions.DiscrepancyCorrection`).
 * **W** (``sync_warmup_iters``): the run's first ``W`` iterations are synchronous 1F1B-flush
   steps (global clipping), then asynchrony starts.
 
@@ -55,7 +55,7 @@ from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.paci import PACI, drift_bound
-from megatron.pipeline.weight_versions import DiscrepancyCorrection
+from megatron.pipeline.runtime.weight_versions import DiscrepancyCorrection
 
 OPTION = "pipemare"
 DELAY_MODELS = ("stream", "paper")

@@ -6,7 +6,7 @@ fixed schedule runs. :class:`ProfiledSchedule` is that, as a lazy stream:
 
 * iterations ``0 .. K-1`` (``K = options["profile_iters"]``) run ZB-H1, which splits B/W like
   the target and needs no costs, while the executors time every F, B and W
-  (:mod:`megatron.pipeline.profiling`); with a memory limit below ZB-H1's ``N M_B`` they run
+  (:mod:`megatron.pipeline.runtime.profiling`); with a memory limit below ZB-H1's ``N M_B`` they run
   the target's order for placeholder costs instead;
 * at the synchronous optimizer step that ends iteration ``K - 1`` the executor gathers the
   per-stage measurements from all ranks and calls :meth:`ProfiledSchedule.set_costs`; every

@@ -34,7 +34,7 @@ import torch
 
 from megatron.trainer.data.index_check import IndexFileError, read_index_header
 from megatron.trainer.data.samples import IndexedSamples
-from megatron.trainer.flag_checks import FlagError, parse_blend, parse_split_weights
+from megatron.trainer.config.flag_checks import FlagError, parse_blend, parse_split_weights
 
 SplitMatrix = Sequence["tuple[float, float] | None"]
 
@@ -52,7 +52,7 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | 
 
     Returns ``(prefixes, weights)``; ``weights`` is None without weights (then several
     prefixes are blended in proportion to their sizes). Parsed strictly
-    (:func:`megatron.trainer.flag_checks.parse_blend`).
+    (:func:`megatron.trainer.config.flag_checks.parse_blend`).
     """
     try:
         return parse_blend(data_path)

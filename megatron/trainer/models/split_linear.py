@@ -8,7 +8,7 @@ the matmul's autograd function is ours.
 * Normally (deferral off) its backward is megatron's fused one, operation for operation:
   ``dx = dy @ W``, ``dW = dy2ᵀ @ x2``, ``db = dy2.sum(0)`` with ``dy2``, ``x2`` the contiguous
   2-D views megatron uses, so results are bitwise those of megatron's local linears.
-* Inside :func:`megatron.pipeline.wgrad.defer_weight_grads` (op B) it returns ``dx`` only and
+* Inside :func:`megatron.pipeline.runtime.wgrad.defer_weight_grads` (op B) it returns ``dx`` only and
   records ``(x, dy)`` for W. Running that record (op W, or megatron's ``backward_dw()``)
   computes ``dW`` and ``db`` with the same operations on the same tensors and accumulates
   them into ``.grad`` the way autograd's ``AccumulateGrad`` does (assign if None, else
@@ -44,7 +44,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
-from megatron.pipeline.wgrad import accumulate_grad, active_deferral
+from megatron.pipeline.runtime.wgrad import accumulate_grad, active_deferral
 
 
 def _weight_and_bias_grads(

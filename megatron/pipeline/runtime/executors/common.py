@@ -1,0 +1,79 @@
+"""What both tensor executors share: op dispatch to a worker and report cadence."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megatron.pipeline.comm import Message, op_recvs, op_sends
+from megatron.pipeline.ir import Op, OpKind
+from megatron.pipeline.runtime.report import StageReport
+from megatron.pipeline.runtime.worker import StageWorker
+
+
+class ReportSink(Protocol):
+    def submit(self, report: StageReport, replica: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReportCadence:
+    """Report after update k when ``(k + 1) % interval == 0`` or k is the final update."""
+
+    interval: int
+    final_update: int | None = None
+
+    def due(self, update: int) -> bool:
+        return (update + 1) % self.interval == 0 or update == self.final_update
+
+
+def run_compute_op(
+    worker: StageWorker, op: Op, inputs: dict[Message, torch.Tensor]
+) -> dict[Message, torch.Tensor]:
+    """Run F, B, W, BW or EVAL on ``worker`` with received tensors; return the tensors to send.
+
+    B sends the input gradient exactly like BW; W receives and sends nothing. With a tracer on
+    the worker (``--trace-dir``, :mod:`megatron.pipeline.runtime.tracing`) the op's span is recorded.
+    """
+    tracer = getattr(worker, "tracer", None)
+    if tracer is None:
+        return _run_compute_op(worker, op, inputs)
+    start = tracer.now()
+    outputs = _run_compute_op(worker, op, inputs)
+    tracer.record(op, start)
+    return outputs
+
+
+def _run_compute_op(
+    worker: StageWorker, op: Op, inputs: dict[Message, torch.Tensor]
+) -> dict[Message, torch.Tensor]:
+    profiler = getattr(worker, "profiler", None)  # set only while a profiled Zero Bubble schedule profiles
+    if profiler is not None:
+        worker.profiler = None
+        try:
+            with profiler.timed(op, worker.meter):
+                return _run_compute_op(worker, op, inputs)
+        finally:
+            worker.profiler = profiler
+    layout = worker.layout
+    received = [inputs[m] for m in op_recvs(op, layout)]
+    received_tensor = received[0] if received else None
+    if op.kind is OpKind.F:
+        out = worker.forward(op, received_tensor)
+    elif op.kind is OpKind.BW:
+        out = worker.backward(op, received_tensor)
+    elif op.kind is OpKind.B:
+        out = worker.backward_input(op, received_tensor)
+    elif op.kind is OpKind.EVAL:
+        out = worker.eval_forward(op, received_tensor)
+    elif op.kind is OpKind.W:
+        worker.weight_grad(op)
+        out = None
+    else:
+        raise NotImplementedError(f"stage {op.stage}: op kind {op.kind.value} is not supported yet ({op})")
+    sends = op_sends(op, layout)
+    return {sends[0]: out} if sends else {}
+
+
+MaybeReport = Callable[[StageWorker, Op], None]

@@ -1,0 +1,226 @@
+"""The window update of replicated pipelines (AMDP): replicas of a logical stage sum gradients.
+
+With a :class:`~megatron.pipeline.ir.MultiPipelineLayout` every logical stage ``j`` has one
+replica per pipeline, as chunk ``p`` on device ``device(p, j)``. Replicas start identical
+(initialisation depends only on the seed and the global parameter name), so they stay
+identical if they take the same step on the same gradient. At a ``sync`` OPT:
+
+1. each logical stage's replicas exchange their accumulated gradients and every replica
+   adds them up *in pipeline order* (``g_0 + g_1 + ...``, fp32), so every replica, and the
+   emulator as well as the one-process-per-device runtime, gets the same bits (an
+   all-reduce would sum in a ring order that differs between ranks and from the emulator);
+2. the norm for clipping and the non-finite check is that of the group's logical stages,
+   each counted once: device ``d`` contributes the squared norm of its pipeline-0 chunk (the
+   pipeline-0 placement is the identity, so device ``d`` "owns" logical stage ``d``), and
+   the group's values are summed with ``math.fsum`` (exact, so order-independent). The sync
+   group is closed under replicas, so every replica of a stage sees the same norm and all
+   skip or clip alike.
+
+Losses are scaled by 1/T (T = micro-batches per window over all pipelines), so the summed
+gradient is the window's mean, as in a synchronous step over T micro-batches.
+
+Optimizer-state sharding (ZeRO-1 over the replicas, AMDP §3.4): the replicas of a logical
+stage hold identical weights, gradients (after the sum) and, unsharded, identical optimizer
+states. Sharded, the stage's flat parameter vector (chunk parameter order) is cut into P
+contiguous ranges and the replica of pipeline ``p`` keeps AdamW state for, and steps, range
+``p`` only (:func:`optimizer_shards`); after the step the replicas all-gather the ranges
+(:func:`gather_shards_in_process`, :func:`gather_shards_distributed`). AdamW is element-wise
+with per-step scalars (lr, clip coefficient, bias corrections) that every replica computes
+alike, so each element gets the bits the unsharded step gives it, and a device keeps 1/P of
+the state of each stage it hosts. (The paper's owner scheme gives each device one whole stage
+instead; equal ranges make the saving exactly 1/P on every device, whatever the stage sizes.)
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
+from megatron.pipeline.runtime.worker import StageWorker
+
+
+def has_replicas(layout: PipelineLayout) -> bool:
+    """Whether sync OPTs of this layout reduce gradients among replicated pipelines."""
+    return isinstance(layout, MultiPipelineLayout) and layout.num_pipelines > 1
+
+
+def chunk_grads(worker: StageWorker, chunk: int) -> list[torch.Tensor]:
+    """The accumulated gradients of one chunk, in parameter order (zeros where none yet)."""
+    grads = []
+    for p in worker.setup.chunks[chunk].parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    return grads
+
+
+def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def _assign(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _sum_in_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def owned_sq_norm(worker: StageWorker) -> float:
+    """Squared gradient norm of this device's pipeline-0 chunk (logical stage = device)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for g in chunk_grads(worker, 0):
+        total += g.float().square().sum().cpu()
+    return worker.unscale_sq(float(total))
+
+
+def prepare(worker: StageWorker, op: Op) -> None:
+    """The worker's own pre-step checks (no weight gradient pending) and the non-finite
+    injection test hook, before the sums: a poisoned replica makes its stage's sum, hence the
+    whole sync group's norm, non-finite, so every replica skips the update alike."""
+    worker.grad_sq_norm(op)
+
+
+def reduce_in_process(workers: Sequence[StageWorker], ops: Sequence[Op]) -> list[float]:
+    """Emulator: sum every replicated logical stage of the group of ``ops``; return its norms."""
+    group = [op.stage for op in ops]
+    for op in ops:
+        prepare(workers[op.stage], op)
+    layout = workers[group[0]].layout
+    assert isinstance(layout, MultiPipelineLayout)
+    stages = sorted({layout.logical_stage(s, c) for s in group for c in range(layout.num_chunks)})
+    for j in stages:
+        replicas = [chunk_grads(workers[d], c) for d, c in layout.replicas(j)]
+        total = _sum_in_order([_flat(g) for g in replicas])
+        for grads in replicas:
+            _assign(grads, total)
+    return [owned_sq_norm(workers[s]) for s in group]
+
+
+def reduce_distributed(worker: StageWorker, op: Op, replica_groups: dict[int, Any], sync_group: Any,
+                       group_size: int) -> list[float]:
+    """Runtime: the same sums as :func:`reduce_in_process`, over process groups.
+
+    For each logical stage this device hosts, in increasing order (every device of the sync
+    group does the same, so the blocking collectives of different replica groups cannot wait
+    on each other in a cycle), all-gather the replicas' flat gradients and sum them in
+    pipeline order; then all-gather the owned norms over the sync group. A process group
+    orders its members by global rank, i.e. by device here, hence the reordering.
+    """
+    prepare(worker, op)
+    layout = worker.layout
+    assert isinstance(layout, MultiPipelineLayout)
+    hosted = sorted((layout.logical_stage(worker.stage, c), c) for c in range(layout.num_chunks))
+    for j, chunk in hosted:
+        grads = chunk_grads(worker, chunk)
+        mine = _flat(grads)
+        gathered = [torch.empty_like(mine) for _ in range(layout.num_pipelines)]
+        dist.all_gather(gathered, mine, group=replica_groups[j])
+        by_device = dict(zip(sorted(d for d, _ in layout.replicas(j)), gathered))
+        _assign(grads, _sum_in_order([by_device[d] for d, _ in layout.replicas(j)]))
+    # On the stage's device: the sync group is an NCCL group on GPUs (NCCL takes no CPU tensors).
+    own = torch.tensor([owned_sq_norm(worker)], dtype=torch.float64, device=worker.setup.device)
+    norms = [torch.empty_like(own) for _ in range(group_size)]
+    dist.all_gather(norms, own, group=sync_group)
+    return [float(t) for t in norms]
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def shard_range(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """The flat range ``[start, stop)`` of part ``index`` of ``parts`` near-equal parts."""
+    return numel * index // parts, numel * (index + 1) // parts
+
+
+def _chunk_params(worker_chunks: Sequence[torch.nn.Module], chunk: int) -> list[torch.nn.Parameter]:
+    return [p for p in worker_chunks[chunk].parameters() if p.requires_grad]
+
+
+def optimizer_shards(layout: MultiPipelineLayout, chunks: Sequence[torch.nn.Module],
+                     named: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[str, tuple[int, int]]:
+    """Name -> the flat range of that parameter its replica owns (``StageAdamW(shards=...)``).
+
+    Chunk ``c`` is pipeline ``c``'s replica of its logical stage, so it owns part ``c`` of the
+    stage's flat parameter vector; each parameter gets its intersection with that part.
+    """
+    name_of = {id(p): name for name, p in named}
+    shards: dict[str, tuple[int, int]] = {}
+    for chunk in range(layout.num_chunks):
+        params = _chunk_params(chunks, chunk)
+        lo, hi = shard_range(sum(p.numel() for p in params), layout.num_pipelines, chunk)
+        offset = 0
+        for p in params:
+            start, stop = max(lo, offset), min(hi, offset + p.numel())
+            shards[name_of[id(p)]] = (start - offset, stop - offset) if stop > start else (0, 0)
+            offset += p.numel()
+    return shards
+
+
+def _flat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    if len({p.dtype for p in params}) > 1:
+        raise ValueError("optimizer sharding needs one parameter dtype per model chunk")
+    return torch.cat([p.data.reshape(-1) for p in params])
+
+
+def _assign_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def _is_sharded(worker: StageWorker) -> bool:
+    return bool(getattr(worker.setup.optimizer, "sharded", False))
+
+
+def gather_shards_in_process(workers: Sequence[StageWorker], ops: Sequence[Op]) -> None:
+    """Emulator: after a sharded window step, every replica takes each range from its owner."""
+    if not _is_sharded(workers[ops[0].stage]):
+        return
+    layout = workers[ops[0].stage].layout
+    assert isinstance(layout, MultiPipelineLayout)
+    stages = sorted({layout.logical_stage(op.stage, c) for op in ops for c in range(layout.num_chunks)})
+    for j in stages:
+        replicas = [_chunk_params(workers[d].setup.chunks, c) for d, c in layout.replicas(j)]
+        flats = [_flat_params(params) for params in replicas]
+        n, parts = flats[0].numel(), len(flats)
+        whole = torch.cat([flat[slice(*shard_range(n, parts, p))] for p, flat in enumerate(flats)])
+        for params in replicas:
+            _assign_params(params, whole)
+
+
+def gather_shards_distributed(worker: StageWorker, replica_groups: dict[int, Any]) -> None:
+    """Runtime: the same as :func:`gather_shards_in_process`, one all-gather per hosted stage
+    (increasing logical stage, like :func:`reduce_distributed`) of the owned ranges, padded to
+    the longest range since gloo's all-gather wants equal sizes."""
+    if not _is_sharded(worker):
+        return
+    layout = worker.layout
+    assert isinstance(layout, MultiPipelineLayout)
+    parts = layout.num_pipelines
+    for j, chunk in sorted((layout.logical_stage(worker.stage, c), c) for c in range(layout.num_chunks)):
+        params = _chunk_params(worker.setup.chunks, chunk)
+        flat = _flat_params(params)
+        n = flat.numel()
+        width = -(-n // parts)
+        lo, hi = shard_range(n, parts, chunk)
+        mine = torch.zeros(width, dtype=flat.dtype, device=flat.device)
+        mine[:hi - lo] = flat[lo:hi]
+        gathered = [torch.empty_like(mine) for _ in range(parts)]
+        dist.all_gather(gathered, mine, group=replica_groups[j])
+        by_device = dict(zip(sorted(d for d, _ in layout.replicas(j)), gathered))
+        pieces = []
+        for p, (device, _) in enumerate(layout.replicas(j)):
+            start, stop = shard_range(n, parts, p)
+            pieces.append(by_device[device][:stop - start])
+        _assign_params(params, torch.cat(pieces))

@@ -1,0 +1,457 @@
+"""One pipeline stage's computation, independent of how messages travel.
+
+The distributed runtime and the emulator both drive a :class:`StageWorker` op by op, so the
+numbers they produce can only differ if the op order or the inputs differ.
+
+Weight-version semantics: a stage's version is the number of optimizer updates it has
+applied. Updates write through ``p.data`` (see the optimizer), so a micro-batch whose
+forward ran on version v and whose backward runs after an update uses the *current*
+weights in backward (PipeDream without stashing); the drift ``v_backward - v_forward`` is
+recorded for every backward. Schedules that read other weights (2BW's stash, PipeMare's
+corrected backward weights) plug in a :class:`~megatron.pipeline.runtime.weight_versions.WeightPolicy`;
+the drift is then measured on the versions the policy actually put in place.
+
+B/W split (Zero Bubble): op ``B`` is a backward with weight-gradient deferral on (see
+:mod:`megatron.pipeline.runtime.wgrad`): it sends the same input gradient as ``BW``, layers that
+support deferral queue ``(x, dy)`` instead of computing their weight gradients, and the
+queue is kept per (micro-batch, chunk) until op ``W`` runs it. Modules without such layers
+compute everything in B and their W is a no-op. Drift is recorded at B (or BW): that is when
+the micro-batch's backward reads the weights.
+
+Activation accounting (:class:`ActivationMeter`): a BW releases its micro-batch. A B shrinks
+it to what W still holds (the queued ``x`` and ``dy`` tensors; ``dy`` was not saved by the
+forward, so it is counted from B on) and W releases it; a micro-batch with nothing queued
+is released at B already. So ``peak_count`` counts micro-batches holding any activation
+memory, including those waiting only for W, and ``peak_bytes`` sees M_W, not M_B, for them.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+# torch.autograd.backward(out, grad) imports this lazily on its first call (1-3 s on a loaded
+# host): done here, the cost lands at start-up instead of inside the first traced/timed backward.
+import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
+from megatron.pipeline.comm import Message, MsgKind
+from megatron.pipeline.runtime.loss_scaling import StageLossScaler
+from megatron.pipeline.ir import Op, PipelineLayout
+from megatron.pipeline.runtime.memory import ActivationMeter
+from megatron.pipeline.post_validation import PostValidationState, is_state_message, state_spec
+from megatron.pipeline.runtime.report import StageReport
+from megatron.pipeline.runtime.weight_versions import WeightPolicy
+from megatron.pipeline.runtime.wgrad import DeferredWeightGrads, defer_weight_grads
+
+Batch = dict[str, torch.Tensor]
+
+
+class StageOptimizer(Protocol):
+    step_count: int
+
+    def parameters(self) -> list[torch.nn.Parameter]: ...
+    def grad_sq_norm(self) -> torch.Tensor: ...
+    def clip_coef(self, total_norm: float, max_norm: float) -> float: ...
+    def step(self, lr: float, grad_scale: float = 1.0) -> None: ...
+    def rollback(self, lr: float, grad_scale: float = 1.0) -> None: ...
+    def zero_grad(self) -> None: ...
+
+
+class LRPolicy(Protocol):
+    def lr(self, step: int) -> float: ...
+
+
+@dataclass
+class StageSetup:
+    """Everything a stage needs to compute; built by the trainer (or a benchmark)."""
+
+    stage: int
+    layout: PipelineLayout
+    chunks: list[torch.nn.Module]  # chunk c is virtual stage c * num_stages + stage
+    optimizer: StageOptimizer
+    lr_schedule: LRPolicy
+    microbatches_per_update: int  # losses are scaled by 1/a so a window sums to a mean
+    batch_fn: Callable[[int], Batch]  # global micro-batch index -> this replica's batch
+    loss_fn: Callable[[torch.Tensor, Batch], tuple[torch.Tensor, int]]
+    activation_shape: tuple[int, ...]
+    activation_dtype: torch.dtype
+    device: torch.device
+    clip_grad: float = 0.0
+    seed: int = 1234
+    # Testing hook: poison this stage's gradients before these local updates (0-based), to
+    # exercise the non-finite skip path end to end.
+    inject_nonfinite_updates: frozenset[int] = frozenset()
+    # Testing hook: the loss of these global micro-batches becomes NaN (last stage only), so
+    # every stage's gradients turn non-finite.
+    inject_nonfinite_losses: frozenset[int] = frozenset()
+    # Which weights forwards and backwards read (weight stashing, discrepancy correction);
+    # None: the live weights (megatron.pipeline.runtime.weight_versions).
+    weight_policy: WeightPolicy | None = None
+    # fp16: this stage's loss scaler (megatron.pipeline.runtime.loss_scaling); None: no loss scaling.
+    loss_scaler: StageLossScaler | None = None
+    # --log-params-norm: reports carry the sum of squares of this stage's parameters.
+    report_params_norm: bool = False
+    # A part of the loss logged on its own (BERT's sentence-order loss); None: nothing extra.
+    aux_loss_fn: Callable[[Any, Batch], torch.Tensor | None] | None = None
+
+
+class StageWorker:
+    """Executes F / B / W / BW / OPT for one stage and keeps its statistics."""
+
+    #: Keep every update's entry in ``update_log`` (and post-validation's ``log``) for the
+    #: whole run. Off by default: the logs then hold the current logging interval only, so
+    #: memory does not grow with the number of iterations. Tests that inspect a run's
+    #: history turn it on (the ``keep_update_history`` fixture).
+    keep_update_history: bool = False
+
+    def __init__(self, setup: StageSetup, isolate_rng: bool = False):
+        self.setup = setup
+        self.stage = setup.stage
+        self.layout = setup.layout
+        self._stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._fwd_version: dict[tuple[int, int], int] = {}
+        self._aux_losses: dict[tuple[int, int], torch.Tensor] = {}  # setup.aux_loss_fn, until reported
+        self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # B done, W pending
+        self.meter = ActivationMeter(setup.optimizer.parameters())
+        self.weights = setup.weight_policy or WeightPolicy(setup.optimizer.parameters(), setup.optimizer)
+        self.drift_histogram: Counter[int] = Counter()
+        self.update_log: list[dict[str, Any]] = []  # per update of the interval: lr, norm, skipped
+        self.post_validation = PostValidationState()  # see megatron.pipeline.post_validation
+        # (micro-batch, chunk) -> (loss, tokens) on the last stage, until reported: a report
+        # for update k takes the micro-batches of updates <= k only (with post-validation the
+        # next iteration's warm-up forwards run before update k is final and reported).
+        self._losses: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        # Times F / B / W while a profiled Zero Bubble schedule profiles (megatron.pipeline.runtime.profiling).
+        self.profiler: Any = None
+        # Records op spans with --trace-dir (megatron.pipeline.runtime.tracing); None: tracing off.
+        self.tracer: Any = None
+        # Dropout RNG: stage s starts from seed + 100 * s (Megatron's convention). The
+        # emulator runs all stages in one process and swaps the state per op.
+        self._isolate_rng = isolate_rng
+        self._rng = torch.Generator().manual_seed(setup.seed + 100 * setup.stage).get_state()
+        if not isolate_rng:
+            torch.manual_seed(setup.seed + 100 * setup.stage)
+        self._reset_interval()
+
+    # -- helpers ---------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.setup.optimizer.step_count
+
+    @torch.no_grad()
+    def _param_sq(self) -> float:
+        """Sum of squares of this stage's parameters (the live weights), in float64."""
+        return float(sum(p.detach().double().pow(2).sum() for p in self.setup.optimizer.parameters()))
+
+    def _reset_interval(self) -> None:
+        if not self.keep_update_history:
+            self.update_log.clear()
+            self.post_validation.log.clear()
+        self._drifts: list[int] = []
+        self._updates = 0
+        self._skipped = 0
+        self._last_lr = 0.0
+        self._last_norm = 0.0
+        self.meter.reset_peaks()
+        if self.setup.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.setup.device)
+
+    @contextlib.contextmanager
+    def _rng_scope(self) -> Iterator[None]:
+        if not self._isolate_rng:
+            yield
+            return
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self._rng)
+        try:
+            yield
+        finally:
+            self._rng = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+    def _batch(self, op: Op, batch_fn: Callable[[int], Batch] | None = None) -> Batch:
+        """The micro-batch entries chunk ``op.chunk`` reads.
+
+        The first and last virtual stages get the whole micro-batch. A middle one gets only the
+        keys its module lists in ``middle_batch_keys`` (attention masks, which every layer
+        applies: BERT's padding mask, GPT's ``--reset-attention-mask``), and no data is read
+        for it at all when it lists none -- GPT's default.
+        """
+        batch_fn = batch_fn or self.setup.batch_fn
+        if self.layout.is_first(self.stage, op.chunk) or self.layout.is_last(self.stage, op.chunk):
+            return batch_fn(op.microbatch)
+        keys = getattr(self.setup.chunks[op.chunk], "middle_batch_keys", ())
+        if not keys:
+            return {}
+        batch = batch_fn(op.microbatch)
+        return {k: batch[k] for k in keys if k in batch}
+
+    def recv_spec(self, msg: Message) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of a tensor this stage receives."""
+        if is_state_message(msg):
+            return state_spec(self.layout)
+        if msg.kind is MsgKind.GRAD and self._stage_local_scaling:
+            return self.setup.activation_shape, torch.float32  # unscaled gradients (loss_scaling)
+        return self.setup.activation_shape, self.setup.activation_dtype
+
+    # -- loss scaling (fp16; megatron.pipeline.runtime.loss_scaling) ----------------------------
+    @property
+    def _stage_local_scaling(self) -> bool:
+        return self.setup.loss_scaler is not None and self.setup.loss_scaler.stage_local
+
+    @property
+    def inv_loss_scale(self) -> float:
+        """What the optimizer multiplies the gradients by to unscale them (1.0 without scaling)."""
+        return 1.0 if self.setup.loss_scaler is None else self.setup.loss_scaler.inv_scale
+
+    def unscale_sq(self, sq_norm: float) -> float:
+        """A squared norm of this stage's (scaled) gradients, unscaled (exact for 2^k scales)."""
+        scaler = self.setup.loss_scaler
+        return sq_norm if scaler is None else sq_norm / (scaler.scale * scaler.scale)
+
+    def update_loss_scale(self, found_inf: bool) -> None:
+        """Feed the step decision's non-finite flag to the scaler (after the decision is logged)."""
+        if self.setup.loss_scaler is not None:
+            self.setup.loss_scaler.update(found_inf)
+
+    def in_flight(self) -> int:
+        """Micro-batches whose forward ran but whose backward (or W) has not."""
+        return len(self._stash) + len(self._deferred)
+
+    def rng_state(self) -> Any:
+        """This stage's dropout RNG state (post-validation rewinds it for a replay; checkpoints
+        save it). The same form in the emulator and the runtime, so either can resume the other."""
+        if self._isolate_rng:
+            return {"cpu": self._rng.clone()}
+        state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if self.setup.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.setup.device)
+            from megatron.core import tensor_parallel
+
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            if tracker.is_initialized():
+                state["tracker"] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                    for k, v in tracker.get_states().items()}
+        return state
+
+    def set_rng_state(self, state: Any) -> None:
+        if self._isolate_rng:
+            self._rng = state["cpu"].clone()
+            return
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.setup.device)
+        if "tracker" in state:
+            from megatron.core import tensor_parallel
+
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            tracker.set_states({k: v.clone() if isinstance(v, torch.Tensor) else v
+                                for k, v in state["tracker"].items()})
+
+    # -- ops ---------------------------------------------------------------------------
+    def forward(self, op: Op, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Run F; return the activation to send (None on the last virtual stage)."""
+        key = (op.microbatch, op.chunk)
+        batch = self._batch(op)
+        x = None if received is None else received.detach().requires_grad_(True)
+        self._fwd_version[key] = self.weights.before_forward(op)
+        with self._rng_scope(), self.meter.record(key):
+            out = self.setup.chunks[op.chunk](x, batch)
+            if self.layout.is_last(self.stage, op.chunk):
+                loss, num_tokens = self.setup.loss_fn(out, batch)
+                if op.microbatch in self.setup.inject_nonfinite_losses:
+                    loss = loss * float("nan")
+                self._losses[key] = (loss.detach(), num_tokens)
+                if self.setup.aux_loss_fn is not None:
+                    with torch.no_grad():
+                        aux = self.setup.aux_loss_fn(out, batch)
+                    if aux is not None:
+                        self._aux_losses[key] = aux.detach()
+                out = loss / self.setup.microbatches_per_update
+        self._stash[key] = (x, out)
+        if self.layout.is_last(self.stage, op.chunk):
+            return None
+        return out.detach()
+
+    # -- evaluation --------------------------------------------------------------------
+    def begin_evaluation(self, batch_fn: Callable[[int], Batch]) -> None:
+        """Enter evaluation: EVAL ops read ``batch_fn`` (a validation or test split) and run
+        the chunks in eval mode (no dropout, so no RNG is drawn and training resumes on
+        exactly the random stream it would have had without evaluation)."""
+        if self._stash or self._deferred:
+            raise RuntimeError(f"stage {self.stage}: evaluation needs a drained pipeline, "
+                               f"{len(self._stash) + len(self._deferred)} micro-batches are in flight")
+        self.weights.restore_current()
+        self._eval_batch_fn = batch_fn
+        self._eval_loss_sum = 0.0
+        self._eval_tokens = 0
+        self._was_training = [chunk.training for chunk in self.setup.chunks]
+        for chunk in self.setup.chunks:
+            chunk.eval()
+
+    def eval_forward(self, op: Op, received: torch.Tensor | None) -> torch.Tensor | None:
+        """EVAL: a forward without autograd; the last stage adds up token-weighted losses."""
+        batch = self._batch(op, self._eval_batch_fn)
+        with torch.no_grad():
+            out = self.setup.chunks[op.chunk](received, batch)
+            if not self.layout.is_last(self.stage, op.chunk):
+                return out
+            loss, num_tokens = self.setup.loss_fn(out, batch)
+        self._eval_loss_sum += float(loss) * num_tokens
+        self._eval_tokens += num_tokens
+        return None
+
+    def end_evaluation(self) -> tuple[float, int]:
+        """Leave evaluation; return (sum of token-weighted losses, tokens), zeros off the last stage."""
+        for chunk, training in zip(self.setup.chunks, self._was_training):
+            chunk.train(training)
+        return self._eval_loss_sum, self._eval_tokens
+
+    def discard_forward(self, op: Op) -> None:
+        """DISCARD: forget a forward that ran on invalid weights (post-validation replays it)."""
+        key = (op.microbatch, op.chunk)
+        if key not in self._stash:
+            raise RuntimeError(f"stage {self.stage}: {op} but micro-batch {op.microbatch} "
+                               f"(chunk {op.chunk}) has no stashed forward")
+        del self._stash[key]
+        self._fwd_version.pop(key, None)
+        self._losses.pop(key, None)
+        self._aux_losses.pop(key, None)
+        self.meter.release(key)
+
+    def backward(self, op: Op, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """Run a fused backward (BW); return the input gradient to send (None on the first)."""
+        return self._backward(op, grad_output, defer=False)
+
+    def backward_input(self, op: Op, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """Run B: the backward with weight gradients deferred to W; return what BW returns."""
+        return self._backward(op, grad_output, defer=True)
+
+    def weight_grad(self, op: Op) -> None:
+        """Run W: the weight gradients B deferred for this micro-batch and chunk."""
+        key = (op.microbatch, op.chunk)
+        deferred = self._deferred.pop(key, None)
+        if deferred is None:
+            raise RuntimeError(f"stage {self.stage}: {op} has no preceding B of its micro-batch")
+        deferred.run()
+        self.meter.release(key)
+
+    def _backward(self, op: Op, grad_output: torch.Tensor | None, defer: bool) -> torch.Tensor | None:
+        key = (op.microbatch, op.chunk)
+        x, out = self._stash.pop(key)
+        version = self.weights.before_backward(op)
+        scaler = self.setup.loss_scaler
+        with self._rng_scope(), (defer_weight_grads() if defer else contextlib.nullcontext()) as deferred:
+            if grad_output is None:
+                torch.autograd.backward(out if scaler is None else out * scaler.scale)
+            else:
+                if self._stage_local_scaling:  # arrives unscaled in fp32: apply this stage's scale
+                    grad_output = (grad_output * scaler.scale).to(out.dtype)
+                torch.autograd.backward(out, grad_output)
+        self.weights.after_backward(op)
+        if deferred is None:
+            self.meter.release(key)
+        else:
+            self._deferred[key] = deferred
+            self.meter.retain_only(key, deferred.tensors())
+        drift = version - self._fwd_version.pop(key)
+        self._drifts.append(drift)
+        self.drift_histogram[drift] += 1
+        if x is None:
+            return None
+        if self._stage_local_scaling and x.grad is not None:
+            return x.grad.float() * scaler.inv_scale
+        return x.grad
+
+    def grad_sq_norm(self, op: Op) -> float:
+        """This stage's squared gradient norm before update ``op`` (inf/nan if not finite)."""
+        if self._deferred:
+            mb, chunk = min(self._deferred)
+            raise RuntimeError(
+                f"stage {self.stage}: {op} while the weight gradients of micro-batch {mb} "
+                f"(chunk {chunk}) are still deferred (its W has not run)"
+            )
+        if op.update in self.setup.inject_nonfinite_updates:
+            for p in self.setup.optimizer.parameters():
+                if p.grad is not None:
+                    p.grad.view(-1)[0] = float("nan")
+                    break
+        return self.unscale_sq(float(self.setup.optimizer.grad_sq_norm()))
+
+    def apply_update(self, op: Op, stage_sq_norms: list[float]) -> None:
+        """OPT: step with the norm over ``stage_sq_norms`` (all stages if sync, else own).
+
+        Non-finite gradients skip the update (the version does not advance) and are logged.
+        """
+        start = self.tracer.now() if self.tracer is not None else 0  # after the collective: see tracing
+        total_sq = math.fsum(stage_sq_norms)
+        opt = self.setup.optimizer
+        self.weights.before_update(op)
+        if not math.isfinite(total_sq):
+            self.record_update(op.update, total_sq, None)
+        else:
+            norm = math.sqrt(total_sq)
+            scale = opt.clip_coef(norm, self.setup.clip_grad) if self.setup.clip_grad > 0 else 1.0
+            lr = self.setup.lr_schedule.lr(opt.step_count + 1)
+            opt.step(lr, grad_scale=scale * self.inv_loss_scale)
+            self.record_update(op.update, total_sq, lr)
+        self.update_loss_scale(not math.isfinite(total_sq))
+        self.weights.after_update(op)
+        opt.zero_grad()
+        if self.tracer is not None:
+            self.tracer.record(op, start)
+
+    def record_update(self, update: int, total_sq: float, lr: float | None) -> None:
+        """Statistics of update ``update``: applied with ``lr``, or skipped when ``lr`` is None."""
+        self._updates += 1
+        scale = {} if self.setup.loss_scaler is None else {"loss_scale": self.setup.loss_scaler.scale}
+        if lr is None:
+            self._skipped += 1
+            self._last_norm = math.nan  # not 0.0: the gradients were not finite
+            self.update_log.append({"update": update, "skipped": True, **scale})
+            print(
+                f"[megatron-async] stage {self.stage}: skipped update {update} "
+                f"(non-finite gradients, squared norm {total_sq}); weights unchanged",
+                file=sys.stderr, flush=True,
+            )
+        else:
+            norm = math.sqrt(total_sq)
+            self._last_lr, self._last_norm = lr, norm
+            self.update_log.append({"update": update, "skipped": False, "lr": lr, "grad_norm": norm, **scale})
+
+    def take_report(self, update: int) -> StageReport:
+        """Statistics since the previous report; resets the interval."""
+        a = self.setup.microbatches_per_update
+        done = [key for key in self._losses if key[0] // a <= update]
+        taken = [self._losses.pop(key) for key in done]
+        loss_sum = float(torch.stack([loss for loss, _ in taken]).sum()) if taken else 0.0
+        aux = [self._aux_losses.pop(key) for key in done if key in self._aux_losses]
+        mem = torch.cuda.max_memory_allocated(self.setup.device) if self.setup.device.type == "cuda" else 0
+        report = StageReport(
+            stage=self.stage,
+            update=update,
+            updates=self._updates,
+            skipped=self._skipped,
+            loss_sum=loss_sum,
+            loss_count=len(taken),
+            tokens=sum(tokens for _, tokens in taken),
+            lr=self._last_lr,
+            grad_norm=self._last_norm,
+            drift_max=max(self._drifts, default=0),
+            drift_sum=sum(self._drifts),
+            drift_count=len(self._drifts),
+            act_peak_count=self.meter.peak_count,
+            act_peak_bytes=self.meter.peak_bytes,
+            mem_peak_bytes=int(mem),
+            loss_scale=1.0 if self.setup.loss_scaler is None else self.setup.loss_scaler.scale,
+            param_sq=self._param_sq() if self.setup.report_params_norm else 0.0,
+            aux_loss_sum=float(torch.stack(aux).sum()) if aux else 0.0,
+            aux_loss_count=len(aux),
+        )
+        self._reset_interval()
+        return report

@@ -1,0 +1,1 @@
+"""Checkpoints: per-rank state, paths, atomic publishing."""

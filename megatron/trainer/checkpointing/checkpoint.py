@@ -1,0 +1,366 @@
+"""Per-stage checkpoints: exact resume, atomic writes, a ``latest`` pointer, early checks.
+
+Layout (Megatron-LM's names)::
+
+    SAVE/latest_checkpointed_iteration.txt   iteration of the last *complete* checkpoint
+    SAVE/iter_0000010/metadata.json          run signature + byte size of every rank file
+    SAVE/iter_0000010/stage00_dp0.pt         one file per (pipeline stage, data-parallel replica)
+
+A rank file holds the stage's parameters (by their names in the unsplit model), its
+optimizer state (moments, fp32 masters, update counter = the stage's weight version, which
+for asynchronous schedules is its local update count), its dropout RNG state and its
+weight-version drift histogram. The learning rate is a function of the update counter and
+the data position is the iteration, so both continue exactly. Checkpoints are taken only
+at segment ends, where every schedule is drained: no micro-batch is in flight and no
+gradient accumulation window is open (checked), so there is no accumulation state to keep.
+What a schedule's weight policy carries across a drain (2BW's stashed version, PipeMare's
+delta) is saved with the stage (``weight_versions``).
+
+Atomicity and durability: every rank writes into ``iter_XXXXXXX.tmp/`` (each file via a
+temporary name, hashed with SHA-256 while it is written, fsync'd, then ``os.replace``d, the
+directory fsync'd); once all ranks are done, the coordinator writes ``metadata.json`` with the
+files' sizes and checksums (fsync'd), renames the directory into place, fsyncs the parent,
+and only then replaces the pointer file the same way (temporary name, fsync, rename, fsync
+of the directory). A crash at any point leaves the previous pointer and its checkpoint
+untouched, and what the pointer names is on disk. Staging directories a crashed save left
+behind (``iter_*.tmp``, ``iter_*.old``) are removed by the next save.
+
+Loading is checked before any rank starts (:func:`check_resume`): the pointer, the
+directory, the signature (model shape, stage count, schedule, ...), every file's size and
+checksum, each failure one line naming the file. A rank verifies its own file's checksum
+again as it reads it (under torchrun no launcher checks first).
+
+A schedule that decides something during the run saves it too (``schedule_state`` in
+``metadata.json``): zb-1p / zb-2p save their profiled costs and the iteration profiling
+ended at, so the resumed run keeps the same order instead of profiling again.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.pipeline.runtime.worker import StageWorker
+from megatron.trainer.config.megatron_compat_args import COMPAT_SIGNATURE_FLAGS
+from megatron.trainer.tasks.task import PretrainTask
+
+POINTER = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
+FORMAT_VERSION = 1
+
+# Flags that must match between the checkpoint and the run that loads it.
+SIGNATURE_FLAGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "seq_length", "max_position_embeddings", "vocab_size", "normalization", "position_embedding_type",
+    "pipeline_model_parallel_size", "num_model_chunks", "pipeline_layer_split", "data_parallel_size",
+    "pipeline_schedule", "num_microbatches", "micro_batch_size", "bf16", "fp16", *COMPAT_SIGNATURE_FLAGS,
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded; one line naming the file."""
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def rank_file_name(stage: int, dp_rank: int) -> str:
+    return f"stage{stage:02d}_dp{dp_rank}.pt"
+
+
+def run_signature(task: PretrainTask, args: argparse.Namespace) -> dict[str, Any]:
+    """What identifies a run's model and pipeline layout (checked on load)."""
+    signature = {flag: getattr(args, flag, None) for flag in SIGNATURE_FLAGS}
+    signature["task"] = task.name
+    return signature
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def stage_state(task: PretrainTask, worker: StageWorker) -> dict[str, Any]:
+    """Everything one stage needs to continue exactly; refuses an undrained pipeline."""
+    in_flight = worker.in_flight()
+    if in_flight:
+        raise CheckpointError(f"stage {worker.stage}: cannot checkpoint with {in_flight} micro-batches in flight "
+                              f"(checkpoints are taken at drained segment ends)")
+    optimizer = worker.setup.optimizer
+    if any(p.grad is not None and bool(p.grad.any()) for p in optimizer.parameters()):
+        raise CheckpointError(f"stage {worker.stage}: cannot checkpoint with accumulated gradients not yet applied")
+    return {
+        "format": FORMAT_VERSION,
+        "stage": worker.stage,
+        "model": {name: p.detach().cpu().clone() for name, p in task.named_parameters(worker.setup.chunks)},
+        "optimizer": optimizer.state_dict(),
+        "rng": worker.rng_state(),
+        "drift_histogram": dict(worker.drift_histogram),
+        "weight_versions": worker.weights.state_dict(),  # 2BW's stash, PipeMare's delta
+        **({} if worker.setup.loss_scaler is None else {"loss_scaler": worker.setup.loss_scaler.state_dict()}),
+    }
+
+
+def staging_dir(root: str | Path, iteration: int) -> Path:
+    return Path(str(iteration_dir(root, iteration)) + ".tmp")
+
+
+CHECKSUM_SUFFIX = ".sha256"  # a rank's checksum next to its file in staging, until publish
+
+
+def prepare_staging(root: str | Path, iteration: int) -> Path:
+    """Coordinator, before any rank writes: an empty staging directory. Every crashed save's
+    leftovers go (``iter_*.tmp`` staging and ``iter_*.old`` trash of any iteration)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in [*root.glob("iter_*.tmp"), *root.glob("iter_*.old")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = staging_dir(root, iteration)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def fsync_directory(path: str | Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through (torch.save streams into it)."""
+
+    def __init__(self, file: io.BufferedWriter):
+        self.file, self.hash = file, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.hash.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _durable_replace(partial: Path, path: Path) -> None:
+    os.replace(partial, path)
+    fsync_directory(path.parent)
+
+
+def write_durable_text(path: Path, text: str) -> None:
+    """``text`` into ``path``: temporary name, fsync, rename, fsync of the directory."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    _durable_replace(partial, path)
+
+
+def write_rank_file(root: str | Path, iteration: int, stage: int, dp_rank: int, state: dict[str, Any]) -> None:
+    """Write one rank's state into the staging directory (temporary name, fsync, rename), with
+    its SHA-256 (computed while writing) beside it for :func:`publish`."""
+    path = staging_dir(root, iteration) / rank_file_name(stage, dp_rank)
+    partial = path.with_suffix(".partial")
+    with open(partial, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(state, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    _durable_replace(partial, path)
+    write_durable_text(path.with_name(path.name + CHECKSUM_SUFFIX), writer.hash.hexdigest())
+
+
+def file_checksum(path: str | Path) -> str:
+    """SHA-256 of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def schedule_state(schedule: object) -> dict[str, Any] | None:
+    """What ``schedule`` decided during the run and must keep on resume (zb-1p/zb-2p's profiled
+    costs), or None."""
+    state = getattr(schedule, "checkpoint_state", None)
+    return state() if state is not None else None
+
+
+def restore_schedule_state(schedule: object, point: "ResumePoint | None") -> None:
+    """Hand a checkpoint's :func:`schedule_state` back to the resumed run's schedule. A schedule
+    that decides nothing at run time ignores it (e.g. zb-2p resumed with ``--zb-costs``: the
+    user fixed the order on purpose)."""
+    restore = getattr(schedule, "restore_checkpoint_state", None)
+    if point is not None and point.schedule_state is not None and restore is not None:
+        restore(point.schedule_state)
+
+
+def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_stages: int, dp_size: int,
+            schedule: dict[str, Any] | None = None) -> Path:
+    """Coordinator, after every rank wrote: metadata (sizes, checksums, the schedule's state),
+    rename into place, then the pointer; each step durable before the next."""
+    staging, final = staging_dir(root, iteration), iteration_dir(root, iteration)
+    files, checksums = {}, {}
+    for stage in range(num_stages):
+        for dp in range(dp_size):
+            name = rank_file_name(stage, dp)
+            sidecar = staging / (name + CHECKSUM_SUFFIX)
+            if not (staging / name).is_file() or not sidecar.is_file():
+                raise CheckpointError(f"checkpoint {staging}: {name} was not written")
+            files[name] = (staging / name).stat().st_size
+            checksums[name] = sidecar.read_text().strip()
+            sidecar.unlink()
+    metadata = {"format": FORMAT_VERSION, "iteration": iteration, "signature": signature, "files": files,
+                "sha256": checksums, "schedule_state": schedule}
+    write_durable_text(staging / METADATA, json.dumps(metadata, indent=1, sort_keys=True))
+    if final.exists():  # saving the same iteration again: the old copy goes only now
+        trash = Path(str(final) + ".old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        os.replace(staging, final)
+        fsync_directory(root)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+        fsync_directory(root)
+    write_durable_text(Path(root) / POINTER, f"{iteration}\n")
+    return final
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    iteration: int
+    directory: Path
+    checksums: dict[str, str] = field(default_factory=dict)  # rank file name -> SHA-256
+    schedule_state: dict[str, Any] | None = None
+
+
+def find_resume_point(root: str | Path) -> ResumePoint | None:
+    """The latest complete checkpoint under ``root``; None if nothing was saved there yet."""
+    pointer = Path(root) / POINTER
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"--load {root}: {pointer} holds {text[:40]!r}, not an iteration number")
+    iteration = int(text)
+    directory = iteration_dir(root, iteration)
+    if not directory.is_dir():
+        raise CheckpointError(f"--load {root}: {pointer} names iteration {iteration} but {directory} is missing")
+    return ResumePoint(iteration, directory)
+
+
+def _read_metadata(directory: Path) -> dict[str, Any]:
+    path = directory / METADATA
+    try:
+        metadata = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint metadata {path} is missing or corrupt: {exc}") from None
+    if metadata.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path}: format {metadata.get('format')}, this version reads {FORMAT_VERSION}")
+    return metadata
+
+
+def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: bool = True) -> ResumePoint | None:
+    """Validate ``--load`` before any rank starts; return where to resume (None: start fresh).
+
+    Different model shape, stage count, schedule or batch layout, a missing or truncated rank
+    file, a rank file whose checksum differs (``verify_files``; a rank checks its own file
+    again in :func:`load_stage_state`): each is a one-line :class:`CheckpointError` naming
+    the file.
+    """
+    if args.load is None:
+        return None
+    point = find_resume_point(args.load)
+    if point is None:
+        return None
+    metadata = _read_metadata(point.directory)
+    path = point.directory / METADATA
+    saved, ours = metadata["signature"], run_signature(task, args)
+    for key in ours:
+        if saved.get(key) != ours[key]:
+            flag = "model type" if key == "task" else "--" + key.replace("_", "-")
+            raise CheckpointError(f"checkpoint {path} was saved with {flag} {saved.get(key)}, "
+                                  f"this run has {ours[key]}")
+    for name, size in metadata["files"].items():
+        file = point.directory / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint file {file} is truncated or corrupt "
+                                  f"({file.stat().st_size} bytes, {size} when saved)")
+    checksums = metadata.get("sha256", {})
+    if verify_files:
+        for name, expected in checksums.items():
+            _verify_checksum(point.directory / name, file_checksum(point.directory / name), expected)
+    if point.iteration >= args.train_iters and not getattr(args, "finetune", False):
+        raise CheckpointError(f"checkpoint {point.directory} is at iteration {point.iteration}, "
+                              f"not before --train-iters {args.train_iters}: nothing left to train")
+    return ResumePoint(point.iteration, point.directory, checksums, metadata.get("schedule_state"))
+
+
+def _verify_checksum(path: Path, actual: str, expected: str) -> None:
+    if actual != expected:
+        raise CheckpointError(f"checkpoint file {path} is corrupt (SHA-256 {actual[:12]}..., "
+                              f"{expected[:12]}... when saved)")
+
+
+def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint, dp_rank: int,
+                     optimizer: bool = True, rng: bool = True) -> None:
+    """Restore one stage from its rank file (parameters, optimizer, RNG, drift histogram).
+
+    ``optimizer=False`` (``--no-load-optim``, ``--finetune``) keeps the fresh optimizer and
+    the weight-version state that counts its updates; ``rng=False`` (``--finetune``) also
+    the fresh RNG and drift histogram.
+    """
+    path = point.directory / rank_file_name(worker.stage, dp_rank)
+    try:
+        data = path.read_bytes()
+        if path.name in point.checksums:
+            _verify_checksum(path, hashlib.sha256(data).hexdigest(), point.checksums[path.name])
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {type(exc).__name__}: {exc}") from None
+    params = dict(task.named_parameters(worker.setup.chunks))
+    saved = state.get("model", {})
+    if set(saved) != set(params):
+        missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+        raise CheckpointError(f"checkpoint file {path} does not match this stage's model "
+                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            if saved[name].shape != p.shape:
+                raise CheckpointError(f"checkpoint file {path}: {name} has shape {tuple(saved[name].shape)}, "
+                                      f"the model has {tuple(p.shape)}")
+            p.data.copy_(saved[name])
+    if optimizer:
+        try:
+            worker.setup.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint file {path}: optimizer state does not fit: {exc}") from None
+        worker.weights.load_state_dict(state.get("weight_versions", {}))
+        if worker.setup.loss_scaler is not None and "loss_scaler" in state:  # fp16: resume the scale
+            worker.setup.loss_scaler.load_state_dict(state["loss_scaler"])
+    if rng:
+        worker.set_rng_state(state["rng"])
+        worker.drift_histogram.clear()
+        worker.drift_histogram.update(state.get("drift_histogram", {}))

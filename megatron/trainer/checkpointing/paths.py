@@ -1,0 +1,93 @@
+"""``--save`` and ``--load`` checked before training, not at the first save.
+
+A ``--save`` that is a regular file, sits in a read-only directory or on a full disk used to
+train until the first checkpoint and then end in a traceback, losing that work. Here, before
+any rank starts:
+
+* ``--save`` must be a directory we can create a file in, or a path whose nearest existing
+  ancestor is one (the first save creates the rest; :mod:`megatron.trainer.checkpointing.writable`);
+* the free space there must hold one checkpoint, estimated from the model config
+  (:func:`estimate_checkpoint_bytes`: parameters plus AdamW moments and fp32 masters, one
+  file per stage and data-parallel replica);
+* ``--load`` must be a directory: a regular file is an error, and so is a missing path,
+  except when ``--load`` equals ``--save`` (Megatron's "resume if there is anything, else
+  start fresh" idiom, ``--load ckpt --save ckpt`` on the first run of a job).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+from megatron.trainer.checkpointing.writable import OutputPathError, check_output_flags, check_writable_directory
+
+
+class CheckpointPathError(ValueError):
+    """An unusable ``--save`` / ``--load`` path; one line for the user."""
+
+
+def estimate_parameters(args: argparse.Namespace) -> int:
+    """Parameters of the whole model (all stages) from the flags: embeddings, untied output
+    layer, per layer attention (QKV with query groups, projection), MLP and two norms."""
+    h, layers, vocab = args.hidden_size, args.num_layers, args.vocab_size
+    ffn = getattr(args, "ffn_hidden_size", None) or 4 * h
+    heads = args.num_attention_heads
+    groups = getattr(args, "num_query_groups", None) or heads
+    kv = 2 * h * groups // heads
+    attention = h * (h + kv) + (h + kv) + h * h + h
+    mlp = 2 * h * ffn + ffn + h
+    norms = 4 * h
+    positions = args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute" else 0
+    return 2 * vocab * h + positions + layers * (attention + mlp + norms) + 2 * h
+
+
+def estimate_checkpoint_bytes(args: argparse.Namespace) -> int:
+    """Bytes of one checkpoint: per parameter its value (2 bytes in bf16/fp16, else 4), AdamW's
+    two fp32 moments and, in half precision, the fp32 master copy; every data-parallel replica
+    writes its own files."""
+    half = args.bf16 or getattr(args, "fp16", False)
+    per_parameter = (2 + 8 + 4) if half else (4 + 8)
+    return estimate_parameters(args) * per_parameter * args.data_parallel_size
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def check_save_path(args: argparse.Namespace) -> None:
+    save = args.save
+    try:
+        existing = check_writable_directory(save, "--save")
+    except OutputPathError as exc:
+        raise CheckpointPathError(str(exc)) from None
+    need, free = estimate_checkpoint_bytes(args), shutil.disk_usage(existing).free
+    if free < need:
+        raise CheckpointPathError(
+            f"--save {save}: {_gb(free)} free, one checkpoint needs about {_gb(need)} "
+            f"({estimate_parameters(args):,} parameters with optimizer states)")
+
+
+def check_load_path(args: argparse.Namespace) -> None:
+    load = args.load
+    if os.path.isdir(load):
+        return
+    if os.path.lexists(load):
+        raise CheckpointPathError(f"--load {load}: not a directory (pass the checkpoint directory, the one "
+                                  f"holding latest_checkpointed_iteration.txt)")
+    if args.save is not None and os.path.abspath(args.save) == os.path.abspath(load):
+        return  # --load X --save X: nothing saved yet, start fresh
+    raise CheckpointPathError(f"--load {load}: no such directory (to start fresh and resume later from the "
+                              f"same place, pass the same path to --save)")
+
+
+def check_checkpoint_paths(args: argparse.Namespace) -> None:
+    """Both checks, then the other output flags (``--log-json``, ``--tensorboard-dir``, ...);
+    :class:`CheckpointPathError` for the first problem."""
+    if args.load is not None:
+        check_load_path(args)
+    if args.save is not None:
+        check_save_path(args)
+    try:
+        check_output_flags(args)
+    except OutputPathError as exc:
+        raise CheckpointPathError(str(exc)) from None

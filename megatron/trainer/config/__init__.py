@@ -1,0 +1,1 @@
+"""Command-line flags, their checks and the run configuration built from them."""

@@ -1,0 +1,385 @@
+"""Megatron-LM-style command-line flags and their validation.
+
+Every check runs before any process group or worker process exists, and every failure is
+one line naming the flag, so a bad launch on a 64-GPU job fails in a second, not after
+the rendezvous.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from megatron.pipeline.ir import PipelineLayout
+from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, schedule_class
+from megatron.pipeline.schedules.interleaved import GROUP_OPTION
+from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
+from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, validate_basis_rotation_args
+from megatron.trainer.config.zero_bubble_args import add_zero_bubble_args, validate_zero_bubble_args, zero_bubble_options
+from megatron.trainer.config.post_validation_args import (
+    add_post_validation_args, post_validation_options, validate_post_validation_args)
+from megatron.trainer.config.pipemare_args import add_pipemare_args, pipemare_options, validate_pipemare_args
+from megatron.trainer.config.amdp_args import add_amdp_args, validate_amdp_args
+from megatron.trainer.config.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
+from megatron.trainer.config.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
+from megatron.trainer.config.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
+from megatron.trainer.config.flag_checks import FlagError, OneLineParser, check_flag_values
+from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
+from megatron.trainer.optim.lr_schedule import DECAY_STYLES
+from megatron.trainer.config.megatron_compat_args import (
+    CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
+
+
+class ArgumentError(ValueError):
+    """A bad flag combination; the message is one line for the user."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=256,
+                   help="vocabulary of the mock data and of NullTokenizer; with any other --tokenizer-type "
+                        "the tokenizer's, padded to --make-vocab-size-divisible-by")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad a tokenizer's vocabulary to a multiple of this (x tensor-parallel size)")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default="learned_absolute")
+    g.add_argument("--bf16", action="store_true", help="bf16 model and activations (fp32 master weights)")
+    g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
+                   help="auto: Transformer Engine layer spec on GPU when installed, else the local spec with SDPA attention")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "basis-rotation"], default="adamw",
+                   help="adam: Megatron-LM's name for AdamW (decoupled weight decay); "
+                        "basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    add_basis_rotation_args(g)
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--mock-data", action="store_true", help="synthetic, learnable token sequences (the default when no data path is given)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="indexed dataset prefix(es) from tools/preprocess_data.py: PREFIX, or "
+                        "WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ... to blend")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test shares of every dataset")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where megatron-core caches sample indices (default: <prefix>/cache/ next to the data)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json or BERT vocab.txt")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
+    g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json (or its directory)")
+    g.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each end-of-document")
+    g.add_argument("--reset-attention-mask", action="store_true", help="no attention across end-of-document tokens")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="replicas per stage; default: WORLD_SIZE / (PP x TP) under torchrun, else 1")
+    g.add_argument("--pipeline-schedule", default="1f1b", help="1f1b, gpipe, ... (see docs/schedules)")
+    g.add_argument("--pipeline-executor", choices=["distributed", "emulator"], default="distributed",
+                   help="emulator: all stages in this one process, bitwise the same numbers")
+    g.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
+                   help="explicit number of layers per stage (default: even split)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="K",
+                   help="interleaved-1f1b: K layers per model chunk, so each stage holds "
+                        "num-layers / (PP x K) chunks (virtual stage c x PP + s is chunk c of stage s)")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved-1f1b: consecutive micro-batches per chunk (default: PP)")
+    g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
+                   help="how long a stage waits for one activation/gradient before failing")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per process (default: cores / local processes)")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration")
+    g.add_argument("--log-weight-version-drift", action="store_true")
+    g.add_argument("--inject-nonfinite-grad", action="append", default=[], metavar="STAGE:UPDATE",
+                   help="testing: poison STAGE's gradients before its local update UPDATE (0-based); repeatable")
+    g.add_argument("--dump-final-params", default=None, metavar="DIR",
+                   help="write each stage's final parameters (by global name) to DIR/stageS.pt")
+
+
+def build_parser(description: str = "Megatron-Async pretraining") -> argparse.ArgumentParser:
+    p = OneLineParser(description=description, allow_abbrev=False)
+    _add_model_args(p)
+    _add_training_args(p)
+    _add_data_args(p)
+    _add_parallel_args(p)
+    add_zero_bubble_args(p)
+    add_post_validation_args(p)
+    add_pipemare_args(p)
+    add_amdp_args(p)
+    add_run_control_args(p)
+    add_exit_args(p)  # --exit-signal-handler, --exit-signal, --exit-duration-in-mins
+    add_insight_args(p)  # --trace-dir, --pipeline-partition
+    add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
+    _add_logging_args(p)
+    add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
+    return p
+
+
+def _world_size_from_env() -> int | None:
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+
+
+def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill derived values (data-parallel size, global batch, defaults) in place."""
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    if pp < 1 or tp < 1:
+        raise ArgumentError("--pipeline-model-parallel-size and --tensor-model-parallel-size must be >= 1")
+    world = _world_size_from_env()
+    if args.data_parallel_size is None:
+        if world is not None and args.pipeline_executor == "distributed":
+            if world % (pp * tp):
+                raise ArgumentError(f"WORLD_SIZE={world} is not divisible by pipeline {pp} x tensor {tp}")
+            args.data_parallel_size = world // (pp * tp)
+        else:
+            args.data_parallel_size = 1
+    dp = args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.data_path is None:
+        args.mock_data = True
+    args.world_size = pp * tp * dp
+    # Model chunks per stage (Megatron's virtual pipeline size); checked in validate_args.
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    args.num_model_chunks = max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1
+    args.num_microbatches = args.global_batch_size // max(1, args.micro_batch_size * dp)
+    try:
+        finalize_megatron_compat_args(args)  # --train-samples, --*-samples, --lr-warmup-fraction, rampup
+    except CompatArgumentError as exc:
+        raise ArgumentError(str(exc)) from None
+    return args
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Raise :class:`ArgumentError` with one line for the first problem found."""
+    pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
+    world = _world_size_from_env()
+    if args.tensor_model_parallel_size != 1:
+        raise ArgumentError("--tensor-model-parallel-size > 1 is not supported yet (pipeline and data parallelism are)")
+    if world is not None and args.pipeline_executor == "distributed" and world != args.world_size:
+        raise ArgumentError(f"WORLD_SIZE={world} but pipeline {pp} x data {dp} needs {args.world_size} processes")
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "vocab_size", "log_interval"):
+        if getattr(args, flag) < 1:
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+    if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError("--num-attention-heads must be divisible by --num-query-groups")
+    if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
+        raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    if args.pipeline_layer_split is not None:
+        split = args.pipeline_layer_split
+        if len(split) != pp:
+            raise ArgumentError(f"--pipeline-layer-split has {len(split)} entries for {pp} pipeline stages")
+        if sum(split) != args.num_layers or min(split) < 1:
+            raise ArgumentError(f"--pipeline-layer-split {split} must be positive and sum to --num-layers {args.num_layers}")
+    elif args.num_layers % pp and args.pipeline_partition != "auto":
+        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} (or pass --pipeline-layer-split)")
+    _validate_virtual_stages(args)
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp}")
+    if args.pipeline_executor == "emulator" and dp != 1:
+        raise ArgumentError("--pipeline-executor emulator runs one data-parallel replica; use --data-parallel-size 1")
+    if not (0.0 <= args.hidden_dropout < 1.0 and 0.0 <= args.attention_dropout < 1.0):
+        raise ArgumentError("dropout probabilities must be in [0, 1)")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        raise ArgumentError("--lr-warmup-iters exceeds --lr-decay-iters")
+    if args.clip_grad < 0:
+        raise ArgumentError("--clip-grad must be >= 0")
+    _validate_data(args)
+    if args.device == "cuda" or args.bf16:
+        import torch
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ArgumentError("--device cuda but no CUDA device is available")
+    if args.distributed_backend == "nccl" and args.device == "cpu":
+        raise ArgumentError("--distributed-backend nccl needs --device cuda")
+    args.nonfinite_injections = {}
+    for spec in args.inject_nonfinite_grad:
+        try:
+            stage, update = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise ArgumentError(f"--inject-nonfinite-grad expects STAGE:UPDATE, got {spec!r}") from None
+        if not 0 <= stage < pp:
+            raise ArgumentError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
+        args.nonfinite_injections.setdefault(stage, set()).add(update)
+    validate_zero_bubble_args(args)  # --zb-* flags (zb-1p / zb-2p)
+    validate_post_validation_args(args)  # --enable-optimizer-post-validation and friends
+    validate_mixed_precision_args(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
+    validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
+    validate_pipemare_args(args)  # --pipemare-* (T1, T2, synchronous warm-up)
+    validate_amdp_args(args)  # --amdp-optimizer-state
+    try:
+        validate_megatron_compat_args(args)  # Megatron-LM's model, rampup, loading and logging flags
+    except CompatArgumentError as exc:
+        raise ArgumentError(str(exc)) from None
+    try:
+        validate_insight_args(args)  # --trace-dir, --pipeline-partition auto
+    except InsightArgumentError as exc:
+        raise ArgumentError(str(exc)) from None
+    try:
+        validate_run_control_args(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
+        validate_exit_args(args)  # --exit-signal-handler, --exit-duration-in-mins (ExitArgumentError)
+    except RunControlError as exc:
+        raise ArgumentError(str(exc)) from None
+    for check in getattr(args, "task_checks", ()):  # a task's own flags (parser.set_defaults)
+        check(args)
+    try:
+        schedule_class(args.pipeline_schedule).check_config(schedule_config(args))
+    except ScheduleConfigError as exc:
+        raise ArgumentError(f"--pipeline-schedule: {exc}") from None
+    if args.pipeline_schedule == "amdp" and args.data_parallel_size > 1:
+        raise ArgumentError("--pipeline-schedule amdp: its D/2 replicated pipelines are its data parallelism; "
+                            f"--data-parallel-size {args.data_parallel_size} > 1 is not supported with it")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    """Data files, tokenizer files and the vocabulary, checked before any rank starts.
+
+    With a tokenizer the model's vocabulary is the tokenizer's padded like Megatron-LM
+    (``args.padded_vocab_size``, also stored in ``args.vocab_size``); NullTokenizer's own
+    size stays in ``args.null_vocab_size``.
+    """
+    if args.data_path is not None and args.mock_data:
+        raise ArgumentError("--mock-data and --data-path are mutually exclusive")
+    if args.data_path is not None and args.tokenizer_type is None:
+        raise ArgumentError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)")
+    if args.make_vocab_size_divisible_by < 1:
+        raise ArgumentError("--make-vocab-size-divisible-by must be >= 1")
+    args.padded_vocab_size = args.vocab_size
+    if args.tokenizer_type is None:
+        return
+    from megatron.trainer.data.gpt_dataset import (
+        DataError, check_data, check_token_ids, parse_data_path, parse_split, usable_splits)
+    from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args, vocab_size_with_padding
+
+    if args.tokenizer_type == "NullTokenizer" and getattr(args, "null_vocab_size", None) is None:
+        args.null_vocab_size = args.vocab_size
+    try:
+        infos = []
+        if args.data_path is not None:
+            infos = check_data(parse_data_path(args.data_path)[0], parse_split(args.split), args.seq_length)
+        tokenizer = tokenizer_from_args(args)
+        check_token_ids(infos, tokenizer.vocab_size)
+        if infos and getattr(args, "eval_interval", None) and not usable_splits(infos, args.seq_length)[1]:
+            raise DataError(f"--eval-interval: --split {args.split} leaves no validation sample of "
+                            f"{args.seq_length} tokens in --data-path {infos[0].prefix}; give the validation "
+                            f"split a share or drop --eval-interval")
+    except (DataError, TokenizerError) as exc:
+        raise ArgumentError(str(exc)) from None
+    if args.data_cache_path is not None:
+        try:
+            os.makedirs(args.data_cache_path, exist_ok=True)
+        except OSError as exc:
+            raise ArgumentError(f"--data-cache-path {args.data_cache_path}: {exc.strerror}") from None
+        if not os.access(args.data_cache_path, os.W_OK):
+            raise ArgumentError(f"--data-cache-path {args.data_cache_path}: not writable")
+    args.tokenizer_vocab_size = tokenizer.vocab_size
+    args.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    args.vocab_size = args.padded_vocab_size
+
+
+def _validate_virtual_stages(args: argparse.Namespace) -> None:
+    """Interleaving: chunks only with a schedule that runs them, and an even layer split.
+
+    ``--num-layers-per-virtual-pipeline-stage`` is required by ``interleaved-1f1b`` and
+    rejected with every other schedule unless it gives one chunk per stage (then it changes
+    nothing). Interleaving needs at least two chunks per stage (the schedule checks that).
+    """
+    pp, per_chunk = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    flag = "--num-layers-per-virtual-pipeline-stage"
+    interleaved = args.pipeline_schedule == "interleaved-1f1b"
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None and not interleaved:
+        raise ArgumentError("--microbatch-group-size-per-virtual-pipeline-stage needs --pipeline-schedule interleaved-1f1b")
+    if per_chunk is None:
+        if interleaved:
+            raise ArgumentError(f"--pipeline-schedule interleaved-1f1b needs {flag} (model chunks per stage)")
+        return
+    if per_chunk < 1:
+        raise ArgumentError(f"{flag} must be >= 1")
+    if args.pipeline_layer_split is not None:
+        raise ArgumentError(f"{flag} needs an even layer split; drop --pipeline-layer-split")
+    if args.num_layers % (pp * per_chunk):
+        raise ArgumentError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+            f"{flag} {per_chunk}")
+    if args.num_model_chunks > 1 and not interleaved:
+        raise ArgumentError(
+            f"{flag} {per_chunk} gives {args.num_model_chunks} model chunks per stage, which only "
+            f"--pipeline-schedule interleaved-1f1b runs (not {args.pipeline_schedule})")
+
+
+def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
+    group = getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None)
+    return ScheduleConfig(
+        num_stages=args.pipeline_model_parallel_size,
+        num_microbatches=args.num_microbatches,
+        num_iterations=args.train_iters,
+        num_chunks=getattr(args, "num_model_chunks", 1),
+        options={**({} if group is None else {GROUP_OPTION: group}), **zero_bubble_options(args),
+                 **post_validation_options(args), **pipemare_options(args)},
+    )
+
+
+def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:
+    """Where the run's schedule places model chunks (AMDP: one chunk per replicated pipeline)."""
+    return schedule_class(args.pipeline_schedule).layout_of(schedule_config(args))
+
+
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse, derive and validate; exits with status 2 and one line on a bad combination."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_flag_values(parser, args)  # every numeric flag in its domain, list flags parsed strictly
+        finalize_args(args)
+        validate_args(args)
+    except (ArgumentError, FlagError) as exc:
+        parser.exit(2, f"error: {exc}\n")
+    return args

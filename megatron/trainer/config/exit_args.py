@@ -1,0 +1,80 @@
+"""Flags for a graceful early exit (Megatron-LM's names): on a signal, or after a wall time.
+
+``--exit-signal-handler``: on ``--exit-signal`` (SIGTERM, as Megatron-LM; SIGUSR1 for Slurm's
+``--signal=USR1@120``) every rank finishes its work up to the next stop check, the run
+saves a checkpoint and exits 0. ``--exit-duration-in-mins``: the same once the run has lasted
+that long (rank 0's clock decides for every rank). Both need ``--save``: a stop that loses
+the work is what they exist to avoid.
+
+Stops happen where the whole pipeline is drained, i.e. at the end of a training segment
+(:mod:`megatron.trainer.loop.segments`). Synchronous schedules drain every iteration, so they check
+after every iteration by default and extra boundaries change no number. An asynchronous
+schedule drains only at segment ends (``--save-interval``, ``--eval-interval``), so it needs one
+of those or ``--exit-check-interval N`` (which adds a drain every N iterations: a flush that
+changes its numbers exactly as a save interval would).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+
+from megatron.trainer.config.run_control_args import RunControlError
+
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
+class ExitArgumentError(RunControlError):
+    """A bad exit flag; one line for the user (reported like the other run-control flags)."""
+
+
+def add_exit_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("graceful exit")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal: finish the current iteration, save a checkpoint (--save) and exit 0")
+    g.add_argument("--exit-signal", choices=EXIT_SIGNALS, default=None,
+                   help="the signal --exit-signal-handler catches (default SIGTERM; SIGUSR1 for Slurm's --signal=USR1@T)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save a checkpoint and exit once the run has lasted this many minutes")
+    g.add_argument("--exit-check-interval", type=int, default=None, metavar="N",
+                   help="check for a stop every N iterations (default: every iteration for synchronous "
+                        "schedules; an asynchronous schedule checks at --save-interval/--eval-interval "
+                        "boundaries, and this adds a pipeline drain every N iterations)")
+
+
+def exit_signal(args: argparse.Namespace) -> signal.Signals | None:
+    """The signal that asks this run to save and stop (None without ``--exit-signal-handler``)."""
+    if not getattr(args, "exit_signal_handler", False):
+        return None
+    return signal.Signals[args.exit_signal or "SIGTERM"]
+
+
+def stops_early(args: argparse.Namespace) -> bool:
+    """Whether the run checks for a graceful stop between segments."""
+    return bool(getattr(args, "exit_signal_handler", False)) or getattr(args, "exit_duration_in_mins", None) is not None
+
+
+def validate_exit_args(args: argparse.Namespace) -> None:
+    """Check the exit flags; set ``args.exit_check_every`` (extra segment boundaries, or None)."""
+    from megatron.pipeline.schedules import SCHEDULES
+
+    args.exit_check_every = None
+    schedule = SCHEDULES.get(args.pipeline_schedule)  # an unknown name is reported later
+    asynchronous = schedule is not None and schedule.asynchronous
+    if args.exit_signal is not None and not args.exit_signal_handler:
+        raise ExitArgumentError("--exit-signal needs --exit-signal-handler")
+    # Ranges (finite, > 0, >= 1) are flag_checks.DOMAINS' job, checked before this.
+    if not stops_early(args):
+        if args.exit_check_interval is not None:
+            raise ExitArgumentError("--exit-check-interval needs --exit-signal-handler or --exit-duration-in-mins")
+        return
+    which = "--exit-signal-handler" if args.exit_signal_handler else "--exit-duration-in-mins"
+    if args.save is None:
+        raise ExitArgumentError(f"{which} needs --save DIR: the stop saves a checkpoint to resume from")
+    if args.exit_check_interval is not None:
+        args.exit_check_every = args.exit_check_interval
+    elif not asynchronous:
+        args.exit_check_every = 1
+    elif args.save_interval is None and args.eval_interval is None:
+        raise ExitArgumentError(
+            f"{which} with the asynchronous schedule {args.pipeline_schedule} needs --save-interval, "
+            f"--eval-interval or --exit-check-interval: it can only stop where its pipeline drains")

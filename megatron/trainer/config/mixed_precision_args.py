@@ -1,0 +1,87 @@
+"""Megatron-LM's mixed-precision flags (``--fp16`` and its loss scaling), with validation.
+
+``--fp16`` trains fp16 weights and activations with fp32 master weights (the same optimizer
+path as ``--bf16``) and loss scaling: static with ``--loss-scale``, else megatron-core's dynamic
+scaler (``--initial-loss-scale``, ``--min-loss-scale``, ``--loss-scale-window``,
+``--hysteresis``). Synchronous schedules keep one scale for the pipeline, asynchronous ones one
+per stage (:mod:`megatron.pipeline.runtime.loss_scaling`). In half precision, optimizer
+post-validation rolls back from a backup by default (``--optimizer-post-validation-exact``):
+the in-place inverse leaves the fp32 masters a few ulp off, and re-casting them to bf16/fp16
+flips some weights by a whole half-precision ulp, a perturbation the training then amplifies
+(docs/design.md). ``--optimizer-post-validation-in-place`` keeps the in-place rollback.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron.pipeline.runtime.loss_scaling import LossScaleConfig
+
+_DYNAMIC_DEFAULTS = {"initial_loss_scale": 2.0**32, "min_loss_scale": 1.0, "loss_scale_window": 1000,
+                     "hysteresis": 2}
+
+
+def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 model and activations, fp32 master weights, loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: static loss scale (default: dynamic loss scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=None, help="dynamic loss scaling: first scale (2**32)")
+    g.add_argument("--min-loss-scale", type=float, default=None, help="dynamic loss scaling: lower bound (1.0)")
+    g.add_argument("--loss-scale-window", type=int, default=None,
+                   help="dynamic loss scaling: clean steps before the scale doubles (1000)")
+    g.add_argument("--hysteresis", type=int, default=None,
+                   help="dynamic loss scaling: overflows before the scale halves (2)")
+    g.add_argument("--optimizer-post-validation-in-place", action="store_true",
+                   help="with --bf16/--fp16: roll back in place instead of from a backup (the default in half "
+                        "precision); not bitwise, and the drift grows through the half-precision casts")
+
+
+def validate_mixed_precision_args(args: argparse.Namespace) -> None:
+    """One-line :class:`ArgumentError` for a bad combination; fills the dynamic defaults."""
+    from megatron.trainer.config.arguments import ArgumentError
+
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
+    given = [name for name in ("loss_scale", *_DYNAMIC_DEFAULTS) if getattr(args, name) is not None]
+    if given and not args.fp16:
+        raise ArgumentError(f"--{given[0].replace('_', '-')} needs --fp16 (loss scaling is for fp16 only)")
+    if args.loss_scale is not None:
+        dynamic = [name for name in _DYNAMIC_DEFAULTS if getattr(args, name) is not None]
+        if dynamic:
+            raise ArgumentError(f"--{dynamic[0].replace('_', '-')} is for dynamic loss scaling; "
+                                f"--loss-scale {args.loss_scale} is static")
+        if not args.loss_scale > 0:
+            raise ArgumentError(f"--loss-scale must be > 0, got {args.loss_scale}")
+    for name, default in _DYNAMIC_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise ArgumentError(f"need 0 < --min-loss-scale {args.min_loss_scale} <= --initial-loss-scale "
+                            f"{args.initial_loss_scale}")
+    if args.loss_scale_window < 1 or args.hysteresis < 1:
+        raise ArgumentError("--loss-scale-window and --hysteresis must be >= 1")
+    _resolve_rollback_mode(args, ArgumentError)
+
+
+def _resolve_rollback_mode(args: argparse.Namespace, error: type[Exception]) -> None:
+    """Exact (backup) rollback by default in half precision, in place otherwise."""
+    in_place = args.optimizer_post_validation_in_place
+    if in_place and args.optimizer_post_validation_exact:
+        raise error("--optimizer-post-validation-in-place and --optimizer-post-validation-exact are mutually exclusive")
+    if in_place and not (args.bf16 or args.fp16):
+        raise error("--optimizer-post-validation-in-place is for --bf16/--fp16 (in fp32 it is the default)")
+    if in_place and not args.enable_optimizer_post_validation:
+        raise error("--optimizer-post-validation-in-place needs --enable-optimizer-post-validation")
+    if (args.bf16 or args.fp16) and args.enable_optimizer_post_validation and not in_place:
+        args.optimizer_post_validation_exact = True
+
+
+def loss_scale_config(args: argparse.Namespace, asynchronous: bool) -> LossScaleConfig | None:
+    """The stages' loss scaling for this run (None without ``--fp16``)."""
+    if not getattr(args, "fp16", False):
+        return None
+    return LossScaleConfig(static_scale=args.loss_scale, initial_scale=args.initial_loss_scale,
+                           min_scale=args.min_loss_scale, window=args.loss_scale_window,
+                           hysteresis=args.hysteresis, stage_local=asynchronous)
+

@@ -1,0 +1,1 @@
+"""Process management: local launcher, Slurm, signals, orphan protection."""

@@ -1,0 +1,67 @@
+"""The rank side of a graceful stop: the exit signal's handler and the agreed stop decision.
+
+A rank must never stop alone (its peers would wait on it until the pipeline timeout), so
+the decision is taken at segment ends, where nothing is in flight, by one tiny MAX
+all-reduce over every rank: any rank that caught the signal, or rank 0 once the wall time
+is up, stops all of them at the same iteration.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from collections.abc import Callable
+
+from megatron.trainer.config.exit_args import exit_signal, stops_early
+
+PROCESS_START = time.monotonic()  # --exit-duration-in-mins counts from the program's start
+
+Agree = Callable[[list[float]], list[float]]  # element-wise MAX over every rank
+
+
+class StopControl:
+    """Callable ``(iteration) -> reason | None``; the same answer on every rank."""
+
+    def __init__(self, args: argparse.Namespace, decides_time: bool, agree: Agree | None = None):
+        self.signal = exit_signal(args)
+        self.caught = False
+        minutes = args.exit_duration_in_mins
+        self.deadline = PROCESS_START + 60.0 * minutes if minutes is not None and decides_time else None
+        self.agree = agree
+        self._previous = signal.signal(self.signal, self._catch) if self.signal is not None else None
+
+    def restore(self) -> None:
+        """Put the exit signal's previous handler back (a run inside a longer-lived process)."""
+        if self.signal is not None:
+            signal.signal(self.signal, self._previous)
+
+    def _catch(self, _signum: int, _frame: object) -> None:
+        self.caught = True  # repeated deliveries (Slurm, then torchrun forwarding) change nothing
+
+    def __call__(self, iteration: int) -> str | None:
+        flags = [float(self.caught), float(self.deadline is not None and time.monotonic() > self.deadline)]
+        if self.agree is not None:
+            flags = self.agree(flags)
+        if flags[0] and self.signal is not None:  # every rank has the same flags, so the same signal
+            return f"got {self.signal.name} (--exit-signal-handler)"
+        if flags[1]:
+            return "--exit-duration-in-mins reached"
+        return None
+
+
+def stop_control(args: argparse.Namespace, decides_time: bool, agree: Agree | None = None) -> StopControl | None:
+    """The run's stop check, or None when neither exit flag is given."""
+    return StopControl(args, decides_time, agree) if stops_early(args) else None
+
+
+def rank_signal_defaults(args: argparse.Namespace) -> None:
+    """In a rank, SIGINT ends the process at once (unless it is the exit signal): the launcher
+    reports it, and N ranks printing KeyboardInterrupt tracebacks say nothing more."""
+    if exit_signal(args) != signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def launcher_signals(args: argparse.Namespace) -> tuple[int, ...]:
+    """What the local launcher forwards to its ranks."""
+    extra = exit_signal(args)
+    return (signal.SIGTERM, signal.SIGINT, *(() if extra is None else (extra,)))

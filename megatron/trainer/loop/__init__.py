@@ -1,0 +1,1 @@
+"""The training driver: segments, runners, logging, start banner and end summary."""

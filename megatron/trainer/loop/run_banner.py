@@ -1,0 +1,62 @@
+"""The start banner the logging rank prints once: flags, parameters per stage, data source.
+
+Why: a log read days later (or a Slurm job's output) must say what ran without the command
+line: every flag like Megatron-LM's ``------ arguments ------`` block, how the model was cut
+into stages, and where the tokens came from. Training on mock data is shouted, because a job
+that silently trains on synthetic tokens wastes its allocation.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import IO
+
+from megatron.trainer.launch.optional_packages import optional_packages_line
+
+MOCK_DATA_WARNING = "WARNING: training on MOCK data (no --data-path): synthetic tokens, not text"
+
+_WIDTH = 48  # Megatron-LM's dotted column
+
+
+def argument_lines(args: argparse.Namespace) -> list[str]:
+    """Every parsed and derived flag, sorted by name, one per line (Megatron-LM's layout)."""
+    lines = ["------------------------ arguments ------------------------"]
+    for name in sorted(vars(args)):
+        if name.startswith("_"):
+            continue
+        dots = "." * max(1, _WIDTH - len(name))
+        lines.append(f"  {name} {dots} {getattr(args, name)}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return lines
+
+
+def data_source_line(args: argparse.Namespace) -> str:
+    """Where training samples come from; mock data as a loud warning."""
+    if getattr(args, "data_path", None) is None:
+        return MOCK_DATA_WARNING
+    vocab = getattr(args, "tokenizer_vocab_size", None)
+    padded = getattr(args, "padded_vocab_size", None)
+    return (f"data: --data-path {' '.join(args.data_path)} | --split {args.split} | tokenizer "
+            f"{args.tokenizer_type} (vocabulary {vocab}, padded to {padded})")
+
+
+def parameter_line(params_per_stage: Sequence[int]) -> str:
+    """Parameters of each pipeline stage (one data-parallel replica) and their total."""
+    per_stage = ", ".join(f"{n:,}" for n in params_per_stage)
+    return f"parameters per stage: [{per_stage}] | total: {sum(params_per_stage):,}"
+
+
+def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int], executor: str) -> list[str]:
+    lines = argument_lines(args)
+    lines.append(f"{args.pipeline_schedule} on {args.pipeline_model_parallel_size} stages "
+                 f"({executor}) | {parameter_line(params_per_stage)}")
+    lines.append(data_source_line(args))
+    optional = optional_packages_line()
+    if optional:
+        lines.append(optional)
+    return lines
+
+
+def print_banner(args: argparse.Namespace, params_per_stage: Sequence[int], executor: str, stream: IO[str]) -> None:
+    """``executor`` says what runs the stages: the emulator, or one process per rank."""
+    print("\n".join(banner_lines(args, params_per_stage, executor)), file=stream, flush=True)

@@ -1,0 +1,389 @@
+"""The pretraining driver: flags -> stages -> schedule -> executor -> logs.
+
+``pretrain(task, argv)`` validates every flag first, then either runs all stages in this
+process (``--pipeline-executor emulator``), runs this rank's stage (under torchrun or our
+launcher), or spawns one process per rank on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.pipeline.runtime.executors.common import ReportCadence
+from megatron.pipeline.runtime.executors.distributed import PipelineRuntimeError, SideChannelReports
+from megatron.pipeline.ir import MultiPipelineLayout
+from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
+from megatron.pipeline.runtime.profiling import log_fixed_choice
+from megatron.pipeline.runtime.replicas import optimizer_shards
+from megatron.pipeline.schedules import build_schedule, schedule_class
+from megatron.pipeline.schedules.base import Schedule
+from megatron.pipeline.runtime.worker import StageSetup, StageWorker
+from megatron.trainer.tasks.auto_partition import apply_auto_partition
+from megatron.trainer.config.amdp_args import amdp_shards_optimizer
+from megatron.trainer.config.arguments import build_parser, parse_args, pipeline_layout, schedule_config
+from megatron.trainer.launch.exit_control import launcher_signals, rank_signal_defaults, stop_control
+from megatron.trainer.checkpointing.checkpoint import (
+    CheckpointError, ResumePoint, check_resume, load_stage_state, restore_schedule_state)
+from megatron.trainer.launch.launcher import free_port, is_worker_process, launch_local
+from megatron.trainer.loop.logger import ReportCollector, TrainingLogger
+from megatron.trainer.loop.segments import Segment, plan_segments, run_segments
+from megatron.trainer.loop.run_banner import print_banner
+from megatron.trainer.optim.lr_schedule import LRSchedule
+from megatron.trainer.optim.basis_rotation import BasisRotationAdamW, RotationConfig
+from megatron.trainer.config.mixed_precision_args import loss_scale_config
+from megatron.pipeline.runtime.loss_scaling import StageLossScaler
+from megatron.trainer.optim.adamw import Shards, StageAdamW
+from megatron.trainer.launch.process_guard import guard_rank_process
+from megatron.trainer.launch.slurm_env import SlurmEnvironmentError, adopt_slurm_task_environment
+from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
+from megatron.trainer.loop.rampup import segment_boundaries, segment_schedules
+from megatron.trainer.launch import flight_recorder
+from megatron.trainer.loop.runners import DistributedRunner, EmulatorRunner
+from megatron.trainer.tasks.task import PretrainTask
+
+
+def resolve_device(args: argparse.Namespace, local_rank: int) -> torch.device:
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_threads(args: argparse.Namespace, local_processes: int) -> None:
+    threads = args.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_processes))
+    torch.set_num_threads(threads)
+
+
+def build_optimizer(args: argparse.Namespace, named: list[tuple[str, torch.nn.Parameter]],
+                    stage: int, shards: Shards | None = None) -> StageAdamW:
+    """The stage's optimizer for ``--optimizer``; basis rotation gets the stage index and the
+    pipeline depth, which the stage-aware refresh budget depends on. ``shards``: the ranges an
+    AMDP replica owns (``megatron.pipeline.runtime.replicas.optimizer_shards``)."""
+    common = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+                  eps=args.adam_eps)
+    if getattr(args, "optimizer", "adamw") == "basis-rotation":
+        rotation = RotationConfig(
+            geometry=args.rotation_geometry, source=args.rotation_source,
+            refresh_interval=args.rotation_refresh_interval, stage_aware=args.rotation_stage_aware,
+            stage=stage, num_stages=args.pipeline_model_parallel_size)
+        return BasisRotationAdamW(named, rotation=rotation, **common)
+    return StageAdamW(named, exact=getattr(args, "optimizer_post_validation_exact", False), shards=shards, **common)
+
+
+def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
+                 device: torch.device, isolate_rng: bool) -> StageWorker:
+    chunks = task.build_stage(args, stage, device)
+    layout = pipeline_layout(args)
+    if len(chunks) != layout.num_chunks:
+        raise ValueError(f"task {task.name} built {len(chunks)} model chunks for stage {stage}, "
+                         f"the pipeline layout has {layout.num_chunks}")
+    named = list(task.named_parameters(chunks))
+    shards = None
+    if amdp_shards_optimizer(args):
+        assert isinstance(layout, MultiPipelineLayout)
+        shards = optimizer_shards(layout, chunks, named)
+    optimizer = build_optimizer(args, named, stage, shards)
+    schedule = LRSchedule(
+        max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
+        decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
+        wsd_decay_steps=args.lr_wsd_decay_iters or 0, wsd_decay_style=args.lr_wsd_decay_style,
+    )
+    shape, dtype = task.activation_spec(args)
+    # Asynchronous variants shape what a stage's passes read and its learning rate (2BW, PipeMare).
+    schedule_cls, config = schedule_class(args.pipeline_schedule), schedule_config(args)
+    setup = StageSetup(
+        stage=stage,
+        layout=layout,
+        chunks=chunks,
+        optimizer=optimizer,
+        lr_schedule=schedule_cls.stage_lr_schedule(config, stage, schedule),
+        microbatches_per_update=args.num_microbatches,
+        batch_fn=task.batch_fn(args, dp_rank, device),
+        loss_fn=task.loss_fn,
+        activation_shape=shape,
+        activation_dtype=dtype,
+        device=device,
+        clip_grad=args.clip_grad,
+        seed=args.seed,
+        inject_nonfinite_updates=frozenset(args.nonfinite_injections.get(stage, ())),
+        inject_nonfinite_losses=frozenset(getattr(args, "inject_nonfinite_loss", ())),
+        weight_policy=schedule_cls.stage_weight_policy(config, stage, optimizer),
+        loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
+        report_params_norm=args.log_params_norm,
+        aux_loss_fn=getattr(task, "aux_loss_fn", None),
+    )
+    return StageWorker(setup, isolate_rng=isolate_rng)
+
+
+def _loss_scaler(args: argparse.Namespace, asynchronous: bool) -> StageLossScaler | None:
+    """``--fp16``: the stage's scaler, pipeline-wide for synchronous schedules, stage-local otherwise."""
+    config = loss_scale_config(args, asynchronous)
+    return None if config is None else StageLossScaler(config)
+
+
+def make_logger(args: argparse.Namespace, start_iteration: int = 0, task: PretrainTask | None = None) -> TrainingLogger:
+    return TrainingLogger(
+        num_stages=args.pipeline_model_parallel_size,
+        train_iters=args.train_iters,
+        samples_per_iteration=args.global_batch_size,
+        tokens_per_iteration=args.global_batch_size * args.seq_length,
+        log_drift=args.log_weight_version_drift,
+        json_path=args.log_json,
+        start_iteration=start_iteration,
+        tensorboard_dir=args.tensorboard_dir,
+        samples_before=args.batch_plan.consumed_before,
+        flops_per_sample=flops_per_iteration(args, 1) if args.log_throughput else 0.0,
+        num_gpus=args.world_size,
+        log_params_norm=args.log_params_norm,
+        wandb=wandb_run(args),
+        per_stage_optimizer=schedule_class(args.pipeline_schedule).asynchronous,
+        aux_loss_name=getattr(task, "aux_loss_name", None),
+    )
+
+
+def stage_parameter_count(worker: StageWorker) -> int:
+    """Parameters of one stage (all its model chunks), for the start banner."""
+    return sum(p.numel() for chunk in worker.setup.chunks for p in chunk.parameters())
+
+
+def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | None = None) -> Schedule:
+    """The run's schedule from iteration ``start`` (0, or a checkpoint's iteration) to the end,
+    with what the checkpoint's run decided (zb's profiled order) restored."""
+    config = dataclasses.replace(schedule_config(args), first_iteration=start, num_iterations=args.train_iters - start)
+    schedule = build_schedule(args.pipeline_schedule, config)
+    restore_schedule_state(schedule, resume)
+    return schedule
+
+
+def run_plan(args: argparse.Namespace, start: int) -> list[Segment]:
+    return plan_segments(start, args.train_iters, args.eval_interval, args.save_interval, args.exit_interval,
+                         saving=args.save is not None, check_interval=getattr(args, "exit_check_every", None),
+                         boundaries=segment_boundaries(args))
+
+
+def dump_parameters(task: PretrainTask, worker: StageWorker, directory: str) -> None:
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {name: p.detach().cpu().clone() for name, p in task.named_parameters(worker.setup.chunks)}
+    torch.save(state, path / f"stage{worker.stage}.pt")
+
+
+def _print_drift_histograms(workers: list[StageWorker]) -> None:
+    for w in workers:
+        hist = ", ".join(f"{d}: {n}" for d, n in sorted(w.drift_histogram.items()))
+        print(f" weight-version drift histogram, stage {w.stage}: {{{hist}}}", flush=True)
+
+
+def _init_megatron_parallel_state() -> None:
+    """megatron-core modules read TP/PP sizes from its parallel state; our runtime pipelines
+    by itself, so megatron sees one pipeline stage."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+
+
+def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
+    """Train all stages in this process; return the stage workers (weights, statistics)."""
+    set_threads(args, 1)
+    stop = stop_control(args, decides_time=True)  # --exit-signal-handler: the handler goes in first
+    resume = check_resume_or_exit(task, args, verify_files=False)  # pretrain() verified them, loading does again
+    if not dist.is_initialized():
+        flight_recorder.disable_unless_requested()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
+        _init_megatron_parallel_state()
+    device = resolve_device(args, 0)
+    apply_auto_partition(task, args, device)  # --pipeline-partition auto: profile, then split
+    pp = args.pipeline_model_parallel_size
+    workers = [build_worker(task, args, s, 0, device, isolate_rng=True) for s in range(pp)]
+    start = _resume(task, args, workers, 0, resume)
+    print_banner(args, [stage_parameter_count(w) for w in workers], "emulator, one process", sys.stdout)
+    logger = make_logger(args, start, task)
+    collector = ReportCollector(pp, logger.log_update)
+    schedule = run_schedule(args, start, resume)
+    cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
+    log_fixed_choice(schedule)
+    try:
+        run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger,
+                     stop=stop, schedule_for=segment_schedules(args, schedule, workers))
+    finally:
+        if stop is not None:
+            stop.restore()
+    logger.log_summary()
+    logger.close()
+    if args.log_weight_version_drift:
+        _print_drift_histograms(workers)
+    if args.dump_final_params:
+        for w in workers:
+            dump_parameters(task, w, args.dump_final_params)
+    return workers
+
+
+def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    rank_signal_defaults(args)
+    stop = stop_control(args, decides_time=rank == 0)  # the handler goes in before the rendezvous
+    set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))
+    device = resolve_device(args, local_rank)
+    backend = args.distributed_backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    flight_recorder.disable_unless_requested()  # its ring grew the logging rank's heap by ~1 MB
+    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size)
+    # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
+    # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
+    p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
+    stage_layout = pipeline_layout(args)  # P2P groups per link direction; AMDP's replica groups
+    groups = StageGroups.create(layout, p2p_timeout, stage_layout)
+    if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
+        _init_megatron_parallel_state()
+    apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
+    stage, dp_rank, _ = layout.coords(rank)
+    try:
+        resume = check_resume_or_exit(task, args, verify_files=False)  # each rank verifies the file it loads
+        worker = build_worker(task, args, stage, dp_rank, device, isolate_rng=False)
+        start = _resume(task, args, [worker], dp_rank, resume)
+        counts: list[tuple[int, int, int] | None] = [None] * layout.world_size
+        dist.all_gather_object(counts, (stage, dp_rank, stage_parameter_count(worker)), group=groups.reports)
+        if rank == 0:
+            per_stage = dict((s, n) for s, d, n in counts if d == 0)  # type: ignore[misc]
+            print_banner(args, [per_stage[s] for s in sorted(per_stage)],
+                         f"distributed runtime, {layout.world_size} ranks", sys.stdout)
+        logger = make_logger(args, start, task) if rank == 0 else None
+        collector = ReportCollector(layout.world_size, logger.log_update) if logger else None
+        reports = SideChannelReports(groups, collector, p2p_timeout)
+        schedule = run_schedule(args, start, resume)
+        cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
+        if rank == 0:
+            log_fixed_choice(schedule)
+        runner = DistributedRunner(task, args, worker, groups, cadence, reports, p2p_timeout)
+        if stop is not None:
+            stop.agree = lambda flags: _all_reduce_max(flags, groups)
+        run_segments(schedule, run_plan(args, start), runner, logger,
+                     say=lambda line: print(line, flush=True) if rank == 0 else None, stop=stop,
+                     schedule_for=segment_schedules(args, schedule, [worker]))
+        reports.flush()
+        if logger:
+            logger.log_summary()
+            logger.close()
+        if args.log_weight_version_drift and dp_rank == 0:
+            _print_drift_histograms([worker])
+        if args.dump_final_params and dp_rank == 0:
+            dump_parameters(task, worker, args.dump_final_params)
+    except PipelineRuntimeError as exc:
+        _fail(f"[megatron-async] error: {exc}")
+    except Exception as exc:  # noqa: BLE001 - any failure must end this rank, not hang it
+        traceback.print_exc()
+        _fail(f"[megatron-async] error: stage {stage} (rank {rank}): {type(exc).__name__}: {exc}")
+    dist.barrier(group=groups.reports)
+    dist.destroy_process_group()
+    return 0
+
+
+def _all_reduce_max(values: list[float], groups: StageGroups) -> list[float]:
+    """Element-wise MAX of ``values`` over every rank (the stop decision; CPU, like the reports)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=groups.reports)
+    return tensor.tolist()
+
+
+def check_resume_or_exit(task: PretrainTask, args: argparse.Namespace,
+                         verify_files: bool = True) -> ResumePoint | None:
+    """``--load``'s checkpoint, validated (one line and exit 2 if it does not fit this run)."""
+    try:
+        return check_resume(task, args, verify_files)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _resume(task: PretrainTask, args: argparse.Namespace, workers: list[StageWorker], dp_rank: int,
+            point: ResumePoint | None) -> int:
+    """Load ``point`` into ``workers``; return the iteration training starts at.
+
+    ``--no-load-optim``: weights, RNG and iteration, a fresh optimizer (and with it a fresh LR
+    schedule, which counts the optimizer's updates). ``--finetune``: weights only, iteration 0.
+    """
+    if point is None:
+        return 0
+    fresh_optimizer = args.no_load_optim or args.finetune
+    for w in workers:
+        load_stage_state(task, w, point, dp_rank, optimizer=not fresh_optimizer, rng=not args.finetune)
+    start = 0 if args.finetune else point.iteration
+    if dp_rank == 0 and workers[0].stage == 0:
+        fresh = " (weights only, from iteration 0)" if args.finetune else \
+            " (fresh optimizer and LR schedule)" if args.no_load_optim else ""
+        print(f"[megatron-async] resumed from {point.directory} at iteration {point.iteration}{fresh}", flush=True)
+    return start
+
+
+def _fail(message: str) -> None:
+    """Exit this rank now: a clean shutdown could wait forever on a dead peer."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def preflight(task: PretrainTask, argv: list[str]) -> argparse.Namespace:
+    """Every up-front check of a launch: flags, data, tokenizer, paths and (outside a rank) the
+    checkpoint's files; exits with status 2 and one ``error:`` line on the first problem."""
+    parser = build_parser(f"Megatron-Async {task.name} pretraining")
+    task.add_arguments(parser)
+    args = parse_args(argv, parser)
+    if not is_worker_process():  # a bad checkpoint fails here, before any rank starts
+        check_resume_or_exit(task, args)
+    return args
+
+
+def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | None = None) -> int:
+    """Entry point of ``pretrain_*.py``; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        adopt_slurm_task_environment()  # srun, one task per GPU: each task is a rank
+    except SlurmEnvironmentError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if is_worker_process():
+        guard_rank_process()  # dies with our launcher or torchrun's agent
+    args = preflight(task, argv)
+    if args.pipeline_executor == "emulator":
+        emulate(task, args)
+        return 0
+    if is_worker_process():
+        return run_distributed(task, args)
+    if args.world_size == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+        return run_distributed(task, args)
+    # CPU ranks are forked from here (imports already paid); GPU ranks start fresh processes.
+    target = (lambda: run_distributed(task, args)) if _runs_on_cpu(args) else None
+    return launch_local(args.world_size, [script or sys.argv[0], *argv], target=target,
+                        forward_signals=launcher_signals(args))
+
+
+def _runs_on_cpu(args: argparse.Namespace) -> bool:
+    """Whether this run will use the CPU, asked without creating a CUDA context (fork-safe)."""
+    if args.device != "auto":
+        return args.device == "cpu"
+    previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # NVML query: does not initialise CUDA
+    try:
+        return not torch.cuda.is_available()
+    finally:
+        if previous is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous

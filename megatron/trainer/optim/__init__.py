@@ -1,0 +1,1 @@
+"""Stage-local optimizers (AdamW, basis rotation) and learning-rate schedules."""

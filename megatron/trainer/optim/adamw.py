@@ -1,0 +1,519 @@
+"""Stage-local AdamW for asynchronous pipeline training.
+
+Each pipeline stage owns a subset of the model's parameters and steps its own
+optimizer on its own clock.  Asynchronous schedules apply an update *between* a
+micro-batch's forward and its backward, so the update must not touch autograd's
+version counter of the parameters: otherwise the in-flight backward raises
+"one of the variables needed for gradient computation has been modified by an
+inplace operation".  We therefore write every update through ``p.data`` (a
+tensor sharing ``p``'s storage but carrying its own version counter).
+
+Consequence worth knowing: the in-flight backward then reads the *updated*
+weight values from the shared storage (activations came from the old weights,
+the weight factor of the backward from the new ones).  That is exactly the
+weight inconsistency that asynchronous pipeline schedules accept by design; if
+a schedule needs the old values it must stash them itself.
+
+The update is the same arithmetic, in the same order, as PyTorch's
+single-tensor (``foreach=False``) ``torch.optim.AdamW``, so fp32 runs match it
+bitwise.  bf16/fp16 parameters get fp32 master weights; the optimizer state
+lives in the master's dtype.  Nothing here is CUDA-specific: every tensor is
+created on its parameter's device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+NoDecayFn = Callable[[str, Parameter], bool]
+# Optimizer-state sharding (ZeRO-1 over replicas, AMDP §3.4): parameter name -> the flat
+# element range [start, stop) of that parameter this optimizer owns and steps.
+Shards = Mapping[str, tuple[int, int]]
+
+# Parameter dtypes that get a separate fp32 master copy.  Other dtypes (fp32,
+# fp64) are precise enough to be their own master, exactly like torch.optim.
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def default_no_decay(name: str, param: Parameter) -> bool:
+    """Megatron convention: no weight decay for biases and 1-D params (norm scales).
+
+    Decaying those pulls normalisation gains and biases toward zero, which hurts
+    rather than regularises; Megatron-LM excludes them by default.
+    """
+    return name.endswith("bias") or param.ndim == 1
+
+
+@dataclass
+class _Slot:
+    """Everything the optimizer keeps for one parameter.
+
+    ``master`` is None when the parameter is its own master (fp32/fp64); we then
+    fetch ``param.data`` at every use instead of caching an alias, so that a
+    later ``param.data = ...`` (e.g. ``module.to(device)``) cannot leave us
+    updating a stale tensor. ``index`` is the flat element range of the parameter
+    the slot owns when the optimizer state is sharded (None: all of it); AdamW is
+    element-wise, so a shard's elements get exactly the bits the whole would.
+    """
+
+    name: str
+    param: Parameter
+    decay: bool
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    master: Optional[Tensor]
+    index: Optional[tuple[int, int]] = None
+
+    def data(self) -> Tensor:
+        """The owned part of ``param.data`` (a view: writes go to the parameter)."""
+        if self.index is None:
+            return self.param.data
+        return self.param.data.view(-1)[self.index[0]:self.index[1]]
+
+    def grad(self) -> Optional[Tensor]:
+        """The owned part of ``param.grad`` (None if there is no gradient)."""
+        grad = self.param.grad
+        if grad is None or self.index is None:
+            return grad
+        return grad.view(-1)[self.index[0]:self.index[1]]
+
+    def target(self) -> Tensor:
+        """The full-precision tensor the Adam arithmetic is applied to."""
+        return self.master if self.master is not None else self.data()
+
+    def write_back(self) -> None:
+        """Copy the fp32 master into the (low-precision) parameter; no-op without master."""
+        if self.master is not None:
+            self.data().copy_(self.master)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state: the moments and, for bf16/fp16 params, the master."""
+        tensors = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.master is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _make_slot(name: str, param: Parameter, decay: bool, index: Optional[tuple[int, int]] = None) -> _Slot:
+    """Allocate master copy (if needed) and zeroed moments, on the param's device."""
+    slot = _Slot(name=name, param=param, decay=decay, exp_avg=param, exp_avg_sq=param, master=None, index=index)
+    owned = slot.data().detach()
+    if param.dtype in _LOW_PRECISION:
+        slot.master = owned.to(dtype=torch.float32, copy=True)
+    reference = slot.master if slot.master is not None else owned
+    slot.exp_avg = torch.zeros_like(reference, memory_format=torch.preserve_format)
+    slot.exp_avg_sq = torch.zeros_like(reference, memory_format=torch.preserve_format)
+    return slot
+
+
+def _make_slots(named: list[tuple[str, Parameter]], no_decay: NoDecayFn, shards: Optional[Shards]) -> list[_Slot]:
+    """One slot per parameter; with ``shards``, one per non-empty owned range of a sharded one."""
+    slots = []
+    for name, p in named:
+        index = None if shards is None or name not in shards else shards[name]
+        if index is not None and not 0 <= index[0] <= index[1] <= p.numel():
+            raise ValueError(f"StageAdamW: shard {index} of {name} outside its {p.numel()} elements")
+        if index is None or index[1] > index[0]:
+            slots.append(_make_slot(name, p, not no_decay(name, p), index))
+    return slots
+
+
+def _check_unique(named: list[tuple[str, Parameter]]) -> None:
+    """Reject duplicate names or tied (shared) parameters.
+
+    A tied parameter listed twice would be stepped twice per update; state
+    dicts keyed by name would silently collide on duplicate names.
+    """
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError("StageAdamW: duplicate parameter names")
+    if len({id(p) for _, p in named}) != len(named):
+        raise ValueError("StageAdamW: the same parameter is listed twice (tied weights?)")
+
+
+def _check_hyperparams(lr: float, weight_decay: float, betas: tuple[float, float], eps: float) -> None:
+    """Validate constructor hyper-parameters with one-line messages."""
+    if not lr >= 0.0:
+        raise ValueError(f"StageAdamW: lr must be >= 0, got {lr}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"StageAdamW: weight_decay must be >= 0, got {weight_decay}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"StageAdamW: betas must be in [0, 1), got {betas}")
+    if not eps >= 0.0:
+        raise ValueError(f"StageAdamW: eps must be >= 0, got {eps}")
+
+
+class StageAdamW:
+    """AdamW over one stage's parameters, with fp32 master weights when params are bf16/fp16.
+
+    Why not ``torch.optim.AdamW``: it updates ``p`` in place under ``no_grad``,
+    which bumps the version counter and breaks in-flight backwards of an
+    asynchronous pipeline; and it has no master weights for bf16 params.
+
+    Conventions chosen here:
+
+    * The learning rate is passed to every :meth:`step` (the stage's scheduler
+      is a pure function of its local step, see ``lr_schedule.LRSchedule``);
+      ``lr`` given to the constructor is only validated and kept as a default
+      for callers that want one.
+    * A parameter whose ``.grad`` is None at step time is treated as having a
+      zero gradient (Megatron semantics: every param owns a zeroed grad buffer),
+      so a single ``step_count`` drives bias correction for all parameters.
+      ``torch.optim.AdamW`` would skip such a parameter instead.
+    * Parameters with ``requires_grad=False`` are not optimised.
+    * ``shards`` (name -> flat element range) keeps state for, and steps, only those ranges
+      of the named parameters (ZeRO-1 across identical replicas, AMDP §3.4): the other
+      elements are left to their owners and arrive by all-gather
+      (``megatron.pipeline.runtime.replicas``). Unnamed parameters are owned whole.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[tuple[str, Parameter]],
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        no_decay_fn: Optional[NoDecayFn] = None,
+        exact: bool = False,
+        shards: Optional[Shards] = None,
+    ) -> None:
+        betas = (float(betas[0]), float(betas[1]))
+        _check_hyperparams(lr, weight_decay, betas, eps)
+        named = [(name, p) for name, p in params if p.requires_grad]
+        _check_unique(named)
+        no_decay = no_decay_fn if no_decay_fn is not None else default_no_decay
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.betas = betas
+        self.eps = float(eps)
+        self.step_count: int = 0
+        # Every parameter (for grads, norms, zero_grad); the slots hold the state of what this
+        # optimizer steps: everything, or with ``shards`` only the owned ranges (ZeRO-1).
+        self._named = named
+        self.sharded = shards is not None
+        self._slots = _make_slots(named, no_decay, shards)
+        # Rollback support (optimizer post-validation): the (lr, grad_scale) of the last
+        # step while it can still be rolled back, and in exact mode a backup of every
+        # slot's (target, exp_avg, exp_avg_sq) from before that step.
+        self.exact = bool(exact)
+        self._last_step: Optional[tuple[float, float]] = None
+        self._backup: Optional[list[tuple[Tensor, Tensor, Tensor]]] = None
+
+    # ------------------------------------------------------------------ params
+
+    def parameters(self) -> list[Parameter]:
+        """The parameters this optimizer updates (sharded: owns a part of), in construction order."""
+        return [p for _, p in self._named]
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        """(name, parameter) pairs, in construction order."""
+        return list(self._named)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held here (moments, fp32 masters): what sharding divides."""
+        return sum(slot.state_bytes() for slot in self._slots)
+
+    @property
+    def no_decay_names(self) -> frozenset[str]:
+        """Names of parameters excluded from weight decay (for logging and tests)."""
+        return frozenset(slot.name for slot in self._slots if not slot.decay)
+
+    def master_weight(self, name: str) -> Tensor:
+        """The full-precision tensor updated for ``name`` (the param's data if fp32)."""
+        for slot in self._slots:
+            if slot.name == name:
+                return slot.target()
+        raise KeyError(name)
+
+    def _device(self) -> torch.device:
+        """Where scalar reductions live: the (first) parameter's device."""
+        return self._named[0][1].device if self._named else torch.device("cpu")
+
+    # ------------------------------------------------------------ grad checks
+
+    def _grads(self) -> list[Tensor]:
+        """Existing gradients, detached (None grads are skipped: they count as 0)."""
+        return [p.grad.detach() for _, p in self._named if p.grad is not None]
+
+    def grad_sq_norm(self) -> Tensor:
+        """Sum of squares of all grads as an fp32 scalar on the params' device.
+
+        Returned as a tensor (no host sync) so that a pipeline-parallel caller
+        can all-reduce it across stages before taking the square root.  Each
+        grad is cast to fp32 before squaring because fp16 squares overflow.
+        """
+        device = self._device()
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in self._grads():
+            total += grad.float().square().sum().to(device)
+        return total
+
+    def grads_finite(self) -> bool:
+        """True when no grad holds inf/NaN.
+
+        Checked element-wise rather than via ``grad_sq_norm``: a sum of squares
+        of large but finite grads can itself overflow to inf.
+        """
+        device = self._device()
+        flags = [torch.isfinite(grad).all().to(device) for grad in self._grads()]
+        if not flags:
+            return True
+        return bool(torch.stack(flags).all().item())
+
+    @staticmethod
+    def clip_coef(total_norm: float, max_norm: float) -> float:
+        """Megatron's clip factor: ``max_norm / (total_norm + 1e-6)`` if below 1, else 1.
+
+        The 1e-6 keeps a zero norm from dividing by zero.  A NaN ``total_norm``
+        yields 1.0, so check :meth:`grads_finite` before trusting the result.
+        """
+        if not max_norm > 0.0:
+            raise ValueError(f"clip_coef: max_norm must be > 0, got {max_norm}")
+        coef = max_norm / (total_norm + 1e-6)
+        return coef if coef < 1.0 else 1.0
+
+    # ------------------------------------------------------------------- step
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """Apply one AdamW update with learning rate ``lr``.
+
+        Grads are multiplied by ``grad_scale`` (the clip coefficient) out of
+        place, so ``p.grad`` is left untouched.  Weight decay is decoupled
+        (``p *= 1 - lr*wd`` before the Adam update), bias correction uses the
+        incremented ``step_count``, and the operation order mirrors
+        ``torch.optim.adam._single_tensor_adam`` for bitwise parity.
+        """
+        if not (math.isfinite(lr) and lr >= 0.0):
+            raise ValueError(f"StageAdamW.step: lr must be finite and >= 0, got {lr}")
+        if not (math.isfinite(grad_scale) and grad_scale >= 0.0):
+            raise ValueError(f"StageAdamW.step: grad_scale must be finite and >= 0, got {grad_scale}")
+        if self.exact:
+            self._save_backup()
+        self.step_count += 1
+        step_size, bias_correction2_sqrt = self._bias_corrections(lr)
+        with torch.no_grad():
+            for slot in self._slots:
+                self._update(slot, lr, grad_scale, step_size, bias_correction2_sqrt)
+        self._last_step = (float(lr), float(grad_scale))
+
+    def _bias_corrections(self, lr: float) -> tuple[float, float]:
+        """(lr / (1 - beta1^t), sqrt(1 - beta2^t)) exactly as torch computes them.
+
+        torch keeps the step in a float tensor and reads it back as a Python
+        float, so we raise the betas to a float too.
+        """
+        beta1, beta2 = self.betas
+        step = float(self.step_count)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        return lr / bias_correction1, bias_correction2**0.5
+
+    def _update(
+        self, slot: _Slot, lr: float, grad_scale: float, step_size: float, bias_correction2_sqrt: float
+    ) -> None:
+        """One parameter's AdamW update, written through master / ``p.data`` only."""
+        target = slot.target()
+        grad = self._scaled_grad(slot, target, grad_scale)
+        if slot.decay and self.weight_decay != 0:
+            target.mul_(1 - lr * self.weight_decay)
+        self._adam_update(slot, target, grad, step_size, bias_correction2_sqrt)
+        slot.write_back()
+
+    def _adam_update(self, slot: _Slot, target: Tensor, grad: Tensor, step_size: float,
+                     bias_correction2_sqrt: float) -> None:
+        """The moment updates and the Adam step on ``target`` (decay already applied).
+
+        Split out of :meth:`_update` so that a subclass can run the same Adam arithmetic in
+        another basis (``basis_rotation.BasisRotationAdamW``) while sharing grad scaling,
+        decoupled weight decay and the master-weight copy.
+        """
+        beta1, beta2 = self.betas
+        slot.exp_avg.lerp_(grad, 1 - beta1)
+        slot.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (slot.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        target.addcdiv_(slot.exp_avg, denom, value=-step_size)
+
+    @staticmethod
+    def _scaled_grad(slot: _Slot, target: Tensor, grad_scale: float) -> Tensor:
+        """The grad in the master's dtype, times ``grad_scale``; zeros if the grad is None.
+
+        Skips the multiply when ``grad_scale == 1`` so unclipped steps stay
+        bitwise identical to torch.optim.AdamW.
+        """
+        grad = slot.grad()
+        if grad is None:
+            return torch.zeros_like(target)
+        grad = grad.detach().to(dtype=target.dtype)
+        if grad_scale != 1.0:
+            grad = grad * grad_scale
+        return grad
+
+    # --------------------------------------------------------------- rollback
+
+    def rollback(self, lr: float, grad_scale: float = 1.0) -> None:
+        """Undo the last :meth:`step`, which must have been ``step(lr, grad_scale)``.
+
+        Zero Bubble's in-place rollback (Qi et al., Appendix C, Algorithm 1) adapted to
+        this step's arithmetic, using the *same* gradients as the step (so ``.grad`` must
+        not have been zeroed or accumulated into since), in this order:
+
+        1. ``theta = (theta + step_size * m / denom) / (1 - lr * wd)`` with the post-step
+           ``m``, ``v`` and ``t`` (``denom`` computed exactly as the step computed it);
+        2. ``m = (m - (1 - beta1) g) / beta1`` and ``v = (v - (1 - beta2) g^2) / beta2``,
+           with ``(1 - beta1) g`` and ``(1 - beta2) g^2`` rounded exactly as the step rounds
+           them (so zero moments are restored exactly);
+        3. ``t = t - 1``;
+
+        on the fp32 master weights, then re-copied into ``p.data`` for bf16/fp16 params.
+
+        Floating point: the inverse divides by ``beta1``, ``beta2`` and ``1 - lr * wd``
+        and subtracts nearly equal numbers, so it restores the state to within a few ulp
+        of each value, not bitwise (a moment that was ~0 before the step comes back as a
+        tiny rounding residue instead of 0). With ``exact=True`` the optimizer instead
+        keeps a copy of (theta, m, v) from before every step and restores it bitwise, at
+        the cost of one more copy of the optimizer state in memory.
+
+        Only the most recent step can be rolled back, once.
+        """
+        if self._last_step is None:
+            raise RuntimeError("StageAdamW.rollback: no step to roll back (already rolled back, or none taken)")
+        if self._last_step != (float(lr), float(grad_scale)):
+            raise ValueError(
+                f"StageAdamW.rollback: the last step used (lr, grad_scale) = {self._last_step}, "
+                f"got ({lr}, {grad_scale})")
+        if self.exact:
+            self._restore_backup()
+        else:
+            beta1, beta2 = self.betas
+            if beta1 == 0.0 or beta2 == 0.0:
+                raise RuntimeError("StageAdamW.rollback: in-place rollback needs beta1, beta2 > 0 (use exact=True)")
+            if self.weight_decay != 0 and lr * self.weight_decay == 1.0:
+                raise RuntimeError("StageAdamW.rollback: lr * weight_decay == 1 cannot be inverted (use exact=True)")
+            step_size, bias_correction2_sqrt = self._bias_corrections(lr)  # post-step t
+            with torch.no_grad():
+                for slot in self._slots:
+                    self._invert(slot, lr, grad_scale, step_size, bias_correction2_sqrt)
+        self.step_count -= 1
+        self._last_step = None
+
+    def _invert(
+        self, slot: _Slot, lr: float, grad_scale: float, step_size: float, bias_correction2_sqrt: float
+    ) -> None:
+        """One parameter's rollback (see :meth:`rollback`), written through master / ``p.data``."""
+        beta1, beta2 = self.betas
+        target = slot.target()
+        grad = self._scaled_grad(slot, target, grad_scale)
+        # theta: the step's own denominator (same dtype, same arithmetic), the inverse in
+        # float64 so that it adds as little rounding as possible to what the step lost.
+        denom = (slot.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        theta = target.double().addcdiv_(slot.exp_avg.double(), denom.double(), value=step_size)
+        if slot.decay and self.weight_decay != 0:
+            theta.div_(1 - lr * self.weight_decay)
+        target.copy_(theta)
+        # Moments: subtract the increment the step's own kernels produce from a zero moment
+        # (so a moment that was exactly 0, e.g. an embedding row with no gradient yet, comes
+        # back exactly 0 instead of as rounding residue that Adam would later divide by ~eps),
+        # then divide by beta in float64.
+        inc_m = torch.zeros_like(slot.exp_avg).lerp_(grad, 1 - beta1)
+        slot.exp_avg.copy_((slot.exp_avg.double() - inc_m.double()).div_(beta1))
+        inc_v = torch.zeros_like(slot.exp_avg_sq).addcmul_(grad, grad, value=1 - beta2)
+        slot.exp_avg_sq.copy_((slot.exp_avg_sq.double() - inc_v.double()).div_(beta2).clamp_(min=0.0))
+        slot.write_back()
+
+    def _save_backup(self) -> None:
+        """Exact mode: copy every slot's (target, exp_avg, exp_avg_sq) into reused buffers."""
+        with torch.no_grad():
+            if self._backup is None:
+                self._backup = [
+                    (torch.empty_like(s.target()), torch.empty_like(s.exp_avg), torch.empty_like(s.exp_avg_sq))
+                    for s in self._slots
+                ]
+            for slot, (theta, m, v) in zip(self._slots, self._backup):
+                theta.copy_(slot.target())
+                m.copy_(slot.exp_avg)
+                v.copy_(slot.exp_avg_sq)
+
+    def _restore_backup(self) -> None:
+        assert self._backup is not None
+        with torch.no_grad():
+            for slot, (theta, m, v) in zip(self._slots, self._backup):
+                slot.target().copy_(theta)
+                slot.exp_avg.copy_(m)
+                slot.exp_avg_sq.copy_(v)
+                slot.write_back()
+
+    def zero_grad(self) -> None:
+        """Zero existing grads in place (None grads stay None).
+
+        In place rather than ``p.grad = None`` because grads accumulate across
+        micro-batches into long-lived buffers (Megatron's grad-buffer model):
+        keeping them avoids re-allocation every step and keeps any reference a
+        communication hook holds to the buffer valid.
+        """
+        for _, p in self._named:
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.grad_fn is not None:  # left by backward(create_graph=True)
+                grad.detach_()
+            else:
+                grad.requires_grad_(False)
+            grad.zero_()
+
+    # ------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        """Snapshot (cloned tensors) of step_count, moments and fp32 masters, keyed by name.
+
+        Cloned so that continued training does not mutate a dict that is still
+        being written to disk.  Masters are stored only for bf16/fp16 params:
+        an fp32 param is its own master and is saved with the model.
+        """
+        params: dict[str, dict[str, Tensor]] = {}
+        for slot in self._slots:
+            entry = {"exp_avg": slot.exp_avg.clone(), "exp_avg_sq": slot.exp_avg_sq.clone()}
+            if slot.master is not None:
+                entry["master"] = slot.master.clone()
+            params[slot.name] = entry
+        return {"step_count": self.step_count, "params": params}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore a :meth:`state_dict` snapshot exactly.
+
+        Values are copied into the live buffers, so a checkpoint saved on one
+        device loads onto params on another.  Restored masters are also copied
+        into ``p.data`` to re-establish the invariant ``p == master.to(p.dtype)``.
+        """
+        if "rotation" in sd and type(self) is StageAdamW:
+            raise ValueError("StageAdamW.load_state_dict: the checkpoint holds basis-rotation state "
+                             "(saved with --optimizer basis-rotation); its bases would be dropped")
+        entries = sd["params"]
+        expected = {slot.name for slot in self._slots}
+        if set(entries) != expected:
+            missing, extra = sorted(expected - set(entries)), sorted(set(entries) - expected)
+            raise ValueError(f"StageAdamW.load_state_dict: missing {missing}, unexpected {extra}")
+        for slot in self._slots:
+            _load_slot(slot, entries[slot.name])
+        self.step_count = int(sd["step_count"])
+        self._last_step = None  # a loaded state has no step to roll back
+
+
+def _load_slot(slot: _Slot, entry: dict[str, Tensor]) -> None:
+    """Copy one parameter's saved state into its live buffers."""
+    if (slot.master is not None) != ("master" in entry):
+        raise ValueError(f"StageAdamW.load_state_dict: master-weight mismatch for {slot.name}")
+    pairs = [(slot.exp_avg, entry["exp_avg"]), (slot.exp_avg_sq, entry["exp_avg_sq"])]
+    if slot.master is not None:
+        pairs.append((slot.master, entry["master"]))
+    for live, saved in pairs:
+        if live.shape != saved.shape:
+            raise ValueError(f"StageAdamW.load_state_dict: shape mismatch for {slot.name}")
+    with torch.no_grad():
+        for live, saved in pairs:
+            live.copy_(saved)
+        slot.write_back()

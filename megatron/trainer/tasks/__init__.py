@@ -1,0 +1,1 @@
+"""Pretraining tasks (GPT, BERT, the synthetic-cost benchmark) and their stages."""

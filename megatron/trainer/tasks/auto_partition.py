@@ -1,0 +1,231 @@
+"""``--pipeline-partition auto``: profile a GPT's parts on this device, then split its layers with
+PACI's memory-constrained min-max partition (:mod:`megatron.pipeline.partition`).
+
+Why profile only three parts: the transformer layers of a GPT are identical, so one layer's
+forward+backward time, static memory and activation memory stand for all of them; only the
+first stage's embedding and the last stage's final norm, output head and loss differ. They are
+measured as differences: (embedding + layer) - layer and (layer + head) - layer, each a
+megatron-core stage built exactly as the trainer builds it, so whatever the stage wrapper
+adds is counted where it runs.
+
+* time: median of ``--pipeline-partition-profile-iters`` forward+backward passes of one
+  micro-batch after one warm-up pass (device synchronised around each on CUDA). PACI times
+  the forward only, arguing backward is proportional; we time both, which costs little.
+* static memory: parameters and gradients in the parameter dtype, AdamW's two moments in
+  fp32, plus an fp32 master copy for bf16/fp16 parameters (``megatron/trainer/optim/adamw.py``).
+* activation memory: the bytes autograd saves for backward in one forward (the runtime's own
+  :class:`~megatron.pipeline.runtime.memory.ActivationMeter`, parameters excluded).
+* in-flight micro-batches per stage: the timing simulator's peak activation count of the
+  run's schedule (1F1B and PACI: ``N - s``; GPipe: ``m``), with unit op costs.
+
+Every rank must use the same split: under torch.distributed rank 0 profiles and broadcasts it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megatron.pipeline.runtime.memory import ActivationMeter
+from megatron.pipeline.partition import Partition, one_f_one_b_in_flight, partition_layers
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class PartProfile:
+    """One profiled part: forward+backward time (ms) and memory (bytes)."""
+
+    time_ms: float
+    static_bytes: float
+    activation_bytes: float
+
+    def minus(self, other: "PartProfile") -> "PartProfile":
+        """This part without ``other`` (clamped at 0: timing noise must not make a part negative)."""
+        return PartProfile(max(0.0, self.time_ms - other.time_ms), max(0.0, self.static_bytes - other.static_bytes),
+                           max(0.0, self.activation_bytes - other.activation_bytes))
+
+
+def static_bytes(module: torch.nn.Module) -> float:
+    """Parameters + gradients + AdamW moments (fp32) + fp32 masters for half-precision parameters."""
+    total = 0
+    for p in module.parameters():
+        master = 4 if p.dtype in _HALF else 0
+        total += p.numel() * (2 * p.element_size() + 8 + master)
+    return float(total)
+
+
+@contextlib.contextmanager
+def _synchronised(device: torch.device) -> Iterator[None]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_part(chunk: torch.nn.Module, task: object, args: argparse.Namespace, device: torch.device,
+                 first: bool, last: bool, iters: int) -> PartProfile:
+    """Time and memory of one stage-shaped part on one micro-batch (see the module docstring)."""
+    batch = task.batch_fn(args, 0, device)(0)  # type: ignore[attr-defined]
+    shape, dtype = task.activation_spec(args)  # type: ignore[attr-defined]
+    x = None if first else torch.randn(shape, device=device).to(dtype).requires_grad_(True)
+    meter = ActivationMeter(chunk.parameters())
+
+    def forward_backward(key: int) -> None:
+        with meter.record(key):
+            out = chunk(x, batch)
+            if last:
+                out, _ = task.loss_fn(out, batch)  # type: ignore[attr-defined]
+        if last:
+            out.backward()
+        else:
+            out.backward(torch.ones_like(out))
+        meter.release(key)
+
+    times = []
+    for i in range(iters + 1):
+        with _synchronised(device):
+            start = time.perf_counter()
+            forward_backward(i)
+            elapsed = time.perf_counter() - start
+        if i:  # the first pass warms up (allocations, lazy initialisation)
+            times.append(1e3 * elapsed)
+    chunk.zero_grad(set_to_none=True)
+    return PartProfile(statistics.median(times), static_bytes(chunk), float(meter.run_peak_bytes))
+
+
+def profile_gpt(task: object, args: argparse.Namespace, device: torch.device) -> dict[str, PartProfile]:
+    """Per-part profiles: ``layer`` (one transformer layer), ``embedding``, ``head`` (norm, output, loss)."""
+    from megatron.trainer.tasks.gpt import gpt_model_args
+    from megatron.trainer.models.gpt import build_gpt_stage
+
+    model_args = gpt_model_args(args)
+    iters = args.pipeline_partition_profile_iters
+    one = range(0, 1)
+    measured = {}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for name, first, last in (("layer", False, False), ("embedding+layer", True, False), ("layer+head", False, True)):
+            chunk = build_gpt_stage(model_args, one, pre_process=first, post_process=last, seed=args.seed, device=device)
+            chunk.train()
+            measured[name] = profile_part(chunk, task, args, device, first, last, iters)
+            del chunk
+    layer = measured["layer"]
+    return {"layer": layer, "embedding": measured["embedding+layer"].minus(layer),
+            "head": measured["layer+head"].minus(layer)}
+
+
+def schedule_in_flight(args: argparse.Namespace) -> list[float]:
+    """Peak micro-batches whose activations each stage holds under the run's schedule (simulated)."""
+    from megatron.pipeline.schedules import build_schedule
+    from megatron.pipeline.simulator import simulate_schedule
+    from megatron.trainer.config.arguments import schedule_config
+
+    pp, m = args.pipeline_model_parallel_size, args.num_microbatches
+    try:
+        iterations = min(args.train_iters, 3)
+        config = dataclasses.replace(schedule_config(args), first_iteration=0, num_iterations=iterations)
+        result = simulate_schedule(build_schedule(args.pipeline_schedule, config))
+        peaks = [max(1.0, p) for p in result.peak_memory]
+        if len(peaks) == pp:
+            return peaks
+    except Exception:  # noqa: BLE001 - a schedule the simulator cannot run without profiling: 1F1B's counts
+        pass
+    return [float(w) for w in one_f_one_b_in_flight(pp, m)]
+
+
+def memory_budget(args: argparse.Namespace, device: torch.device) -> float:
+    """Bytes per stage: the flag, else the device's memory on GPU, else unlimited."""
+    if args.pipeline_partition_memory_gb is not None:
+        return args.pipeline_partition_memory_gb * 2**30
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return math.inf
+
+
+def solve(parts: dict[str, PartProfile], num_layers: int, in_flight: list[float], budget: float) -> Partition:
+    """Per-layer costs (embedding on layer 0, head on the last layer), then the optimal split."""
+    layer = parts["layer"]
+    times = [layer.time_ms] * num_layers
+    static = [layer.static_bytes] * num_layers
+    act = [layer.activation_bytes] * num_layers
+    for index, part in ((0, parts["embedding"]), (num_layers - 1, parts["head"])):
+        times[index] += part.time_ms
+        static[index] += part.static_bytes
+        act[index] += part.activation_bytes
+    return partition_layers(times, static, act, in_flight, budget)
+
+
+def describe(parts: dict[str, PartProfile], partition: Partition, in_flight: list[float]) -> str:
+    mb = 2.0**20
+    budget = "unlimited" if math.isinf(partition.budget) else f"{partition.budget / mb:.1f} MB"
+    lines = [
+        "pipeline partition auto: profiled per micro-batch (forward+backward ms, static MB, activation MB): "
+        + ", ".join(f"{k} {p.time_ms:.2f} / {p.static_bytes / mb:.2f} / {p.activation_bytes / mb:.2f}"
+                    for k, p in parts.items()),
+        f"pipeline partition auto: layer split {list(partition.counts)}; predicted per-stage time (ms) "
+        f"{[round(t, 2) for t in partition.stage_time]}, memory (MB) {[round(m / mb, 1) for m in partition.stage_memory]} "
+        f"with {[round(w, 1) for w in in_flight]} micro-batches in flight, budget {budget}",
+    ]
+    if not partition.feasible:
+        lines.append(f"pipeline partition auto: WARNING no split fits the budget; the least-overshoot split "
+                     f"exceeds it by {partition.overshoot / mb:.1f} MB on its worst stage")
+    return "\n".join(f"[megatron-async] {line}" for line in lines)
+
+
+def choose_split(task: object, args: argparse.Namespace, device: torch.device) -> list[int]:
+    """Profile, solve, print; return the layer counts per stage."""
+    if getattr(task, "name", None) != "gpt":
+        raise SystemExit(f"error: --pipeline-partition auto profiles GPT models only (task {getattr(task, 'name', '?')})")
+    parts = profile_gpt(task, args, device)
+    in_flight = schedule_in_flight(args)
+    partition = solve(parts, args.num_layers, in_flight, memory_budget(args, device))
+    print(describe(parts, partition, in_flight), flush=True)
+    return list(partition.counts)
+
+
+def split_from_checkpoint(args: argparse.Namespace) -> list[int] | None:
+    """The layer split of ``--load``'s checkpoint, if there is one: a resumed auto-partitioned run
+    keeps the split its weights were saved with (profiling again could choose another one)."""
+    if getattr(args, "load", None) is None:
+        return None
+    from megatron.trainer.checkpointing.checkpoint import CheckpointError, _read_metadata, find_resume_point
+
+    try:
+        point = find_resume_point(args.load)
+        if point is None:
+            return None
+        split = _read_metadata(point.directory)["signature"].get("pipeline_layer_split")
+    except (CheckpointError, KeyError, TypeError):
+        return None  # check_resume reports a broken checkpoint with its own message
+    return [int(c) for c in split] if split else None
+
+
+def apply_auto_partition(task: object, args: argparse.Namespace, device: torch.device) -> None:
+    """With ``--pipeline-partition auto``, set ``args.pipeline_layer_split`` (rank 0 decides under
+    torch.distributed and broadcasts, so all ranks build the same stages)."""
+    if getattr(args, "pipeline_partition", "even") != "auto":
+        return
+    if args.pipeline_layer_split is not None:  # resumed: the checkpoint's split (insight_args)
+        import torch.distributed as dist
+
+        if getattr(args, "pipeline_partition_resumed", False) and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"[megatron-async] pipeline partition auto: resuming with the checkpoint's layer split "
+                  f"{args.pipeline_layer_split}", flush=True)
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box: list[object] = [choose_split(task, args, device) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+        split = box[0]
+    else:
+        split = choose_split(task, args, device)
+    args.pipeline_layer_split = [int(c) for c in split]  # type: ignore[union-attr]

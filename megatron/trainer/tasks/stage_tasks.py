@@ -1,0 +1,90 @@
+"""What the megatron-core model tasks (GPT, BERT) share: model arguments from the flags, model
+chunks per pipeline stage, the micro-batch function and the activation spec.
+
+They differ only in the model built per virtual stage, the data source and the loss.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from megatron.trainer.config.arguments import pipeline_layout
+from megatron.trainer.config.megatron_compat_args import compat_model_kwargs
+from megatron.trainer.models.stage import PipelineStage, model_dtype, split_layers
+from megatron.trainer.tasks.task import Batch, microbatch_sample_indices
+
+
+class BatchSource(Protocol):
+    def micro_batch(self, sample_indices: list[int]) -> Batch: ...
+
+
+def transformer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """:class:`~megatron.trainer.models.stage.TransformerArgs` fields from Megatron's flags."""
+    impl = {"auto": None, "local": False, "transformer_engine": True}[args.transformer_impl]
+    return dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        vocab_size=args.vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        position_embedding_type=args.position_embedding_type,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        use_transformer_engine=impl,
+        **compat_model_kwargs(args),
+    )
+
+
+def build_chunks(
+    args: argparse.Namespace, stage: int, build: Callable[[range, bool, bool], PipelineStage]
+) -> list[torch.nn.Module]:
+    """The chunks of ``stage``, each owning the global layers of its part of the model.
+
+    The schedule's layout says which part chunk c holds (``layout.model_stage``): virtual
+    stage c * PP + stage for interleaving (the model split evenly into PP * V parts), logical
+    stage of pipeline c for AMDP's replicated pipelines (PP parts, each built once per
+    pipeline; initialisation by global name makes the replicas identical).
+    ``build(layers, pre_process, post_process)`` builds one part, the embedding on part 0
+    only, the output heads and loss on the last one.
+    """
+    layout = pipeline_layout(args)
+    parts = layout.num_model_stages
+    split = args.pipeline_layer_split if parts == args.pipeline_model_parallel_size else None
+    part_layers = split_layers(args.num_layers, parts, split)
+    model_stages = [layout.model_stage(stage, c) for c in range(layout.num_chunks)]
+    return [build(part_layers[j], j == 0, j == parts - 1) for j in model_stages]
+
+
+def global_named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """Parameters of a stage's chunks by their names in the unsplit model."""
+    for chunk in chunks:
+        assert isinstance(chunk, PipelineStage)
+        yield from chunk.global_named_parameters()
+
+
+def micro_batch_fn(
+    data: BatchSource, args: argparse.Namespace, dp_rank: int, device: torch.device
+) -> Callable[[int], Batch]:
+    """Global micro-batch index -> this data-parallel replica's samples on ``device``."""
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+
+    def get(microbatch: int) -> Batch:
+        batch = data.micro_batch(microbatch_sample_indices(microbatch, mbs, dp_rank, dp))
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+    return get
+
+
+def hidden_activation_spec(args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
+    """Hidden states ``[s, b, h]`` cross stage boundaries, bf16/fp16 with ``--bf16``/``--fp16``."""
+    return (args.seq_length, args.micro_batch_size, args.hidden_size), model_dtype(args)
