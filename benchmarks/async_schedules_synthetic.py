@@ -48,7 +48,8 @@ for path in (REPO, REPO / "benchmarks"):
 from megatron.pipeline.schedules import build_schedule  # noqa: E402
 from megatron.pipeline.simulator import OpCosts, simulate_schedule, steady_time_per_update  # noqa: E402
 from megatron.trainer.config.arguments import build_parser as trainer_parser  # noqa: E402
-from megatron.trainer.config.arguments import parse_args, schedule_config  # noqa: E402
+from megatron.trainer.config.arguments import parse_args  # noqa: E402
+from megatron.trainer.config.run_config import schedule_config  # noqa: E402
 from megatron.trainer.tasks.synthetic import SyntheticCostTask  # noqa: E402
 from schedule_efficiency import (  # noqa: E402
     Case, Result, best_of, build_parser, markdown_table, plan_cases, run_argv, run_case, sleep_overshoot_ms)

@@ -175,7 +175,7 @@ def test_flags_derive_chunks_per_stage(no_torchrun_env: None) -> None:
                        "--micro-batch-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
                        "--pipeline-schedule", NAME])
     assert args.num_model_chunks == 2
-    from megatron.trainer.config.arguments import schedule_config
+    from megatron.trainer.config.run_config import schedule_config
 
     assert schedule_config(args).layout == PipelineLayout(2, 2)
     # K = layers per stage gives one chunk: allowed with plain schedules, changes nothing.

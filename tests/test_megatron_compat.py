@@ -187,7 +187,7 @@ def test_rampup_segments_read_each_sample_once_per_calculator(schedule):
     batch per iteration, consecutive data micro-batches, and steps once per iteration."""
     from megatron.pipeline.ir import OpKind
     from megatron.pipeline.schedules import build_schedule
-    from megatron.trainer.config.arguments import schedule_config
+    from megatron.trainer.config.run_config import schedule_config
     from megatron.trainer.loop.segments import plan_segments
     from megatron.trainer.loop.rampup import segment_boundaries, segment_schedules
 

@@ -166,7 +166,7 @@ def test_synthetic_chunks_follow_the_layout_and_keep_the_per_stage_cost() -> Non
     """
     import torch
 
-    from megatron.trainer.config.arguments import pipeline_layout
+    from megatron.trainer.config.run_config import run_config
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
 
     task, cpu = SyntheticCostTask(), torch.device("cpu")
@@ -177,7 +177,7 @@ def test_synthetic_chunks_follow_the_layout_and_keep_the_per_stage_cost() -> Non
     for schedule, extra, pp, chunks_per_mb in cases:
         args = _synthetic_args("--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(pp),
                                "--global-batch-size", "4", "--train-iters", "1", *extra)
-        layout = pipeline_layout(args)
+        layout = run_config(args).layout
         by_name: dict[str, torch.Tensor] = {}
         for s in range(pp):
             chunks = task.build_stage(args, s, cpu)

@@ -174,7 +174,8 @@ def test_trainer_plans_with_the_bound_unless_told(monkeypatch) -> None:
     """Without profiling, --zb-costs without M_W/M_B and the placeholder use M_W / M_B = 1."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    from megatron.trainer.config.arguments import parse_args, schedule_config
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.run_config import schedule_config
 
     base = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--global-batch-size", "8"]
     for extra, m_w in ((["--zb-costs", "1,1,1,0"], 1.0), (["--zb-profile-iters", "0"], 1.0),

@@ -218,7 +218,8 @@ def test_bad_zb_flags_exit_2_with_one_line(case: str, capsys: pytest.CaptureFixt
 
 
 def test_zb_flags_become_schedule_options(tmp_path) -> None:
-    from megatron.trainer.config.arguments import parse_args, schedule_config
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.run_config import schedule_config
 
     def options(*extra):
         return schedule_config(parse_args([*BASE, *extra])).options

@@ -24,7 +24,7 @@ def add_amdp_args(parser: argparse.ArgumentParser) -> None:
 def validate_amdp_args(args: argparse.Namespace) -> None:
     """One-line :class:`ArgumentError` for an AMDP flag without AMDP, or sharding with an
     optimizer whose state is not element-wise (basis rotation rotates whole matrices)."""
-    from megatron.trainer.config.arguments import ArgumentError
+    from megatron.trainer.config.errors import ArgumentError
 
     state = getattr(args, "amdp_optimizer_state", None)
     if args.pipeline_schedule != "amdp":

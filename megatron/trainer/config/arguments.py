@@ -10,28 +10,24 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from megatron.pipeline.ir import PipelineLayout
-from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, schedule_class
-from megatron.pipeline.schedules.interleaved import GROUP_OPTION
+from megatron.pipeline.schedules import ScheduleConfigError
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
 from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, validate_basis_rotation_args
-from megatron.trainer.config.zero_bubble_args import add_zero_bubble_args, validate_zero_bubble_args, zero_bubble_options
+from megatron.trainer.config.zero_bubble_args import add_zero_bubble_args, validate_zero_bubble_args
 from megatron.trainer.config.post_validation_args import (
-    add_post_validation_args, post_validation_options, validate_post_validation_args)
-from megatron.trainer.config.pipemare_args import add_pipemare_args, pipemare_options, validate_pipemare_args
+    add_post_validation_args, validate_post_validation_args)
+from megatron.trainer.config.pipemare_args import add_pipemare_args, validate_pipemare_args
 from megatron.trainer.config.amdp_args import add_amdp_args, validate_amdp_args
 from megatron.trainer.config.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
 from megatron.trainer.config.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
 from megatron.trainer.config.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
+from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import FlagError, OneLineParser, check_flag_values
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
 from megatron.trainer.optim.lr_schedule import DECAY_STYLES
 from megatron.trainer.config.megatron_compat_args import (
     CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
-
-
-class ArgumentError(ValueError):
-    """A bad flag combination; the message is one line for the user."""
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -269,7 +265,8 @@ def validate_args(args: argparse.Namespace) -> None:
     for check in getattr(args, "task_checks", ()):  # a task's own flags (parser.set_defaults)
         check(args)
     try:
-        schedule_class(args.pipeline_schedule).check_config(schedule_config(args))
+        args.run = RunConfig.from_args(args)  # the typed view every later step reads
+        args.run.schedule_cls.check_config(args.run.schedule)
     except ScheduleConfigError as exc:
         raise ArgumentError(f"--pipeline-schedule: {exc}") from None
     if args.pipeline_schedule == "amdp" and args.data_parallel_size > 1:
@@ -353,23 +350,6 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"{flag} {per_chunk} gives {args.num_model_chunks} model chunks per stage, which only "
             f"--pipeline-schedule interleaved-1f1b runs (not {args.pipeline_schedule})")
-
-
-def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
-    group = getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None)
-    return ScheduleConfig(
-        num_stages=args.pipeline_model_parallel_size,
-        num_microbatches=args.num_microbatches,
-        num_iterations=args.train_iters,
-        num_chunks=getattr(args, "num_model_chunks", 1),
-        options={**({} if group is None else {GROUP_OPTION: group}), **zero_bubble_options(args),
-                 **post_validation_options(args), **pipemare_options(args)},
-    )
-
-
-def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:
-    """Where the run's schedule places model chunks (AMDP: one chunk per replicated pipeline)."""
-    return schedule_class(args.pipeline_schedule).layout_of(schedule_config(args))
 
 
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:

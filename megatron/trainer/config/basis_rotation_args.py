@@ -28,7 +28,7 @@ def add_basis_rotation_args(group: argparse._ArgumentGroup) -> None:
 
 def validate_basis_rotation_args(args: argparse.Namespace) -> None:
     """One-line :class:`ArgumentError` for a bad combination."""
-    from megatron.trainer.config.arguments import ArgumentError
+    from megatron.trainer.config.errors import ArgumentError
 
     if getattr(args, "optimizer", "adamw") != "basis-rotation":
         if getattr(args, "rotation_stage_aware", False):

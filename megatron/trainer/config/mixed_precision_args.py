@@ -39,7 +39,7 @@ def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_mixed_precision_args(args: argparse.Namespace) -> None:
     """One-line :class:`ArgumentError` for a bad combination; fills the dynamic defaults."""
-    from megatron.trainer.config.arguments import ArgumentError
+    from megatron.trainer.config.errors import ArgumentError
 
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive")

@@ -41,7 +41,7 @@ def add_pipemare_args(parser: argparse.ArgumentParser) -> None:
 def validate_pipemare_args(args: argparse.Namespace) -> None:
     """One-line :class:`ArgumentError` when a PipeMare flag is given to another schedule (the
     schedule's own check_config judges the values)."""
-    from megatron.trainer.config.arguments import ArgumentError
+    from megatron.trainer.config.errors import ArgumentError
 
     if args.pipeline_schedule == "pipemare":
         return

@@ -32,7 +32,7 @@ def add_post_validation_args(parser: argparse.ArgumentParser) -> None:
 def validate_post_validation_args(args: argparse.Namespace) -> None:
     """One-line :class:`ArgumentError` for a bad combination."""
     from megatron.pipeline.schedules import ScheduleConfigError, schedule_class
-    from megatron.trainer.config.arguments import ArgumentError
+    from megatron.trainer.config.errors import ArgumentError
 
     enabled = getattr(args, "enable_optimizer_post_validation", False)
     if getattr(args, "optimizer_post_validation_exact", False) and not enabled:

@@ -76,7 +76,7 @@ def parse_costs(text: str, num_stages: int):
 
 def validate_zero_bubble_args(args: argparse.Namespace) -> None:
     """Check the zb flags (one-line :class:`ArgumentError`); resolve ``args.zb_profile_iters``."""
-    from megatron.trainer.config.arguments import ArgumentError
+    from megatron.trainer.config.errors import ArgumentError
 
     auto = args.pipeline_schedule in ZB_AUTO_SCHEDULES
     for attr, flag in _FLAGS.items():
@@ -106,7 +106,7 @@ def validate_zero_bubble_args(args: argparse.Namespace) -> None:
     # Build the schedule now (with the fixed or placeholder costs): an infeasible memory limit
     # fails here, before any process starts, not at iteration K.
     from megatron.pipeline.schedules import ScheduleConfigError, build_schedule
-    from megatron.trainer.config.arguments import schedule_config
+    from megatron.trainer.config.run_config import schedule_config
 
     try:
         build_schedule(args.pipeline_schedule, schedule_config(args))

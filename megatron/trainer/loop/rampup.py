@@ -114,7 +114,7 @@ def validate_rampup(args: argparse.Namespace) -> None:
     if args.rampup_batch_size is None:
         return
     from megatron.pipeline.schedules.profiled import PROFILE_OPTION
-    from megatron.trainer.config.arguments import schedule_config
+    from megatron.trainer.config.run_config import schedule_config
 
     cls = schedule_class(args.pipeline_schedule)
     fixed = _built_for_one_accumulation(cls)

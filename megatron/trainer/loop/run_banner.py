@@ -16,16 +16,18 @@ from megatron.trainer.launch.optional_packages import optional_packages_line
 MOCK_DATA_WARNING = "WARNING: training on MOCK data (no --data-path): synthetic tokens, not text"
 
 _WIDTH = 48  # Megatron-LM's dotted column
+_PLAIN = (str, int, float, bool, type(None), list, tuple, dict, set, frozenset)
 
 
 def argument_lines(args: argparse.Namespace) -> list[str]:
     """Every parsed and derived flag, sorted by name, one per line (Megatron-LM's layout)."""
     lines = ["------------------------ arguments ------------------------"]
     for name in sorted(vars(args)):
-        if name.startswith("_"):
+        value = getattr(args, name)
+        if name.startswith("_") or not isinstance(value, _PLAIN):  # derived objects (args.run, checks)
             continue
         dots = "." * max(1, _WIDTH - len(name))
-        lines.append(f"  {name} {dots} {getattr(args, name)}")
+        lines.append(f"  {name} {dots} {value}")
     lines.append("-------------------- end of arguments ---------------------")
     return lines
 

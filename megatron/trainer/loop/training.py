@@ -23,12 +23,13 @@ from megatron.pipeline.ir import MultiPipelineLayout
 from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
 from megatron.pipeline.runtime.profiling import log_fixed_choice
 from megatron.pipeline.runtime.replicas import optimizer_shards
-from megatron.pipeline.schedules import build_schedule, schedule_class
+from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
 from megatron.trainer.tasks.auto_partition import apply_auto_partition
 from megatron.trainer.config.amdp_args import amdp_shards_optimizer
-from megatron.trainer.config.arguments import build_parser, parse_args, pipeline_layout, schedule_config
+from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.config.run_config import run_config
 from megatron.trainer.launch.exit_control import launcher_signals, rank_signal_defaults, stop_control
 from megatron.trainer.checkpointing.checkpoint import (
     CheckpointError, ResumePoint, check_resume, load_stage_state, restore_schedule_state)
@@ -82,7 +83,8 @@ def build_optimizer(args: argparse.Namespace, named: list[tuple[str, torch.nn.Pa
 def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
                  device: torch.device, isolate_rng: bool) -> StageWorker:
     chunks = task.build_stage(args, stage, device)
-    layout = pipeline_layout(args)
+    run = run_config(args)
+    layout = run.layout
     if len(chunks) != layout.num_chunks:
         raise ValueError(f"task {task.name} built {len(chunks)} model chunks for stage {stage}, "
                          f"the pipeline layout has {layout.num_chunks}")
@@ -99,7 +101,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
     )
     shape, dtype = task.activation_spec(args)
     # Asynchronous variants shape what a stage's passes read and its learning rate (2BW, PipeMare).
-    schedule_cls, config = schedule_class(args.pipeline_schedule), schedule_config(args)
+    schedule_cls, config = run.schedule_cls, run.schedule
     setup = StageSetup(
         stage=stage,
         layout=layout,
@@ -145,7 +147,7 @@ def make_logger(args: argparse.Namespace, start_iteration: int = 0, task: Pretra
         num_gpus=args.world_size,
         log_params_norm=args.log_params_norm,
         wandb=wandb_run(args),
-        per_stage_optimizer=schedule_class(args.pipeline_schedule).asynchronous,
+        per_stage_optimizer=run_config(args).asynchronous,
         aux_loss_name=getattr(task, "aux_loss_name", None),
     )
 
@@ -158,7 +160,7 @@ def stage_parameter_count(worker: StageWorker) -> int:
 def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | None = None) -> Schedule:
     """The run's schedule from iteration ``start`` (0, or a checkpoint's iteration) to the end,
     with what the checkpoint's run decided (zb's profiled order) restored."""
-    config = dataclasses.replace(schedule_config(args), first_iteration=start, num_iterations=args.train_iters - start)
+    config = dataclasses.replace(run_config(args).schedule, first_iteration=start, num_iterations=args.train_iters - start)
     schedule = build_schedule(args.pipeline_schedule, config)
     restore_schedule_state(schedule, resume)
     return schedule
@@ -246,7 +248,7 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
     # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
     p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
-    stage_layout = pipeline_layout(args)  # P2P groups per link direction; AMDP's replica groups
+    stage_layout = run_config(args).layout  # P2P groups per link direction; AMDP's replica groups
     groups = StageGroups.create(layout, p2p_timeout, stage_layout)
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()

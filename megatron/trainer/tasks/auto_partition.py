@@ -126,7 +126,7 @@ def schedule_in_flight(args: argparse.Namespace) -> list[float]:
     """Peak micro-batches whose activations each stage holds under the run's schedule (simulated)."""
     from megatron.pipeline.schedules import build_schedule
     from megatron.pipeline.simulator import simulate_schedule
-    from megatron.trainer.config.arguments import schedule_config
+    from megatron.trainer.config.run_config import schedule_config
 
     pp, m = args.pipeline_model_parallel_size, args.num_microbatches
     try:

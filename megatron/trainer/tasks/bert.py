@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron.trainer.config.arguments import ArgumentError
+from megatron.trainer.config.errors import ArgumentError
 from megatron.trainer.data.bert_dataset import BertDataSource, build_bert_datasets, check_bert_data
 from megatron.trainer.data.gpt_dataset import DataError
 from megatron.trainer.data.mock_bert import FIRST_WORD, MIN_SEQ_LENGTH, MockBertData

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron.trainer.config.arguments import pipeline_layout
+from megatron.trainer.config.run_config import run_config
 from megatron.trainer.config.megatron_compat_args import compat_model_kwargs
 from megatron.trainer.models.stage import PipelineStage, model_dtype, split_layers
 from megatron.trainer.tasks.task import Batch, microbatch_sample_indices
@@ -57,7 +57,7 @@ def build_chunks(
     ``build(layers, pre_process, post_process)`` builds one part, the embedding on part 0
     only, the output heads and loss on the last one.
     """
-    layout = pipeline_layout(args)
+    layout = run_config(args).layout
     parts = layout.num_model_stages
     split = args.pipeline_layer_split if parts == args.pipeline_model_parallel_size else None
     part_layers = split_layers(args.num_layers, parts, split)

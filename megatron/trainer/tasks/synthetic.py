@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megatron.pipeline.runtime.wgrad import accumulate_grad, active_deferral
-from megatron.trainer.config.arguments import pipeline_layout
+from megatron.trainer.config.run_config import run_config
 from megatron.trainer.tasks.task import Batch, split_seed
 
 
@@ -189,7 +189,7 @@ class SyntheticCostTask:
         wgrad_ms = getattr(args, "synthetic_wgrad_ms", 0.0)
         if args.synthetic_forward_ms < 0 or args.synthetic_backward_ms < 0 or wgrad_ms < 0:
             raise ValueError("--synthetic-forward-ms, --synthetic-backward-ms and --synthetic-wgrad-ms must be >= 0")
-        layout = pipeline_layout(args)
+        layout = run_config(args).layout
         share = len(layout.microbatch_chunks(0))
         return [
             SyntheticCostStage(j, args.hidden_size, args.synthetic_forward_ms / share,
