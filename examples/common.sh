@@ -45,11 +45,14 @@ if [[ "${FORCE_CPU:-0}" == "1" ]]; then NUM_GPUS=0; else NUM_GPUS="${GPUS_PER_NO
 if [[ "$NUM_GPUS" -gt 0 ]]; then ON_GPU=1; else ON_GPU=0; fi
 NNODES="${NNODES:-1}"
 
+# The default pipeline depth: one stage per GPU of the node, 4 stages on CPU.
+default_pp() { if [[ "$ON_GPU" == "1" ]]; then echo "$NUM_GPUS"; else echo 4; fi; }
+
 # Model and batch defaults for MODEL (gpt | bert); every value keeps an existing setting.
 model_defaults() {
     local model="$1"
+    PP="${PP:-$(default_pp)}"
     if [[ "$ON_GPU" == "1" ]]; then
-        PP="${PP:-$NUM_GPUS}"
         NUM_LAYERS="${NUM_LAYERS:-24}"; HIDDEN="${HIDDEN:-1024}"; HEADS="${HEADS:-16}"
         MICRO_BATCHES="${MICRO_BATCHES:-8}"          # per replica and update (PACI's a)
         TRAIN_ITERS="${TRAIN_ITERS:-500}"; DROPOUT="${DROPOUT:-0.1}"
@@ -61,7 +64,6 @@ model_defaults() {
         PRECISION=(--bf16)
     else
         echo "No GPU found: running the small CPU configuration." >&2
-        PP="${PP:-4}"
         NUM_LAYERS="${NUM_LAYERS:-4}"; HIDDEN="${HIDDEN:-64}"; HEADS="${HEADS:-4}"
         SEQ="${SEQ:-64}"; VOCAB="${VOCAB:-128}"; MBS="${MBS:-4}"
         MICRO_BATCHES="${MICRO_BATCHES:-4}"
@@ -162,6 +164,8 @@ schedule_presets() {
     case "$SCHEDULE" in
         async-1f1b) MICRO_BATCHES="${MICRO_BATCHES:-1}" ;;     # one update per micro-batch
         interleaved-1f1b) if [[ "$ON_GPU" == "0" ]]; then NUM_LAYERS="${NUM_LAYERS:-8}"; fi ;;  # 2 chunks per stage
+        zb-h2)  # its bubble vanishes once m >= 2N - 1 (stage 0 warms up with 2N - 1 forwards): m = 2N
+            PP="${PP:-$(default_pp)}"; MICRO_BATCHES="${MICRO_BATCHES:-$((2 * PP))}" ;;
         amdp)  # D/2 replicated pipelines are its data parallelism: all GPUs of all nodes, DP = 1
             DP="${DP:-1}"
             if [[ "$ON_GPU" == "1" ]]; then PP="${PP:-$((NUM_GPUS * NNODES))}"; MICRO_BATCHES="${MICRO_BATCHES:-$PP}"; fi ;;
@@ -171,6 +175,7 @@ schedule_presets() {
 # Schedule-specific flags, into SCHEDULE_ARGS (after model_defaults: may read PP, TRAIN_ITERS).
 #   interleaved-1f1b  LAYERS_PER_VIRTUAL_STAGE (1)
 #   zb-1p, zb-2p      ZB_PROFILE_ITERS (2), ZB_MEMORY_LIMIT, POST_VALIDATION (1: the paper's optimizer post-validation)
+#   zb-h2             POST_VALIDATION (1: keeps its parallelogram across iterations, the paper's setting)
 #   pipemare          PIPEMARE_ANNEAL_ITERS (5 x LR warm-up, the paper's Transformer rule), PIPEMARE_DECAY (0.2),
 #                     PIPEMARE_SYNC_WARMUP_ITERS (0), PIPEMARE_DELAY_MODEL (stream: this 1F1B stream's real
 #                     delay ceil((N-1-s)/a); paper: Table 1's fine-grained formula, about twice as long here)
@@ -182,7 +187,8 @@ schedule_flags() {
         zb-1p|zb-2p)
             SCHEDULE_ARGS=(--zb-profile-iters "${ZB_PROFILE_ITERS:-2}")
             if [[ -n "${ZB_MEMORY_LIMIT:-}" ]]; then SCHEDULE_ARGS+=(--zb-memory-limit "$ZB_MEMORY_LIMIT"); fi
-            if [[ "${POST_VALIDATION:-1}" == "1" ]]; then SCHEDULE_ARGS+=(--enable-optimizer-post-validation); fi ;;
+            post_validation_flag ;;
+        zb-h2) post_validation_flag ;;
         pipemare)
             SCHEDULE_ARGS=(
                 --pipemare-lr-anneal-iters "${PIPEMARE_ANNEAL_ITERS:-$((5 * (TRAIN_ITERS / 100 + 1)))}"
@@ -191,6 +197,11 @@ schedule_flags() {
                 --pipemare-delay-model "${PIPEMARE_DELAY_MODEL:-stream}"
             ) ;;
     esac
+}
+
+# --enable-optimizer-post-validation into SCHEDULE_ARGS unless POST_VALIDATION=0.
+post_validation_flag() {
+    if [[ "${POST_VALIDATION:-1}" == "1" ]]; then SCHEDULE_ARGS+=(--enable-optimizer-post-validation); fi
 }
 
 # The whole example for MODEL (gpt | bert) and SCHEDULE: defaults, flags, launch.
@@ -213,18 +224,15 @@ run_example() {
         "${DATA_ARGS[@]}" "${RUN_ARGS[@]}"
 }
 
-# The example script for MODEL (gpt | bert) and a --pipeline-schedule name.
+# The example script for MODEL (gpt | bert) and a --pipeline-schedule name: the
+# examples/pretrain_MODEL_*.sh whose default is that schedule (its SCHEDULE="${SCHEDULE:-NAME}" line).
 example_script() {
-    local model="$1" schedule="$2" short
-    case "$schedule" in
-        1f1b|paci|pipemare|amdp) short="$schedule" ;;
-        interleaved-1f1b) short=interleaved ;;
-        zb-2p) short=zb2p ;;
-        async-1f1b) short=async ;;
-        pipedream-2bw) short=2bw ;;
-        *) echo "error: no example script for schedule $schedule" >&2; return 2 ;;
-    esac
-    echo "$REPO_DIR/examples/pretrain_${model}_${short}.sh"
+    local model="$1" schedule="$2" path
+    for path in "$REPO_DIR"/examples/pretrain_"$model"_*.sh; do
+        if grep -qxF "SCHEDULE=\"\${SCHEDULE:-$schedule}\"" "$path"; then echo "$path"; return 0; fi
+    done
+    echo "error: no example script for schedule $schedule (examples/pretrain_${model}_*.sh)" >&2
+    return 2
 }
 
 # Slurm batch scripts (examples/slurm/): the job's topology, exported for examples/slurm/node.sh
