@@ -9,8 +9,8 @@ says which schedule it runs (its ``SCHEDULE="${SCHEDULE:-NAME}"`` default line, 
 ``example_script`` in examples/common.sh looks for)."""
 from __future__ import annotations
 
-import json
 import fnmatch
+import json
 import math
 import os
 import re
