@@ -43,7 +43,8 @@ from megatron.pipeline.comm import Message, MsgKind
 from megatron.pipeline.runtime.loss_scaling import StageLossScaler
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.runtime.memory import ActivationMeter
-from megatron.pipeline.post_validation import PostValidationState, is_state_message, state_spec
+from megatron.pipeline.post_validation import is_state_message
+from megatron.pipeline.runtime.post_validation_state import PostValidationState, state_spec
 from megatron.pipeline.runtime.report import StageReport
 from megatron.pipeline.runtime.weight_versions import WeightPolicy
 from megatron.pipeline.runtime.wgrad import DeferredWeightGrads, defer_weight_grads

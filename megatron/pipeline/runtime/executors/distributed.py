@@ -21,7 +21,8 @@ from megatron.pipeline.runtime.executors.errors import PipelineRuntimeError
 from megatron.pipeline.runtime.executors.send_reaper import SendReaper, wait_or_raise
 from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind
 from megatron.pipeline.runtime.parallel import StageGroups
-from megatron.pipeline.post_validation import ValidationOutcomes, run_post_validation_op
+from megatron.pipeline.post_validation import ValidationOutcomes
+from megatron.pipeline.runtime.post_validation_ops import run_post_validation_op
 from megatron.pipeline.runtime.replicas import gather_shards_distributed, has_replicas, reduce_distributed
 from megatron.pipeline.runtime.report import StageReport
 from megatron.pipeline.runtime.worker import StageWorker

@@ -14,7 +14,8 @@ import torch
 from megatron.pipeline.comm import Message
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink, run_compute_op
 from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind, PipelineLayout
-from megatron.pipeline.post_validation import ValidationOutcomes, run_post_validation_op
+from megatron.pipeline.post_validation import ValidationOutcomes
+from megatron.pipeline.runtime.post_validation_ops import run_post_validation_op
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.runtime.replicas import gather_shards_in_process, has_replicas, reduce_in_process
 from megatron.pipeline.runtime.worker import StageWorker
