@@ -28,7 +28,7 @@ from megatron.pipeline.comm import Message, op_recvs, op_sends
 from megatron.pipeline.ir import MultiPipelineLayout, Op, OpKind, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.simulator import OpCosts, OpSpan, SimulationResult, simulate_streams
-from megatron.pipeline.runtime.tracing import TRACE_FORMAT
+from megatron.pipeline.trace_format import TRACE_FILE_GLOB, TRACE_FORMAT
 
 NS_PER_MS = 1e6
 
@@ -54,9 +54,9 @@ def load_traces(directory: str | Path) -> list[StageTrace]:
     several hosts are aligned on their first ``align_ns`` (taken right after a common barrier),
     which is good to the barrier's exit skew.
     """
-    files = sorted(Path(directory).glob("stage*_dp*.json"))
+    files = sorted(Path(directory).glob(TRACE_FILE_GLOB))
     if not files:
-        raise FileNotFoundError(f"{directory}: no stage*_dp*.json trace files")
+        raise FileNotFoundError(f"{directory}: no {TRACE_FILE_GLOB} trace files")
     raw = []
     for f in files:
         data = json.loads(f.read_text())

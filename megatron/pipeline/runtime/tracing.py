@@ -23,12 +23,8 @@ hooked in :func:`megatron.pipeline.runtime.executors.common.run_compute_op`) and
 
 Optimizer post-validation ops (PSTEP, VALIDATE, DISCARD, DRAIN) are not traced yet.
 
-File ``DIR/stage{S}_dp{D}.json`` (written at the end of every training segment, cumulative)::
-
-    {"format": "megatron-async-trace", "version": 1, "stage": S, "dp_rank": D, "host": ...,
-     "executor": "distributed" | "emulator", "schedule": "1f1b", "num_stages": N,
-     "num_chunks": C, "layout": "PipelineLayout", "microbatches_per_update": a,
-     "align_ns": [...], "ops": [[kind, mb, chunk, update, sync, start_ns, end_ns], ...]}
+File ``DIR/stage{S}_dp{D}.json``, written at the end of every training segment (cumulative);
+its fields are described in :mod:`megatron.pipeline.trace_format`.
 
 In the emulator all stages run one after another in one process: its timestamps are that
 serial execution (the merge tool re-times emulator traces through the replay engine).
@@ -45,9 +41,7 @@ from typing import Any
 import torch
 
 from megatron.pipeline.ir import Op, PipelineLayout
-
-TRACE_FORMAT = "megatron-async-trace"
-TRACE_VERSION = 1
+from megatron.pipeline.trace_format import TRACE_FORMAT, TRACE_VERSION, trace_file_name
 
 
 class StageTracer:
@@ -89,7 +83,7 @@ class StageTracer:
         """Write ``directory/stage{S}_dp{D}.json`` atomically (rename), so a reader never sees half a file."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        out = path / f"stage{self.stage}_dp{self.dp_rank}.json"
+        out = path / trace_file_name(self.stage, self.dp_rank)
         tmp = out.with_suffix(f".json.tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.to_dict(), separators=(",", ":")))
         tmp.replace(out)
