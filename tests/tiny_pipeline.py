@@ -15,6 +15,7 @@ import torch
 from megatron.pipeline.runtime.executors.common import ReportCadence
 from megatron.pipeline.runtime.executors.emulator import Emulator
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
+from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
 
 DIM = 3
@@ -166,7 +167,7 @@ def run(name: str, num_stages: int, a: int, iterations: int, options: dict | Non
             stage=s, layout=config.layout, chunks=[module], optimizer=opt,
             lr_schedule=cls.stage_lr_schedule(config, s, lr()), microbatches_per_update=a,
             batch_fn=batch, loss_fn=loss_fn, activation_shape=(2, DIM), activation_dtype=torch.float64,
-            device=torch.device("cpu"), weight_policy=cls.stage_weight_policy(config, s, opt))
+            device=torch.device("cpu"), weight_policy=build_weight_policy(cls.stage_weight_policy(config, s), opt))
         out.workers.append(StageWorker(setup, isolate_rng=True))
         out.modules.append(module)
         out.optimizers.append(opt)

@@ -9,6 +9,10 @@ through ``p.data``; a backward that runs after an update therefore reads the new
   ``w`` run forward *and* backward on version ``w - 1``; one stashed copy per stage.
 * :class:`DiscrepancyCorrection` (PipeMare T2): a backward reads ``w - d * delta``, ``d`` its delay.
 
+Schedules do not build these: they describe the policy of each stage with a torch-free spec
+(:mod:`megatron.pipeline.weight_policy`), and :func:`build_weight_policy` makes the policy
+from it where the stage's worker is set up.
+
 All of them work with stock PyTorch by changing the *contents* of each parameter's storage
 (``p.data.copy_``), never the storage itself: the tensors autograd saved in the forward
 (the parameter or views of it) share that storage, so a backward sees exactly the values the
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron.pipeline.ir import Op
+from megatron.pipeline.weight_policy import DiscrepancyCorrected, DoubleBuffered, WeightPolicySpec
 
 
 def _swap_contents(params: list[torch.nn.Parameter], other: list[torch.Tensor]) -> None:
@@ -265,3 +270,17 @@ class DiscrepancyCorrection(WeightPolicy):
         with torch.no_grad():
             for d, saved in zip(self.delta, state["delta"]):
                 d.copy_(saved)
+
+
+def build_weight_policy(spec: WeightPolicySpec | None, optimizer: Any) -> WeightPolicy | None:
+    """The policy ``spec`` describes, over ``optimizer``'s parameters (None: the live weights,
+    the worker's default :class:`WeightPolicy`)."""
+    if spec is None:
+        return None
+    params = optimizer.parameters()
+    if isinstance(spec, DoubleBuffered):
+        return DoubleBufferedWeights(params, optimizer, spec.microbatches_per_update)
+    if isinstance(spec, DiscrepancyCorrected):
+        return DiscrepancyCorrection(params, optimizer, spec.tau, spec.decay, spec.microbatches_per_update,
+                                     sync_until=spec.sync_until, measured_delay=spec.measured_delay)
+    raise TypeError(f"no weight policy implements {spec!r}")

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from megatron.pipeline.ir import BW, F, OPT, Op, OpKind, PipelineLayout
 from megatron.pipeline.post_validation import POST_VALIDATION, ValidationOutcomes, post_validated_stream
+from megatron.pipeline.weight_policy import WeightPolicySpec
 
 
 class ScheduleConfigError(ValueError):
@@ -123,9 +124,9 @@ class Schedule(abc.ABC):
     stashes_weights: ClassVar[bool] = False
 
     @classmethod
-    def stage_weight_policy(cls, config: ScheduleConfig, stage: int, optimizer: Any) -> Any:
-        """The :class:`~megatron.pipeline.runtime.weight_versions.WeightPolicy` of ``stage``'s worker
-        (None: forwards and backwards read the live weights)."""
+    def stage_weight_policy(cls, config: ScheduleConfig, stage: int) -> WeightPolicySpec | None:
+        """Which weights ``stage``'s passes read, as a spec (:mod:`megatron.pipeline.weight_policy`;
+        the runtime builds the policy from it). None: forwards and backwards read the live weights."""
         return None
 
     @classmethod

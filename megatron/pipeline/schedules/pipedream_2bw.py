@@ -19,11 +19,9 @@ version per window makes every stage follow the same 1-stale recursion the paper
 """
 from __future__ import annotations
 
-from typing import Any
-
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.paci import PACI
-from megatron.pipeline.runtime.weight_versions import DoubleBufferedWeights
+from megatron.pipeline.weight_policy import DoubleBuffered
 
 
 class PipeDream2BW(PACI):
@@ -43,5 +41,5 @@ class PipeDream2BW(PACI):
         return 2
 
     @classmethod
-    def stage_weight_policy(cls, config: ScheduleConfig, stage: int, optimizer: Any) -> DoubleBufferedWeights:
-        return DoubleBufferedWeights(optimizer.parameters(), optimizer, config.num_microbatches)
+    def stage_weight_policy(cls, config: ScheduleConfig, stage: int) -> DoubleBuffered:
+        return DoubleBuffered(config.num_microbatches)

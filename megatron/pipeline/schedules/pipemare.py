@@ -55,7 +55,7 @@ from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.paci import PACI, drift_bound
-from megatron.pipeline.runtime.weight_versions import DiscrepancyCorrection
+from megatron.pipeline.weight_policy import DiscrepancyCorrected
 
 OPTION = "pipemare"
 DELAY_MODELS = ("stream", "paper")
@@ -139,14 +139,14 @@ class PipeMare(PACI):
         return 2 if cls._corrects(config, stage) else 1  # delta: one weight-sized buffer
 
     @classmethod
-    def stage_weight_policy(cls, config: ScheduleConfig, stage: int, optimizer: Any) -> DiscrepancyCorrection | None:
+    def stage_weight_policy(cls, config: ScheduleConfig, stage: int) -> DiscrepancyCorrected | None:
         opts = cls.options(config)
         if not cls._corrects(config, stage):
             return None
         assert opts.discrepancy_decay is not None
-        return DiscrepancyCorrection(optimizer.parameters(), optimizer, cls.tau(config, stage), opts.discrepancy_decay,
-                                     config.num_microbatches, sync_until=opts.sync_warmup_iters,
-                                     measured_delay=canonical_delay_model(opts.delay_model) == "stream")
+        return DiscrepancyCorrected(cls.tau(config, stage), opts.discrepancy_decay, config.num_microbatches,
+                                    sync_until=opts.sync_warmup_iters,
+                                    measured_delay=canonical_delay_model(opts.delay_model) == "stream")
 
     @classmethod
     def stage_lr_schedule(cls, config: ScheduleConfig, stage: int, base: Any) -> Any:

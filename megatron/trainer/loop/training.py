@@ -25,6 +25,7 @@ from megatron.pipeline.runtime.profiling import log_fixed_choice
 from megatron.pipeline.runtime.replicas import optimizer_shards
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
+from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
 from megatron.trainer.tasks.auto_partition import apply_auto_partition
 from megatron.trainer.config.amdp_args import amdp_shards_optimizer
@@ -118,7 +119,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         seed=args.seed,
         inject_nonfinite_updates=frozenset(args.nonfinite_injections.get(stage, ())),
         inject_nonfinite_losses=frozenset(getattr(args, "inject_nonfinite_loss", ())),
-        weight_policy=schedule_cls.stage_weight_policy(config, stage, optimizer),
+        weight_policy=build_weight_policy(schedule_cls.stage_weight_policy(config, stage), optimizer),
         loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
         report_params_norm=args.log_params_norm,
         aux_loss_fn=getattr(task, "aux_loss_fn", None),
