@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from megatron.pipeline.ir import Op, OpKind
-from megatron.pipeline.schedules import ScheduleConfig, build_schedule
+from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
 from megatron.pipeline.schedules.pipemare import OPTION, PipeMareOptions, RescheduledLR, stage_delay
 from megatron.pipeline.validate import validate_schedule
-from megatron.pipeline.runtime.weight_versions import DiscrepancyCorrection
+from megatron.pipeline.runtime.weight_versions import DiscrepancyCorrection, build_weight_policy
+from megatron.pipeline.weight_policy import DiscrepancyCorrected
 from tests import paci_oracle
 from tests import tiny_pipeline as tiny
 from tests.async_helpers import assert_runtime_equals_emulator, tiny_args
@@ -107,6 +108,27 @@ def _velocity(history: list[torch.Tensor], gamma: float) -> list[torch.Tensor]:
     for prev, new in zip(history, history[1:]):
         deltas.append(gamma * deltas[-1] + (1 - gamma) * (new - prev))
     return deltas
+
+
+def test_t2_is_a_spec_the_runtime_builds() -> None:
+    """The schedule describes T2 per stage as torch-free data; build_weight_policy makes the
+    policy from exactly those fields (the runs below check what the policy then does)."""
+    n, a = 4, 2
+    config = _config(n, a, 5, discrepancy_decay=0.3, sync_warmup_iters=1, delay_model="stream")
+    cls = schedule_class("pipemare")
+    specs = [cls.stage_weight_policy(config, s) for s in range(n)]
+    assert specs[-1] is None  # the last stage has no delay: live weights
+    tau = stage_delay(n, 0, a, "stream")
+    assert specs[0] == DiscrepancyCorrected(tau, 0.3, a, sync_until=1, measured_delay=True)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = SimpleNamespace(step_count=0, parameters=lambda: [p])
+    policy = build_weight_policy(specs[0], opt)
+    assert isinstance(policy, DiscrepancyCorrection) and policy.params == [p]
+    assert (policy.tau, policy.gamma, policy.a, policy.sync_until, policy.measured_delay) == (
+        tau, 0.3 ** (1 / tau), a, 1, True)
+    assert build_weight_policy(None, opt) is None
+    with pytest.raises(TypeError, match="no weight policy"):
+        build_weight_policy(object(), opt)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("model", ["stream", "paper"])
