@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.pipeline.schedules import SCHEDULES as REGISTERED_SCHEDULES
 from megatron.trainer.launch.slurm_env import adopt_slurm_task_environment, tasks_on_this_node
 
 REPO = Path(__file__).resolve().parent.parent
@@ -215,7 +216,7 @@ def test_amdp_spans_all_nodes_as_one_pipeline_group(tmp_path):
         assert int(flag(train, "--global-batch-size")) == 4 * 32  # DP = 1, m = D
 
 
-SCHEDULES = ["1f1b", "interleaved-1f1b", "zb-2p", "async-1f1b", "pipedream-2bw", "pipemare", "amdp", "paci"]
+SCHEDULES = sorted(REGISTERED_SCHEDULES)  # every registered schedule: SCHEDULE=<name> must find its script
 
 
 def test_every_schedule_has_a_script_for_the_batch_scripts():
