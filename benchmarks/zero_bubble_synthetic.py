@@ -47,10 +47,10 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from megatron.pipeline.schedules import ScheduleConfig, build_schedule  # noqa: E402
+from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class  # noqa: E402
 from megatron.pipeline.schedules.profiled import schedule_from_choice  # noqa: E402
 from megatron.pipeline.simulator import OpCosts, simulate_schedule  # noqa: E402
-from megatron.trainer.config.zero_bubble_args import ZB_AUTO_SCHEDULES  # noqa: E402
+from megatron.pipeline.schedules.zb_1p import ZeroBubbleAuto  # noqa: E402
 from schedule_efficiency import Case, Result, best_of, build_parser, run_case, sleep_overshoot_ms  # noqa: E402
 
 ZB_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p")
@@ -88,7 +88,7 @@ def executed_schedule(result: Result) -> Any:
     For zb-1p / zb-2p: the greedy order for the costs the run profiled and logged (and its memory
     limit), which is what every rank derived; otherwise the fixed schedule.
     """
-    if result.schedule in ZB_AUTO_SCHEDULES:
+    if issubclass(schedule_class(result.schedule), ZeroBubbleAuto):
         if result.zb_choice is None:
             raise RuntimeError(f"{result.schedule} N={result.stages}: the run logged no profiled order")
         return schedule_from_choice(result.zb_choice)

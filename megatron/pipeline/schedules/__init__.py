@@ -1,4 +1,8 @@
-"""Schedule registry: ``--pipeline-schedule NAME`` looks schedules up here."""
+"""Schedule registry: ``--pipeline-schedule NAME`` looks schedules up here.
+
+Adding a schedule is one module and one line here (``docs/adding_a_schedule.md``): the trainer
+reads a schedule's flags, checks and policies from its class, never from its name.
+"""
 from __future__ import annotations
 
 from megatron.pipeline.schedules.base import (
@@ -11,6 +15,9 @@ from megatron.pipeline.schedules.base import (
 from megatron.pipeline.schedules.gpipe import GPipe
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.amdp import AMDP
+from megatron.pipeline.schedules.options import Flag, FlagGroup
+from megatron.pipeline.schedules.profiled import ProfiledSchedule
+from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
 from megatron.pipeline.schedules.paci import PACI, Async1F1B
 from megatron.pipeline.schedules.pipedream_2bw import PipeDream2BW
 from megatron.pipeline.schedules.pipemare import PipeMare
@@ -26,6 +33,9 @@ SCHEDULES.update({cls.name: cls for cls in (ZBH1, ZBH2, ZB1P, ZB2P)})  # Zero Bu
 SCHEDULES[PipeDream2BW.name] = PipeDream2BW  # double-buffered weights (Narayanan et al.)
 SCHEDULES[PipeMare.name] = PipeMare  # T1 lr rescheduling, T2 discrepancy correction (Yang et al.)
 SCHEDULES[AMDP.name] = AMDP  # D/2 replicated pipelines in alternating directions
+
+#: ``--pipeline-schedule``'s default
+DEFAULT_SCHEDULE = OneFOneBFlush.name
 
 
 def register(cls: type[Schedule]) -> type[Schedule]:
@@ -48,21 +58,39 @@ def build_schedule(name: str, config: ScheduleConfig) -> Schedule:
     zb-2p) a :class:`~.profiled.ProfiledSchedule` that decides its order from costs profiled
     during the first K iterations."""
     cls = schedule_class(name)
-    if config.options.get("profile_iters"):
-        from megatron.pipeline.schedules.profiled import ProfiledSchedule
-
+    if config.options.get(PROFILE_OPTION):
         return ProfiledSchedule(cls, config)
     return cls(config)
 
 
+def flag_groups() -> dict[FlagGroup, list[str]]:
+    """Every flag group of a registered schedule, once, in registry order -> the names of the
+    schedules that take it (the trainer's parser and its refusals are built from this)."""
+    groups: dict[FlagGroup, list[str]] = {}
+    for name, cls in SCHEDULES.items():
+        for group in cls.flag_groups:
+            groups.setdefault(group, []).append(name)
+    return groups
+
+
+def chunked_schedules() -> list[str]:
+    """Names of the registered schedules that run several model chunks per stage."""
+    return [name for name, cls in SCHEDULES.items() if cls.takes_model_chunks]
+
+
 __all__ = [
+    "DEFAULT_SCHEDULE",
     "SCHEDULES",
+    "Flag",
+    "FlagGroup",
     "Schedule",
     "ScheduleConfig",
     "ScheduleConfigError",
     "SynchronousSchedule",
     "AsynchronousSchedule",
     "build_schedule",
+    "chunked_schedules",
+    "flag_groups",
     "register",
     "schedule_class",
 ]

@@ -59,12 +59,33 @@ streams for D in {2, 4, 6, 8} in the tests.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron.pipeline.ir import BW, F, OPT, MultiPipelineLayout, Op, OpKind, PipelineLayout
 from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError
+from megatron.pipeline.schedules.options import Flag, FlagGroup
+
+OPTIMIZER_STATE_OPTION = "optimizer_state"
+OPTIMIZER_STATES = ("sharded", "replicated")
+
+
+def _amdp_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
+    state = values["amdp_optimizer_state"]
+    return {} if state is None else {OPTIMIZER_STATE_OPTION: state}
+
+
+#: ``sharded`` (the default where the optimizer allows it, the paper's §3.4) keeps AdamW state
+#: (moments, fp32 masters) for 1/P of every hosted logical stage on each of its P = D/2 replicas
+#: and all-gathers the stepped ranges after the window step; ``replicated`` keeps the whole state
+#: on every replica (the paper's "without ZeRO" ablation). Both give the same bits.
+AMDP_FLAGS = FlagGroup("amdp", (
+    Flag("--amdp-optimizer-state", choices=OPTIMIZER_STATES,
+         help="shard AdamW state over the D/2 replicas of each stage (default, ZeRO-1 as in the paper) "
+              "or keep it whole on every replica"),
+), _amdp_options)
 
 K = 2  # micro-batches logical stage 0 of a pipeline admits before a backward
 PRELOAD = 1  # more forwards it may preload across a block boundary (bubble filling, see above)
@@ -202,6 +223,7 @@ class AMDP(AsynchronousSchedule):
     """Asynchronous multi-directional pipelines (AMDP), see the module docstring."""
 
     name = "amdp"
+    flag_groups = (AMDP_FLAGS,)
 
     @classmethod
     def layout_of(cls, config: ScheduleConfig) -> PipelineLayout:
@@ -211,12 +233,26 @@ class AMDP(AsynchronousSchedule):
     def check_config(cls, config: ScheduleConfig) -> None:
         super().check_config(config)
         d, t = config.num_stages, config.num_microbatches
+        if config.data_parallel_size > 1:
+            raise ScheduleConfigError(
+                "amdp: its D/2 replicated pipelines are its data parallelism; "
+                f"--data-parallel-size {config.data_parallel_size} > 1 is not supported with it")
         if d < 2 or d % 2:
             raise ScheduleConfigError(f"amdp: needs an even number of pipeline stages (D/2 pipelines), got {d}")
         if t % d:
             raise ScheduleConfigError(
                 f"amdp: the window (micro-batches per iteration, {t}) must be a multiple of the "
                 f"pipeline depth {d}, so every pipeline gets 2 micro-batches of every block of {d}")
+
+    @classmethod
+    def shards_optimizer_state(cls, config: ScheduleConfig, shardable: bool) -> bool:
+        """Sharded unless ``--amdp-optimizer-state replicated``, or by default when the optimizer's
+        state is not element-wise (basis rotation rotates whole matrices)."""
+        state = config.options.get(OPTIMIZER_STATE_OPTION)
+        if state == "sharded" and not shardable:
+            raise ScheduleConfigError("amdp: --amdp-optimizer-state sharded needs an optimizer with element-wise "
+                                      "state (adamw); use --amdp-optimizer-state replicated")
+        return state == "sharded" or (state is None and shardable)
 
     @classmethod
     def weight_copies(cls, config: ScheduleConfig, stage: int) -> int:

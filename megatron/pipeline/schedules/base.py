@@ -11,12 +11,13 @@ import copy
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from megatron.pipeline.ir import BW, F, OPT, Op, OpKind, PipelineLayout
 from megatron.pipeline.post_validation import POST_VALIDATION, ValidationOutcomes, post_validated_stream
+from megatron.pipeline.schedules.options import Flag, FlagGroup
 from megatron.pipeline.weight_policy import WeightPolicySpec
 
 
@@ -36,6 +37,8 @@ class ScheduleConfig:
     ``first_iteration`` is where the stream starts: micro-batch and update indices are the
     run's global ones, so a run resumed from a checkpoint at iteration k, or the segment
     between two evaluations, continues the numbering (and with it the data order).
+    ``data_parallel_size`` is the number of replicas of every stage, so a schedule that is
+    its own data parallelism (AMDP) can refuse more in :meth:`Schedule.check_config`.
     """
 
     num_stages: int
@@ -45,6 +48,7 @@ class ScheduleConfig:
     drain_every: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
     first_iteration: int = 0
+    data_parallel_size: int = 1
 
     @property
     def iterations(self) -> range:
@@ -62,6 +66,11 @@ class Schedule(abc.ABC):
 
     name: ClassVar[str]
     asynchronous: ClassVar[bool] = False
+    #: the command-line flags this schedule takes (:mod:`.options`); groups shared by several
+    #: schedules are declared once and listed by each
+    flag_groups: ClassVar[tuple[FlagGroup, ...]] = ()
+    #: whether a stage may hold several model chunks (``--num-layers-per-virtual-pipeline-stage``)
+    takes_model_chunks: ClassVar[bool] = False
 
     def __init__(self, config: ScheduleConfig):
         self.check_config(config)
@@ -94,7 +103,7 @@ class Schedule(abc.ABC):
             raise ScheduleConfigError(f"{cls.name}: need at least one pipeline stage")
         if config.num_microbatches < 1:
             raise ScheduleConfigError(f"{cls.name}: need at least one micro-batch per iteration")
-        if config.num_chunks != 1:
+        if config.num_chunks != 1 and not cls.takes_model_chunks:
             raise ScheduleConfigError(f"{cls.name}: supports one model chunk per stage only")
         if config.num_iterations is None and not cls.asynchronous:
             raise ScheduleConfigError(f"{cls.name}: a synchronous schedule needs a finite iteration count")
@@ -102,6 +111,23 @@ class Schedule(abc.ABC):
             raise ScheduleConfigError(
                 f"{cls.name}: optimizer post-validation replaces a synchronous step; this schedule "
                 f"steps stage-locally and has none")
+
+    @classmethod
+    def options_from_flags(cls, values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
+        """``config.options`` from the values of this schedule's flags (by ``dest``); ``config``
+        is the run's config without options. Raises :class:`ScheduleConfigError` (one line)."""
+        options: dict[str, Any] = {}
+        for group in cls.flag_groups:
+            options.update(group.to_options(values, config))
+        return options
+
+    @classmethod
+    def shards_optimizer_state(cls, config: ScheduleConfig, shardable: bool) -> bool:
+        """Whether each stage replica's optimizer keeps only its share of the state (ZeRO-1 over
+        the replicas this schedule places); ``shardable``: the optimizer's state is element-wise,
+        so it can be split. Raises :class:`ScheduleConfigError` when the config asks for
+        sharding that the optimizer cannot do."""
+        return False
 
     @classmethod
     def layout_of(cls, config: ScheduleConfig) -> PipelineLayout:
@@ -142,6 +168,25 @@ class Schedule(abc.ABC):
         return [self.stage_ops(s) for s in range(self.config.num_stages)]
 
 
+def _post_validation_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
+    if values["optimizer_post_validation_exact"] and not values["enable_optimizer_post_validation"]:
+        raise ScheduleConfigError("--optimizer-post-validation-exact needs --enable-optimizer-post-validation")
+    return {POST_VALIDATION: True} if values["enable_optimizer_post_validation"] else {}
+
+
+#: Zero Bubble's optimizer post-validation (§4), for every schedule with a synchronous step.
+POST_VALIDATION_FLAGS = FlagGroup("optimizer post-validation", (
+    Flag("--enable-optimizer-post-validation", action="store_true",
+         help="replace the pipeline-wide optimizer step by Zero Bubble's post-validation (optimistic "
+              "step, validated during the next warm-up, rolled back when clipping or a non-finite "
+              "gradient requires it)"),
+    Flag("--optimizer-post-validation-exact", action="store_true",
+         help="roll back from a backup of weights and Adam moments (bitwise) instead of the in-place "
+              "arithmetic inverse (within a few ulp); costs one more copy of the state; the default "
+              "with --bf16/--fp16 (see --optimizer-post-validation-in-place)"),
+), _post_validation_options, requirement="a synchronous")
+
+
 class SynchronousSchedule(Schedule):
     """Iteration body over ``m`` micro-batches, then a pipeline-wide optimizer step.
 
@@ -150,6 +195,8 @@ class SynchronousSchedule(Schedule):
     optimizer post-validation, :mod:`megatron.pipeline.post_validation`). Such streams read
     :attr:`validation_outcomes` after each VALIDATE; executors record into the same object.
     """
+
+    flag_groups = (POST_VALIDATION_FLAGS,)
 
     @abc.abstractmethod
     def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:

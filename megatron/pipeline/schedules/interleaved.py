@@ -33,12 +33,26 @@ forward -- the validator rejects it, and ``check_config`` refuses ``G != N`` for
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from megatron.pipeline.ir import BW, F, Op
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
+from megatron.pipeline.schedules.options import Flag, FlagGroup
 
 GROUP_OPTION = "microbatch_group_size"
+
+
+def _group_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
+    group = values["microbatch_group_size_per_virtual_pipeline_stage"]
+    return {} if group is None else {GROUP_OPTION: group}
+
+
+#: Megatron-LM's flag for ``G`` (module docstring).
+INTERLEAVING_FLAGS = FlagGroup("interleaving (virtual pipeline stages)", (
+    Flag("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
+         help="consecutive micro-batches per chunk (default: PP)"),
+), _group_options)
 
 
 def forward_slots(num_microbatches: int, num_chunks: int, group: int) -> list[tuple[int, int]]:
@@ -61,6 +75,8 @@ class Interleaved1F1B(SynchronousSchedule):
     """Megatron-LM's interleaved 1F1B (virtual pipeline stages), flushed every iteration."""
 
     name = "interleaved-1f1b"
+    takes_model_chunks = True
+    flag_groups = (*SynchronousSchedule.flag_groups, INTERLEAVING_FLAGS)
 
     @classmethod
     def group_size(cls, config: ScheduleConfig) -> int:

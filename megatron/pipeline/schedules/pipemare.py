@@ -47,13 +47,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
+from megatron.pipeline.schedules.options import Flag, FlagGroup
 from megatron.pipeline.schedules.paci import PACI, drift_bound
 from megatron.pipeline.weight_policy import DiscrepancyCorrected
 
@@ -104,8 +105,34 @@ class RescheduledLR:
         return rate / self.tau ** (1.0 - min(k / self.anneal_iters, 1.0))
 
 
+def _pipemare_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
+    return {OPTION: PipeMareOptions(
+        lr_anneal_iters=values["pipemare_lr_anneal_iters"], discrepancy_decay=values["pipemare_discrepancy_decay"],
+        sync_warmup_iters=values["pipemare_sync_warmup_iters"],
+        delay_model=canonical_delay_model(values["pipemare_delay_model"]))}
+
+
+#: Each technique has its own flag and is off without it.
+PIPEMARE_FLAGS = FlagGroup("pipemare", (
+    Flag("--pipemare-lr-anneal-iters", type=int, metavar="K",
+         help="T1: stage i updates with lr / tau_i^(1 - min(k/K, 1)) (k: update since asynchrony began)"),
+    Flag("--pipemare-discrepancy-decay", type=float, metavar="D",
+         help="T2: backwards read w - d * delta (d: the updates the micro-batch crossed since its forward, "
+              "tau_i with --pipemare-delay-model paper; never on a zero-delay stage), delta an EMA of the "
+              "per-update weight change with decay D^(1/tau_i); the paper suggests D near 0.1-0.5"),
+    Flag("--pipemare-sync-warmup-iters", type=int, default=0, metavar="W",
+         help="PipeMareW: the first W iterations run synchronously (1F1B with a flush)"),
+    Flag("--pipemare-delay-model", choices=(*DELAY_MODELS, *DELAY_ALIASES), default="stream",
+         help="tau of 0-based stage s: 'stream' (default) is this 1F1B stream's real delay "
+              "ceil((N-1-s)/a) (N stages, a micro-batches per update; 0 on the last stage); "
+              "'paper' is Table 1's fine-grained ceil((2(N-s)-1)/a), about twice as long here; "
+              "'1f1b' is the old name of 'stream'. T2 never corrects a stage whose stream delay is 0"),
+), _pipemare_options)
+
+
 class PipeMare(PACI):
     name = "pipemare"
+    flag_groups = (PIPEMARE_FLAGS,)
 
     @staticmethod
     def options(config: ScheduleConfig) -> PipeMareOptions:

@@ -34,11 +34,13 @@ from typing import Any
 
 from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
-from megatron.pipeline.schedules.zb_1p import ZeroBubbleAuto
+from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
+from megatron.pipeline.schedules.zb_1p import ZB1P, ZeroBubbleAuto
+from megatron.pipeline.schedules.zb_2p import ZB2P
+from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
 from megatron.pipeline.schedules.zb_h1 import ZBH1
 from megatron.pipeline.simulator import CostsLike, OpCosts, simulate_schedule, stage_costs
 
-PROFILE_OPTION = "profile_iters"
 # Before profiling: all times 1, no communication, and W keeping a micro-batch's activations
 # whole (M_W = M_B), the most it can keep. Memory after any prefix of a stage's ops is
 # (#F - #B) M_B + (#B - #W) M_W, which grows with M_W, so an order within the limit at
@@ -153,8 +155,6 @@ def describe_choice(
 ) -> dict[str, Any]:
     """What the log line reports: per-stage costs, the memory limit and one simulated iteration
     of the chosen order and of ZB-H1 and 1F1B (makespan, bubble rate, peak memory in M_B)."""
-    from megatron.pipeline.schedules import build_schedule
-
     base = {k: v for k, v in config.options.items() if k not in (PROFILE_OPTION, "costs")}
     chosen = target(one_iteration(config, {**base, "costs": costs}))
     out: dict[str, Any] = {
@@ -167,8 +167,8 @@ def describe_choice(
         "greedy_options": list(chosen.plan.options),
     }
     for key, schedule in (("chosen", chosen),
-                          ("zb-h1", build_schedule("zb-h1", one_iteration(config, {}))),
-                          ("1f1b", build_schedule("1f1b", one_iteration(config, {})))):
+                          (ZBH1.name, ZBH1(one_iteration(config, {}))),
+                          (OneFOneBFlush.name, OneFOneBFlush(one_iteration(config, {})))):
         result = simulate_schedule(schedule, costs)
         out[key] = {"makespan": result.makespan, "cost": result.cost, "bubble_rate": result.bubble_rate,
                     "peak_memory": result.peak_memory}
@@ -196,9 +196,7 @@ def schedule_from_choice(description: dict[str, Any], num_iterations: int = 1) -
     """The order a profiled run decided, rebuilt from what it logged (:func:`describe_choice`,
     the ``zero-bubble-schedule {...}`` line): the same costs and memory limit give the same
     greedy order, so benchmarks can simulate exactly the schedule that ran."""
-    from megatron.pipeline.schedules import SCHEDULES
-
-    target = SCHEDULES[description["schedule"]]
+    target = {cls.name: cls for cls in (ZB1P, ZB2P)}[description["schedule"]]
     costs = tuple(OpCosts.from_dict(c) for c in description["costs"])
     config = ScheduleConfig(description["num_stages"], description["num_microbatches"], num_iterations,
                             options={"costs": costs, "memory_limit": description["memory_limit"]})

@@ -9,6 +9,8 @@ activation-memory limit, by default ``N * M_B`` (the peak of 1F1B). Options
   reference's placeholder until the runtime passes profiled times;
 * ``"memory_limit"``: the limit in units of ``M_B`` (overrides the default).
 
+Its flags (``--zb-*``, shared with ZB-2p) are declared in :mod:`.zb_flags`.
+
 Every iteration runs the same order (costs do not change within a run), then the synchronous
 optimizer step.
 """
@@ -19,6 +21,7 @@ from typing import ClassVar
 
 from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
+from megatron.pipeline.schedules.zb_flags import ZERO_BUBBLE_FLAGS
 from megatron.pipeline.schedules.zb_greedy import GreedyResult, InfeasibleMemory, best_greedy_order
 from megatron.pipeline.simulator import stage_costs
 
@@ -27,6 +30,7 @@ class ZeroBubbleAuto(SynchronousSchedule):
     """Greedy Zero Bubble schedule with a memory limit of ``memory_factor * N * M_B``."""
 
     memory_factor: ClassVar[float]
+    flag_groups = (*SynchronousSchedule.flag_groups, ZERO_BUBBLE_FLAGS)
 
     def __init__(self, config: ScheduleConfig):
         super().__init__(config)

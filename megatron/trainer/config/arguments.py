@@ -10,14 +10,10 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from megatron.pipeline.schedules import ScheduleConfigError
+from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError, build_schedule
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
 from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, validate_basis_rotation_args
-from megatron.trainer.config.zero_bubble_args import add_zero_bubble_args, validate_zero_bubble_args
-from megatron.trainer.config.post_validation_args import (
-    add_post_validation_args, validate_post_validation_args)
-from megatron.trainer.config.pipemare_args import add_pipemare_args, validate_pipemare_args
-from megatron.trainer.config.amdp_args import add_amdp_args, validate_amdp_args
+from megatron.trainer.config.schedule_args import add_schedule_args, validate_schedule_args
 from megatron.trainer.config.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
 from megatron.trainer.config.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
 from megatron.trainer.config.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
@@ -101,16 +97,15 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="replicas per stage; default: WORLD_SIZE / (PP x TP) under torchrun, else 1")
-    g.add_argument("--pipeline-schedule", default="1f1b", help="1f1b, gpipe, ... (see docs/schedules)")
+    g.add_argument("--pipeline-schedule", default=DEFAULT_SCHEDULE,
+                   help=f"one of {', '.join(SCHEDULES)} (see docs/schedules); each takes its own flags below")
     g.add_argument("--pipeline-executor", choices=["distributed", "emulator"], default="distributed",
                    help="emulator: all stages in this one process, bitwise the same numbers")
     g.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
                    help="explicit number of layers per stage (default: even split)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="K",
-                   help="interleaved-1f1b: K layers per model chunk, so each stage holds "
-                        "num-layers / (PP x K) chunks (virtual stage c x PP + s is chunk c of stage s)")
-    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
-                   help="interleaved-1f1b: consecutive micro-batches per chunk (default: PP)")
+                   help="K layers per model chunk, so each stage holds num-layers / (PP x K) chunks (virtual "
+                        "stage c x PP + s is chunk c of stage s); several chunks need a schedule that runs them")
     g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
@@ -126,6 +121,8 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-weight-version-drift", action="store_true")
     g.add_argument("--inject-nonfinite-grad", action="append", default=[], metavar="STAGE:UPDATE",
                    help="testing: poison STAGE's gradients before its local update UPDATE (0-based); repeatable")
+    g.add_argument("--inject-nonfinite-loss", action="append", type=int, default=[], metavar="MICROBATCH",
+                   help="testing: the loss of this global micro-batch (0-based) becomes NaN; repeatable")
     g.add_argument("--dump-final-params", default=None, metavar="DIR",
                    help="write each stage's final parameters (by global name) to DIR/stageS.pt")
 
@@ -136,10 +133,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     _add_training_args(p)
     _add_data_args(p)
     _add_parallel_args(p)
-    add_zero_bubble_args(p)
-    add_post_validation_args(p)
-    add_pipemare_args(p)
-    add_amdp_args(p)
+    add_schedule_args(p)  # every registered schedule's own flags (--zb-*, --pipemare-*, ...)
     add_run_control_args(p)
     add_exit_args(p)  # --exit-signal-handler, --exit-signal, --exit-duration-in-mins
     add_insight_args(p)  # --trace-dir, --pipeline-partition
@@ -211,7 +205,6 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--pipeline-layer-split {split} must be positive and sum to --num-layers {args.num_layers}")
     elif args.num_layers % pp and args.pipeline_partition != "auto":
         raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} (or pass --pipeline-layer-split)")
-    _validate_virtual_stages(args)
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
@@ -243,12 +236,9 @@ def validate_args(args: argparse.Namespace) -> None:
         if not 0 <= stage < pp:
             raise ArgumentError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
         args.nonfinite_injections.setdefault(stage, set()).add(update)
-    validate_zero_bubble_args(args)  # --zb-* flags (zb-1p / zb-2p)
-    validate_post_validation_args(args)  # --enable-optimizer-post-validation and friends
+    validate_schedule_args(args)  # the schedule's own flags, chunks per stage
     validate_mixed_precision_args(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
     validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
-    validate_pipemare_args(args)  # --pipemare-* (T1, T2, synchronous warm-up)
-    validate_amdp_args(args)  # --amdp-optimizer-state
     try:
         validate_megatron_compat_args(args)  # Megatron-LM's model, rampup, loading and logging flags
     except CompatArgumentError as exc:
@@ -266,12 +256,11 @@ def validate_args(args: argparse.Namespace) -> None:
         check(args)
     try:
         args.run = RunConfig.from_args(args)  # the typed view every later step reads
-        args.run.schedule_cls.check_config(args.run.schedule)
+        # Build it now: its checks run and a searched order (Zero Bubble) that cannot meet its
+        # memory limit fails here, before any process starts, not at the first iteration.
+        build_schedule(args.pipeline_schedule, args.run.schedule)
     except ScheduleConfigError as exc:
         raise ArgumentError(f"--pipeline-schedule: {exc}") from None
-    if args.pipeline_schedule == "amdp" and args.data_parallel_size > 1:
-        raise ArgumentError("--pipeline-schedule amdp: its D/2 replicated pipelines are its data parallelism; "
-                            f"--data-parallel-size {args.data_parallel_size} > 1 is not supported with it")
 
 
 def _validate_data(args: argparse.Namespace) -> None:
@@ -319,37 +308,6 @@ def _validate_data(args: argparse.Namespace) -> None:
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     args.vocab_size = args.padded_vocab_size
-
-
-def _validate_virtual_stages(args: argparse.Namespace) -> None:
-    """Interleaving: chunks only with a schedule that runs them, and an even layer split.
-
-    ``--num-layers-per-virtual-pipeline-stage`` is required by ``interleaved-1f1b`` and
-    rejected with every other schedule unless it gives one chunk per stage (then it changes
-    nothing). Interleaving needs at least two chunks per stage (the schedule checks that).
-    """
-    pp, per_chunk = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
-    flag = "--num-layers-per-virtual-pipeline-stage"
-    interleaved = args.pipeline_schedule == "interleaved-1f1b"
-    group = args.microbatch_group_size_per_virtual_pipeline_stage
-    if group is not None and not interleaved:
-        raise ArgumentError("--microbatch-group-size-per-virtual-pipeline-stage needs --pipeline-schedule interleaved-1f1b")
-    if per_chunk is None:
-        if interleaved:
-            raise ArgumentError(f"--pipeline-schedule interleaved-1f1b needs {flag} (model chunks per stage)")
-        return
-    if per_chunk < 1:
-        raise ArgumentError(f"{flag} must be >= 1")
-    if args.pipeline_layer_split is not None:
-        raise ArgumentError(f"{flag} needs an even layer split; drop --pipeline-layer-split")
-    if args.num_layers % (pp * per_chunk):
-        raise ArgumentError(
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-            f"{flag} {per_chunk}")
-    if args.num_model_chunks > 1 and not interleaved:
-        raise ArgumentError(
-            f"{flag} {per_chunk} gives {args.num_model_chunks} model chunks per stage, which only "
-            f"--pipeline-schedule interleaved-1f1b runs (not {args.pipeline_schedule})")
 
 
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:

@@ -2,20 +2,23 @@
 
 ``parse_args`` attaches a :class:`RunConfig` as ``args.run``; the driver, the tasks and the
 checkpointing read the schedule class, its config and the pipeline layout from there instead
-of recomputing them from flags at every call site.
+of recomputing them from flags at every call site. The schedule's options come from its own
+flags (``Schedule.flag_groups``): nothing here knows a schedule by name.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, schedule_class
 from megatron.pipeline.schedules.base import Schedule
-from megatron.pipeline.schedules.interleaved import GROUP_OPTION
-from megatron.trainer.config.pipemare_args import pipemare_options
-from megatron.trainer.config.post_validation_args import post_validation_options
-from megatron.trainer.config.zero_bubble_args import zero_bubble_options
+
+# Optimizers whose state is element-wise, so a schedule may shard it over stage replicas by
+# ranges of elements (basis rotation rotates whole matrices; the sharded path is AdamW's).
+SHARDABLE_OPTIMIZERS = ("adamw",)
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class RunConfig:
     pipeline_size: int
     data_parallel_size: int
     tensor_parallel_size: int
+    #: each stage replica's optimizer keeps only its share of the state (the schedule decides)
+    shards_optimizer_state: bool = False
 
     @property
     def asynchronous(self) -> bool:
@@ -36,25 +41,34 @@ class RunConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunConfig:
+        """Raises :class:`~megatron.pipeline.schedules.ScheduleConfigError` (one line)."""
         config = schedule_config(args)
         schedule_cls = schedule_class(args.pipeline_schedule)
+        shardable = getattr(args, "optimizer", SHARDABLE_OPTIMIZERS[0]) in SHARDABLE_OPTIMIZERS
         return cls(schedule_cls=schedule_cls, schedule=config, layout=schedule_cls.layout_of(config),
                    pipeline_size=args.pipeline_model_parallel_size,
                    data_parallel_size=args.data_parallel_size,
-                   tensor_parallel_size=args.tensor_model_parallel_size)
+                   tensor_parallel_size=args.tensor_model_parallel_size,
+                   shards_optimizer_state=schedule_cls.shards_optimizer_state(config, shardable))
+
+
+def schedule_flag_values(args: argparse.Namespace, schedule_cls: type[Schedule]) -> dict[str, Any]:
+    """The values of ``schedule_cls``'s own flags, by ``dest`` (defaults where ``args`` lacks one)."""
+    return {dest: value for group in schedule_cls.flag_groups for dest, value in group.values(args).items()}
 
 
 def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
-    """The schedule's config from the flags (its options included)."""
-    group = getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None)
-    return ScheduleConfig(
+    """The schedule's config from the flags (its options included); raises
+    :class:`~megatron.pipeline.schedules.ScheduleConfigError` for option values it cannot use."""
+    schedule_cls = schedule_class(args.pipeline_schedule)
+    base = ScheduleConfig(
         num_stages=args.pipeline_model_parallel_size,
         num_microbatches=args.num_microbatches,
         num_iterations=args.train_iters,
         num_chunks=getattr(args, "num_model_chunks", 1),
-        options={**({} if group is None else {GROUP_OPTION: group}), **zero_bubble_options(args),
-                 **post_validation_options(args), **pipemare_options(args)},
+        data_parallel_size=getattr(args, "data_parallel_size", None) or 1,
     )
+    return dataclasses.replace(base, options=schedule_cls.options_from_flags(schedule_flag_values(args, schedule_cls), base))
 
 
 def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:

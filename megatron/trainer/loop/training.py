@@ -28,7 +28,6 @@ from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
 from megatron.trainer.tasks.auto_partition import apply_auto_partition
-from megatron.trainer.config.amdp_args import amdp_shards_optimizer
 from megatron.trainer.config.arguments import build_parser, parse_args
 from megatron.trainer.config.run_config import run_config
 from megatron.trainer.launch.exit_control import launcher_signals, rank_signal_defaults, stop_control
@@ -91,7 +90,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
                          f"the pipeline layout has {layout.num_chunks}")
     named = list(task.named_parameters(chunks))
     shards = None
-    if amdp_shards_optimizer(args):
+    if run.shards_optimizer_state:
         assert isinstance(layout, MultiPipelineLayout)
         shards = optimizer_shards(layout, chunks, named)
     optimizer = build_optimizer(args, named, stage, shards)

@@ -1,0 +1,104 @@
+"""Flags of the automatic Zero Bubble schedules (``zb-1p`` / ``zb-2p``), declared once for both.
+
+``--zb-profile-iters K`` (default 2): the first K iterations run ZB-H1 while every stage times
+its F, B and W ops; the order of the remaining iterations is decided from the profiled costs
+(:mod:`.profiled`, :mod:`megatron.pipeline.runtime.profiling`). ``--zb-costs
+T_F,T_B,T_W,T_COMM[,M_W/M_B]`` fixes the costs instead (no profiling, every iteration runs the
+same order), which makes an emulator run bitwise comparable with a distributed one;
+``--zb-profile-iters 0`` without it uses placeholder costs (all times 1, no communication,
+``M_W / M_B = 1``). ``--zb-memory-limit X`` replaces the schedule's activation-memory limit
+(``N`` resp. ``2N`` times ``M_B``).
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
+from megatron.pipeline.schedules.options import Flag, FlagGroup
+from megatron.pipeline.simulator import OpCosts, costs_from_profile, load_profile
+
+PROFILE_OPTION = "profile_iters"
+DEFAULT_PROFILE_ITERS = 2
+# W keeps a micro-batch's activations entirely: the most memory W can hold. Unless profiled or
+# given, the scheduler assumes it, so its memory limit holds in the runtime's own accounting
+# whatever the model's real ratio (memory after any prefix of ops grows with M_W / M_B, since
+# every stage has run at least as many B passes as W passes). The reference's 1/2 can
+# underestimate badly: the tiny GPTs of the tests keep 0.77-0.98 of M_B for W (no dropout).
+DEFAULT_M_W = 1.0
+
+
+def parse_costs(text: str, num_stages: int) -> tuple[OpCosts, ...]:
+    """``--zb-costs``: ``T_F,T_B,T_W,T_COMM[,M_W/M_B]`` or a JSON profile file: the format of
+    :func:`megatron.pipeline.simulator.costs_from_profile` (per-stage costs under ``"stages"``),
+    or the object the trainer logs after profiling (``zero-bubble-schedule {...}``, per-stage
+    costs under ``"costs"``). Returns one :class:`OpCosts` per stage; ValueError (one line)."""
+    if "," not in text and (text.endswith(".json") or os.path.isfile(text)):
+        try:
+            profile = load_profile(text)
+            if isinstance(profile.get("costs"), list):  # the trainer's logged zero-bubble-schedule object
+                profile = {"stages": profile["costs"]}
+            return costs_from_profile({"m_w": DEFAULT_M_W, **profile}, num_stages)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"--zb-costs {text}: {exc}") from None
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (4, 5):
+        raise ValueError(f"--zb-costs expects T_F,T_B,T_W,T_COMM[,M_W/M_B] or a JSON profile file, got {text!r}")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--zb-costs expects numbers, got {text!r}") from None
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ValueError(f"--zb-costs values must be finite and >= 0, got {text!r}")
+    if values[0] + values[1] + values[2] <= 0:
+        raise ValueError(f"--zb-costs: T_F + T_B + T_W must be positive, got {text!r}")
+    if len(values) == 5 and values[4] > 1:
+        raise ValueError(f"--zb-costs: M_W/M_B must be <= 1 (W keeps part of a micro-batch's activations), got {values[4]}")
+    m_w = values[4] if len(values) == 5 else DEFAULT_M_W
+    return (OpCosts(values[0], values[1], values[2], t_comm=values[3], m_w=m_w),) * num_stages
+
+
+def zero_bubble_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
+    """``ScheduleConfig.options``: ``costs`` (fixed or placeholder), ``memory_limit`` if given,
+    ``profile_iters`` when profiling (``--zb-profile-iters`` resolved against ``--zb-costs``)."""
+    iters, text, limit = values["zb_profile_iters"], values["zb_costs"], values["zb_memory_limit"]
+    if iters is not None and iters < 0:
+        raise ScheduleConfigError(f"--zb-profile-iters must be >= 0, got {iters}")
+    costs: Any = OpCosts(m_w=DEFAULT_M_W)
+    if text is not None:
+        if iters:
+            raise ScheduleConfigError(
+                f"--zb-costs fixes the costs; it excludes profiling (--zb-profile-iters {iters}); drop one")
+        try:
+            costs = parse_costs(text, config.num_stages)
+        except ValueError as exc:
+            raise ScheduleConfigError(str(exc)) from None
+        iters = 0
+    if limit is not None and not (math.isfinite(limit) and limit >= 1):
+        raise ScheduleConfigError(
+            f"--zb-memory-limit must be at least 1 (one micro-batch's activations, M_B), got {limit}")
+    iters = DEFAULT_PROFILE_ITERS if iters is None else iters
+    options: dict[str, Any] = {"costs": costs}
+    if limit is not None:
+        options["memory_limit"] = float(limit)
+    if iters:
+        options[PROFILE_OPTION] = int(iters)
+    return options
+
+
+ZERO_BUBBLE_FLAGS = FlagGroup("zero bubble", (
+    Flag("--zb-profile-iters", type=int, metavar="K",
+         help=f"run ZB-H1 for the first K iterations while timing F, B and W, then the schedule searched "
+              f"with those costs (default {DEFAULT_PROFILE_ITERS}; 0: use --zb-costs or the placeholder "
+              f"costs T_F = T_B = T_W = 1, T_comm = 0, M_W/M_B = 1)"),
+    Flag("--zb-costs", metavar="T_F,T_B,T_W,T_COMM[,M_W/M_B] | PROFILE.json",
+         help="fixed costs (ms; any unit works if it is the same for all four) and optionally the "
+              f"activation memory W keeps relative to a micro-batch's (default {DEFAULT_M_W:g}), or a JSON "
+              "profile with per-stage costs (as logged after profiling); skips profiling, so emulator "
+              "and distributed runs use the same order"),
+    Flag("--zb-memory-limit", type=float, metavar="X",
+         help="activation-memory limit of the schedule search, in units of one micro-batch's "
+              "activations on a stage (M_B); default N (zb-1p) or 2N (zb-2p)"),
+), zero_bubble_options)

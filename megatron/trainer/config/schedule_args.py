@@ -1,0 +1,71 @@
+"""The schedules' own flags on the command line, and the checks every schedule shares.
+
+Each schedule class declares its flags (``flag_groups``, :mod:`megatron.pipeline.schedules.options`);
+this module adds those of every registered schedule to the parser, each group once, and refuses
+with one line a flag the chosen schedule does not take. It compares no schedule names: which
+schedule takes what is read from the registry, so a new schedule needs no edit here.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron.pipeline.schedules import (
+    ScheduleConfigError, chunked_schedules, flag_groups, schedule_class)
+from megatron.pipeline.schedules.base import Schedule
+from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.run_config import schedule_config
+
+
+def add_schedule_args(parser: argparse.ArgumentParser) -> None:
+    """One argument group per flag group, titled with the schedules that take it."""
+    for group, takers in flag_groups().items():
+        g = parser.add_argument_group(f"{group.title} ({', '.join(takers)})")
+        for flag in group.flags:
+            g.add_argument(flag.name, **flag.argparse_kwargs())
+
+
+def chosen_schedule(args: argparse.Namespace) -> type[Schedule]:
+    """The class of ``--pipeline-schedule`` (one-line :class:`ArgumentError` for an unknown name)."""
+    try:
+        return schedule_class(args.pipeline_schedule)
+    except ScheduleConfigError as exc:
+        raise ArgumentError(f"--pipeline-schedule: {exc}") from None
+
+
+def validate_schedule_args(args: argparse.Namespace) -> None:
+    """Refuse a schedule flag the chosen schedule does not take, chunks it cannot run, and flag
+    values its options cannot use (one line each, before any rank starts)."""
+    cls, name = chosen_schedule(args), args.pipeline_schedule
+    for group, takers in flag_groups().items():
+        given = group.given(args)
+        if given and group not in cls.flag_groups:
+            which = (f"{group.requirement} --pipeline-schedule ({', '.join(takers)})" if group.requirement
+                     else f"--pipeline-schedule {' or '.join(takers)}")
+            raise ArgumentError(f"{given[0].name} needs {which}; got {name}")
+    _validate_model_chunks(args, cls)
+    try:
+        schedule_config(args)  # the options from the flags: their values are checked here
+    except ScheduleConfigError as exc:
+        raise ArgumentError(str(exc)) from None
+
+
+def _validate_model_chunks(args: argparse.Namespace, cls: type[Schedule]) -> None:
+    """``--num-layers-per-virtual-pipeline-stage``: an even layer split into whole chunks, and
+    more than one chunk per stage only for a schedule that runs chunks (whether a schedule
+    needs them is its own check)."""
+    pp, per_chunk = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    flag = "--num-layers-per-virtual-pipeline-stage"
+    if per_chunk is None:
+        return
+    if per_chunk < 1:
+        raise ArgumentError(f"{flag} must be >= 1")
+    if args.pipeline_layer_split is not None:
+        raise ArgumentError(f"{flag} needs an even layer split; drop --pipeline-layer-split")
+    if args.num_layers % (pp * per_chunk):
+        raise ArgumentError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+            f"{flag} {per_chunk}")
+    if args.num_model_chunks > 1 and not cls.takes_model_chunks:
+        raise ArgumentError(
+            f"{flag} {per_chunk} gives {args.num_model_chunks} model chunks per stage, which only "
+            f"--pipeline-schedule {' or '.join(chunked_schedules())} runs (not {args.pipeline_schedule})")
