@@ -8,3 +8,7 @@ from __future__ import annotations
 
 class ArgumentError(ValueError):
     """A bad flag combination; the message is one line for the user."""
+
+
+class CompatArgumentError(ValueError):
+    """A bad Megatron-LM compatibility flag (or rampup); one line for the user."""

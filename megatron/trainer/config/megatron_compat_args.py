@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
+from megatron.trainer.config.errors import CompatArgumentError
+from megatron.trainer.config.rampup_args import batch_plan, validate_rampup
 from megatron.trainer.optim.lr_schedule import WSD_DECAY_STYLES
 
 DEFAULT_TRAIN_ITERS = 20
@@ -56,10 +58,6 @@ DEFAULT_BEHAVIOUR_FLAGS: dict[str, str] = {
 
 # Model flags of this module a checkpoint must have been saved with (checked on --load).
 COMPAT_SIGNATURE_FLAGS = ("swiglu", "add_bias_linear", "kv_channels", "norm_epsilon", "rotary_base", "rotary_percent")
-
-
-class CompatArgumentError(ValueError):
-    """A bad Megatron-LM compatibility flag; one line for the user."""
 
 
 def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
@@ -114,8 +112,6 @@ def finalize_megatron_compat_args(args: argparse.Namespace) -> None:
     """Derive iteration counts from sample counts and fractions (after the global batch is known).
 
     Each value is already in its domain (``flag_checks.DOMAINS``); these are the cross-flag rules."""
-    from megatron.trainer.loop.rampup import batch_plan
-
     if args.train_iters is not None and args.train_samples is not None:
         raise CompatArgumentError("--train-iters and --train-samples are mutually exclusive")
     if args.swiglu and args.ffn_hidden_size is None:
@@ -168,8 +164,6 @@ def validate_megatron_compat_args(args: argparse.Namespace) -> None:
         raise CompatArgumentError("--wandb-project needs the wandb package: pip install -e \".[wandb]\" (or pip install wandb)")
     if args.wandb_project is None and (args.wandb_exp_name or args.wandb_save_dir):
         raise CompatArgumentError("--wandb-exp-name/--wandb-save-dir need --wandb-project")
-    from megatron.trainer.loop.rampup import validate_rampup
-
     validate_rampup(args)
 
 

@@ -8,11 +8,10 @@ from megatron.trainer.tokenizer.tokenizer import (
     HuggingFaceTokenizer,
     Tokenizer,
     TokenizerError,
-    build_tokenizer,
-    tokenizer_from_args,
     vocab_size_with_padding,
 )
 from megatron.trainer.tokenizer.core_backed import CoreTokenizer, NullTokenizer
+from megatron.trainer.tokenizer.factory import build_tokenizer, tokenizer_from_args
 
 __all__ = [
     "TOKENIZER_TYPES",

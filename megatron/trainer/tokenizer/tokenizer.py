@@ -371,45 +371,6 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
         return self._bos
 
 
-def build_tokenizer(
-    tokenizer_type: str,
-    vocab_file: str | None = None,
-    merge_file: str | None = None,
-    tokenizer_model: str | None = None,
-    vocab_size: int | None = None,
-) -> Tokenizer:
-    """The tokenizer named by Megatron's ``--tokenizer-type``; :class:`TokenizerError` if not loadable."""
-    if tokenizer_type == "GPT2BPETokenizer":
-        if not merge_file:
-            raise TokenizerError("--tokenizer-type GPT2BPETokenizer needs --merge-file")
-        return GPT2BPETokenizer(_require_file(vocab_file, "--vocab-file", tokenizer_type), merge_file)
-    if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(_require_file(tokenizer_model, "--tokenizer-model", tokenizer_type))
-    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        return BertWordPieceTokenizer(vocab_file, lower_case=tokenizer_type == "BertWordPieceLowerCase")
-    if tokenizer_type in ("NullTokenizer", "SentencePieceTokenizer", "TikTokenizer"):
-        from megatron.trainer.tokenizer.core_backed import core_tokenizer
-
-        return core_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
-    raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
-
-
-def tokenizer_from_args(args: Any) -> Tokenizer:
-    """:func:`build_tokenizer` from Megatron's flag names on an ``argparse.Namespace``.
-
-    For ``NullTokenizer`` the id count is ``args.null_vocab_size`` when the trainer has
-    already replaced ``--vocab-size`` by the padded model vocabulary, else ``args.vocab_size``.
-    """
-    null_size = getattr(args, "null_vocab_size", None) or getattr(args, "vocab_size", None)
-    return build_tokenizer(
-        args.tokenizer_type,
-        vocab_file=getattr(args, "vocab_file", None),
-        merge_file=getattr(args, "merge_file", None),
-        tokenizer_model=getattr(args, "tokenizer_model", None),
-        vocab_size=null_size,
-    )
-
-
 def vocab_size_with_padding(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
     """Megatron's padded vocabulary: the next multiple of ``divisible_by x TP``."""
     multiple = max(1, divisible_by) * max(1, tensor_parallel)
