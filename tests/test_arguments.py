@@ -125,3 +125,29 @@ def test_script_exits_2_without_spawning_ranks(tmp_path: Path) -> None:
     assert len(errors) == 1, proc.stderr
     assert errors[0].startswith("error: --num-layers 6 is not divisible by --pipeline-model-parallel-size 4")
     assert proc.stderr.rstrip().splitlines()[-1] == errors[0]
+
+
+def _non_default(flag) -> list[str]:
+    """argv giving ``flag`` a value other than its default."""
+    if flag.action == "store_true":
+        return [flag.name]
+    if flag.choices:
+        return [flag.name, str(next(c for c in flag.choices if c != flag.default))]
+    value = {int: "1", float: "0.5"}.get(flag.type, "1,1,1,0")
+    assert not flag.is_default(flag.type(value) if flag.type else value), flag.name
+    return [flag.name, value]
+
+
+def test_every_schedule_flag_is_parsed_once_and_refused_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
+    """Derived from the registry: each schedule's flags are on the parser (argparse would refuse a
+    second definition), and each is refused with one line under a schedule that does not take it."""
+    from megatron.pipeline.schedules import SCHEDULES, flag_groups
+
+    for group, takers in flag_groups().items():
+        other = next(name for name in SCHEDULES if name not in takers)
+        for flag in group.flags:
+            with pytest.raises(SystemExit):
+                parse_args(["--pipeline-schedule", other, *_non_default(flag)])
+            err = capsys.readouterr().err
+            assert len(err.splitlines()) == 1 and err.startswith(f"error: {flag.name} needs "), err
+            assert f"got {other}" in err and all(name in err for name in takers), err

@@ -28,12 +28,16 @@ SOURCES = [*sorted((REPO / "megatron").rglob("*.py")), *sorted(REPO.glob("pretra
 
 def referenced_names(paths: list[Path]) -> set[str]:
     """Attribute names read or written anywhere (``args.foo``), plus ``getattr(x, "foo")``-style
-    string names: a flag whose dest appears in neither is never looked at."""
+    string names and string subscripts (``values["foo"]``: a schedule's flag values, read by its
+    ``FlagGroup.to_options``): a flag whose dest appears in none is never looked at."""
     names: set[str] = set()
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute):
                 names.add(node.attr)
+            elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                  and isinstance(node.slice.value, str)):
+                names.add(node.slice.value)
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                   and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
                   and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):

@@ -81,7 +81,7 @@ def _amdp_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str
 #: (moments, fp32 masters) for 1/P of every hosted logical stage on each of its P = D/2 replicas
 #: and all-gathers the stepped ranges after the window step; ``replicated`` keeps the whole state
 #: on every replica (the paper's "without ZeRO" ablation). Both give the same bits.
-AMDP_FLAGS = FlagGroup("amdp", (
+AMDP_FLAGS = FlagGroup("optimizer state over replicated pipelines", (
     Flag("--amdp-optimizer-state", choices=OPTIMIZER_STATES,
          help="shard AdamW state over the D/2 replicas of each stage (default, ZeRO-1 as in the paper) "
               "or keep it whole on every replica"),

@@ -50,7 +50,7 @@ def _group_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[st
 
 #: Megatron-LM's flag for ``G`` (module docstring).
 INTERLEAVING_FLAGS = FlagGroup("interleaving (virtual pipeline stages)", (
-    Flag("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
+    Flag("--microbatch-group-size-per-virtual-pipeline-stage", type=int, metavar="G",
          help="consecutive micro-batches per chunk (default: PP)"),
 ), _group_options)
 

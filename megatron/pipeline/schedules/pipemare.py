@@ -113,7 +113,7 @@ def _pipemare_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict
 
 
 #: Each technique has its own flag and is off without it.
-PIPEMARE_FLAGS = FlagGroup("pipemare", (
+PIPEMARE_FLAGS = FlagGroup("PipeMare techniques", (
     Flag("--pipemare-lr-anneal-iters", type=int, metavar="K",
          help="T1: stage i updates with lr / tau_i^(1 - min(k/K, 1)) (k: update since asynchrony began)"),
     Flag("--pipemare-discrepancy-decay", type=float, metavar="D",

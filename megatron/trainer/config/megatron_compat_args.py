@@ -9,7 +9,7 @@ Each flag here either works or is refused with one line before any rank starts:
 * sample-based training lengths (``--train-samples``, ``--lr-warmup-samples``,
   ``--lr-decay-samples``, ``--lr-warmup-fraction``), the WSD learning-rate schedule and
   ``--rampup-batch-size`` (the plan comes from megatron-core's micro-batch calculator, see
-  :mod:`megatron.trainer.loop.rampup`);
+  :mod:`megatron.trainer.config.rampup_args`);
 * checkpoint loading options (``--no-load-optim``, ``--finetune``);
 * logging options (``--log-throughput``, ``--log-params-norm``, ``--wandb-*``).
 
