@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.trainer.config.errors import ArgumentError
+
 GEOMETRIES = ("bilateral", "unilateral")
 SOURCES = ("second-moment", "momentum")
 
@@ -28,8 +30,6 @@ def add_basis_rotation_args(group: argparse._ArgumentGroup) -> None:
 
 def validate_basis_rotation_args(args: argparse.Namespace) -> None:
     """One-line :class:`ArgumentError` for a bad combination."""
-    from megatron.trainer.config.errors import ArgumentError
-
     if getattr(args, "optimizer", "adamw") != "basis-rotation":
         if getattr(args, "rotation_stage_aware", False):
             raise ArgumentError("--rotation-stage-aware needs --optimizer basis-rotation")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import signal
 
+from megatron.pipeline.schedules import SCHEDULES
 from megatron.trainer.config.run_control_args import RunControlError
 
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
@@ -55,8 +56,6 @@ def stops_early(args: argparse.Namespace) -> bool:
 
 def validate_exit_args(args: argparse.Namespace) -> None:
     """Check the exit flags; set ``args.exit_check_every`` (extra segment boundaries, or None)."""
-    from megatron.pipeline.schedules import SCHEDULES
-
     args.exit_check_every = None
     schedule = SCHEDULES.get(args.pipeline_schedule)  # an unknown name is reported later
     asynchronous = schedule is not None and schedule.asynchronous

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.trainer.config.errors import ArgumentError
+
 from megatron.pipeline.runtime.loss_scaling import LossScaleConfig
 
 _DYNAMIC_DEFAULTS = {"initial_loss_scale": 2.0**32, "min_loss_scale": 1.0, "loss_scale_window": 1000,
@@ -39,8 +41,6 @@ def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_mixed_precision_args(args: argparse.Namespace) -> None:
     """One-line :class:`ArgumentError` for a bad combination; fills the dynamic defaults."""
-    from megatron.trainer.config.errors import ArgumentError
-
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
     given = [name for name in ("loss_scale", *_DYNAMIC_DEFAULTS) if getattr(args, name) is not None]

@@ -35,6 +35,11 @@ import torch
 
 from megatron.pipeline.runtime.memory import ActivationMeter
 from megatron.pipeline.partition import Partition, one_f_one_b_in_flight, partition_layers
+from megatron.pipeline.schedules import build_schedule
+from megatron.pipeline.simulator import simulate_schedule
+from megatron.trainer.config.run_config import schedule_config
+from megatron.trainer.models.gpt import build_gpt_stage
+from megatron.trainer.tasks.gpt import gpt_model_args
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -104,9 +109,6 @@ def profile_part(chunk: torch.nn.Module, task: object, args: argparse.Namespace,
 
 def profile_gpt(task: object, args: argparse.Namespace, device: torch.device) -> dict[str, PartProfile]:
     """Per-part profiles: ``layer`` (one transformer layer), ``embedding``, ``head`` (norm, output, loss)."""
-    from megatron.trainer.tasks.gpt import gpt_model_args
-    from megatron.trainer.models.gpt import build_gpt_stage
-
     model_args = gpt_model_args(args)
     iters = args.pipeline_partition_profile_iters
     one = range(0, 1)
@@ -124,10 +126,6 @@ def profile_gpt(task: object, args: argparse.Namespace, device: torch.device) ->
 
 def schedule_in_flight(args: argparse.Namespace) -> list[float]:
     """Peak micro-batches whose activations each stage holds under the run's schedule (simulated)."""
-    from megatron.pipeline.schedules import build_schedule
-    from megatron.pipeline.simulator import simulate_schedule
-    from megatron.trainer.config.run_config import schedule_config
-
     pp, m = args.pipeline_model_parallel_size, args.num_microbatches
     try:
         iterations = min(args.train_iters, 3)
