@@ -15,12 +15,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The one cycle still allowed while another branch removes it: post-validation's tensor ops
-# and the worker import each other; the ``pure-layer`` branch (torch-free schedule layer)
-# moves those ops into the runtime. Delete this entry when that branch is merged.
-KNOWN_CYCLES: set[frozenset[str]] = set()
-
-
 def project_modules() -> dict[str, Path]:
     """Dotted name -> file of every module under ``megatron/`` (a namespace package)."""
     modules = {}
@@ -145,6 +139,6 @@ def test_relative_and_submodule_imports_are_edges(tmp_path):
 
 
 def test_no_import_cycle():
-    cycles = [c for c in strongly_connected(import_graph()) if frozenset(c) not in KNOWN_CYCLES]
+    cycles = strongly_connected(import_graph())
     assert not cycles, "import cycles among project modules:\n" + "\n".join(
         "  " + " <-> ".join(c) for c in cycles)
