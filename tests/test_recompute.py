@@ -115,3 +115,40 @@ def test_distributed_runtime_equals_emulator_with_recompute(tmp_path: Path) -> N
     losses, emu_params, _ = train("zb-h1", tmp_path, *DROPOUT, *FULL_BLOCK, iters=2)
     assert [r["loss"] for r in records] == losses
     assert max_difference(dist_params, emu_params) == 0.0
+
+
+# ------------------------------------------------------------------ simulator memory model
+
+
+@pytest.mark.parametrize("m_f", [1.0, 0.5, 0.25])
+def test_simulator_memory_model_with_recompute(m_f: float) -> None:
+    """F keeps m_f M_B, W's M_W is unchanged: 1F1B peaks at (p - s) m_f; ZB-H1 at the paper's
+    (p - i + 1) M_F + (i - 1) M_W on 1-based worker i, plus M_W - M_F while a B holds M_W before
+    a W frees it, which only happens once recompute makes M_F < M_W (the peak moves to the last
+    stage and exceeds 1F1B's)."""
+    from megatron.pipeline.schedules import ScheduleConfig, build_schedule
+    from megatron.pipeline.simulator import OpCosts, simulate_schedule
+
+    p, m_w = 4, 0.5
+    config = ScheduleConfig(num_stages=p, num_microbatches=8, num_iterations=1)
+    peaks = {name: simulate_schedule(build_schedule(name, config), OpCosts(m_w=m_w, m_f=m_f)).peak_memory
+             for name in ("1f1b", "zb-h1")}
+    assert peaks["1f1b"] == pytest.approx([(p - s) * m_f for s in range(p)])
+    want = [(p - i + 1) * m_f + (i - 1) * m_w + max(0.0, m_w - m_f) for i in range(1, p + 1)]
+    assert peaks["zb-h1"] == pytest.approx(want)
+
+
+def test_activation_model_fractions() -> None:
+    from megatron.pipeline.activation_memory import LayerShape, recompute_costs, recompute_fraction
+    from megatron.pipeline.simulator import OpCosts
+
+    shape = LayerShape(seq_length=256, micro_batch_size=2, hidden_size=128, num_attention_heads=4)
+    per_layer = 34 + 5 * 4 * 256 / 128  # Korthikanti: sbh (34 + 5as/h)
+    assert recompute_fraction(shape, 4, None) == 1.0
+    assert recompute_fraction(shape, 4, "selective") == pytest.approx(34 / per_layer)
+    assert recompute_fraction(shape, 4, "full", "uniform", 1) == pytest.approx(2 / per_layer)
+    assert recompute_fraction(shape, 4, "full", "uniform", 2) == pytest.approx(1 / per_layer)
+    assert recompute_fraction(shape, 4, "full", "block", 4) == recompute_fraction(shape, 4, "full", "uniform", 1)
+    assert recompute_fraction(shape, 4, "full", "block", 2) == pytest.approx((2 * 2 + 2 * per_layer) / (4 * per_layer))
+    costs = recompute_costs(OpCosts(t_f=1.0, t_b=1.0, t_w=1.0), shape, 4, "full", "uniform", 1)
+    assert (costs.t_b, costs.t_w, costs.fused_backward) == (2.0, 1.0, 3.0)  # B reruns the forward
