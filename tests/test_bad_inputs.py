@@ -632,6 +632,8 @@ RECOMPUTE = [
     (["--pipeline-partition", "auto", *FULL, "--recompute-method", "block", "--recompute-num-layers", "1"],
      "--pipeline-partition auto profiles layers without recompute"),
     (["--distribute-saved-activations"], "--distribute-saved-activations needs tensor parallelism"),
+    (["--pipeline-schedule", "zb-2p", "--zb-memory-limit", "4", *FULL, "--recompute-method", "block",
+      "--recompute-num-layers", "1"], "--zb-memory-limit cannot bound memory under --recompute-granularity full"),
 ]
 
 

@@ -76,6 +76,10 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--recompute-granularity full needs --recompute-method uniform or block")
     if n is None:
         raise ArgumentError("--recompute-granularity full needs --recompute-num-layers N")
+    if getattr(args, "zb_memory_limit", None) is not None:
+        raise ArgumentError("--zb-memory-limit cannot bound memory under --recompute-granularity full: the "
+                            "Zero Bubble search takes W to keep no more than F, and with full recompute it "
+                            "keeps more (use selective recompute, or drop the limit)")
     if getattr(args, "pipeline_partition", "even") == "auto":
         raise ArgumentError("--recompute-granularity full needs the layer split up front; "
                             "--pipeline-partition auto profiles layers without recompute")
