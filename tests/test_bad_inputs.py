@@ -597,3 +597,46 @@ def test_tool_reports_bad_encoding_as_one_line(tmp_path: Path) -> None:
                      "--output-dir", str(tmp_path / "tok"), "--vocab-size", "300"], tmp_path)
     line = _one_line(proc, tmp_path, before)
     assert "bad-utf8.jsonl:2: not UTF-8" in line and "byte offset 32" in line
+
+
+# ------------------------------------------------------------------- activation recompute
+
+FULL = ["--recompute-granularity", "full"]
+RECOMPUTE = [
+    (["--recompute-num-layers", "0", *FULL, "--recompute-method", "block"], "--recompute-num-layers must be >= 1, got 0"),
+    (["--recompute-granularity", "partial"], "argument --recompute-granularity: invalid choice: 'partial'"),
+    (["--recompute-method", "even", *FULL], "argument --recompute-method: invalid choice: 'even'"),
+    (FULL, "--recompute-granularity full needs --recompute-method uniform or block"),
+    ([*FULL, "--recompute-method", "uniform"], "--recompute-granularity full needs --recompute-num-layers N"),
+    (["--recompute-method", "block"], "--recompute-method needs --recompute-granularity full or selective"),
+    (["--recompute-num-layers", "1"], "--recompute-num-layers needs --recompute-granularity full or selective"),
+    (["--recompute-stash-weights"], "--recompute-stash-weights needs --recompute-granularity full or selective"),
+    (["--recompute-activations", *FULL], "--recompute-activations is selective recompute; it contradicts"),
+    (["--recompute-activations", "--recompute-method", "uniform"], "--recompute-method is not supported with "
+     "--recompute-granularity selective"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     "--recompute-num-layers is for --recompute-granularity full"),
+    (["--recompute-activations", "--recompute-modules", "mlp"], "--recompute-modules mlp is not implemented"),
+    (["--recompute-activations", "--recompute-stash-weights"], "--recompute-stash-weights needs --recompute-granularity full"),
+    ([*FULL, "--recompute-method", "block", "--recompute-num-layers", "1", "--recompute-modules", "core_attn"],
+     "--recompute-modules is for --recompute-granularity selective"),
+    # per model chunk: TINY has one layer per stage
+    ([*FULL, "--recompute-method", "block", "--recompute-num-layers", "2"],
+     "--recompute-num-layers 2 exceeds the 1 layers per model chunk"),
+    (["--num-layers", "6", *FULL, "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     "--recompute-num-layers 2 must divide the layers of every model chunk with --recompute-method uniform (a chunk has 3)"),
+    (["--num-layers", "4", "--pipeline-layer-split", "1", "3", *FULL, "--recompute-method", "uniform",
+      "--recompute-num-layers", "3"], "must divide the layers of every model chunk"),
+    (["--num-layers", "8", "--pipeline-schedule", "interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage", "2",
+      *FULL, "--recompute-method", "block", "--recompute-num-layers", "3"], "exceeds the 2 layers per model chunk"),
+    (["--pipeline-partition", "auto", *FULL, "--recompute-method", "block", "--recompute-num-layers", "1"],
+     "--pipeline-partition auto profiles layers without recompute"),
+    (["--distribute-saved-activations"], "--distribute-saved-activations needs tensor parallelism"),
+    (["--pipeline-schedule", "zb-2p", "--zb-memory-limit", "4", *FULL, "--recompute-method", "block",
+      "--recompute-num-layers", "1"], "--zb-memory-limit cannot bound memory under --recompute-granularity full"),
+]
+
+
+@pytest.mark.parametrize("flags,says", RECOMPUTE, ids=[" ".join(f) for f, _ in RECOMPUTE])
+def test_bad_recompute_flags_are_refused_up_front(refuse, flags: list[str], says: str) -> None:
+    assert says in refuse([*TINY, *flags])

@@ -32,6 +32,10 @@ App. G), generalised to our IR and runtime:
   App. G): F adds ``M_B``, B turns ``M_B`` into ``M_W`` (adds ``M_W - M_B``), W frees ``M_W``,
   a fused BW frees ``M_B``. The peak is taken after each op. ``m_w`` defaults to 1/2, the
   reference scheduler's units (F = +2, B = -1, W = -1).
+* **Activation recompute**: F keeps ``m_f * M_B`` (``m_f = 1`` without recompute; less with it,
+  :mod:`megatron.pipeline.activation_memory`), B turns it into ``M_W`` and a fused BW frees it;
+  the recomputation's time is part of ``t_b`` / ``t_bw`` (``recompute_costs``). ``M_W`` stays as
+  it was: B recomputes what W needs (the split linears' inputs) and W keeps it.
 * **Several model chunks per stage** (interleaved schedules): costs and ``M_B`` are per op, i.e.
   per (micro-batch, chunk); pass per-chunk times. When the layout splits the model into as
   many parts as devices (one chain, or AMDP's replicated pipelines), per-stage costs are those
@@ -83,14 +87,15 @@ class OpCosts:
     t_comm: float = 0.0  # time from the end of a sending op to the arrival of its message
     t_opt: float = 0.0
     m_w: float = 0.5  # M_W / M_B: activation memory kept between B and W
+    m_f: float = 1.0  # activation memory kept from F to B / M_B (< 1 with activation recompute)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             if v is not None and (not isinstance(v, (int, float)) or v < 0 or math.isnan(v)):
                 raise ValueError(f"OpCosts.{f.name} must be a non-negative number, got {v!r}")
-        if self.m_w > 1:
-            raise ValueError(f"OpCosts.m_w = M_W / M_B must be <= 1, got {self.m_w}")
+        if self.m_w > 1 or self.m_f > 1:
+            raise ValueError(f"OpCosts.m_w = M_W / M_B and m_f must be <= 1, got {self.m_w}, {self.m_f}")
 
     @property
     def fused_backward(self) -> float:
@@ -110,13 +115,13 @@ class OpCosts:
     def memory_delta(self, kind: OpKind) -> float:
         """Change of activation memory (units of M_B) when an op of ``kind`` finishes."""
         if kind is OpKind.F:
-            return 1.0
+            return self.m_f
         if kind is OpKind.B:
-            return self.m_w - 1.0
+            return self.m_w - self.m_f
         if kind is OpKind.W:
             return -self.m_w
         if kind is OpKind.BW:
-            return -1.0
+            return -self.m_f
         return 0.0
 
     @classmethod

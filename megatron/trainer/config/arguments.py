@@ -21,6 +21,7 @@ from megatron.trainer.config.errors import ArgumentError
 from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import FlagError, OneLineParser, check_flag_values
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
+from megatron.trainer.config.recompute_args import add_recompute_args, validate_recompute_args
 from megatron.trainer.optim.lr_schedule import DECAY_STYLES
 from megatron.trainer.config.megatron_compat_args import (
     CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
@@ -138,6 +139,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_exit_args(p)  # --exit-signal-handler, --exit-signal, --exit-duration-in-mins
     add_insight_args(p)  # --trace-dir, --pipeline-partition
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
+    add_recompute_args(p)  # --recompute-granularity/-method/-num-layers, --recompute-activations
     _add_logging_args(p)
     add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
     return p
@@ -239,6 +241,7 @@ def validate_args(args: argparse.Namespace) -> None:
     validate_schedule_args(args)  # the schedule's own flags, chunks per stage
     validate_mixed_precision_args(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
     validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
+    validate_recompute_args(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)
     try:
         validate_megatron_compat_args(args)  # Megatron-LM's model, rampup, loading and logging flags
     except CompatArgumentError as exc:

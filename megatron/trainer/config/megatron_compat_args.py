@@ -45,7 +45,8 @@ REFUSED_FLAGS: dict[str, str] = {
                                  "optimizer state (ZeRO sharding is not implemented)",
     "overlap_grad_reduce": "--overlap-grad-reduce is not supported: the data-parallel all-reduce runs at the update",
     "overlap_param_gather": "--overlap-param-gather needs --use-distributed-optimizer, which is not supported",
-    "recompute_activations": "--recompute-activations is not supported: activation recomputation is not implemented",
+    "distribute_saved_activations": "--distribute-saved-activations needs tensor parallelism, which is not "
+                                    "supported yet",
 }
 
 

@@ -23,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
+from megatron.trainer.models.recompute import RecomputeSettings, install_recompute
 from megatron.trainer.models.rope import make_rotary_device_agnostic
 from megatron.trainer.models.sdpa_attention import SDPAAttention
 from megatron.trainer.models.split_linear import with_split_linears
@@ -58,6 +59,16 @@ class TransformerArgs:
     attention_backend: str = "auto"
     # None: Transformer Engine's spec when TE imports and CUDA is available, else local + SDPA.
     use_transformer_engine: bool | None = None
+    # Megatron-LM's --recompute-granularity/-method/-num-layers (see models/recompute.py).
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_stash_weights: bool = False
+
+    @property
+    def recompute(self) -> RecomputeSettings:
+        return RecomputeSettings(self.recompute_granularity, self.recompute_method,
+                                 self.recompute_num_layers, self.recompute_stash_weights)
 
 
 def model_dtype(args: TransformerArgs) -> torch.dtype:
@@ -177,6 +188,7 @@ def transformer_config(args: TransformerArgs, num_stage_layers: int) -> Transfor
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **args.recompute.config_fields(),
     )
 
 
@@ -303,6 +315,8 @@ def build_stage(
     # default init from the global CPU RNG; fork it so building a stage has no side effects.
     with torch.random.fork_rng(devices=[]):
         model = make(config, use_te)
+    if args.recompute_granularity is not None:
+        install_recompute(model, args.recompute)
     make_rotary_device_agnostic(model, args.rotary_percent, args.rotary_base)
     stage = wrap(model)
     stage.init_parameters(seed)

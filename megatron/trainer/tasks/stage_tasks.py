@@ -13,6 +13,7 @@ import torch
 
 from megatron.trainer.config.run_config import run_config
 from megatron.trainer.config.megatron_compat_args import compat_model_kwargs
+from megatron.trainer.config.recompute_args import recompute_model_kwargs
 from megatron.trainer.models.stage import PipelineStage, model_dtype, split_layers
 from megatron.trainer.tasks.task import Batch, microbatch_sample_indices
 
@@ -42,6 +43,7 @@ def transformer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         fp16=args.fp16,
         use_transformer_engine=impl,
         **compat_model_kwargs(args),
+        **recompute_model_kwargs(args),
     )
 
 

@@ -1,0 +1,119 @@
+"""Megatron-LM's activation-recompute flags, with Megatron's semantics and validation.
+
+* ``--recompute-granularity full``: each recomputed unit keeps only its input; the units come
+  from ``--recompute-method`` (required) and ``--recompute-num-layers N`` (required):
+  ``uniform`` recomputes every model chunk in units of N layers (N divides each chunk's
+  layers), ``block`` recomputes the first N layers of each chunk one by one (N at most the
+  largest chunk; a smaller chunk recomputes all its layers);
+* ``--recompute-granularity selective`` (or Megatron-LM's ``--recompute-activations``):
+  core attention only (``--recompute-modules core_attn``, Megatron's default); no method, no N;
+* ``--recompute-stash-weights`` (ours, full only): the recomputation reads the weights the
+  forward read, so asynchronous schedules keep their semantics without recompute (see
+  ``docs/schedules.md``).
+
+Numbers are checked per model chunk: a "stage" of Megatron's ``num_layers_per_pipeline_rank``
+is one chunk here (one per stage, or one per virtual stage with interleaving).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.models.recompute import GRANULARITIES, METHODS, SELECTIVE_MODULES
+
+
+def add_recompute_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("activation recompute (Megatron-LM)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="selective recompute (= --recompute-granularity selective)")
+    g.add_argument("--recompute-granularity", choices=GRANULARITIES, default=None,
+                   help="full: keep only each recomputed unit's input; selective: recompute core attention")
+    g.add_argument("--recompute-method", choices=METHODS, default=None,
+                   help="full: uniform (units of --recompute-num-layers layers) or block (the first "
+                        "--recompute-num-layers layers of each chunk)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                   help="full: layers per unit (uniform) or recomputed layers per chunk (block)")
+    g.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
+                   help="selective: what to recompute (core_attn, the only one implemented)")
+    g.add_argument("--recompute-stash-weights", action="store_true",
+                   help="full: recompute on the weights the forward read (one copy per version in flight), "
+                        "so asynchronous schedules compute the gradients they would without recompute")
+
+
+def _chunk_layer_counts(args: argparse.Namespace) -> list[int]:
+    """Layers of every model chunk (the unit megatron-core's blocks recompute over)."""
+    pp, chunks = args.pipeline_model_parallel_size, getattr(args, "num_model_chunks", 1)
+    if args.pipeline_layer_split is not None and chunks == 1:
+        return [int(c) for c in args.pipeline_layer_split]
+    parts = pp * chunks
+    return [args.num_layers // parts] * parts
+
+
+def validate_recompute_args(args: argparse.Namespace) -> None:
+    """One-line :class:`ArgumentError` for a combination Megatron-LM (or this runtime) refuses;
+    sets ``args.recompute_granularity`` from ``--recompute-activations``."""
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity == "full":
+            raise ArgumentError("--recompute-activations is selective recompute; it contradicts "
+                                "--recompute-granularity full (give one of them)")
+        granularity = args.recompute_granularity = "selective"
+    method, n = args.recompute_method, args.recompute_num_layers
+    if granularity is None:
+        given = [f for f, v in (("--recompute-method", method), ("--recompute-num-layers", n),
+                                ("--recompute-modules", args.recompute_modules),
+                                ("--recompute-stash-weights", args.recompute_stash_weights)) if v]
+        if given:
+            raise ArgumentError(f"{given[0]} needs --recompute-granularity full or selective")
+        return
+    if granularity == "selective":
+        _validate_selective(args)
+        return
+    if args.recompute_modules is not None:
+        raise ArgumentError("--recompute-modules is for --recompute-granularity selective")
+    if method is None:
+        raise ArgumentError("--recompute-granularity full needs --recompute-method uniform or block")
+    if n is None:
+        raise ArgumentError("--recompute-granularity full needs --recompute-num-layers N")
+    if getattr(args, "zb_memory_limit", None) is not None:
+        raise ArgumentError("--zb-memory-limit cannot bound memory under --recompute-granularity full: the "
+                            "Zero Bubble search takes W to keep no more than F, and with full recompute it "
+                            "keeps more (use selective recompute, or drop the limit)")
+    if getattr(args, "pipeline_partition", "even") == "auto":
+        raise ArgumentError("--recompute-granularity full needs the layer split up front; "
+                            "--pipeline-partition auto profiles layers without recompute")
+    counts = [c for c in _chunk_layer_counts(args) if c > 0]
+    if method == "uniform":
+        bad = [c for c in counts if c % n]
+        if bad:
+            raise ArgumentError(f"--recompute-num-layers {n} must divide the layers of every model chunk "
+                                f"with --recompute-method uniform (a chunk has {bad[0]})")
+    elif n > max(counts):
+        raise ArgumentError(f"--recompute-num-layers {n} exceeds the {max(counts)} layers per model chunk "
+                            "(--recompute-method block recomputes that many layers of each chunk)")
+
+
+def _validate_selective(args: argparse.Namespace) -> None:
+    if args.recompute_method is not None:
+        raise ArgumentError("--recompute-method is not supported with --recompute-granularity selective "
+                            "(Megatron-LM: selective recomputes core attention in every layer)")
+    if args.recompute_num_layers is not None:
+        raise ArgumentError("--recompute-num-layers is for --recompute-granularity full "
+                            "(selective recomputes every layer's core attention)")
+    modules = args.recompute_modules or list(SELECTIVE_MODULES)
+    unknown = [m for m in modules if m not in SELECTIVE_MODULES]
+    if unknown:
+        raise ArgumentError(f"--recompute-modules {unknown[0]} is not implemented (only "
+                            f"{', '.join(SELECTIVE_MODULES)})")
+    if args.recompute_stash_weights:
+        raise ArgumentError("--recompute-stash-weights needs --recompute-granularity full (selective "
+                            "recomputes core attention, which has no weights)")
+
+
+def recompute_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~megatron.trainer.models.stage.TransformerArgs` recompute fields of the flags."""
+    return dict(recompute_granularity=getattr(args, "recompute_granularity", None),
+                recompute_method=getattr(args, "recompute_method", None),
+                recompute_num_layers=getattr(args, "recompute_num_layers", None),
+                recompute_stash_weights=getattr(args, "recompute_stash_weights", False))
