@@ -27,7 +27,7 @@ from megatron.pipeline.schedules import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE_PACKAGE = Path("megatron/pipeline/schedules")
-EXPERIMENTS = (Path("megatron/studies"), Path("tools/convergence_study.py"))
+EXPERIMENTS = (Path("megatron/studies/grid.py"), Path("tools/convergence_study.py"))  # study definitions: schedules as data
 
 
 def scanned_files(root: Path) -> list[Path]:

@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron.pipeline.schedules import schedule_class
 from megatron.studies.metrics import iterations_to_target, relative_gap, slowdowns, trailing_mean, value_at
 
 TARGET_FRACTION = 0.25  # the target is reached by every P = 1 run within this share of the budget
@@ -43,23 +44,27 @@ def paci_summary(runs: Sequence[dict]) -> dict:
     groups = []
     for lr in sorted({learning_rate(r) for r in runs}):
         group = [r for r in runs if learning_rate(r) == lr]
-        flush = next(r for r in group if r["schedule"] == "1f1b")
+        flush = next(r for r in group if not asynchronous(r))  # the study's synchronous reference
         groups.append({"lr": lr, "rows": [_paci_row(r, flush) for r in group]})
     return {"depth": runs[0]["depth"], "groups": groups}
+
+
+def asynchronous(run: dict) -> bool:
+    """Whether the run's schedule steps stage-locally (the registry says, not its name)."""
+    return schedule_class(run["schedule"]).asynchronous
 
 
 def _paci_row(run: dict, flush: dict) -> dict:
     train = smoothed(run)[-1]
     valid = run["eval"][-1]["loss"] if run["eval"] else math.nan
     a = accumulation(run)
-    asynchronous = run["schedule"] != "1f1b"
     return {
         "method": run["method"], "schedule": run["schedule"], "a": a, "tokens": run["tokens"][-1],
         "train_loss": train, "train_gap": relative_gap(train, smoothed(flush)[-1]),
         "valid_loss": valid,
         "valid_gap": relative_gap(valid, flush["eval"][-1]["loss"]) if run["eval"] else math.nan,
         "drift_max": run["drift_max"],
-        "drift_bound": [math.ceil((run["depth"] - 1 - s) / a) if asynchronous else 0 for s in range(run["depth"])],
+        "drift_bound": [math.ceil((run["depth"] - 1 - s) / a) if asynchronous(run) else 0 for s in range(run["depth"])],
         "wall_s": run["wall_s"],
     }
 
