@@ -176,3 +176,17 @@ def test_only_replica_zero_files_are_owners_and_checked() -> None:
     assert plan.stage_file(1, 3) == ckpt.rank_file_name(1, 0)
     moved = reshard.plan(metadata, {**ours, "pipeline_model_parallel_size": 1}, args, "here")
     assert not moved.same_partition and any("profiled order" in n for n in moved.notices)
+
+
+def test_basis_rotation_state_reshards_by_name(megatron_world1, tmp_path: Path) -> None:
+    """Basis rotation keeps its bases and statistics per parameter name: PP4 -> PP2 continues the
+    saved run (a refresh every 2 steps, so iteration 5's update uses the loaded bases)."""
+    rotation = ("--optimizer", "basis-rotation", "--rotation-refresh-interval", "2")
+    emulate(_argv(4, "1f1b", tmp_path / "ref.jsonl", *rotation, "--save", str(tmp_path / "all"),
+                  "--save-interval", str(SAVED)))
+    shutil.copytree(ckpt.iteration_dir(tmp_path / "all", SAVED), ckpt.iteration_dir(tmp_path / "ck", SAVED))
+    (tmp_path / "ck" / ckpt.POINTER).write_text(f"{SAVED}\n")
+    workers = emulate(_argv(2, "1f1b", tmp_path / "pp2.jsonl", *rotation, "--load", str(tmp_path / "ck")))
+    reference, losses = _losses(tmp_path / "ref.jsonl"), _losses(tmp_path / "pp2.jsonl")
+    assert all(_close(losses[it], reference[it]) for it in (SAVED + 1, TOTAL)), (losses, reference)
+    assert all(w.setup.optimizer.rotated_names for w in workers)
