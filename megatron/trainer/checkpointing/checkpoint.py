@@ -3,7 +3,7 @@
 Layout (Megatron-LM's names)::
 
     SAVE/latest_checkpointed_iteration.txt   iteration of the last *complete* checkpoint
-    SAVE/iter_0000010/metadata.json          run signature + byte size of every rank file
+    SAVE/iter_0000010/metadata.json          run signature, byte size, SHA-256 and parameter index of every rank file
     SAVE/iter_0000010/stage00_dp0.pt         one file per (pipeline stage, data-parallel replica)
 
 A rank file holds the stage's parameters (by their names in the unsplit model), its
@@ -26,9 +26,12 @@ untouched, and what the pointer names is on disk. Staging directories a crashed 
 behind (``iter_*.tmp``, ``iter_*.old``) are removed by the next save.
 
 Loading is checked before any rank starts (:func:`check_resume`): the pointer, the
-directory, the signature (model shape, stage count, schedule, ...), every file's size and
-checksum, each failure one line naming the file. A rank verifies its own file's checksum
-again as it reads it (under torchrun no launcher checks first).
+directory, the signature (model shape, precision, ...), every file's size and checksum, each
+failure one line naming the file. A rank verifies each file's checksum again as it reads it
+(under torchrun no launcher checks first). A checkpoint of another layout (pipeline size,
+data-parallel size, layer split, schedule) loads by global parameter name through the
+``index`` in ``metadata.json`` (:mod:`megatron.trainer.checkpointing.reshard`,
+``docs/checkpoints.md``); the same layout loads file for file, bitwise.
 
 A schedule that decides something during the run saves it too (``schedule_state`` in
 ``metadata.json``): zb-1p / zb-2p save their profiled costs and the iteration profiling
