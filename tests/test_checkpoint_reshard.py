@@ -160,7 +160,7 @@ def test_refusals_are_one_line(saved, tmp_path: Path) -> None:
     assert "has no parameter index" in _plan_error(old, tmp_path)
 
 
-def test_only_replica_zero_files_are_owners_and_checked() -> None:
+def test_only_replica_zero_files_are_owners() -> None:
     """A DP2 checkpoint: owners are the DP 0 files; a layout change keeps the stage's own replica
     for per-stage state; the profiled order goes with a partition change."""
     index = {ckpt.rank_file_name(s, d): {"stage": s, "step_count": 7, "params": {f"p{s}": reshard.param_entry("", (2,))}}
@@ -190,3 +190,33 @@ def test_basis_rotation_state_reshards_by_name(megatron_world1, tmp_path: Path) 
     reference, losses = _losses(tmp_path / "ref.jsonl"), _losses(tmp_path / "pp2.jsonl")
     assert all(_close(losses[it], reference[it]) for it in (SAVED + 1, TOTAL)), (losses, reference)
     assert all(w.setup.optimizer.rotated_names for w in workers)
+
+
+def test_an_explicit_even_split_is_the_same_partition() -> None:
+    even = {"pipeline_model_parallel_size": 2, "num_model_chunks": 1, "num_layers": 4, "pipeline_layer_split": None}
+    assert reshard.partition(even) == reshard.partition({**even, "pipeline_layer_split": [2, 2]})
+    assert reshard.partition(even) != reshard.partition({**even, "pipeline_layer_split": [3, 1]})
+    assert reshard.partition(even) != reshard.partition({**even, "num_model_chunks": 2})
+
+
+def test_replica_files_other_than_zero_are_not_read(saved, tmp_path: Path) -> None:
+    """The PP4 checkpoint dressed up as PP4 x DP2 whose replica-1 files are damaged (a wrong
+    SHA-256 in the metadata): loading it at PP2 x DP1 reads and checks replica 0 only."""
+    checkpoint, reference = saved
+
+    def second_replica(metadata: dict) -> None:
+        metadata["signature"].update(data_parallel_size=2, num_microbatches=2)
+        for stage in range(4):
+            zero, one = ckpt.rank_file_name(stage, 0), ckpt.rank_file_name(stage, 1)
+            shutil.copy(directory / zero, directory / one)
+            metadata["files"][one] = metadata["files"][zero]
+            metadata["sha256"][one] = "0" * 64
+            metadata["index"][one] = metadata["index"][zero]
+    directory = ckpt.iteration_dir(tmp_path / "edited", SAVED)
+    root = _edited(checkpoint, tmp_path, second_replica)
+    emulate(_argv(2, "1f1b", tmp_path / "log.jsonl", "--load", str(root)))
+    assert _close(_losses(tmp_path / "log.jsonl")[SAVED + 1], reference[SAVED + 1])
+    same_layout = _argv(4, "1f1b", tmp_path / "x.jsonl", "--load", str(root), "--data-parallel-size", "2",
+                        "--pipeline-executor", "distributed")
+    with pytest.raises(ckpt.CheckpointError, match=r"stage00_dp1.pt is corrupt \(SHA-256"):
+        ckpt.check_resume(GPTTask(), parse_args(same_layout))

@@ -36,7 +36,6 @@ from typing import Any
 # Flags that describe the layout, not the model: they may differ between save and load.
 LAYOUT_FLAGS = ("pipeline_model_parallel_size", "num_model_chunks", "pipeline_layer_split",
                 "data_parallel_size", "pipeline_schedule", "num_microbatches", "micro_batch_size")
-PARTITION_FLAGS = ("pipeline_model_parallel_size", "num_model_chunks", "pipeline_layer_split")
 STATEFUL_POLICIES = ("pipedream-2bw", "pipemare")  # schedules whose weight policy saves state
 UNRESHARDABLE = ("amdp",)
 
@@ -51,6 +50,16 @@ def global_batch(signature: dict[str, Any]) -> int | None:
     if any(p is None for p in parts):
         return None
     return parts[0] * parts[1] * parts[2]
+
+
+def partition(signature: dict[str, Any]) -> tuple[Any, ...]:
+    """Which layers each stage holds: (stages, chunks, layers per stage), an even split spelled
+    out, so ``--pipeline-layer-split 2 2`` and the default even split of 4 layers compare equal."""
+    pp, chunks = signature.get("pipeline_model_parallel_size"), signature.get("num_model_chunks") or 1
+    split, layers = signature.get("pipeline_layer_split"), signature.get("num_layers")
+    if not split and chunks == 1 and isinstance(pp, int) and isinstance(layers, int) and pp > 0 and layers % pp == 0:
+        split = [layers // pp] * pp
+    return pp, chunks, tuple(split) if split else None
 
 
 def describe(signature: dict[str, Any]) -> str:
@@ -118,7 +127,7 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
                            f"load it with its own layout {describe(saved)}")
     replica0 = {f: entry for f, entry in index.items() if f.endswith("_dp0.pt")}
     owners = {name: f for f, entry in sorted(replica0.items()) for name in entry["params"]}
-    same_partition = all(saved.get(k) == ours.get(k) for k in PARTITION_FLAGS)
+    same_partition = partition(saved) == partition(ours)
     same_schedule = saved.get("pipeline_schedule") == ours.get("pipeline_schedule")
     load_optimizer = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
     counts = sorted({entry.get("step_count") for entry in replica0.values()}, key=str)
