@@ -174,6 +174,8 @@ def test_only_replica_zero_files_are_owners() -> None:
     assert plan.owners == {"p0": ckpt.rank_file_name(0, 0), "p1": ckpt.rank_file_name(1, 0)}
     assert plan.same_partition and plan.stage_file(1, 1) == ckpt.rank_file_name(1, 1)
     assert plan.stage_file(1, 3) == ckpt.rank_file_name(1, 0)
+    assert plan.files_read(1) == {ckpt.rank_file_name(0, 0), ckpt.rank_file_name(1, 0)}
+    assert plan.files_read(4) == set(index)  # each replica's RNG from its own old file
     moved = reshard.plan(metadata, {**ours, "pipeline_model_parallel_size": 1}, args, "here")
     assert not moved.same_partition and any("profiled order" in n for n in moved.notices)
 

@@ -327,8 +327,9 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
             raise CheckpointError(str(exc)) from None
     checksums = metadata.get("sha256", {})
     if verify_files:
+        read = None if reshard is None else reshard.files_read(args.data_parallel_size)
         for name, expected in checksums.items():
-            if reshard is None or name in reshard.owners.values():
+            if read is None or name in read:
                 _verify_checksum(point.directory / name, file_checksum(point.directory / name), expected)
     if point.iteration >= args.train_iters and not getattr(args, "finetune", False):
         raise CheckpointError(f"checkpoint {point.directory} is at iteration {point.iteration}, "

@@ -100,6 +100,15 @@ class ReshardPlan:
         """The rank files that hold ``names``, in stage order (each read once)."""
         return sorted({self.owners[n] for n in names if n in self.owners})
 
+    def files_read(self, dp_size: int) -> set[str]:
+        """Every file some rank of a run with ``dp_size`` replicas reads (checked up front): the
+        owners, and with the same partition each replica's own stage file for its RNG."""
+        needed = set(self.owners.values())
+        if self.same_partition:
+            needed |= {f for f, entry in self.index.items() for dp in range(dp_size)
+                       if f == self.stage_file(entry["stage"], dp)}
+        return needed
+
     def stage_file(self, stage: int, dp_rank: int) -> str | None:
         """The old rank file of the same stage (this replica's if it existed, else replica 0's)."""
         from megatron.trainer.checkpointing.checkpoint import rank_file_name
