@@ -222,3 +222,22 @@ def test_replica_files_other_than_zero_are_not_read(saved, tmp_path: Path) -> No
                         "--pipeline-executor", "distributed")
     with pytest.raises(ckpt.CheckpointError, match=r"stage00_dp1.pt is corrupt \(SHA-256"):
         ckpt.check_resume(GPTTask(), parse_args(same_layout))
+
+
+def test_sharded_optimizer_state_is_marked_and_refused(tmp_path: Path) -> None:
+    """A file holding part of a parameter's moments (ZeRO-1 / AMDP shards) is marked in the index,
+    and a checkpoint with such files does not reshard its optimizer state."""
+    import torch
+
+    model = {"w": torch.zeros(4, 2)}
+    whole = {"model": model, "optimizer": {"step_count": 1, "params": {"w": {"exp_avg": torch.zeros(4, 2)}}}}
+    part = {"model": model, "optimizer": {"step_count": 1, "params": {"w": {"exp_avg": torch.zeros(3)}}}}
+    assert not reshard.file_index(whole)["optimizer_sharded"] and reshard.file_index(part)["optimizer_sharded"]
+    signature = {"pipeline_model_parallel_size": 1, "data_parallel_size": 1, "num_microbatches": 4,
+                 "micro_batch_size": 1, "pipeline_schedule": "1f1b"}
+    metadata = {"signature": signature, "index": {ckpt.rank_file_name(0, 0): reshard.file_index(part)}}
+    ours = {**signature, "pipeline_schedule": "paci"}
+    with pytest.raises(reshard.ReshardError, match="optimizer state is sharded"):
+        reshard.plan(metadata, ours, parse_args(_argv(2, "paci", Path("x.jsonl"))), "here")
+    fresh = parse_args(_argv(2, "paci", Path("x.jsonl"), "--load", str(tmp_path), "--no-load-optim"))
+    assert not reshard.plan(metadata, ours, fresh, "here").load_optimizer

@@ -80,8 +80,16 @@ def param_entry(name: str, shape: tuple[int, ...]) -> dict[str, Any]:
 def file_index(state: dict[str, Any]) -> dict[str, Any]:
     """What ``metadata.json`` lists for one rank file (written by the rank beside its file)."""
     optimizer = state.get("optimizer") or {}
+    model = state.get("model", {})
     return {"stage": state.get("stage"), "step_count": optimizer.get("step_count"),
-            "params": {name: param_entry(name, tuple(t.shape)) for name, t in state.get("model", {}).items()}}
+            "optimizer_sharded": _sharded(optimizer.get("params", {}), model),
+            "params": {name: param_entry(name, tuple(t.shape)) for name, t in model.items()}}
+
+
+def _sharded(entries: dict[str, Any], model: dict[str, Any]) -> bool:
+    """True when the file holds only part of some parameter's optimizer state (ZeRO-1 shards,
+    AMDP §3.4, a distributed optimizer): such parts do not follow a parameter to a new rank."""
+    return any(name in model and entry["exp_avg"].numel() != model[name].numel() for name, entry in entries.items())
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,10 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
     if not index:
         raise ReshardError(f"checkpoint {where} has no parameter index (saved before reshardable checkpoints); "
                            f"load it with its own layout {describe(saved)}")
+    if any(entry.get("optimizer_sharded") for entry in index.values()) and \
+            not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
+        raise ReshardError(f"checkpoint {where}: its optimizer state is sharded over data-parallel replicas; "
+                           f"load it with its own layout {describe(saved)} or pass --no-load-optim")
     replica0 = {f: entry for f, entry in index.items() if f.endswith("_dp0.pt")}
     owners = {name: f for f, entry in sorted(replica0.items()) for name in entry["params"]}
     same_partition = partition(saved) == partition(ours)
