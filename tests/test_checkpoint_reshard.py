@@ -59,6 +59,7 @@ LAYOUTS = {
     "pp2-paci": (2, "paci", ()),
     "pp2-interleaved": (2, "interleaved-1f1b", ("--num-layers-per-virtual-pipeline-stage", "1")),
     "pp2-2bw": (2, "pipedream-2bw", ()),
+    "pp3-auto": (3, "1f1b", ("--pipeline-partition", "auto")),  # profiles, then splits 4 layers over 3
 }
 SYNCHRONOUS = ("1f1b", "zb-h1", "interleaved-1f1b")
 
