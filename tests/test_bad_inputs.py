@@ -640,3 +640,35 @@ RECOMPUTE = [
 @pytest.mark.parametrize("flags,says", RECOMPUTE, ids=[" ".join(f) for f, _ in RECOMPUTE])
 def test_bad_recompute_flags_are_refused_up_front(refuse, flags: list[str], says: str) -> None:
     assert says in refuse([*TINY, *flags])
+
+
+# ------------------------------------------------------- resharded checkpoints (another layout)
+
+RESHARD_REFUSALS = {
+    # a checkpoint of another model, loaded into another layout too
+    "other vocabulary": (["--pipeline-model-parallel-size", "1", "--vocab-size", "64"], "--vocab-size 32, this run has 64"),
+    "other model shape": (["--pipeline-model-parallel-size", "1", "--hidden-size", "32"], "--hidden-size 16, this run has 32"),
+    # the data position (iteration x global batch) would not continue
+    "other global batch": (["--pipeline-model-parallel-size", "1", "--global-batch-size", "4"],
+                           "global batch of 2 samples, this run has 4"),
+    # AMDP's files hold ZeRO shards of replicated stages
+    "into amdp": (["--pipeline-schedule", "amdp"], "amdp shards optimizer state over replicated stages"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESHARD_REFUSALS))
+def test_resharding_refusals(refuse, inputs, case: str) -> None:
+    flags, says = RESHARD_REFUSALS[case]
+    assert says in refuse([*TINY, *flags, "--load", str(inputs["ckpt"])])
+
+
+def test_resharding_with_uneven_update_counts_is_refused(refuse, inputs, tmp_path: Path) -> None:
+    """Stage-local steps left the stages at different counts: one optimizer cannot continue both."""
+    import json
+
+    def uneven(directory: Path) -> None:
+        metadata = json.loads((directory / ckpt.METADATA).read_text())
+        metadata["index"][ckpt.rank_file_name(1, 0)]["step_count"] += 1
+        (directory / ckpt.METADATA).write_text(json.dumps(metadata))
+    root = _damaged(inputs, tmp_path, uneven)
+    assert "different update counts" in refuse([*TINY, "--pipeline-model-parallel-size", "1", "--load", str(root)])

@@ -233,12 +233,24 @@ def _resume_error(root: Path, tmp_path: Path, *flags: str, schedule: str = "1f1b
 
 @pytest.mark.parametrize("flags,schedule,what", [
     (("--hidden-size", "32"), "1f1b", "--hidden-size 16, this run has 32"),
-    (("--pipeline-model-parallel-size", "1", "--num-layers", "2"), "1f1b", "--pipeline-model-parallel-size 2"),
-    ((), "paci", "--pipeline-schedule 1f1b, this run has paci"),
+    (("--vocab-size", "64"), "1f1b", "--vocab-size 32, this run has 64"),
+    (("--global-batch-size", "8"), "paci", "global batch of 4 samples, this run has 8"),
 ])
 def test_checkpoint_of_another_run_is_refused(saved: Path, tmp_path: Path, flags, schedule, what) -> None:
     message = _resume_error(saved, tmp_path, *flags, schedule=schedule)
     assert what in message and str(saved / "iter_0000003" / ckpt.METADATA) in message
+
+
+@pytest.mark.parametrize("flags,schedule", [
+    (("--pipeline-model-parallel-size", "1", "--num-layers", "2"), "1f1b"), ((), "paci")])
+def test_checkpoint_of_another_layout_is_resharded(saved: Path, tmp_path: Path, flags, schedule) -> None:
+    """Another stage count or schedule loads by parameter name (tests/test_checkpoint_reshard.py);
+    the same layout loads file for file (the bitwise tests above)."""
+    args = parse_args([*_argv(schedule, (), tmp_path / "x.jsonl", "--load", str(saved)), *flags])
+    point = ckpt.check_resume(GPTTask(), args)
+    assert point is not None and point.reshard is not None
+    same = ckpt.check_resume(GPTTask(), parse_args(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(saved))))
+    assert same is not None and same.reshard is None
 
 
 def test_truncated_rank_file_is_refused_before_any_rank_starts(saved: Path, tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Layout (Megatron-LM's names)::
 
     SAVE/latest_checkpointed_iteration.txt   iteration of the last *complete* checkpoint
-    SAVE/iter_0000010/metadata.json          run signature + byte size of every rank file
+    SAVE/iter_0000010/metadata.json          run signature, byte size, SHA-256 and parameter index of every rank file
     SAVE/iter_0000010/stage00_dp0.pt         one file per (pipeline stage, data-parallel replica)
 
 A rank file holds the stage's parameters (by their names in the unsplit model), its
@@ -26,9 +26,12 @@ untouched, and what the pointer names is on disk. Staging directories a crashed 
 behind (``iter_*.tmp``, ``iter_*.old``) are removed by the next save.
 
 Loading is checked before any rank starts (:func:`check_resume`): the pointer, the
-directory, the signature (model shape, stage count, schedule, ...), every file's size and
-checksum, each failure one line naming the file. A rank verifies its own file's checksum
-again as it reads it (under torchrun no launcher checks first).
+directory, the signature (model shape, precision, ...), every file's size and checksum, each
+failure one line naming the file. A rank verifies each file's checksum again as it reads it
+(under torchrun no launcher checks first). A checkpoint of another layout (pipeline size,
+data-parallel size, layer split, schedule) loads by global parameter name through the
+``index`` in ``metadata.json`` (:mod:`megatron.trainer.checkpointing.reshard`,
+``docs/checkpoints.md``); the same layout loads file for file, bitwise.
 
 A schedule that decides something during the run saves it too (``schedule_state`` in
 ``metadata.json``): zb-1p / zb-2p save their profiled costs and the iteration profiling
@@ -49,6 +52,8 @@ from typing import Any
 import torch
 
 from megatron.pipeline.runtime.worker import StageWorker
+from megatron.trainer.checkpointing.reshard import (
+    LAYOUT_FLAGS, ReshardError, ReshardPlan, file_index, merge_optimizer_states, plan, smallest_scale)
 from megatron.trainer.config.megatron_compat_args import COMPAT_SIGNATURE_FLAGS
 from megatron.trainer.tasks.task import PretrainTask
 
@@ -113,6 +118,7 @@ def staging_dir(root: str | Path, iteration: int) -> Path:
 
 
 CHECKSUM_SUFFIX = ".sha256"  # a rank's checksum next to its file in staging, until publish
+INDEX_SUFFIX = ".index.json"  # a rank's parameter index next to its file in staging, until publish
 
 
 def prepare_staging(root: str | Path, iteration: int) -> Path:
@@ -172,7 +178,8 @@ def write_durable_text(path: Path, text: str) -> None:
 
 def write_rank_file(root: str | Path, iteration: int, stage: int, dp_rank: int, state: dict[str, Any]) -> None:
     """Write one rank's state into the staging directory (temporary name, fsync, rename), with
-    its SHA-256 (computed while writing) beside it for :func:`publish`."""
+    its SHA-256 (computed while writing) and its parameter index (names, shapes, update count:
+    what a resharded load looks up) beside it for :func:`publish`."""
     path = staging_dir(root, iteration) / rank_file_name(stage, dp_rank)
     partial = path.with_suffix(".partial")
     with open(partial, "wb") as f:
@@ -181,6 +188,7 @@ def write_rank_file(root: str | Path, iteration: int, stage: int, dp_rank: int, 
         f.flush()
         os.fsync(f.fileno())
     _durable_replace(partial, path)
+    write_durable_text(path.with_name(path.name + INDEX_SUFFIX), json.dumps(file_index(state)))
     write_durable_text(path.with_name(path.name + CHECKSUM_SUFFIX), writer.hash.hexdigest())
 
 
@@ -214,7 +222,7 @@ def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_sta
     """Coordinator, after every rank wrote: metadata (sizes, checksums, the schedule's state),
     rename into place, then the pointer; each step durable before the next."""
     staging, final = staging_dir(root, iteration), iteration_dir(root, iteration)
-    files, checksums = {}, {}
+    files, checksums, index = {}, {}, {}
     for stage in range(num_stages):
         for dp in range(dp_size):
             name = rank_file_name(stage, dp)
@@ -224,8 +232,11 @@ def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_sta
             files[name] = (staging / name).stat().st_size
             checksums[name] = sidecar.read_text().strip()
             sidecar.unlink()
+            listing = staging / (name + INDEX_SUFFIX)
+            index[name] = json.loads(listing.read_text())
+            listing.unlink()
     metadata = {"format": FORMAT_VERSION, "iteration": iteration, "signature": signature, "files": files,
-                "sha256": checksums, "schedule_state": schedule}
+                "sha256": checksums, "schedule_state": schedule, "index": index}
     write_durable_text(staging / METADATA, json.dumps(metadata, indent=1, sort_keys=True))
     if final.exists():  # saving the same iteration again: the old copy goes only now
         trash = Path(str(final) + ".old")
@@ -250,6 +261,7 @@ class ResumePoint:
     directory: Path
     checksums: dict[str, str] = field(default_factory=dict)  # rank file name -> SHA-256
     schedule_state: dict[str, Any] | None = None
+    reshard: ReshardPlan | None = None  # None: saved with this run's layout, loaded file for file
 
 
 def find_resume_point(root: str | Path) -> ResumePoint | None:
@@ -281,10 +293,11 @@ def _read_metadata(directory: Path) -> dict[str, Any]:
 def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: bool = True) -> ResumePoint | None:
     """Validate ``--load`` before any rank starts; return where to resume (None: start fresh).
 
-    Different model shape, stage count, schedule or batch layout, a missing or truncated rank
-    file, a rank file whose checksum differs (``verify_files``; a rank checks its own file
-    again in :func:`load_stage_state`): each is a one-line :class:`CheckpointError` naming
-    the file.
+    A different model shape or precision, a layout change that cannot load correctly
+    (:func:`megatron.trainer.checkpointing.reshard.plan`), a missing or truncated rank file, a
+    rank file whose checksum differs (``verify_files``: every file, or with a layout change the
+    data-parallel replica 0 files that are read; a rank checks each file it reads again in
+    :func:`load_stage_state`): each is a one-line :class:`CheckpointError` naming the file.
     """
     if args.load is None:
         return None
@@ -295,7 +308,7 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
     path = point.directory / METADATA
     saved, ours = metadata["signature"], run_signature(task, args)
     for key in ours:
-        if saved.get(key) != ours[key]:
+        if saved.get(key) != ours[key] and key not in LAYOUT_FLAGS:
             flag = "model type" if key == "task" else "--" + key.replace("_", "-")
             raise CheckpointError(f"checkpoint {path} was saved with {flag} {saved.get(key)}, "
                                   f"this run has {ours[key]}")
@@ -306,14 +319,24 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
         if file.stat().st_size != size:
             raise CheckpointError(f"checkpoint file {file} is truncated or corrupt "
                                   f"({file.stat().st_size} bytes, {size} when saved)")
+    reshard = None
+    if any(saved.get(key) != ours[key] for key in LAYOUT_FLAGS):
+        try:
+            reshard = plan(metadata, ours, args, str(path))
+        except ReshardError as exc:
+            raise CheckpointError(str(exc)) from None
     checksums = metadata.get("sha256", {})
     if verify_files:
+        read = None if reshard is None else reshard.files_read(args.data_parallel_size)
         for name, expected in checksums.items():
-            _verify_checksum(point.directory / name, file_checksum(point.directory / name), expected)
+            if read is None or name in read:
+                _verify_checksum(point.directory / name, file_checksum(point.directory / name), expected)
     if point.iteration >= args.train_iters and not getattr(args, "finetune", False):
         raise CheckpointError(f"checkpoint {point.directory} is at iteration {point.iteration}, "
                               f"not before --train-iters {args.train_iters}: nothing left to train")
-    return ResumePoint(point.iteration, point.directory, checksums, metadata.get("schedule_state"))
+    keeps_order = reshard is None or (reshard.same_partition and reshard.same_schedule)
+    return ResumePoint(point.iteration, point.directory, checksums,
+                       metadata.get("schedule_state") if keeps_order else None, reshard)
 
 
 def _verify_checksum(path: Path, actual: str, expected: str) -> None:
@@ -322,45 +345,104 @@ def _verify_checksum(path: Path, actual: str, expected: str) -> None:
                               f"{expected[:12]}... when saved)")
 
 
+def _read_rank_file(point: ResumePoint, name: str) -> dict[str, Any]:
+    """One rank file of ``point``, its SHA-256 checked against the metadata's."""
+    path = point.directory / name
+    try:
+        data = path.read_bytes()
+        if path.name in point.checksums:
+            _verify_checksum(path, hashlib.sha256(data).hexdigest(), point.checksums[path.name])
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {type(exc).__name__}: {exc}") from None
+
+
+def _copy_parameters(params: dict[str, torch.nn.Parameter], saved: dict[str, torch.Tensor],
+                     where: dict[str, Path]) -> None:
+    """``saved`` into ``params`` (same names), shapes checked; ``where`` names each one's file."""
+    with torch.no_grad():
+        for name, p in params.items():
+            if saved[name].shape != p.shape:
+                raise CheckpointError(f"checkpoint file {where[name]}: {name} has shape {tuple(saved[name].shape)}, "
+                                      f"the model has {tuple(p.shape)}")
+            p.data.copy_(saved[name])
+
+
+def _load_optimizer(worker: StageWorker, state: dict[str, Any], path: Path | str) -> None:
+    try:
+        worker.setup.optimizer.load_state_dict(state)
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint file {path}: optimizer state does not fit: {exc}") from None
+
+
+def _load_rng(worker: StageWorker, state: dict[str, Any]) -> None:
+    worker.set_rng_state(state["rng"])
+    worker.drift_histogram.clear()
+    worker.drift_histogram.update(state.get("drift_histogram", {}))
+
+
 def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint, dp_rank: int,
                      optimizer: bool = True, rng: bool = True) -> None:
     """Restore one stage from its rank file (parameters, optimizer, RNG, drift histogram).
 
     ``optimizer=False`` (``--no-load-optim``, ``--finetune``) keeps the fresh optimizer and
     the weight-version state that counts its updates; ``rng=False`` (``--finetune``) also
-    the fresh RNG and drift histogram.
+    the fresh RNG and drift histogram. A checkpoint of another layout (``point.reshard``) is
+    gathered by parameter name from the files that hold this stage's parameters
+    (:func:`_load_resharded`).
     """
+    if point.reshard is not None:
+        _load_resharded(task, worker, point, dp_rank, optimizer, rng)
+        return
     path = point.directory / rank_file_name(worker.stage, dp_rank)
-    try:
-        data = path.read_bytes()
-        if path.name in point.checksums:
-            _verify_checksum(path, hashlib.sha256(data).hexdigest(), point.checksums[path.name])
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {type(exc).__name__}: {exc}") from None
+    state = _read_rank_file(point, path.name)
     params = dict(task.named_parameters(worker.setup.chunks))
     saved = state.get("model", {})
     if set(saved) != set(params):
         missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
         raise CheckpointError(f"checkpoint file {path} does not match this stage's model "
                               f"(missing {missing[:3]}, unexpected {extra[:3]})")
-    with torch.no_grad():
-        for name, p in params.items():
-            if saved[name].shape != p.shape:
-                raise CheckpointError(f"checkpoint file {path}: {name} has shape {tuple(saved[name].shape)}, "
-                                      f"the model has {tuple(p.shape)}")
-            p.data.copy_(saved[name])
+    _copy_parameters(params, saved, dict.fromkeys(params, path))
     if optimizer:
-        try:
-            worker.setup.optimizer.load_state_dict(state["optimizer"])
-        except (KeyError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint file {path}: optimizer state does not fit: {exc}") from None
+        _load_optimizer(worker, state["optimizer"], path)
         worker.weights.load_state_dict(state.get("weight_versions", {}))
         if worker.setup.loss_scaler is not None and "loss_scaler" in state:  # fp16: resume the scale
             worker.setup.loss_scaler.load_state_dict(state["loss_scaler"])
     if rng:
-        worker.set_rng_state(state["rng"])
-        worker.drift_histogram.clear()
-        worker.drift_histogram.update(state.get("drift_histogram", {}))
+        _load_rng(worker, state)
+
+
+def _load_resharded(task: PretrainTask, worker: StageWorker, point: ResumePoint, dp_rank: int,
+                    optimizer: bool, rng: bool) -> None:
+    """This stage's parameters and optimizer state by global name from the old files holding
+    them; per-stage state as :mod:`megatron.trainer.checkpointing.reshard` decides."""
+    plan_ = point.reshard
+    assert plan_ is not None
+    if worker.stage == 0 and dp_rank == 0:
+        for line in plan_.notices:
+            print(f"[megatron-async] checkpoint: {line}", flush=True)
+    params = dict(task.named_parameters(worker.setup.chunks))
+    missing = sorted(set(params) - set(plan_.owners))
+    if missing:
+        raise CheckpointError(f"checkpoint {point.directory} holds no {missing[0]} "
+                              f"({len(missing)} parameters of stage {worker.stage} missing)")
+    states = {name: _read_rank_file(point, name) for name in plan_.files_for(list(params))}
+    _copy_parameters(params, {n: states[plan_.owners[n]]["model"][n] for n in params},
+                     {n: point.directory / plan_.owners[n] for n in params})
+    stage_file = plan_.stage_file(worker.stage, dp_rank) if plan_.same_partition else None
+    if stage_file is not None and stage_file not in states:
+        states[stage_file] = _read_rank_file(point, stage_file)
+    if optimizer:
+        trained = {n for n, _ in worker.setup.optimizer.named_parameters()}
+        merged = merge_optimizer_states([(s["optimizer"], set(s["model"])) for s in states.values()], trained)
+        _load_optimizer(worker, merged, ", ".join(str(point.directory / n) for n in sorted(states)))
+        if plan_.same_schedule and stage_file is not None:
+            worker.weights.load_state_dict(states[stage_file].get("weight_versions", {}))
+        scaler = states[stage_file].get("loss_scaler") if stage_file is not None else \
+            smallest_scale([s.get("loss_scaler") for s in states.values()])
+        if worker.setup.loss_scaler is not None and scaler is not None:
+            worker.setup.loss_scaler.load_state_dict(scaler)
+    if rng and stage_file is not None:
+        _load_rng(worker, states[stage_file])
