@@ -18,136 +18,25 @@ The sampler is also used by ``tests/test_memory_flat.py``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.soak_probe import Series, read  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 #: the tiny model every soak run trains (hidden 32, seq 32, 2 layers, vocab 64)
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
               "--vocab-size", "64", "--micro-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0",
               "--num-threads", "1", "--lr", "1e-3", "--lr-warmup-iters", "1"]
-
-
-def rss_bytes(pid: int) -> int | None:
-    """Resident set size of ``pid`` in bytes; None once it has exited."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (the forked ranks of a local launch), by scanning /proc."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may contain spaces, so split after the last ')'
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry))
-    return sorted(out)
-
-
-def process_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return str(pid)
-
-
-class LogTail:
-    """The last iteration a ``--log-json`` file has recorded, read incrementally."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._offset = 0
-        self._partial = ""
-        self.iteration = 0
-
-    def poll(self) -> int:
-        try:
-            with open(self.path) as f:
-                f.seek(self._offset)
-                chunk = f.read()
-                self._offset = f.tell()
-        except FileNotFoundError:
-            return self.iteration
-        lines = (self._partial + chunk).split("\n")
-        self._partial = lines.pop()
-        for line in lines:
-            record = json.loads(line)
-            if "eval_split" not in record:
-                self.iteration = record["iteration"]
-        return self.iteration
-
-
-@dataclass
-class Sampled:
-    """RSS samples ``(iteration, bytes)`` per process name of one run."""
-
-    series: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    wall_s: float = 0.0
-    returncode: int = 0
-
-
-def sample_run(cmd: list[str], log: Path, ranks: bool, interval_s: float = 0.05, timeout_s: float = 3600.0,
-               env: dict[str, str] | None = None) -> Sampled:
-    """Run ``cmd`` (writing ``--log-json`` to ``log``) and sample RSS until it exits.
-
-    ``ranks``: sample the launched process's children (a local multi-rank launch) instead of
-    the process itself (the emulator). Samples taken before the first logged iteration are
-    dropped: start-up (imports, model build) is not what is measured.
-    """
-    out = Sampled()
-    tail = LogTail(log)
-    began = time.monotonic()
-    err_path = log.with_suffix(".stderr")
-    err = open(err_path, "w")  # a file, not a pipe: a pipe nobody drains would block a chatty run
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
-                            env=env or dict(os.environ, PYTHONWARNINGS="ignore"))
-    pids: list[int] = []
-    try:
-        while proc.poll() is None:
-            if time.monotonic() - began > timeout_s:
-                raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s:.0f} s")
-            iteration = tail.poll()
-            if iteration > 0:
-                pids = pids or (children(proc.pid) if ranks else [proc.pid])  # scanning /proc is slow: once
-                for pid in pids:
-                    rss = rss_bytes(pid)
-                    if rss:  # None or 0: exited (a zombie reads 0)
-                        out.series.setdefault(process_name(pid), []).append((iteration, rss))
-            time.sleep(interval_s)
-    finally:
-        if proc.poll() is None:  # timed out or interrupted: end the ranks, then their launcher
-            for pid in pids if ranks else []:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            proc.kill()
-        proc.wait()
-        err.close()
-    out.wall_s = time.monotonic() - began
-    out.returncode = proc.returncode
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{err_path.read_text()[-3000:]}")
-    return out
 
 
 def slope(points: list[tuple[int, int]]) -> float:
@@ -174,21 +63,38 @@ def median_slope(points: list[tuple[int, int]]) -> float:
     return pairs[len(pairs) // 2] if pairs else float("nan")
 
 
-def after(points: list[tuple[int, int]], first_iteration: int) -> list[tuple[int, int]]:
-    return [(x, y) for x, y in points if x >= first_iteration]
+def run_probed(cmd: list[str], out: Path, probe_args: list[str], timeout_s: float = 3600.0) -> tuple[list[Series], float]:
+    """Run the training command ``cmd`` (``[python, script, *args]``) under
+    :mod:`benchmarks.soak_probe` writing to ``out``; return every process's samples and the wall time."""
+    out.mkdir(parents=True, exist_ok=True)
+    probed = [cmd[0], str(REPO / "benchmarks" / "soak_probe.py"), "--out", str(out), *probe_args, "--", *cmd[1:]]
+    began = time.monotonic()
+    err = out / "stderr.txt"
+    with open(err, "w") as f:  # a file, not a pipe: a pipe nobody drains would block a chatty run
+        proc = subprocess.run(probed, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f, timeout=timeout_s,
+                              env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(probed)} exited {proc.returncode}:\n{err.read_text()[-3000:]}")
+    return read(out), time.monotonic() - began
 
 
-def summarize(name: str, run: Sampled, iters: int) -> list[dict]:
-    """One row per process: RSS at the end of warm-up and at the end, slope over the second half."""
+def steady(points: list[tuple[int, int]], warmup: int, last: int) -> list[tuple[int, int]]:
+    """Samples from update ``warmup`` on, before ``last`` (the final update drains and frees)."""
+    return [(x, y) for x, y in points if warmup <= x < last]
+
+
+def summarize(name: str, series: list[Series], iters: int, warmup: int, wall_s: float) -> list[dict]:
+    """One row per process: live heap and RSS after warm-up and at the end, slopes after warm-up."""
     rows = []
-    for proc, points in sorted(run.series.items()):
-        # the last iteration is shutdown (ranks drain and free everything), not steady state
-        steady = [(x, y) for x, y in after(points, iters // 2) if x < iters]
+    for s in series:
+        live, resident = steady(s.column("live"), warmup, iters), steady(s.column("rss"), warmup, iters)
+        objects = steady(s.column("gc_objects"), warmup, iters)
         rows.append({
-            "run": name, "process": proc, "samples": len(steady),
-            "rss_warm_mb": steady[0][1] / 2**20 if steady else float("nan"),
-            "rss_end_mb": steady[-1][1] / 2**20 if steady else float("nan"),
-            "slope_bytes_per_iter": slope(steady), "wall_s": run.wall_s,
+            "run": name, "process": s.name, "samples": len(live),
+            "live_warm_mb": live[0][1] / 2**20, "live_end_mb": live[-1][1] / 2**20,
+            "live_slope": slope(live), "live_median_slope": median_slope(live),
+            "rss_warm_mb": resident[0][1] / 2**20, "rss_end_mb": resident[-1][1] / 2**20,
+            "rss_slope": slope(resident), "gc_objects_slope": slope(objects), "wall_s": wall_s,
         })
     return rows
 
@@ -206,13 +112,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--emulator-iters", type=int, default=20000)
     p.add_argument("--dist-iters", type=int, default=2000)
+    p.add_argument("--warmup", type=float, default=0.5, help="fraction of each run left out of the slopes")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per iteration")
     p.add_argument("--dist-schedules", nargs="+", default=["paci", "1f1b"])
     p.add_argument("--emulator-schedule", default="paci")
     p.add_argument("--hidden-size", type=int, default=32)
     p.add_argument("--seq-length", type=int, default=32)
-    p.add_argument("--interval", type=float, default=0.2, help="seconds between RSS samples")
+    p.add_argument("--every", type=int, default=10, help="sample every N updates")
+    p.add_argument("--trim", action="store_true", help="malloc_trim(0) before each sample (RSS without free pages)")
+    p.add_argument("--leak-bytes", type=int, default=0,
+                   help="inject a deliberate leak of bytes(N) per update (shows the metric catches one)")
+    p.add_argument("--leak-every", type=int, default=1, help="... every N updates")
     p.add_argument("--json", default=None, help="write the rows and raw samples here")
     args = p.parse_args()
 
@@ -220,30 +131,32 @@ def main() -> None:
     model[model.index("--hidden-size") + 1] = str(args.hidden_size)
     model[model.index("--seq-length") + 1] = str(args.seq_length)
     model[model.index("--num-layers") + 1] = str(max(2, args.stages))
-    runs: list[tuple[str, list[str], bool, int]] = []
+    probe_args = ["--every", str(args.every), "--leak-bytes", str(args.leak_bytes), "--leak-every", str(args.leak_every)]
+    probe_args += ["--trim"] if args.trim else []
+    runs: list[tuple[str, str, bool, int]] = []
+    if args.emulator_iters > 0:
+        runs.append((f"emulator {args.emulator_schedule}", args.emulator_schedule, True, args.emulator_iters))
+    if args.dist_iters > 0:
+        runs += [(f"distributed {schedule}", schedule, False, args.dist_iters) for schedule in args.dist_schedules]
+    rows, raw = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        if args.emulator_iters > 0:
-            log = Path(tmp) / "emulator.jsonl"
-            runs.append((f"emulator {args.emulator_schedule}", pretrain_cmd(
-                args.emulator_schedule, args.stages, args.microbatches, args.emulator_iters, log, model, True),
-                False, args.emulator_iters))
-        if args.dist_iters > 0:
-            for schedule in args.dist_schedules:
-                log = Path(tmp) / f"dist-{schedule}.jsonl"
-                runs.append((f"distributed {schedule}", pretrain_cmd(
-                    schedule, args.stages, args.microbatches, args.dist_iters, log, model, False), True, args.dist_iters))
-        rows, raw = [], {}
-        for name, cmd, ranks, iters in runs:
-            log = Path(cmd[cmd.index("--log-json") + 1])
-            run = sample_run(cmd, log, ranks=ranks, interval_s=args.interval)
-            rows.extend(summarize(name, run, iters))
-            raw[name] = run.series
-            print(f"{name}: {iters} iterations in {run.wall_s:.0f} s", flush=True)
-    print("\n| run | process | RSS after warm-up (MB) | RSS at end (MB) | slope (bytes/iteration) | samples |")
-    print("|---|---|---|---|---|---|")
+        for name, schedule, emulator, iters in runs:
+            out = Path(tmp) / name.replace(" ", "-")
+            cmd = pretrain_cmd(schedule, args.stages, args.microbatches, iters, out / "log.jsonl", model, emulator)
+            series, wall_s = run_probed(cmd, out, probe_args)
+            rows.extend(summarize(name, series, iters, int(iters * args.warmup), wall_s))
+            raw[name] = {s.name: s.rows for s in series}
+            print(f"{name}: {iters} iterations in {wall_s:.0f} s", flush=True)
+    print(f"\nslopes in bytes per iteration over updates {args.warmup:.0%} to the end, one sample every {args.every} "
+          f"updates after a full gc.collect(){' and malloc_trim(0)' if args.trim else ''}"
+          f"{f'; deliberate leak: {args.leak_bytes} B every {args.leak_every} updates' if args.leak_bytes else ''}")
+    print("| run | process | live heap after warm-up -> end (MB) | live heap slope | (Theil-Sen) "
+          "| RSS after warm-up -> end (MB) | RSS slope | gc objects / iteration | samples |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {r['process']} | {r['rss_warm_mb']:.1f} | {r['rss_end_mb']:.1f} | "
-              f"{r['slope_bytes_per_iter']:.2f} | {r['samples']} |")
+        print(f"| {r['run']} | {r['process']} | {r['live_warm_mb']:.3f} -> {r['live_end_mb']:.3f} | "
+              f"{r['live_slope']:.2f} | {r['live_median_slope']:.2f} | {r['rss_warm_mb']:.1f} -> {r['rss_end_mb']:.1f} | "
+              f"{r['rss_slope']:.2f} | {r['gc_objects_slope']:.4f} | {r['samples']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "samples": raw}, indent=1))
 

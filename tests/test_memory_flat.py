@@ -1,13 +1,20 @@
 """Memory stays flat over a run: no rank and no emulated stage keeps something per iteration.
 
-The distributed test trains a tiny GPT on 2 gloo ranks for ``ITERS`` iterations while
-``benchmarks/soak.py``'s sampler reads each rank's RSS from /proc, and bounds each rank's
-growth over the last ``WINDOW`` iterations (the median slope between pairs of samples x
-``WINDOW``: steady growth counts, a one-off heap extension at a new peak does not) by one
-micro-batch's saved activations, measured by the run itself (the logged peak activation
-bytes over the peak number of micro-batches in flight). A runtime that keeps every sent
-activation or gradient until the segment ends (what reaping gloo sends by ``is_completed()``
-did) grows by ``m`` boundary tensors per iteration, several micro-batches' worth over the window.
+Memory is sampled inside each process by ``benchmarks/soak_probe.py`` at update boundaries,
+after a full ``gc.collect()`` (which also empties CPython's free lists): the live heap (glibc's
+in-use bytes plus pymalloc's allocated blocks, exact to the byte) and RSS.
+
+The distributed test trains a tiny GPT on 2 gloo ranks for ``ITERS`` iterations and bounds
+each rank's RSS growth over the last ``WINDOW`` iterations (least-squares slope x ``WINDOW``)
+by one micro-batch's saved activations, measured by the run itself (the logged peak
+activation bytes over the peak number of micro-batches in flight). A runtime that keeps every
+sent activation or gradient until the segment ends (what reaping gloo sends by
+``is_completed()`` did) grows by ``m`` boundary tensors per iteration, several micro-batches'
+worth over the window. The live heap must grow by less than ``LIVE_BOUND`` bytes per iteration.
+
+The leak test shows that the live-heap slope is not blind: the emulator, run in this process
+with the probe's deliberate leak of one ``bytes(64)`` per update, must show at least 64 B
+per update more than the same run without it.
 
 The emulator test counts the Python objects the garbage collector tracks at two logged
 iterations ``WINDOW`` apart, after warm-up: the count is exactly flat on a healthy run, and
@@ -21,7 +28,8 @@ import json
 
 import pytest
 
-from benchmarks.soak import median_slope, pretrain_cmd, sample_run
+from benchmarks.soak import pretrain_cmd, run_probed, slope, steady
+from benchmarks.soak_probe import Probe, probed, read
 from tests.async_helpers import emulate, tiny_args
 
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "2", "--seq-length", "64",
@@ -29,30 +37,65 @@ MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "
          "--num-threads", "1", "--lr", "1e-3", "--lr-warmup-iters", "1"]
 # The last WINDOW iterations are measured. The first ITERS - WINDOW are warm-up: the heap
 # grows in steps for a few hundred iterations while the allocator's free chunks settle into
-# the run's pattern (and Python's free lists fill up to their caps), then stays put.
+# the run's pattern, then stays put.
 ITERS = 400
 WINDOW = 100
+# bytes per iteration the live heap may grow by in the distributed test (a healthy rank: a few)
+LIVE_BOUND = 64
 
 
 @pytest.mark.slow
-def test_distributed_ranks_rss_does_not_grow_by_a_microbatch_over_100_iterations(tmp_path) -> None:
-    log = tmp_path / "log.jsonl"
-    run = sample_run(pretrain_cmd("paci", 2, 2, ITERS, log, MODEL, emulator=False), log, ranks=True,
-                     interval_s=0.05, timeout_s=300)
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(run.series) == 2, run.series.keys()
-    for stage, (name, points) in enumerate(sorted(run.series.items())):
+def test_distributed_ranks_memory_does_not_grow_over_100_iterations(tmp_path) -> None:
+    cmd = pretrain_cmd("paci", 2, 2, ITERS, tmp_path / "log.jsonl", MODEL, emulator=False)
+    series, _ = run_probed(cmd, tmp_path / "probe", ["--every", "5"], timeout_s=300)
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [s.name for s in series] == ["megatron-rank0", "megatron-rank1"], [s.name for s in series]
+    for stage, s in enumerate(series):
         # one micro-batch's saved activations on this stage, as the run measured them
         per_microbatch = max(r["peak_activation_mb"][stage] / r["peak_inflight_microbatches"][stage]
                              for r in records) * 2**20
-        window = [(x, y) for x, y in points if ITERS - WINDOW <= x < ITERS]
-        assert len(window) >= 20, f"{name}: only {len(window)} RSS samples in the last {WINDOW} iterations"
-        growth = median_slope(window) * WINDOW
-        print(f"{name}: RSS growth over {WINDOW} iterations {growth / 2**10:.0f} KiB, "
-              f"one micro-batch's activations {per_microbatch / 2**10:.0f} KiB")
+        resident, live = (steady(s.column(c), ITERS - WINDOW, ITERS) for c in ("rss", "live"))
+        assert len(resident) >= 15, f"{s.name}: only {len(resident)} samples in the last {WINDOW} iterations"
+        growth, live_slope = slope(resident) * WINDOW, slope(live)
+        print(f"{s.name}: RSS growth over {WINDOW} iterations {growth / 2**10:.0f} KiB (one micro-batch's "
+              f"activations {per_microbatch / 2**10:.0f} KiB); live heap {live_slope:.1f} B/iteration")
         assert growth <= per_microbatch, (
-            f"{name}: RSS grew {growth / 2**10:.0f} KiB over the last {WINDOW} iterations, more than one "
+            f"{s.name}: RSS grew {growth / 2**10:.0f} KiB over the last {WINDOW} iterations, more than one "
             f"micro-batch's activations ({per_microbatch / 2**10:.0f} KiB)")
+        assert live_slope <= LIVE_BOUND, f"{s.name}: the live heap grows by {live_slope:.1f} B per iteration"
+
+
+def _probed_slope(out, leak_bytes: int, updates: int = 200) -> float:
+    """Live-heap slope (B/update) of a synthetic workload under the probe, over its second half.
+
+    Each update allocates and drops what a training step does at small scale (tensors, tuples
+    built from generators, which CPython's free lists keep, a cyclic structure only the collector
+    frees); the probe's ``leak_bytes`` is the only thing kept."""
+    import torch
+
+    out.mkdir()
+    probe = Probe(out, every=4, leak_bytes=leak_bytes)
+    try:
+        for update in range(updates):
+            x = torch.randn(64, 64, requires_grad=True)
+            (x @ x).sum().backward()
+            shapes = [tuple(d for d in t.shape) for t in (x, x.grad)] + [tuple(range(update % 20))]
+            cycle: dict = {"shapes": shapes}
+            cycle["self"] = cycle
+            del x, shapes, cycle
+            probe.update(update)
+    finally:
+        gc.unfreeze()  # the probe froze this process's objects at its first sample
+    [series] = read(out)
+    return slope(steady(series.column("live"), updates // 2, updates))
+
+
+def test_live_heap_slope_resolves_one_byte_and_catches_a_leak(tmp_path) -> None:
+    clean = _probed_slope(tmp_path / "clean", 0)
+    leaking = _probed_slope(tmp_path / "leak", 64)
+    print(f"live heap: {clean:.2f} B/update clean, {leaking:.2f} with a leak of bytes(64) per update")
+    assert abs(clean) <= 1, f"the live heap of a workload that keeps nothing moves by {clean:.2f} B per update"
+    assert leaking >= 64, f"a leak of bytes(64) per update shows as {leaking:.2f} B per update only"
 
 
 def test_emulator_keeps_nothing_per_iteration(megatron_world1, monkeypatch) -> None:
