@@ -1,19 +1,24 @@
 """Soak: does any process's memory grow with the number of iterations trained?
 
 Runs ``pretrain_gpt.py`` on a tiny model -- the emulator with PACI, then the distributed
-runtime with PACI and 1F1B (one forked process per stage) -- while sampling the resident set
-size (RSS) of every process from the outside (``/proc/<pid>/statm``) together with the
-iteration the run has logged (its ``--log-json``). For each process it fits RSS against
-iteration by least squares over the second half of the run (the first half is warm-up:
-allocator pools, lazily imported modules and autograd caches fill once) and prints the slope
-in bytes per iteration. Flat memory means a slope of at most about 1 byte per iteration.
+runtime with PACI and 1F1B (one forked process per stage) -- under
+:mod:`benchmarks.soak_probe`, which samples every process at update boundaries after a full
+``gc.collect()``: its *live heap* (bytes malloc and pymalloc have handed out and not had
+back, exact to the byte) and its RSS. For each process it fits both against the update
+number by least squares after warm-up (the first half of the run by default) and prints
+the slopes in bytes per iteration. The live-heap slope is the leak criterion: RSS moves in
+4 KiB pages when the allocator first touches a page, however rarely, so a single page in
+the second half of a 2000-iteration run reads as 4 B/iteration (see the probe's docstring
+and docs/benchmarks.md). ``--leak-bytes N --leak-every K`` injects a deliberate leak of one
+``bytes(N)`` every K updates into every process, to show what a leak of that size reads as.
 
     python benchmarks/soak.py                                    # 20k emulator + 2 x 2k distributed iterations
-    python benchmarks/soak.py --emulator-iters 2000 --dist-iters 400 --json soak.json
+    python benchmarks/soak.py --emulator-iters 4000 --dist-iters 2000 --json soak.json
+    python benchmarks/soak.py --emulator-iters 0 --dist-iters 1000 --dist-schedules paci --leak-bytes 64 --leak-every 64
 
-The defaults take about 12 minutes on a 2-core machine shared with other work (4000 emulator
-iterations took 104 s there, 2000 distributed ones 91-122 s; see docs/benchmarks.md).
-The sampler is also used by ``tests/test_memory_flat.py``.
+4000 emulator iterations took 150 s and 2000 distributed ones 153-241 s on a 2-core machine
+under a load average of about 40 (other sessions); see docs/benchmarks.md.
+``run_probed``, ``steady`` and ``slope`` are also used by ``tests/test_memory_flat.py``.
 """
 from __future__ import annotations
 

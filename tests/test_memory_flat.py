@@ -40,8 +40,10 @@ MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "
 # the run's pattern, then stays put.
 ITERS = 400
 WINDOW = 100
-# bytes per iteration the live heap may grow by in the distributed test (a healthy rank: a few)
-LIVE_BOUND = 64
+# Bytes per iteration the live heap may grow by in the distributed test. A healthy rank is still
+# warming up at iteration 300-400 (17-47 B/iteration measured; a few B/iteration after 1000);
+# keeping one small tensor per iteration (a report, a received buffer) costs well over 512.
+LIVE_BOUND = 512
 
 
 @pytest.mark.slow
