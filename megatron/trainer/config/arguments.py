@@ -186,7 +186,7 @@ def validate_args(args: argparse.Namespace) -> None:
     pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
     world = _world_size_from_env()
     if args.tensor_model_parallel_size != 1:
-        raise ArgumentError("--tensor-model-parallel-size > 1 is not supported yet (pipeline and data parallelism are)")
+        raise ArgumentError("--tensor-model-parallel-size > 1 is pending the runtime (TP stages are built, TP process groups and P2P are not yet)")
     if world is not None and args.pipeline_executor == "distributed" and world != args.world_size:
         raise ArgumentError(f"WORLD_SIZE={world} but pipeline {pp} x data {dp} needs {args.world_size} processes")
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",

@@ -21,12 +21,17 @@ anyway) and the output gradient ``dy``; everything else autograd saved is freed 
 of B. For a GPT layer that is ``x``: 7·sbh and ``dy``: 9·sbh elements (qkv, proj, fc1, fc2,
 with ffn = 4h), i.e. the paper's M_W = 32·sbh bytes in 16-bit.
 
+Tensor parallelism: a column-parallel linear at TP > 1 (megatron's ``allreduce_dgrad``)
+all-reduces ``dx`` over its TP group in its backward, i.e. in B, and W stays local (each
+rank's ``dW`` is the gradient of its own shard: no communication). A row-parallel linear
+needs nothing here (its output all-reduce is outside the matmul, in the forward).
+
 Not deferred (computed in B as before): biases added outside the matmul (megatron's
 ``skip_bias_add`` biases, which the layer adds in its bias-dropout-add / activation), and
-every configuration this function does not implement -- frozen weights, tensor-parallel
-communication (``allreduce_dgrad``, sequence parallel), gradient-accumulation fusion,
-megatron's embedding-wgrad buffers, a non-leaf ``weight`` argument: those fall back to
-megatron's own path, which is correct but computes the weight gradient in B.
+every configuration this function does not implement -- frozen weights, sequence parallel,
+gradient-accumulation fusion, megatron's embedding-wgrad buffers, a non-leaf ``weight``
+argument: those fall back to megatron's own path, which is correct but computes the weight
+gradient in B.
 
 Deferred gradients are written to ``.grad`` directly, so post-accumulate-grad hooks (torch
 DDP, megatron DDP) do not fire for them; our runtime reduces data-parallel gradients at the
@@ -97,8 +102,10 @@ class _DeferrableLinearFunction(torch.autograd.Function):
     """``y = x Wᵀ (+ b)``; backward defers ``dW``/``db`` when a deferral store is active."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, module):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, module, dgrad_group):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
+        # Column-parallel at TP > 1: the TP group dx is all-reduced over (in B), else None.
+        ctx.dgrad_group = dgrad_group
         # Where deferred gradients accumulate: leaf parameters (checked by the caller).
         ctx.weight_param, ctx.bias = weight, bias
         ctx.module = module
@@ -112,17 +119,19 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         bias = ctx.bias
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        if grad_input is not None and ctx.dgrad_group is not None:
+            torch.distributed.all_reduce(grad_input, group=ctx.dgrad_group)
         store = active_deferral()
         if store is not None:
             work = _LinearWeightGrad(ctx.module, ctx.weight_param, bias, x, grad_output)
             ctx.module._wgrad_fifo.append(work)
             store.add(work)
-            return grad_input, None, None, None
+            return grad_input, None, None, None, None
         grad_weight, grad_bias = _weight_and_bias_grads(x, grad_output, bias is not None)
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
-_FALLBACK_FLAGS = ("gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel")
+_FALLBACK_FLAGS = ("gradient_accumulation_fusion", "sequence_parallel")
 
 
 class _DeferrableWeightGrad:
@@ -138,6 +147,8 @@ class _DeferrableWeightGrad:
             return False
         if any(kwargs.get(flag) for flag in _FALLBACK_FLAGS):
             return False
+        if kwargs.get("allreduce_dgrad") and kwargs.get("tp_group") is None:
+            return False  # megatron would all-reduce over the default group: leave it to it
         if kwargs.get("grad_output_buffer") is not None:
             return False
         bias = kwargs.get("bias")
@@ -146,7 +157,8 @@ class _DeferrableWeightGrad:
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 - megatron's name
         if not self._deferrable(weight, args, kwargs):
             return super()._forward_impl(input, weight, *args, **kwargs)  # type: ignore[misc]
-        return _DeferrableLinearFunction.apply(input, weight, kwargs.get("bias"), self)
+        dgrad_group = kwargs["tp_group"] if kwargs.get("allreduce_dgrad") else None
+        return _DeferrableLinearFunction.apply(input, weight, kwargs.get("bias"), self, dgrad_group)
 
     def backward_dw(self) -> None:
         """megatron's API: run the oldest deferred weight gradient of this layer (if any)."""
@@ -159,11 +171,11 @@ class _DeferrableWeightGrad:
 
 
 class SplitColumnParallelLinear(_DeferrableWeightGrad, ColumnParallelLinear):
-    """``ColumnParallelLinear`` whose weight gradient can be deferred to W (TP = 1)."""
+    """``ColumnParallelLinear`` whose weight gradient can be deferred to W (any TP size)."""
 
 
 class SplitRowParallelLinear(_DeferrableWeightGrad, RowParallelLinear):
-    """``RowParallelLinear`` whose weight gradient can be deferred to W (TP = 1)."""
+    """``RowParallelLinear`` whose weight gradient can be deferred to W (any TP size)."""
 
 
 _REPLACEMENTS: dict[type, type] = {

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -27,6 +28,15 @@ from megatron.trainer.models.recompute import RecomputeSettings, install_recompu
 from megatron.trainer.models.rope import make_rotary_device_agnostic
 from megatron.trainer.models.sdpa_attention import SDPAAttention
 from megatron.trainer.models.split_linear import with_split_linears
+from megatron.trainer.models.tensor_parallel import (
+    check_tensor_parallel_args,
+    full_shape,
+    mark_tensor_parallel,
+    shard_layout,
+    stage_tp_group,
+    take_shard,
+    tp_rank_and_size,
+)
 
 
 @dataclass
@@ -273,12 +283,17 @@ class PipelineStage(torch.nn.Module):
 
     @torch.no_grad()
     def init_parameters(self, seed: int) -> None:
-        """Re-initialise every parameter from (seed, global name), split-independently."""
+        """Re-initialise every parameter from (seed, global name), split-independently: a
+        tensor-parallel shard draws the full weight and keeps its own slice, so any TP size
+        starts from the TP = 1 weights."""
+        tp_rank, tp_size = tp_rank_and_size(stage_tp_group(self.model))
         for name, param in self.global_named_parameters():
+            layout = shard_layout(param)
             value = init_value(
-                name, param.shape, seed, self.args.init_method_std, self.args.num_layers
+                name, full_shape(param.shape, layout, tp_size), seed,
+                self.args.init_method_std, self.args.num_layers,
             )
-            param.copy_(value)
+            param.copy_(take_shard(value, layout, tp_rank, tp_size))
 
     def set_stage_input(self, input_tensor: torch.Tensor | None) -> None:
         """Hand a non-first stage the previous stage's hidden states (None: let them go, so
@@ -301,6 +316,8 @@ def build_stage(
     megatron-core model, ``wrap`` the stage around it; weights depend only on seed and names."""
     if layers.step != 1 or layers.start < 0 or layers.stop > args.num_layers:
         raise ValueError(f"layers {layers} outside a {args.num_layers}-layer model")
+    if parallel_state.model_parallel_is_initialized():  # megatron's layers shard over its TP group
+        check_tensor_parallel_args(args, parallel_state.get_tensor_model_parallel_world_size())
     use_te = resolve_use_transformer_engine(args.use_transformer_engine)
     config = transformer_config(args, len(layers))
     if use_te:  # --attention-backend picks TE's kernel; the local spec's SDPA is the unfused maths
@@ -318,6 +335,7 @@ def build_stage(
     if args.recompute_granularity is not None:
         install_recompute(model, args.recompute)
     make_rotary_device_agnostic(model, args.rotary_percent, args.rotary_base)
+    mark_tensor_parallel(model, args.swiglu)
     stage = wrap(model)
     stage.init_parameters(seed)
     if args.bf16 or args.fp16:
