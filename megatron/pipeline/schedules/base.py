@@ -160,6 +160,16 @@ class Schedule(abc.ABC):
         """The learning-rate policy of ``stage`` given the run's ``base`` schedule."""
         return base
 
+    # -- what the executors do for a schedule beyond running its streams -----------------
+    def profiles_ops(self) -> bool:
+        """Whether the executors time this schedule's ops now (``runtime.profiling``): a
+        schedule that decides its order from measured costs says so until it has decided."""
+        return False
+
+    def fixed_choice(self) -> dict[str, Any] | None:
+        """What to log at the start about an order decided from given costs (None: nothing)."""
+        return None
+
     @abc.abstractmethod
     def stage_ops(self, stage: int) -> Iterator[Op]:
         """The op stream of one stage."""

@@ -17,7 +17,7 @@ optimizer step.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
@@ -49,6 +49,12 @@ class ZeroBubbleAuto(SynchronousSchedule):
     def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
         for kind, idx in self.plan.order[stage]:
             yield Op(kind, stage, microbatches[idx])
+
+    def fixed_choice(self) -> dict[str, Any]:
+        """The simulated bubble of this order from its fixed costs (the profiled run logs the same)."""
+        from megatron.pipeline.schedules.profiled import describe_choice  # profiled builds on this module
+
+        return describe_choice(type(self), self.config, self.costs)
 
 
 class ZB1P(ZeroBubbleAuto):
