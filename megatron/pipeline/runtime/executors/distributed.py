@@ -19,7 +19,7 @@ from megatron.pipeline.post_validation import ValidationOutcomes
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink
 from megatron.pipeline.runtime.executors.core import OpCore, SyncHook
 from megatron.pipeline.runtime.executors.errors import PipelineRuntimeError
-from megatron.pipeline.runtime.transport.distributed import DistributedTransport, SideChannelReports  # noqa: F401
+from megatron.pipeline.runtime.transport.distributed import DistributedTransport
 from megatron.pipeline.runtime.worker import StageWorker
 
 
