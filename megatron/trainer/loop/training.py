@@ -206,13 +206,8 @@ def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, de
     workers = [build_worker(task, args, s, transport.dp_rank, device, isolate_rng=transport.in_process)
                for s in transport.stages]
     start = _resume(task, args, workers, transport.dp_rank, resume)
-    counts = transport.gather_rows({w.stage: [stage_parameter_count(w)] for w in workers})
+    _start_banner(args, transport, workers)
     coordinator = transport.is_coordinator
-    if coordinator:
-        per_stage: dict[int, int] = {}
-        for s, (n,) in counts:
-            per_stage.setdefault(s, int(n))
-        print_banner(args, [per_stage[s] for s in sorted(per_stage)], transport.describe(), sys.stdout)
     logger = make_logger(args, start, task) if coordinator else None
     collector = ReportCollector(transport.num_reporters, logger.log_update) if logger else None
     sink = transport.report_sink(collector)
@@ -235,6 +230,14 @@ def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, de
         for w in workers:
             dump_parameters(task, w, args.dump_final_params)
     return workers
+
+
+def _start_banner(args: argparse.Namespace, transport: Transport, workers: list[StageWorker]) -> None:
+    """The run's first lines, with every stage's parameter count (gathered: a rank has one stage)."""
+    counts = transport.gather_rows({w.stage: [stage_parameter_count(w)] for w in workers})
+    if transport.is_coordinator:
+        per_stage = {s: int(n) for s, (n,) in reversed(counts)}  # data-parallel replicas agree
+        print_banner(args, [per_stage[s] for s in sorted(per_stage)], transport.describe(), sys.stdout)
 
 
 def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
