@@ -3,8 +3,9 @@
 An executor decides *when* an op runs (the emulator replays every stage's stream; the runtime
 prefetches its stage's receives) and hands the op here with its received tensors. Everything
 that needs another stage goes through the :class:`~megatron.pipeline.runtime.transport.Transport`:
-the data-parallel reduction, the synchronous step's norms (AMDP: replica sums) and shard
-gathers, and the reports. So the optimizer step, post-validation's ops, compute ops and the
+the data-parallel reduction, the synchronous step's gathers (norms over the sync group; AMDP's
+replica sums and shard gathers, :class:`~megatron.pipeline.runtime.replicas.ReplicaReduction`),
+and the reports. So the optimizer step, post-validation's ops, compute ops and the
 report cadence exist once, for every transport.
 """
 from __future__ import annotations
@@ -14,10 +15,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron.pipeline.comm import Message
-from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind
+from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind, PipelineLayout
 from megatron.pipeline.post_validation import ValidationOutcomes
 from megatron.pipeline.runtime.post_validation_ops import run_post_validation_op
 from megatron.pipeline.runtime.executors.common import ReportCadence, run_compute_op
+from megatron.pipeline.runtime.replicas import ReplicaReduction, has_replicas
 from megatron.pipeline.runtime.transport import ReportSink, Transport, Workers
 from megatron.pipeline.runtime.worker import StageWorker
 
@@ -27,6 +29,23 @@ those streams is pulled (profiled Zero Bubble schedules decide their order there
 
 
 Send = Callable[[Message, torch.Tensor], None]
+
+
+class StageNorms:
+    """A synchronous step's collectives for one chain: every stage's own squared norm,
+    gathered over the sync group in stage order (summed with ``math.fsum`` by the worker)."""
+
+    def norms(self, transport: Transport, workers: Workers, ops: Sequence[Op]) -> list[float]:
+        device = workers[ops[0].stage].setup.device
+        return transport.sync_gather([workers[op.stage].grad_sq_norm(op) for op in ops], device)
+
+    def finish(self, transport: Transport, workers: Workers, ops: Sequence[Op]) -> None:
+        pass
+
+
+def step_reduction(layout: PipelineLayout) -> StageNorms | ReplicaReduction:
+    """What a synchronous step of ``layout`` exchanges: AMDP's replicas sum gradients first."""
+    return ReplicaReduction() if has_replicas(layout) else StageNorms()
 
 
 class OpCore:
@@ -40,6 +59,7 @@ class OpCore:
         self.sink = sink
         self.sync_hook = sync_hook
         self.outcomes = outcomes  # post-validated streams read what VALIDATE records here
+        self.reduction = step_reduction(transport.layout)
 
     def execute(self, op: Op, inputs: dict[Message, torch.Tensor], send: Send) -> None:
         """Run a non-OPT op with its received tensors; hand each tensor to send to ``send``."""
@@ -60,14 +80,14 @@ class OpCore:
         for op in ops:
             self.transport.reduce_data_parallel(self.workers[op.stage])
         if ops[0].sync:
-            norms = self.transport.step_norms(self.workers, ops)
+            norms = self.reduction.norms(self.transport, self.workers, ops)
         else:
             (op,) = ops
             norms = [self.workers[op.stage].grad_sq_norm(op)]
         for op in ops:
             self.workers[op.stage].apply_update(op, norms)
         if ops[0].sync:
-            self.transport.finish_step(self.workers, ops)
+            self.reduction.finish(self.transport, self.workers, ops)
         for op in ops:
             self._maybe_report(self.workers[op.stage], op)
         if ops[0].sync and self.sync_hook is not None:

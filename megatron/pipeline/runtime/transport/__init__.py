@@ -12,7 +12,9 @@ Both compute every collective's result in the same order (squared norms in stage
 with ``math.fsum``, AMDP replica sums in pipeline order), which is why the emulator is bitwise
 the runtime. Later parallelism (tensor parallel, a sharded optimizer, bucketed overlapped
 gradient reduction) belongs here once, behind :meth:`Transport.reduce_data_parallel` and the
-step's collectives, instead of in two executors.
+step's collectives (:meth:`Transport.sync_gather`, :meth:`Transport.replica_gather`), instead
+of in two executors; what the step computes from them is written once in
+:mod:`~megatron.pipeline.runtime.executors.core` and :mod:`~megatron.pipeline.runtime.replicas`.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from megatron.pipeline.ir import Op
+    import torch
+
+    from megatron.pipeline.ir import Op, PipelineLayout
     from megatron.pipeline.runtime.report import StageReport
     from megatron.pipeline.runtime.tracing import StageTracer
     from megatron.pipeline.runtime.worker import StageWorker
@@ -74,18 +78,21 @@ class Transport(abc.ABC):
         """The op streams of :attr:`stages`, in that order."""
 
     # -- the optimizer step's collectives ------------------------------------------------
+    layout: "PipelineLayout"  # where the schedule puts chunks (sync groups, AMDP's replicas)
+
     @abc.abstractmethod
     def reduce_data_parallel(self, worker: "StageWorker") -> None:
         """Average the stage's gradients over its data-parallel replicas (before any norm)."""
 
     @abc.abstractmethod
-    def step_norms(self, workers: Workers, ops: Sequence["Op"]) -> list[float]:
-        """The squared gradient norms a synchronous step of the local ``ops`` clips with, in
-        sync-group stage order (AMDP: after summing every logical stage's replicas)."""
+    def sync_gather(self, values: Sequence[float], device: "torch.device") -> list[float]:
+        """The local stages' ``values`` (one per op of a synchronous step) and those of the rest
+        of their sync group, in the group's stage order (float64; ``device``: NCCL's)."""
 
     @abc.abstractmethod
-    def finish_step(self, workers: Workers, ops: Sequence["Op"]) -> None:
-        """After a synchronous step: what the replicas must exchange (AMDP's optimizer shards)."""
+    def replica_gather(self, stage: int, local: Mapping[tuple[int, int], "torch.Tensor"]) -> list["torch.Tensor"]:
+        """Logical ``stage``'s equally shaped tensors from all its AMDP replicas, in pipeline
+        order; ``local`` holds the local replicas' ones by (device, chunk)."""
 
     # -- statistics, evaluation, checkpoints, stopping ----------------------------------
     @abc.abstractmethod

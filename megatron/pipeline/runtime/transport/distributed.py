@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.pipeline.comm import Message
-from megatron.pipeline.ir import Op, PipelineLayout
+from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
 from megatron.pipeline.runtime.executors.send_reaper import SendReaper, wait_or_raise
 from megatron.pipeline.runtime.parallel import StageGroups
-from megatron.pipeline.runtime.replicas import gather_shards_distributed, has_replicas, reduce_distributed
+from megatron.pipeline.runtime.replicas import has_replicas
 from megatron.pipeline.runtime.report import StageReport
-from megatron.pipeline.runtime.transport import ReportSink, Transport, Workers
+from megatron.pipeline.runtime.transport import ReportSink, Transport
 from megatron.pipeline.runtime.worker import StageWorker
 
 if TYPE_CHECKING:
@@ -124,14 +124,17 @@ class DistributedTransport(Transport):
     name = "distributed"
     in_process = False
 
-    def __init__(self, groups: StageGroups, stage_layout: PipelineLayout, timeout: timedelta):
+    def __init__(self, groups: StageGroups, layout: PipelineLayout, timeout: timedelta):
         self.groups = groups
-        self.stage_layout = stage_layout
+        self.layout = layout
         self.timeout = timeout
         self.rank, self.dp_rank = groups.rank, groups.dp_rank
         self.pipeline_size = groups.layout.pipeline_size
         self.data_parallel_size = groups.layout.data_parallel_size
-        self._replicated = has_replicas(stage_layout)  # AMDP: sync steps sum replicas first
+        # The sync step's group: AMDP's (the devices holding replicas of the same stages), else
+        # the pipeline (one chain: every stage).
+        self._sync = (groups.sync, groups.sync_size) if has_replicas(layout) else \
+            (groups.pipeline, len(layout.sync_group(groups.stage)))
         self._reports: SideChannelReports | None = None
 
     @property
@@ -170,23 +173,23 @@ class DistributedTransport(Transport):
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
 
-    def step_norms(self, workers: Workers, ops: Sequence[Op]) -> list[float]:
-        (op,) = ops
-        worker = workers[op.stage]
-        if self._replicated:
-            return reduce_distributed(worker, op, self.groups.replicas, self.groups.sync, self.groups.sync_size)
-        own = worker.grad_sq_norm(op)
-        if len(self.stage_layout.sync_group(op.stage)) == 1:
-            return [own]
-        mine = torch.tensor([own], dtype=torch.float64, device=worker.setup.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.pipeline_size)]
-        dist.all_gather(gathered, mine, group=self.groups.pipeline)
-        return [float(t) for t in gathered]  # stage order, like the in-process transport
+    def sync_gather(self, values: Sequence[float], device: torch.device) -> list[float]:
+        group, size = self._sync
+        if size == 1:
+            return [float(v) for v in values]
+        mine = torch.tensor(list(values), dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(gathered, mine, group=group)
+        return [float(t) for t in gathered]  # a group orders its ranks by stage: stage order
 
-    def finish_step(self, workers: Workers, ops: Sequence[Op]) -> None:
-        if self._replicated:  # sharded optimizer state: all-gather the ranges
-            (op,) = ops
-            gather_shards_distributed(workers[op.stage], self.groups.replicas)
+    def replica_gather(self, stage: int, local: Mapping[tuple[int, int], torch.Tensor]) -> list[torch.Tensor]:
+        assert isinstance(self.layout, MultiPipelineLayout)
+        (mine,) = local.values()
+        gathered = [torch.empty_like(mine) for _ in range(self.layout.num_pipelines)]
+        dist.all_gather(gathered, mine, group=self.groups.replicas[stage])
+        replicas = self.layout.replicas(stage)
+        by_device = dict(zip(sorted(d for d, _ in replicas), gathered))  # a group orders by rank
+        return [by_device[d] for d, _ in replicas]
 
     # -- side group ----------------------------------------------------------------------
     def report_sink(self, collector: ReportSink | None) -> ReportSink:

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron.pipeline.ir import Op, PipelineLayout
-from megatron.pipeline.runtime.replicas import gather_shards_in_process, has_replicas, reduce_in_process
-from megatron.pipeline.runtime.transport import ReportSink, Transport, Workers
+from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
+from megatron.pipeline.runtime.transport import ReportSink, Transport
 from megatron.pipeline.runtime.worker import StageWorker
 
 if TYPE_CHECKING:
@@ -31,7 +30,6 @@ class InProcessTransport(Transport):
     def __init__(self, layout: PipelineLayout):
         self.layout = layout
         self.pipeline_size = layout.num_stages
-        self._replicated = has_replicas(layout)  # AMDP: sync steps sum replicas first
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -50,14 +48,12 @@ class InProcessTransport(Transport):
     def reduce_data_parallel(self, worker: StageWorker) -> None:
         pass  # one replica
 
-    def step_norms(self, workers: Workers, ops: Sequence[Op]) -> list[float]:
-        if self._replicated:
-            return reduce_in_process(workers, ops)  # type: ignore[arg-type]
-        return [workers[op.stage].grad_sq_norm(op) for op in ops]
+    def sync_gather(self, values: Sequence[float], device: torch.device) -> list[float]:
+        return [float(v) for v in values]  # the replay hands a sync step all its group's ops, in order
 
-    def finish_step(self, workers: Workers, ops: Sequence[Op]) -> None:
-        if self._replicated:  # sharded optimizer state: each replica stepped its range
-            gather_shards_in_process(workers, ops)  # type: ignore[arg-type]
+    def replica_gather(self, stage: int, local: Mapping[tuple[int, int], torch.Tensor]) -> list[torch.Tensor]:
+        assert isinstance(self.layout, MultiPipelineLayout)
+        return [local[replica] for replica in self.layout.replicas(stage)]  # every replica is here
 
     def report_sink(self, collector: ReportSink | None) -> ReportSink:
         assert collector is not None
