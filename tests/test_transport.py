@@ -21,11 +21,10 @@ def test_in_process_transport_is_every_stage_of_one_replica() -> None:
 
 def test_profiling_is_a_capability_the_schedule_declares() -> None:
     plain = build_schedule("1f1b", ScheduleConfig(4, 8, 2))
-    assert not plain.profiles_ops() and plain.fixed_choice() is None
+    assert not plain.profiles_ops() and plain.fixed_costs() is None
     profiled = build_schedule("zb-1p", ScheduleConfig(4, 8, 2, options={"profile_iters": 1}))
-    assert profiled.profiles_ops() and profiled.fixed_choice() is None
+    assert profiled.profiles_ops() and profiled.fixed_costs() is None
     profiled.set_costs(COSTS)
     assert not profiled.profiles_ops()  # decided: later segments run the chosen order untimed
     fixed = build_schedule("zb-1p", ScheduleConfig(4, 8, 2, options={"costs": COSTS}))
-    choice = fixed.fixed_choice()
-    assert not fixed.profiles_ops() and choice is not None and choice["schedule"] == "zb-1p"
+    assert not fixed.profiles_ops() and fixed.fixed_costs() == tuple(COSTS)

@@ -190,10 +190,12 @@ def schedule_profiling(schedule: "Schedule", transport: "Transport",
 
 def log_fixed_choice(schedule: "Schedule") -> None:
     """Log the simulated bubble of an order decided from fixed costs (zb-1p / zb-2p, no profiling)."""
+    from megatron.pipeline.schedules.profiled import describe_choice
+
+    costs = schedule.fixed_costs()
+    if costs is None:
+        return
     try:
-        choice = schedule.fixed_choice()
+        log_choice(describe_choice(type(schedule), schedule.config, costs))  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - a log line must never stop training
         print(f"[megatron-async] {schedule.name}: could not describe the schedule: {exc}", file=sys.stderr)
-        return
-    if choice is not None:
-        log_choice(choice)

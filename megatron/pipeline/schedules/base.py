@@ -166,8 +166,9 @@ class Schedule(abc.ABC):
         schedule that decides its order from measured costs says so until it has decided."""
         return False
 
-    def fixed_choice(self) -> dict[str, Any] | None:
-        """What to log at the start about an order decided from given costs (None: nothing)."""
+    def fixed_costs(self) -> tuple[Any, ...] | None:
+        """The per-stage costs this schedule's order was decided from, given up front, so the
+        start can log its simulated bubble (None: no such order, or one still to be profiled)."""
         return None
 
     @abc.abstractmethod

@@ -17,13 +17,13 @@ optimizer step.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
 from megatron.pipeline.schedules.zb_flags import ZERO_BUBBLE_FLAGS
 from megatron.pipeline.schedules.zb_greedy import GreedyResult, InfeasibleMemory, best_greedy_order
-from megatron.pipeline.simulator import stage_costs
+from megatron.pipeline.simulator import OpCosts, stage_costs
 
 
 class ZeroBubbleAuto(SynchronousSchedule):
@@ -50,11 +50,8 @@ class ZeroBubbleAuto(SynchronousSchedule):
         for kind, idx in self.plan.order[stage]:
             yield Op(kind, stage, microbatches[idx])
 
-    def fixed_choice(self) -> dict[str, Any]:
-        """The simulated bubble of this order from its fixed costs (the profiled run logs the same)."""
-        from megatron.pipeline.schedules.profiled import describe_choice  # profiled builds on this module
-
-        return describe_choice(type(self), self.config, self.costs)
+    def fixed_costs(self) -> tuple[OpCosts, ...]:
+        return self.costs
 
 
 class ZB1P(ZeroBubbleAuto):
