@@ -58,10 +58,11 @@ def _run(schedule, workers=None, profilers: bool = False):
     """Train ``schedule`` in the emulator (with its profiling hook, if any); return the workers."""
     from megatron.pipeline.runtime.executors.common import ReportCadence
     from megatron.pipeline.runtime.executors.emulator import Emulator
-    from megatron.pipeline.runtime.profiling import OpProfiler, emulator_profiling
+    from megatron.pipeline.runtime.profiling import OpProfiler, schedule_profiling
+    from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 
     workers = workers or _workers(schedule.config.num_microbatches)
-    hook = emulator_profiling(schedule, workers)
+    hook = schedule_profiling(schedule, InProcessTransport(schedule.layout), workers)
     if profilers:
         for w in workers:
             w.profiler = OpProfiler(w.setup.device)

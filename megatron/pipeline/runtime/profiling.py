@@ -20,8 +20,9 @@ What is measured, per stage:
 * ``t_comm``: one-way time of one activation-sized message between neighbouring stages,
   from a ping-pong (``rounds`` round trips per neighbouring pair, median round trip / 2)
   run at the synchronous step, where no pipeline message is in flight (the Zero Bubble
-  reference also times a dedicated send/recv benchmark). In the emulator a message is a
-  tensor clone, so ``t_comm`` is the median time of cloning one activation.
+  reference also times a dedicated send/recv benchmark), by the transport's
+  ``link_latency``: in the emulator a message is a tensor clone, so ``t_comm`` is the median
+  time of cloning one activation.
   Receive wait times were not used: they measure the bubble as much as the link.
 
 Aggregation (identical on every rank, since every rank sees the same gathered numbers):
@@ -41,7 +42,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,14 +51,14 @@ from megatron.pipeline.runtime.memory import ActivationMeter
 from megatron.pipeline.simulator import OpCosts
 
 if TYPE_CHECKING:
-    from megatron.pipeline.runtime.parallel import StageGroups
-    from megatron.pipeline.schedules.profiled import ProfiledSchedule
+    from megatron.pipeline.runtime.transport import Transport
     from megatron.pipeline.runtime.worker import StageWorker
+    from megatron.pipeline.schedules.base import Schedule
+    from megatron.pipeline.schedules.profiled import ProfiledSchedule
 
 _TIMED = (OpKind.F, OpKind.B, OpKind.W)
 # The fixed-length summary a rank contributes to the all-gather (seconds, ratio, counts).
 SUMMARY_FIELDS = ("t_f", "t_b", "t_w", "m_w", "t_comm", "n_f", "n_b", "n_w")
-PING_ROUNDS = 5
 
 
 class OpProfiler:
@@ -151,136 +151,51 @@ def _due(schedule: "ProfiledSchedule", op: Op) -> bool:
     return op.sync and op.update == schedule.profile_end - 1 and not schedule.decided
 
 
-# ------------------------------------------------------------------ emulator
+# ------------------------------------------------------------------ the executors' hook
 
 
-def measure_clone(worker: "StageWorker", rounds: int = PING_ROUNDS) -> float:
-    """Median time to clone one activation: what a message costs in the emulator."""
-    setup = worker.setup
-    t = torch.zeros(setup.activation_shape, dtype=setup.activation_dtype, device=setup.device)
-    times = []
-    for _ in range(rounds + 1):
-        start = time.perf_counter()
-        t.clone()
-        if setup.device.type == "cuda":
-            torch.cuda.synchronize(setup.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
-def emulator_profiling(schedule: object, workers: list["StageWorker"]) -> Callable[[list[Op]], None] | None:
-    """Attach profilers to the emulator's workers; return its sync hook (None: nothing to profile)."""
-    from megatron.pipeline.schedules.profiled import ProfiledSchedule
-
-    if not isinstance(schedule, ProfiledSchedule):
+def schedule_profiling(schedule: "Schedule", transport: "Transport",
+                       workers: Sequence["StageWorker"]) -> Callable[[list[Op]], None] | None:
+    """Attach profilers to the local workers of a schedule that profiles (its
+    :meth:`~megatron.pipeline.schedules.base.Schedule.profiles_ops`); return the executors'
+    sync hook, which at the step ending profiling gathers every stage's measurements over
+    ``transport`` and decides the order (None: nothing to profile)."""
+    if not schedule.profiles_ops():
         return None
-    if schedule.decided:  # a later segment of the run: the order is known
-        return None
-    _note_short_run(schedule, log=True)
+    profiled: "ProfiledSchedule" = schedule  # type: ignore[assignment]
+    log = transport.is_coordinator
+    _note_short_run(profiled, log)
     for w in workers:
         w.profiler = w.profiler or OpProfiler(w.setup.device)  # keeps timings of earlier segments
 
     def hook(ops: list[Op]) -> None:
-        if not _due(schedule, ops[0]):
+        if not _due(profiled, ops[0]):
             return
-        summaries = []
+        rows = {}
         for w in workers:
-            assert w.profiler is not None
-            w.profiler.t_comm = measure_clone(w)
-            summaries.append(w.profiler.summary())
+            profiler = w.profiler
+            assert profiler is not None
             w.profiler = None
-        n = schedule.config.num_stages
-        decide(schedule, costs_from_summaries(summaries, list(range(n)), n), log=True)
-
-    return hook
-
-
-# ------------------------------------------------------------------ distributed
-
-
-def measure_p2p(worker: "StageWorker", groups: "StageGroups", timeout: timedelta,
-                rounds: int = PING_ROUNDS) -> float:
-    """One-way time of an activation between this stage and the next (0 on the last stage).
-
-    Neighbouring pairs take turns (pair (0, 1), then (1, 2), ...), each ``rounds`` timed round
-    trips after one untimed; every stage of the pipeline must call this at the same point.
-    """
-    import torch.distributed as dist
-
-    setup, layout = worker.setup, groups.layout
-    n, stage, dp = layout.pipeline_size, groups.stage, groups.dp_rank
-    buf = torch.zeros(setup.activation_shape, dtype=setup.activation_dtype, device=setup.device)
-
-    def wait(work: "dist.Work") -> None:
-        work.wait(timeout)
-        if setup.device.type == "cuda":
-            torch.cuda.synchronize(setup.device)
-
-    hop = 0.0
-    for left in range(n - 1):
-        if stage == left:
-            peer = layout.rank(left + 1, dp)
-            times = []
-            for _ in range(rounds + 1):
-                start = time.perf_counter()
-                wait(dist.isend(buf, dst=peer))
-                wait(dist.irecv(buf, src=peer))
-                times.append(time.perf_counter() - start)
-            hop = statistics.median(times[1:]) / 2
-        elif stage == left + 1:
-            peer = layout.rank(left, dp)
-            for _ in range(rounds + 1):
-                wait(dist.irecv(buf, src=peer))
-                wait(dist.isend(buf, dst=peer))
-    return hop
-
-
-def distributed_profiling(
-    schedule: object, worker: "StageWorker", groups: "StageGroups", timeout: timedelta, log: bool
-) -> Callable[[Op], None] | None:
-    """Attach a profiler to this rank's worker; return the executor's sync hook (or None)."""
-    from megatron.pipeline.schedules.profiled import ProfiledSchedule
-
-    if not isinstance(schedule, ProfiledSchedule):
-        return None
-    if schedule.decided:  # a later segment of the run: the order is known
-        return None
-    _note_short_run(schedule, log)
-    worker.profiler = worker.profiler or OpProfiler(worker.setup.device)  # keeps earlier segments' timings
-
-    def all_gather(values: list[float], dtype: torch.dtype) -> list[list[float]]:
-        import torch.distributed as dist
-
-        mine = torch.tensor(values, dtype=dtype, device=worker.setup.device)
-        out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, mine, async_op=True).wait(timeout)
-        return [t.tolist() for t in out]
-
-    def hook(op: Op) -> None:
-        if not _due(schedule, op):
-            return
-        profiler = worker.profiler
-        assert profiler is not None
-        worker.profiler = None
-        profiler.t_comm = measure_p2p(worker, groups, timeout)
-        rows = all_gather(profiler.summary(), torch.float64)
-        layout = groups.layout
-        stage_of = [layout.coords(r)[0] for r in range(layout.world_size)]
-        decide(schedule, costs_from_summaries(rows, stage_of, layout.pipeline_size), log=log)
-        prints = {int(r[0]) for r in all_gather([schedule.fingerprint()], torch.int64)}
+            profiler.t_comm = transport.link_latency(w)
+            rows[w.stage] = profiler.summary()
+        gathered = transport.gather_rows(rows)
+        n = profiled.config.num_stages
+        decide(profiled, costs_from_summaries([r for _, r in gathered], [s for s, _ in gathered], n), log=log)
+        prints = {int(r[0]) for _, r in transport.gather_rows({w.stage: [profiled.fingerprint()] for w in workers})}
         if len(prints) != 1:
-            raise RuntimeError(f"{schedule.name}: ranks derived different schedules from the same profile")
+            raise RuntimeError(f"{profiled.name}: ranks derived different schedules from the same profile")
 
     return hook
 
 
-def log_fixed_choice(schedule: object) -> None:
-    """Log the simulated bubble of a zb-1p / zb-2p order from fixed costs (no profiling)."""
+def log_fixed_choice(schedule: "Schedule") -> None:
+    """Log the simulated bubble of an order decided from fixed costs (zb-1p / zb-2p, no profiling)."""
     from megatron.pipeline.schedules.profiled import describe_choice
-    from megatron.pipeline.schedules.zb_1p import ZeroBubbleAuto
 
-    if isinstance(schedule, ZeroBubbleAuto):
-        try:
-            log_choice(describe_choice(type(schedule), schedule.config, schedule.costs))
-        except Exception as exc:  # noqa: BLE001 - a log line must never stop training
-            print(f"[megatron-async] {schedule.name}: could not describe the schedule: {exc}", file=sys.stderr)
+    costs = schedule.fixed_costs()
+    if costs is None:
+        return
+    try:
+        log_choice(describe_choice(type(schedule), schedule.config, costs))  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - a log line must never stop training
+        print(f"[megatron-async] {schedule.name}: could not describe the schedule: {exc}", file=sys.stderr)

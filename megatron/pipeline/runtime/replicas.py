@@ -24,7 +24,7 @@ stage hold identical weights, gradients (after the sum) and, unsharded, identica
 states. Sharded, the stage's flat parameter vector (chunk parameter order) is cut into P
 contiguous ranges and the replica of pipeline ``p`` keeps AdamW state for, and steps, range
 ``p`` only (:func:`optimizer_shards`); after the step the replicas all-gather the ranges
-(:func:`gather_shards_in_process`, :func:`gather_shards_distributed`). AdamW is element-wise
+(:meth:`ReplicaReduction.finish`). AdamW is element-wise
 with per-step scalars (lr, clip coefficient, bias corrections) that every replica computes
 alike, so each element gets the bits the unsharded step gives it, and a device keeps 1/P of
 the state of each stage it hosts. (The paper's owner scheme gives each device one whole stage
@@ -33,13 +33,15 @@ instead; equal ranges make the saving exactly 1/P on every device, whatever the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
 from megatron.pipeline.runtime.worker import StageWorker
+
+if TYPE_CHECKING:
+    from megatron.pipeline.runtime.transport import Transport, Workers
 
 
 def has_replicas(layout: PipelineLayout) -> bool:
@@ -90,48 +92,60 @@ def prepare(worker: StageWorker, op: Op) -> None:
     worker.grad_sq_norm(op)
 
 
-def reduce_in_process(workers: Sequence[StageWorker], ops: Sequence[Op]) -> list[float]:
-    """Emulator: sum every replicated logical stage of the group of ``ops``; return its norms."""
-    group = [op.stage for op in ops]
+def _local_replicas(layout: MultiPipelineLayout, ops: Sequence[Op]) -> dict[int, list[tuple[int, int]]]:
+    """Logical stage -> the (device, chunk) replicas of it on the local devices of ``ops``."""
+    local: dict[int, list[tuple[int, int]]] = {}
     for op in ops:
-        prepare(workers[op.stage], op)
-    layout = workers[group[0]].layout
-    assert isinstance(layout, MultiPipelineLayout)
-    stages = sorted({layout.logical_stage(s, c) for s in group for c in range(layout.num_chunks)})
-    for j in stages:
-        replicas = [chunk_grads(workers[d], c) for d, c in layout.replicas(j)]
-        total = _sum_in_order([_flat(g) for g in replicas])
-        for grads in replicas:
-            _assign(grads, total)
-    return [owned_sq_norm(workers[s]) for s in group]
+        for chunk in range(layout.num_chunks):
+            local.setdefault(layout.logical_stage(op.stage, chunk), []).append((op.stage, chunk))
+    return local
 
 
-def reduce_distributed(worker: StageWorker, op: Op, replica_groups: dict[int, Any], sync_group: Any,
-                       group_size: int) -> list[float]:
-    """Runtime: the same sums as :func:`reduce_in_process`, over process groups.
+class ReplicaReduction:
+    """The window step's collectives for replicated pipelines, written once over a transport.
 
-    For each logical stage this device hosts, in increasing order (every device of the sync
-    group does the same, so the blocking collectives of different replica groups cannot wait
-    on each other in a cycle), all-gather the replicas' flat gradients and sum them in
-    pipeline order; then all-gather the owned norms over the sync group. A process group
-    orders its members by global rank, i.e. by device here, hence the reordering.
+    For each logical stage the local devices host, in increasing order (every device of the
+    sync group does the same, so the blocking collectives of different replica groups cannot
+    wait on each other in a cycle), gather the replicas' flat gradients in pipeline order
+    (:meth:`Transport.replica_gather`: local tensors in the emulator, an all-gather in the
+    runtime) and sum them in that order; then gather the owned norms over the sync group.
     """
-    prepare(worker, op)
-    layout = worker.layout
-    assert isinstance(layout, MultiPipelineLayout)
-    hosted = sorted((layout.logical_stage(worker.stage, c), c) for c in range(layout.num_chunks))
-    for j, chunk in hosted:
-        grads = chunk_grads(worker, chunk)
-        mine = _flat(grads)
-        gathered = [torch.empty_like(mine) for _ in range(layout.num_pipelines)]
-        dist.all_gather(gathered, mine, group=replica_groups[j])
-        by_device = dict(zip(sorted(d for d, _ in layout.replicas(j)), gathered))
-        _assign(grads, _sum_in_order([by_device[d] for d, _ in layout.replicas(j)]))
-    # On the stage's device: the sync group is an NCCL group on GPUs (NCCL takes no CPU tensors).
-    own = torch.tensor([owned_sq_norm(worker)], dtype=torch.float64, device=worker.setup.device)
-    norms = [torch.empty_like(own) for _ in range(group_size)]
-    dist.all_gather(norms, own, group=sync_group)
-    return [float(t) for t in norms]
+
+    def norms(self, transport: "Transport", workers: "Workers", ops: Sequence[Op]) -> list[float]:
+        for op in ops:
+            prepare(workers[op.stage], op)
+        layout = workers[ops[0].stage].layout
+        assert isinstance(layout, MultiPipelineLayout)
+        for j, replicas in sorted(_local_replicas(layout, ops).items()):
+            grads = {(d, c): chunk_grads(workers[d], c) for d, c in replicas}
+            total = _sum_in_order(transport.replica_gather(j, {k: _flat(g) for k, g in grads.items()}))
+            for g in grads.values():
+                _assign(g, total)
+        device = workers[ops[0].stage].setup.device  # the sync group is an NCCL group on GPUs
+        return transport.sync_gather([owned_sq_norm(workers[op.stage]) for op in ops], device)
+
+    def finish(self, transport: "Transport", workers: "Workers", ops: Sequence[Op]) -> None:
+        """Sharded optimizer state: every replica takes each range from its owner (pipeline
+        ``p`` owns range ``p``), gathered padded to the longest range (gloo's all-gather wants
+        equal sizes)."""
+        if not _is_sharded(workers[ops[0].stage]):
+            return
+        layout = workers[ops[0].stage].layout
+        assert isinstance(layout, MultiPipelineLayout)
+        parts = layout.num_pipelines
+        for j, replicas in sorted(_local_replicas(layout, ops).items()):
+            params = {(d, c): _chunk_params(workers[d].setup.chunks, c) for d, c in replicas}
+            flats = {k: _flat_params(ps) for k, ps in params.items()}
+            n = next(iter(flats.values())).numel()  # replicas hold equal parameters
+            owned = {}
+            for (d, c), flat in flats.items():
+                lo, hi = shard_range(n, parts, c)  # chunk c is pipeline c's replica
+                owned[(d, c)] = torch.zeros(-(-n // parts), dtype=flat.dtype, device=flat.device)
+                owned[(d, c)][:hi - lo] = flat[lo:hi]
+            ranges = transport.replica_gather(j, owned)
+            whole = torch.cat([part[:hi - lo] for part, (lo, hi) in zip(ranges, (shard_range(n, parts, p) for p in range(parts)))])
+            for ps in params.values():
+                _assign_params(ps, whole)
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -181,46 +195,3 @@ def _assign_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
 
 def _is_sharded(worker: StageWorker) -> bool:
     return bool(getattr(worker.setup.optimizer, "sharded", False))
-
-
-def gather_shards_in_process(workers: Sequence[StageWorker], ops: Sequence[Op]) -> None:
-    """Emulator: after a sharded window step, every replica takes each range from its owner."""
-    if not _is_sharded(workers[ops[0].stage]):
-        return
-    layout = workers[ops[0].stage].layout
-    assert isinstance(layout, MultiPipelineLayout)
-    stages = sorted({layout.logical_stage(op.stage, c) for op in ops for c in range(layout.num_chunks)})
-    for j in stages:
-        replicas = [_chunk_params(workers[d].setup.chunks, c) for d, c in layout.replicas(j)]
-        flats = [_flat_params(params) for params in replicas]
-        n, parts = flats[0].numel(), len(flats)
-        whole = torch.cat([flat[slice(*shard_range(n, parts, p))] for p, flat in enumerate(flats)])
-        for params in replicas:
-            _assign_params(params, whole)
-
-
-def gather_shards_distributed(worker: StageWorker, replica_groups: dict[int, Any]) -> None:
-    """Runtime: the same as :func:`gather_shards_in_process`, one all-gather per hosted stage
-    (increasing logical stage, like :func:`reduce_distributed`) of the owned ranges, padded to
-    the longest range since gloo's all-gather wants equal sizes."""
-    if not _is_sharded(worker):
-        return
-    layout = worker.layout
-    assert isinstance(layout, MultiPipelineLayout)
-    parts = layout.num_pipelines
-    for j, chunk in sorted((layout.logical_stage(worker.stage, c), c) for c in range(layout.num_chunks)):
-        params = _chunk_params(worker.setup.chunks, chunk)
-        flat = _flat_params(params)
-        n = flat.numel()
-        width = -(-n // parts)
-        lo, hi = shard_range(n, parts, chunk)
-        mine = torch.zeros(width, dtype=flat.dtype, device=flat.device)
-        mine[:hi - lo] = flat[lo:hi]
-        gathered = [torch.empty_like(mine) for _ in range(parts)]
-        dist.all_gather(gathered, mine, group=replica_groups[j])
-        by_device = dict(zip(sorted(d for d, _ in layout.replicas(j)), gathered))
-        pieces = []
-        for p, (device, _) in enumerate(layout.replicas(j)):
-            start, stop = shard_range(n, parts, p)
-            pieces.append(by_device[device][:stop - start])
-        _assign_params(params, torch.cat(pieces))

@@ -160,6 +160,17 @@ class Schedule(abc.ABC):
         """The learning-rate policy of ``stage`` given the run's ``base`` schedule."""
         return base
 
+    # -- what the executors do for a schedule beyond running its streams -----------------
+    def profiles_ops(self) -> bool:
+        """Whether the executors time this schedule's ops now (``runtime.profiling``): a
+        schedule that decides its order from measured costs says so until it has decided."""
+        return False
+
+    def fixed_costs(self) -> tuple[Any, ...] | None:
+        """The per-stage costs this schedule's order was decided from, given up front, so the
+        start can log its simulated bubble (None: no such order, or one still to be profiled)."""
+        return None
+
     @abc.abstractmethod
     def stage_ops(self, stage: int) -> Iterator[Op]:
         """The op stream of one stage."""

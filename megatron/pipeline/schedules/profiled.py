@@ -122,6 +122,9 @@ class ProfiledSchedule(SynchronousSchedule):
     def decided(self) -> bool:
         return self.target is not None
 
+    def profiles_ops(self) -> bool:
+        return not self.decided  # a later segment of the run, or a resumed one, knows the order
+
     def fingerprint(self) -> int:
         """CRC32 of the decided order, to check that every rank derived the same one."""
         if self.target is None:

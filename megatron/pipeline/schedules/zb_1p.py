@@ -23,7 +23,7 @@ from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
 from megatron.pipeline.schedules.zb_flags import ZERO_BUBBLE_FLAGS
 from megatron.pipeline.schedules.zb_greedy import GreedyResult, InfeasibleMemory, best_greedy_order
-from megatron.pipeline.simulator import stage_costs
+from megatron.pipeline.simulator import OpCosts, stage_costs
 
 
 class ZeroBubbleAuto(SynchronousSchedule):
@@ -49,6 +49,9 @@ class ZeroBubbleAuto(SynchronousSchedule):
     def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
         for kind, idx in self.plan.order[stage]:
             yield Op(kind, stage, microbatches[idx])
+
+    def fixed_costs(self) -> tuple[OpCosts, ...]:
+        return self.costs
 
 
 class ZB1P(ZeroBubbleAuto):

@@ -1,26 +1,24 @@
-"""How the emulator and the distributed runtime train a segment, evaluate and checkpoint.
+"""How a run trains a segment, evaluates and checkpoints, in the emulator and the runtime alike.
 
-Both implement :class:`megatron.trainer.loop.segments.SegmentRunner` over the same stage workers and
-schedules; they differ only in where stages live (all here, or one per process) and so in
-how evaluation results are summed and how checkpoint writers are coordinated.
+:class:`PipelineRunner` implements :class:`megatron.trainer.loop.segments.SegmentRunner` over the
+local stage workers and a :class:`~megatron.pipeline.runtime.transport.Transport`, which says
+where the stages live (all here, or one per process) and so sums evaluation results and
+coordinates checkpoint writers.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink
-from megatron.pipeline.runtime.executors.distributed import DistributedExecutor
-from megatron.pipeline.runtime.executors.emulator import Emulator
-from megatron.pipeline.runtime.parallel import StageGroups
-from megatron.pipeline.runtime.profiling import distributed_profiling, emulator_profiling
+from megatron.pipeline.runtime.executors.run import run_streams
+from megatron.pipeline.runtime.profiling import schedule_profiling
+from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.schedules.base import Schedule
-from megatron.pipeline.schedules.evaluation import evaluation_ops, evaluation_streams
+from megatron.pipeline.schedules.evaluation import evaluation_ops
 from megatron.pipeline.runtime.tracing import StageTracer
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing import checkpoint as ckpt
@@ -70,89 +68,51 @@ class EvaluationData:
         return self._fns[split]
 
 
-class EmulatorRunner:
-    """All stages in this process."""
+class PipelineRunner:
+    """The local stages (all of them in the emulator, this rank's in the runtime); the other
+    processes, if any, run the same calls."""
 
-    def __init__(self, task: PretrainTask, args: argparse.Namespace, workers: list[StageWorker],
-                 cadence: ReportCadence, sink: ReportSink):
-        self.task, self.args, self.workers = task, args, workers
+    def __init__(self, task: PretrainTask, args: argparse.Namespace, transport: Transport,
+                 workers: list[StageWorker], cadence: ReportCadence, sink: ReportSink):
+        self.task, self.args, self.transport, self.workers = task, args, transport, workers
         self.cadence, self.sink = cadence, sink
-        self.data = EvaluationData(task, args, 0, workers[0].setup.device)
-        self.tracers = [_tracer(args, w, 0, "emulator") for w in workers]
+        self.data = EvaluationData(task, args, transport.dp_rank, workers[0].setup.device)
+        self.tracers = [_tracer(args, w, transport.dp_rank, transport.name) for w in workers]
 
     def train(self, schedule: Schedule) -> None:
         self.schedule = schedule  # what it decides while training (zb's profiled order) is checkpointed
-        hook = emulator_profiling(schedule, self.workers)  # zb-1p / zb-2p with --zb-profile-iters
+        hook = schedule_profiling(schedule, self.transport, self.workers)  # zb-1p / zb-2p with --zb-profile-iters
+        if self.tracers and self.tracers[0] is not None:
+            self.transport.align_clocks([t for t in self.tracers if t is not None])
         with _tracing(self.workers, self.tracers, self.args):
-            Emulator(self.workers, schedule.layout, self.cadence, self.sink, sync_hook=hook,
-                     outcomes=getattr(schedule, "validation_outcomes", None)).run(schedule.streams())
-
-    def evaluate(self, split: str) -> tuple[float, int] | None:
-        batch_fn = self.data.batch_fn(split)
-        if batch_fn is None:
-            return None
-        for w in self.workers:
-            w.begin_evaluation(batch_fn)
-        layout = self.workers[0].layout
-        Emulator(self.workers, layout, self.cadence, self.sink).run(
-            evaluation_streams(layout, self.data.num_microbatches))
-        results = [w.end_evaluation() for w in self.workers]
-        return sum(loss for loss, _ in results), sum(tokens for _, tokens in results)
-
-    def save(self, iteration: int) -> None:
-        root = self.args.save
-        ckpt.prepare_staging(root, iteration)
-        for w in self.workers:
-            ckpt.write_rank_file(root, iteration, w.stage, 0, ckpt.stage_state(self.task, w))
-        ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.args), len(self.workers), 1,
-                     ckpt.schedule_state(getattr(self, "schedule", None)))
-
-
-class DistributedRunner:
-    """This rank's stage; the others run the same calls in their processes."""
-
-    def __init__(self, task: PretrainTask, args: argparse.Namespace, worker: StageWorker, groups: StageGroups,
-                 cadence: ReportCadence, sink: ReportSink, timeout: timedelta):
-        self.task, self.args, self.worker, self.groups = task, args, worker, groups
-        self.cadence, self.sink, self.timeout = cadence, sink, timeout
-        self.data = EvaluationData(task, args, groups.dp_rank, worker.setup.device)
-        self.tracer = _tracer(args, worker, groups.dp_rank, "distributed")
-
-    def train(self, schedule: Schedule) -> None:
-        self.schedule = schedule  # what it decides while training (zb's profiled order) is checkpointed
-        hook = distributed_profiling(schedule, self.worker, self.groups, self.timeout, log=self.groups.rank == 0)
-        if self.tracer is not None:  # a common instant for aligning the ranks' clocks
-            dist.barrier(group=self.groups.reports)
-            self.tracer.mark_aligned()
-        with _tracing([self.worker], [self.tracer], self.args):
-            DistributedExecutor(self.worker, self.groups, self.cadence, self.sink, self.timeout, sync_hook=hook,
-                                outcomes=getattr(schedule, "validation_outcomes", None)).run(
-                schedule.stage_ops(self.groups.stage))
+            run_streams(self.transport, self.workers, self.transport.local_streams(schedule), self.cadence,
+                        self.sink, sync_hook=hook, outcomes=getattr(schedule, "validation_outcomes", None))
 
     def evaluate(self, split: str) -> tuple[float, int] | None:
         batch_fn = self.data.batch_fn(split)
         if batch_fn is None:  # every rank sees the same data, so all skip together
             return None
-        self.worker.begin_evaluation(batch_fn)
-        DistributedExecutor(self.worker, self.groups, self.cadence, self.sink, self.timeout).run(
-            evaluation_ops(self.groups.stage, self.worker.layout, self.data.num_microbatches))
-        loss_sum, tokens = self.worker.end_evaluation()
-        # Only last-stage ranks hold losses; every replica evaluated its own share.
-        total = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64)
-        dist.all_reduce(total, group=self.groups.reports)
-        return float(total[0]), int(total[1])
+        for w in self.workers:
+            w.begin_evaluation(batch_fn)
+        layout = self.workers[0].layout
+        streams = [evaluation_ops(s, layout, self.data.num_microbatches) for s in self.transport.stages]
+        run_streams(self.transport, self.workers, streams, self.cadence, self.sink)
+        results = [w.end_evaluation() for w in self.workers]
+        # Only last stages hold losses; every data-parallel replica evaluated its own share.
+        loss_sum, tokens = self.transport.all_sum([sum(loss for loss, _ in results),
+                                                   float(sum(tokens for _, tokens in results))])
+        return loss_sum, int(tokens)
 
     def save(self, iteration: int) -> None:
-        root, coordinator = self.args.save, self.groups.rank == 0
-        if coordinator:
+        root, transport = self.args.save, self.transport
+        if transport.is_coordinator:
             ckpt.prepare_staging(root, iteration)
-        dist.barrier(group=self.groups.reports)
-        ckpt.write_rank_file(root, iteration, self.groups.stage, self.groups.dp_rank,
-                             ckpt.stage_state(self.task, self.worker))
-        dist.barrier(group=self.groups.reports)
-        if coordinator:
-            layout = self.groups.layout
+        transport.barrier()
+        for w in self.workers:
+            ckpt.write_rank_file(root, iteration, w.stage, transport.dp_rank, ckpt.stage_state(self.task, w))
+        transport.barrier()
+        if transport.is_coordinator:
             ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.args),
-                         layout.pipeline_size, layout.data_parallel_size,
+                         transport.pipeline_size, transport.data_parallel_size,
                          ckpt.schedule_state(getattr(self, "schedule", None)))
-        dist.barrier(group=self.groups.reports)
+        transport.barrier()

@@ -18,9 +18,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.pipeline.runtime.executors.common import ReportCadence
-from megatron.pipeline.runtime.executors.distributed import PipelineRuntimeError, SideChannelReports
+from megatron.pipeline.runtime.executors.errors import PipelineRuntimeError
 from megatron.pipeline.ir import MultiPipelineLayout
 from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
+from megatron.pipeline.runtime.transport import Transport
+from megatron.pipeline.runtime.transport.distributed import DistributedTransport
+from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 from megatron.pipeline.runtime.profiling import log_fixed_choice
 from megatron.pipeline.runtime.replicas import optimizer_shards
 from megatron.pipeline.schedules import build_schedule
@@ -30,7 +33,7 @@ from megatron.pipeline.runtime.worker import StageSetup, StageWorker
 from megatron.trainer.tasks.auto_partition import apply_auto_partition
 from megatron.trainer.config.arguments import build_parser, parse_args
 from megatron.trainer.config.run_config import run_config
-from megatron.trainer.launch.exit_control import launcher_signals, rank_signal_defaults, stop_control
+from megatron.trainer.launch.exit_control import StopControl, launcher_signals, rank_signal_defaults, stop_control
 from megatron.trainer.checkpointing.checkpoint import (
     CheckpointError, ResumePoint, check_resume, load_stage_state, restore_schedule_state)
 from megatron.trainer.launch.launcher import free_port, is_worker_process, launch_local
@@ -47,7 +50,7 @@ from megatron.trainer.launch.slurm_env import SlurmEnvironmentError, adopt_slurm
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
 from megatron.trainer.loop.rampup import segment_boundaries, segment_schedules
 from megatron.trainer.launch import flight_recorder
-from megatron.trainer.loop.runners import DistributedRunner, EmulatorRunner
+from megatron.trainer.loop.runners import PipelineRunner
 from megatron.trainer.tasks.task import PretrainTask
 
 
@@ -194,11 +197,53 @@ def _init_megatron_parallel_state() -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
+def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, device: torch.device,
+          stop: StopControl | None) -> list[StageWorker]:
+    """Train the transport's local stages: workers, resume, banner, logger, schedule, segments,
+    summary and dumps; the same for the emulator and every rank of the runtime. Returns the
+    local stage workers (weights, statistics)."""
+    resume = check_resume_or_exit(task, args, verify_files=False)  # each process verifies the files it loads
+    workers = [build_worker(task, args, s, transport.dp_rank, device, isolate_rng=transport.in_process)
+               for s in transport.stages]
+    start = _resume(task, args, workers, transport.dp_rank, resume)
+    _start_banner(args, transport, workers)
+    coordinator = transport.is_coordinator
+    logger = make_logger(args, start, task) if coordinator else None
+    collector = ReportCollector(transport.num_reporters, logger.log_update) if logger else None
+    sink = transport.report_sink(collector)
+    schedule = run_schedule(args, start, resume)
+    cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
+    if coordinator:
+        log_fixed_choice(schedule)
+    if stop is not None:
+        stop.agree = transport.all_max
+    run_segments(schedule, run_plan(args, start), PipelineRunner(task, args, transport, workers, cadence, sink),
+                 logger, say=lambda line: print(line, flush=True) if coordinator else None, stop=stop,
+                 schedule_for=segment_schedules(args, schedule, workers))
+    transport.flush()
+    if logger:
+        logger.log_summary()
+        logger.close()
+    if args.log_weight_version_drift and transport.dp_rank == 0:
+        _print_drift_histograms(workers)
+    if args.dump_final_params and transport.dp_rank == 0:
+        for w in workers:
+            dump_parameters(task, w, args.dump_final_params)
+    return workers
+
+
+def _start_banner(args: argparse.Namespace, transport: Transport, workers: list[StageWorker]) -> None:
+    """The run's first lines, with every stage's parameter count (gathered: a rank has one stage)."""
+    counts = transport.gather_rows({w.stage: [stage_parameter_count(w)] for w in workers})
+    if transport.is_coordinator:
+        per_stage = {s: int(n) for s, (n,) in reversed(counts)}  # data-parallel replicas agree
+        print_banner(args, [per_stage[s] for s in sorted(per_stage)], transport.describe(), sys.stdout)
+
+
 def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     """Train all stages in this process; return the stage workers (weights, statistics)."""
     set_threads(args, 1)
     stop = stop_control(args, decides_time=True)  # --exit-signal-handler: the handler goes in first
-    resume = check_resume_or_exit(task, args, verify_files=False)  # pretrain() verified them, loading does again
     if not dist.is_initialized():
         flight_recorder.disable_unless_requested()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
@@ -207,29 +252,11 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
         _init_megatron_parallel_state()
     device = resolve_device(args, 0)
     apply_auto_partition(task, args, device)  # --pipeline-partition auto: profile, then split
-    pp = args.pipeline_model_parallel_size
-    workers = [build_worker(task, args, s, 0, device, isolate_rng=True) for s in range(pp)]
-    start = _resume(task, args, workers, 0, resume)
-    print_banner(args, [stage_parameter_count(w) for w in workers], "emulator, one process", sys.stdout)
-    logger = make_logger(args, start, task)
-    collector = ReportCollector(pp, logger.log_update)
-    schedule = run_schedule(args, start, resume)
-    cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
-    log_fixed_choice(schedule)
     try:
-        run_segments(schedule, run_plan(args, start), EmulatorRunner(task, args, workers, cadence, collector), logger,
-                     stop=stop, schedule_for=segment_schedules(args, schedule, workers))
+        return drive(task, args, InProcessTransport(run_config(args).layout), device, stop)
     finally:
         if stop is not None:
             stop.restore()
-    logger.log_summary()
-    logger.close()
-    if args.log_weight_version_drift:
-        _print_drift_histograms(workers)
-    if args.dump_final_params:
-        for w in workers:
-            dump_parameters(task, w, args.dump_final_params)
-    return workers
 
 
 def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
@@ -253,53 +280,16 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
     apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
-    stage, dp_rank, _ = layout.coords(rank)
     try:
-        resume = check_resume_or_exit(task, args, verify_files=False)  # each rank verifies the file it loads
-        worker = build_worker(task, args, stage, dp_rank, device, isolate_rng=False)
-        start = _resume(task, args, [worker], dp_rank, resume)
-        counts: list[tuple[int, int, int] | None] = [None] * layout.world_size
-        dist.all_gather_object(counts, (stage, dp_rank, stage_parameter_count(worker)), group=groups.reports)
-        if rank == 0:
-            per_stage = dict((s, n) for s, d, n in counts if d == 0)  # type: ignore[misc]
-            print_banner(args, [per_stage[s] for s in sorted(per_stage)],
-                         f"distributed runtime, {layout.world_size} ranks", sys.stdout)
-        logger = make_logger(args, start, task) if rank == 0 else None
-        collector = ReportCollector(layout.world_size, logger.log_update) if logger else None
-        reports = SideChannelReports(groups, collector, p2p_timeout)
-        schedule = run_schedule(args, start, resume)
-        cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
-        if rank == 0:
-            log_fixed_choice(schedule)
-        runner = DistributedRunner(task, args, worker, groups, cadence, reports, p2p_timeout)
-        if stop is not None:
-            stop.agree = lambda flags: _all_reduce_max(flags, groups)
-        run_segments(schedule, run_plan(args, start), runner, logger,
-                     say=lambda line: print(line, flush=True) if rank == 0 else None, stop=stop,
-                     schedule_for=segment_schedules(args, schedule, [worker]))
-        reports.flush()
-        if logger:
-            logger.log_summary()
-            logger.close()
-        if args.log_weight_version_drift and dp_rank == 0:
-            _print_drift_histograms([worker])
-        if args.dump_final_params and dp_rank == 0:
-            dump_parameters(task, worker, args.dump_final_params)
+        drive(task, args, DistributedTransport(groups, stage_layout, p2p_timeout), device, stop)
     except PipelineRuntimeError as exc:
         _fail(f"[megatron-async] error: {exc}")
     except Exception as exc:  # noqa: BLE001 - any failure must end this rank, not hang it
         traceback.print_exc()
-        _fail(f"[megatron-async] error: stage {stage} (rank {rank}): {type(exc).__name__}: {exc}")
+        _fail(f"[megatron-async] error: stage {groups.stage} (rank {rank}): {type(exc).__name__}: {exc}")
     dist.barrier(group=groups.reports)
     dist.destroy_process_group()
     return 0
-
-
-def _all_reduce_max(values: list[float], groups: StageGroups) -> list[float]:
-    """Element-wise MAX of ``values`` over every rank (the stop decision; CPU, like the reports)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=groups.reports)
-    return tensor.tolist()
 
 
 def check_resume_or_exit(task: PretrainTask, args: argparse.Namespace,

@@ -1,20 +1,14 @@
 """What both tensor executors share: op dispatch to a worker and report cadence."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from megatron.pipeline.comm import Message, op_recvs, op_sends
 from megatron.pipeline.ir import Op, OpKind
-from megatron.pipeline.runtime.report import StageReport
+from megatron.pipeline.runtime.transport import ReportSink  # noqa: F401 - re-exported for the executors
 from megatron.pipeline.runtime.worker import StageWorker
-
-
-class ReportSink(Protocol):
-    def submit(self, report: StageReport, replica: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -75,5 +69,3 @@ def _run_compute_op(
     sends = op_sends(op, layout)
     return {sends[0]: out} if sends else {}
 
-
-MaybeReport = Callable[[StageWorker, Op], None]

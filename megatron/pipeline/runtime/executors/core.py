@@ -1,0 +1,98 @@
+"""The op-execution core both executors share: what an op does to the stages, written once.
+
+An executor decides *when* an op runs (the emulator replays every stage's stream; the runtime
+prefetches its stage's receives) and hands the op here with its received tensors. Everything
+that needs another stage goes through the :class:`~megatron.pipeline.runtime.transport.Transport`:
+the data-parallel reduction, the synchronous step's gathers (norms over the sync group; AMDP's
+replica sums and shard gathers, :class:`~megatron.pipeline.runtime.replicas.ReplicaReduction`),
+and the reports. So the optimizer step, post-validation's ops, compute ops and the
+report cadence exist once, for every transport.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatron.pipeline.comm import Message
+from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind, PipelineLayout
+from megatron.pipeline.post_validation import ValidationOutcomes
+from megatron.pipeline.runtime.post_validation_ops import run_post_validation_op
+from megatron.pipeline.runtime.executors.common import ReportCadence, run_compute_op
+from megatron.pipeline.runtime.replicas import ReplicaReduction, has_replicas
+from megatron.pipeline.runtime.transport import ReportSink, Transport, Workers
+from megatron.pipeline.runtime.worker import StageWorker
+
+SyncHook = Callable[[list[Op]], None]
+"""Called after every synchronous step with the local stages' ops of it, before any later op of
+those streams is pulled (profiled Zero Bubble schedules decide their order there)."""
+
+
+Send = Callable[[Message, torch.Tensor], None]
+
+
+class StageNorms:
+    """A synchronous step's collectives for one chain: every stage's own squared norm,
+    gathered over the sync group in stage order (summed with ``math.fsum`` by the worker)."""
+
+    def norms(self, transport: Transport, workers: Workers, ops: Sequence[Op]) -> list[float]:
+        device = workers[ops[0].stage].setup.device
+        return transport.sync_gather([workers[op.stage].grad_sq_norm(op) for op in ops], device)
+
+    def finish(self, transport: Transport, workers: Workers, ops: Sequence[Op]) -> None:
+        pass
+
+
+def step_reduction(layout: PipelineLayout) -> StageNorms | ReplicaReduction:
+    """What a synchronous step of ``layout`` exchanges: AMDP's replicas sum gradients first."""
+    return ReplicaReduction() if has_replicas(layout) else StageNorms()
+
+
+class OpCore:
+    """Runs ops on the local stages' workers over ``transport``."""
+
+    def __init__(self, transport: Transport, workers: Workers, cadence: ReportCadence, sink: ReportSink,
+                 sync_hook: SyncHook | None = None, outcomes: ValidationOutcomes | None = None):
+        self.transport = transport
+        self.workers = workers
+        self.cadence = cadence
+        self.sink = sink
+        self.sync_hook = sync_hook
+        self.outcomes = outcomes  # post-validated streams read what VALIDATE records here
+        self.reduction = step_reduction(transport.layout)
+
+    def execute(self, op: Op, inputs: dict[Message, torch.Tensor], send: Send) -> None:
+        """Run a non-OPT op with its received tensors; hand each tensor to send to ``send``."""
+        worker = self.workers[op.stage]
+        if op.kind not in POST_VALIDATION_KINDS:
+            outputs = run_compute_op(worker, op, inputs)
+        else:
+            if op.kind is OpKind.PSTEP:  # steps on this replica's share: average over replicas first
+                self.transport.reduce_data_parallel(worker)
+            outputs = run_post_validation_op(worker, op, inputs, self.outcomes)
+        for msg, tensor in outputs.items():
+            send(msg, tensor)
+        if op.kind is OpKind.VALIDATE:  # reports of post-validated updates are taken here
+            self._maybe_report(worker, op)
+
+    def step(self, ops: Sequence[Op]) -> None:
+        """An OPT: one stage-local step, or the local stages' ops of one synchronous step."""
+        for op in ops:
+            self.transport.reduce_data_parallel(self.workers[op.stage])
+        if ops[0].sync:
+            norms = self.reduction.norms(self.transport, self.workers, ops)
+        else:
+            (op,) = ops
+            norms = [self.workers[op.stage].grad_sq_norm(op)]
+        for op in ops:
+            self.workers[op.stage].apply_update(op, norms)
+        if ops[0].sync:
+            self.reduction.finish(self.transport, self.workers, ops)
+        for op in ops:
+            self._maybe_report(self.workers[op.stage], op)
+        if ops[0].sync and self.sync_hook is not None:
+            self.sync_hook(list(ops))
+
+    def _maybe_report(self, worker: StageWorker, op: Op) -> None:
+        if self.cadence.due(op.update):
+            self.sink.submit(worker.take_report(op.update), replica=self.transport.dp_rank)

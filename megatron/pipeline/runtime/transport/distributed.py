@@ -1,0 +1,260 @@
+"""The runtime's transport: this rank's stage, torch.distributed point-to-point and collectives.
+
+Point-to-point goes over one two-rank group per link direction (:class:`P2PChannel`, receives
+posted ahead, sends reaped by :mod:`~megatron.pipeline.runtime.executors.send_reaper`);
+collectives over the rank's :class:`~megatron.pipeline.runtime.parallel.StageGroups`: the
+step's norms over the pipeline (or AMDP's sync group), gradients over the data-parallel group,
+statistics, sums, barriers and gathers over the gloo side group (never NCCL: CPU tensors).
+Every wait has the pipeline timeout, so a dead peer ends a rank instead of hanging it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from megatron.pipeline.comm import Message
+from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
+from megatron.pipeline.runtime.executors.send_reaper import SendReaper, wait_or_raise
+from megatron.pipeline.runtime.parallel import StageGroups
+from megatron.pipeline.runtime.replicas import has_replicas
+from megatron.pipeline.runtime.report import StageReport
+from megatron.pipeline.runtime.transport import ReportSink, Transport
+from megatron.pipeline.runtime.worker import StageWorker
+
+if TYPE_CHECKING:
+    from megatron.pipeline.runtime.tracing import StageTracer
+    from megatron.pipeline.schedules.base import Schedule
+
+PING_ROUNDS = 5
+
+
+class P2PChannel:
+    """Point-to-point messages of one stage, with receives posted ahead of use."""
+
+    def __init__(self, worker: StageWorker, groups: StageGroups, timeout: timedelta):
+        self.worker = worker
+        self.groups = groups
+        self.timeout = timeout
+        # Posted receives per message, oldest first: a post-validation replay receives the
+        # same activation twice (a stale copy to DRAIN, then the re-sent one).
+        self._posted: dict[Message, deque[tuple[dist.Work | None, torch.Tensor]]] = {}
+        self._local: dict[Message, torch.Tensor] = {}  # stage sending to itself
+        self._sends = SendReaper(timeout, threaded=worker.setup.device.type == "cpu")
+
+    def _peer(self, stage: int) -> int:
+        return self.groups.layout.rank(stage, self.groups.dp_rank)
+
+    def post(self, msg: Message) -> None:
+        if msg.src_stage == msg.dst_stage:
+            return
+        shape, dtype = self.worker.recv_spec(msg)
+        buf = torch.empty(shape, dtype=dtype, device=self.worker.setup.device)
+        group = self.groups.p2p_group(msg.src_stage, msg.dst_stage)
+        self._posted.setdefault(msg, deque()).append((dist.irecv(buf, src=self._peer(msg.src_stage), group=group), buf))
+
+    def wait(self, msg: Message) -> torch.Tensor:
+        if msg in self._local:
+            return self._local.pop(msg)
+        if not self._posted.get(msg):
+            self.post(msg)
+        queue = self._posted[msg]
+        work, buf = queue.popleft()
+        if not queue:
+            del self._posted[msg]
+        wait_or_raise(work, self.timeout, f"receiving {msg} from stage {msg.src_stage} (rank {self._peer(msg.src_stage)})")
+        return buf
+
+    def send(self, msg: Message, tensor: torch.Tensor) -> None:
+        if msg.src_stage == msg.dst_stage:
+            self._local[msg] = tensor.clone()
+            return
+        tensor = tensor.contiguous()  # a no-op (no copy) for the contiguous tensors stages produce
+        peer = self._peer(msg.dst_stage)
+        group = self.groups.p2p_group(msg.src_stage, msg.dst_stage)
+        self._sends.add(peer, dist.isend(tensor, dst=peer, group=group), tensor, msg)
+
+    def flush(self) -> None:
+        self._sends.flush()
+
+
+class SideChannelReports:
+    """Ships every rank's :class:`StageReport` to the logging rank over a gloo side group.
+
+    Non-logging ranks ``isend`` and move on. The logging rank is stage 0 / replica 0: in
+    every schedule here stage 0 is the last to finish an update, so the others' reports
+    for that update have already been sent when it collects them.
+    """
+
+    def __init__(self, groups: StageGroups, collector: ReportSink | None, timeout: timedelta, logging_rank: int = 0):
+        self.groups = groups
+        self.collector = collector
+        self.timeout = timeout
+        self.logging_rank = logging_rank
+        self._sends = SendReaper(timeout, threaded=True)  # the side group is gloo
+
+    def submit(self, report: StageReport, replica: int) -> None:
+        if self.groups.rank != self.logging_rank:
+            t = report.to_tensor()
+            work = dist.isend(t, dst=self.logging_rank, group=self.groups.reports)
+            self._sends.add(self.logging_rank, work, t, f"the statistics of update {report.update}")
+            return
+        assert self.collector is not None
+        self.collector.submit(report, replica)
+        for rank in range(self.groups.layout.world_size):
+            if rank == self.logging_rank:
+                continue
+            buf = torch.empty(StageReport.size(), dtype=torch.float64)
+            work = dist.irecv(buf, src=rank, group=self.groups.reports)
+            stage = self.groups.layout.coords(rank)[0]
+            wait_or_raise(work, self.timeout, f"collecting statistics of update {report.update} from stage {stage} (rank {rank})")
+            self.collector.submit(StageReport.from_tensor(buf), self.groups.layout.coords(rank)[1])
+
+    def flush(self) -> None:
+        self._sends.flush()
+
+
+class DistributedTransport(Transport):
+    name = "distributed"
+    in_process = False
+
+    def __init__(self, groups: StageGroups, layout: PipelineLayout, timeout: timedelta):
+        self.groups = groups
+        self.layout = layout
+        self.timeout = timeout
+        self.rank, self.dp_rank = groups.rank, groups.dp_rank
+        self.pipeline_size = groups.layout.pipeline_size
+        self.data_parallel_size = groups.layout.data_parallel_size
+        # The sync step's group: AMDP's (the devices holding replicas of the same stages), else
+        # the pipeline (one chain: every stage).
+        self._sync = (groups.sync, groups.sync_size) if has_replicas(layout) else \
+            (groups.pipeline, len(layout.sync_group(groups.stage)))
+        self._reports: SideChannelReports | None = None
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return (self.groups.stage,)
+
+    @property
+    def num_reporters(self) -> int:
+        return self.groups.layout.world_size
+
+    def describe(self) -> str:
+        return f"distributed runtime, {self.groups.layout.world_size} ranks"
+
+    def local_streams(self, schedule: "Schedule") -> list[Iterable[Op]]:
+        return [schedule.stage_ops(self.groups.stage)]
+
+    def channel(self, worker: StageWorker) -> P2PChannel:
+        """This stage's point-to-point messages (one channel per executor run)."""
+        return P2PChannel(worker, self.groups, self.timeout)
+
+    # -- the optimizer step ------------------------------------------------------------
+    def reduce_data_parallel(self, worker: StageWorker) -> None:
+        dp = self.data_parallel_size
+        if dp == 1:
+            return
+        params = worker.setup.optimizer.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.groups.data_parallel)
+        flat /= dp
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+
+    def sync_gather(self, values: Sequence[float], device: torch.device) -> list[float]:
+        group, size = self._sync
+        if size == 1:
+            return [float(v) for v in values]
+        mine = torch.tensor(list(values), dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(gathered, mine, group=group)
+        return [float(t) for t in gathered]  # a group orders its ranks by stage: stage order
+
+    def replica_gather(self, stage: int, local: Mapping[tuple[int, int], torch.Tensor]) -> list[torch.Tensor]:
+        assert isinstance(self.layout, MultiPipelineLayout)
+        (mine,) = local.values()
+        gathered = [torch.empty_like(mine) for _ in range(self.layout.num_pipelines)]
+        dist.all_gather(gathered, mine, group=self.groups.replicas[stage])
+        replicas = self.layout.replicas(stage)
+        by_device = dict(zip(sorted(d for d, _ in replicas), gathered))  # a group orders by rank
+        return [by_device[d] for d, _ in replicas]
+
+    # -- side group ----------------------------------------------------------------------
+    def report_sink(self, collector: ReportSink | None) -> ReportSink:
+        self._reports = SideChannelReports(self.groups, collector, self.timeout)
+        return self._reports
+
+    def flush(self) -> None:
+        if self._reports is not None:
+            self._reports.flush()
+
+    def _all_reduce(self, values: Sequence[float], op: dist.ReduceOp) -> list[float]:
+        tensor = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(tensor, op=op, group=self.groups.reports)
+        return tensor.tolist()
+
+    def all_sum(self, values: Sequence[float]) -> list[float]:
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def all_max(self, values: Sequence[float]) -> list[float]:
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.groups.reports)
+
+    def gather_rows(self, rows: Mapping[int, Sequence[float]]) -> list[tuple[int, list[float]]]:
+        (row,) = rows.values()
+        mine = torch.tensor([float(x) for x in row], dtype=torch.float64)
+        out = [torch.empty_like(mine) for _ in range(self.groups.layout.world_size)]
+        dist.all_gather(out, mine, group=self.groups.reports, async_op=True).wait(self.timeout)
+        return [(self.groups.layout.coords(r)[0], t.tolist()) for r, t in enumerate(out)]
+
+    def link_latency(self, worker: StageWorker) -> float:
+        """One-way time of an activation between this stage and the next (0 on the last stage).
+
+        Neighbouring pairs take turns (pair (0, 1), then (1, 2), ...), each ``PING_ROUNDS``
+        timed round trips after one untimed.
+        """
+        setup, layout = worker.setup, self.groups.layout
+        n, stage, dp = layout.pipeline_size, self.groups.stage, self.dp_rank
+        buf = torch.zeros(setup.activation_shape, dtype=setup.activation_dtype, device=setup.device)
+
+        def wait(work: "dist.Work") -> None:
+            work.wait(self.timeout)
+            if setup.device.type == "cuda":
+                torch.cuda.synchronize(setup.device)
+
+        hop = 0.0
+        for left in range(n - 1):
+            if stage == left:
+                peer = layout.rank(left + 1, dp)
+                times = []
+                for _ in range(PING_ROUNDS + 1):
+                    start = time.perf_counter()
+                    wait(dist.isend(buf, dst=peer))
+                    wait(dist.irecv(buf, src=peer))
+                    times.append(time.perf_counter() - start)
+                hop = statistics.median(times[1:]) / 2
+            elif stage == left + 1:
+                peer = layout.rank(left, dp)
+                for _ in range(PING_ROUNDS + 1):
+                    wait(dist.irecv(buf, src=peer))
+                    wait(dist.isend(buf, dst=peer))
+        return hop
+
+    def align_clocks(self, tracers: Sequence["StageTracer"]) -> None:
+        self.barrier()  # a common instant for aligning the ranks' clocks
+        for tracer in tracers:
+            tracer.mark_aligned()
