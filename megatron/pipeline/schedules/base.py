@@ -149,6 +149,14 @@ class Schedule(abc.ABC):
     #: True when every backward reads the weight version its forward read (weight stashing)
     stashes_weights: ClassVar[bool] = False
 
+    #: True when the stage's weight policy holds state a checkpoint saves (2BW's stash,
+    #: PipeMare's delta); it only resumes into the same partition and schedule
+    weight_policy_has_state: ClassVar[bool] = False
+
+    #: False when a checkpoint can only resume into the layout it was saved from (AMDP's
+    #: replicas hold sharded optimizer state); the message says why
+    reshard_refusal: ClassVar[str | None] = None
+
     @classmethod
     def stage_weight_policy(cls, config: ScheduleConfig, stage: int) -> WeightPolicySpec | None:
         """Which weights ``stage``'s passes read, as a spec (:mod:`megatron.pipeline.weight_policy`;

@@ -27,6 +27,7 @@ from megatron.pipeline.weight_policy import DoubleBuffered
 class PipeDream2BW(PACI):
     name = "pipedream-2bw"
     stashes_weights = True
+    weight_policy_has_state = True
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:

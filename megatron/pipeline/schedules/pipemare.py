@@ -133,6 +133,7 @@ PIPEMARE_FLAGS = FlagGroup("PipeMare techniques", (
 class PipeMare(PACI):
     name = "pipemare"
     flag_groups = (PIPEMARE_FLAGS,)
+    weight_policy_has_state = True
 
     @staticmethod
     def options(config: ScheduleConfig) -> PipeMareOptions:

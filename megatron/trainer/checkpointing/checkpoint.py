@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from megatron.pipeline.runtime.worker import StageWorker
+from megatron.trainer.checkpointing.paths import rank_file_name
 from megatron.trainer.checkpointing.reshard import (
     LAYOUT_FLAGS, ReshardError, ReshardPlan, file_index, merge_optimizer_states, plan, smallest_scale)
 from megatron.trainer.config.megatron_compat_args import COMPAT_SIGNATURE_FLAGS
@@ -76,10 +77,6 @@ class CheckpointError(RuntimeError):
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
-
-
-def rank_file_name(stage: int, dp_rank: int) -> str:
-    return f"stage{stage:02d}_dp{dp_rank}.pt"
 
 
 def run_signature(task: PretrainTask, args: argparse.Namespace) -> dict[str, Any]:

@@ -91,3 +91,8 @@ def check_checkpoint_paths(args: argparse.Namespace) -> None:
         check_output_flags(args)
     except OutputPathError as exc:
         raise CheckpointPathError(str(exc)) from None
+
+
+def rank_file_name(stage: int, dp_rank: int) -> str:
+    """The file one rank writes into a checkpoint's iteration directory."""
+    return f"stage{stage:02d}_dp{dp_rank}.pt"

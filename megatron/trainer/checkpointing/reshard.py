@@ -33,11 +33,12 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron.pipeline.schedules import schedule_class
+from megatron.trainer.checkpointing.paths import rank_file_name
+
 # Flags that describe the layout, not the model: they may differ between save and load.
 LAYOUT_FLAGS = ("pipeline_model_parallel_size", "num_model_chunks", "pipeline_layer_split",
                 "data_parallel_size", "pipeline_schedule", "num_microbatches", "micro_batch_size")
-STATEFUL_POLICIES = ("pipedream-2bw", "pipemare")  # schedules whose weight policy saves state
-UNRESHARDABLE = ("amdp",)
 
 
 class ReshardError(ValueError):
@@ -119,8 +120,6 @@ class ReshardPlan:
 
     def stage_file(self, stage: int, dp_rank: int) -> str | None:
         """The old rank file of the same stage (this replica's if it existed, else replica 0's)."""
-        from megatron.trainer.checkpointing.checkpoint import rank_file_name
-
         for name in (rank_file_name(stage, dp_rank), rank_file_name(stage, 0)):
             if name in self.index:
                 return name
@@ -134,10 +133,10 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
     if global_batch(saved) != global_batch(ours):
         raise ReshardError(f"checkpoint {where} was saved with a global batch of {global_batch(saved)} samples, "
                            f"this run has {global_batch(ours)} (the data position would not continue)")
-    for schedule in UNRESHARDABLE:
-        if schedule in (saved.get("pipeline_schedule"), ours.get("pipeline_schedule")):
-            raise ReshardError(f"checkpoint {where}: {describe(saved)} cannot load into {describe(ours)} "
-                               f"({schedule} shards optimizer state over replicated stages; keep its layout)")
+    for name in (saved.get("pipeline_schedule"), ours.get("pipeline_schedule")):
+        refusal = schedule_class(name).reshard_refusal if name else None
+        if refusal:
+            raise ReshardError(f"checkpoint {where}: {describe(saved)} cannot load into {describe(ours)} ({refusal})")
     index = metadata.get("index")
     if not index:
         raise ReshardError(f"checkpoint {where} has no parameter index (saved before reshardable checkpoints); "
@@ -167,7 +166,8 @@ def _notices(saved: dict[str, Any], ours: dict[str, Any], same_partition: bool, 
     if not same_partition:
         notices.append("stage partition changed: dropout RNG streams restart from --seed, "
                        "drift histograms start empty")
-    policies = {saved.get("pipeline_schedule"), ours.get("pipeline_schedule")} & set(STATEFUL_POLICIES)
+    policies = {name for name in (saved.get("pipeline_schedule"), ours.get("pipeline_schedule"))
+                if name and schedule_class(name).weight_policy_has_state}
     if policies and not (same_partition and same_schedule):
         notices.append(f"weight-version state of {'/'.join(sorted(policies))} reset (2BW's stash, "
                        f"PipeMare's delta start fresh)")
