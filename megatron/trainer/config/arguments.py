@@ -18,6 +18,7 @@ from megatron.trainer.config.run_control_args import RunControlError, add_run_co
 from megatron.trainer.config.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
 from megatron.trainer.config.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
 from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.optim.registry import OPTIMIZERS
 from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import FlagError, OneLineParser, check_flag_values
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
@@ -58,7 +59,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "basis-rotation"], default="adamw",
+    g.add_argument("--optimizer", choices=[*OPTIMIZERS, "sgd"], default="adamw",  # sgd: refused with one line
                    help="adam: Megatron-LM's name for AdamW (decoupled weight decay); "
                         "basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md)")
     g.add_argument("--lr", type=float, default=1e-3)

@@ -41,10 +41,9 @@ from megatron.trainer.loop.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop.segments import Segment, plan_segments, run_segments
 from megatron.trainer.loop.run_banner import print_banner
 from megatron.trainer.optim.lr_schedule import LRSchedule
-from megatron.trainer.optim.basis_rotation import BasisRotationAdamW, RotationConfig
 from megatron.trainer.config.mixed_precision_args import loss_scale_config
 from megatron.pipeline.runtime.loss_scaling import StageLossScaler
-from megatron.trainer.optim.adamw import Shards, StageAdamW
+from megatron.trainer.optim.registry import build_optimizer
 from megatron.trainer.launch.process_guard import guard_rank_process
 from megatron.trainer.launch.slurm_env import SlurmEnvironmentError, adopt_slurm_task_environment
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
@@ -65,22 +64,6 @@ def resolve_device(args: argparse.Namespace, local_rank: int) -> torch.device:
 def set_threads(args: argparse.Namespace, local_processes: int) -> None:
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_processes))
     torch.set_num_threads(threads)
-
-
-def build_optimizer(args: argparse.Namespace, named: list[tuple[str, torch.nn.Parameter]],
-                    stage: int, shards: Shards | None = None) -> StageAdamW:
-    """The stage's optimizer for ``--optimizer``; basis rotation gets the stage index and the
-    pipeline depth, which the stage-aware refresh budget depends on. ``shards``: the ranges an
-    AMDP replica owns (``megatron.pipeline.runtime.replicas.optimizer_shards``)."""
-    common = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-                  eps=args.adam_eps)
-    if getattr(args, "optimizer", "adamw") == "basis-rotation":
-        rotation = RotationConfig(
-            geometry=args.rotation_geometry, source=args.rotation_source,
-            refresh_interval=args.rotation_refresh_interval, stage_aware=args.rotation_stage_aware,
-            stage=stage, num_stages=args.pipeline_model_parallel_size)
-        return BasisRotationAdamW(named, rotation=rotation, **common)
-    return StageAdamW(named, exact=getattr(args, "optimizer_post_validation_exact", False), shards=shards, **common)
 
 
 def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
