@@ -206,7 +206,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--pipeline-layer-split has {len(split)} entries for {pp} pipeline stages")
         if sum(split) != args.num_layers or min(split) < 1:
             raise ArgumentError(f"--pipeline-layer-split {split} must be positive and sum to --num-layers {args.num_layers}")
-    elif args.num_layers % pp and args.pipeline_partition != "auto":
+    elif args.num_layers % pp and args.pipeline_partition not in ("balanced", "profiled"):
         raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} (or pass --pipeline-layer-split)")
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(

@@ -3,18 +3,31 @@
 * ``--trace-dir DIR``: every stage records its ops (``megatron.pipeline.runtime.tracing``) and writes
   ``DIR/stage{S}_dp{D}.json``; ``tools/merge_traces.py DIR`` turns them into a Chrome/Perfetto
   trace, a timeline PNG and measured bubble fractions.
-* ``--pipeline-partition even|auto``: ``even`` is the existing split (even, or
-  ``--pipeline-layer-split``); ``auto`` profiles one transformer layer, the embedding and the
-  head on this device and solves PACI's memory-constrained min-max partition
-  (``megatron.pipeline.partition``), under ``--pipeline-partition-memory-gb`` per stage.
+* ``--pipeline-partition balanced|even|profiled`` (``auto``: an alias of ``profiled``).
+  ``balanced``, the default wherever it applies, splits the layers by the analytic cost model
+  (``megatron.pipeline.cost_model``: FLOPs of the layers, embedding, head and loss) with PACI's
+  memory-constrained min-max partition (``megatron.pipeline.partition``): deterministic from
+  the flags, decided before any rank starts (``megatron.trainer.tasks.balanced_partition``).
+  ``even`` gives every stage the same number of layers. ``profiled`` measures one layer, the
+  embedding and the head on this device instead (GPT only; the split can differ between runs
+  and machines). ``--pipeline-layer-split`` overrides all of them; ``--pipeline-partition-memory-gb``
+  bounds each stage's memory for ``balanced`` and ``profiled``.
 """
 from __future__ import annotations
 
 import argparse
 
 
+PARTITIONS = ("balanced", "even", "profiled")
+
+
 class InsightArgumentError(ValueError):
     """A bad tracing / partition flag; one line for the user."""
+
+
+def _partition_name(value: str) -> str:
+    """``auto`` (the flag's former name for profiling) is ``profiled``."""
+    return "profiled" if value == "auto" else value
 
 
 def add_insight_args(p: argparse.ArgumentParser) -> None:
@@ -22,32 +35,31 @@ def add_insight_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-dir", default=None, metavar="DIR",
                    help="record every stage's op spans and write DIR/stage{S}_dp{D}.json "
                         "(merge with tools/merge_traces.py DIR --out trace.json --png timeline.png)")
-    g.add_argument("--pipeline-partition", choices=["even", "auto"], default="even",
-                   help="even: equal layers per stage (or --pipeline-layer-split); auto: profile layer "
-                        "time and memory on this device and minimise the slowest stage under the memory budget")
+    g.add_argument("--pipeline-partition", choices=PARTITIONS, default=None, type=_partition_name,
+                   help="balanced (default where it applies: one model part per stage, GPT or BERT, no full "
+                        "recompute): minimise the slowest stage by the analytic FLOPs of layers, embedding, "
+                        "head and loss; even: equal layers per stage; profiled (alias auto): measure the "
+                        "costs on this device (GPT). --pipeline-layer-split overrides")
     g.add_argument("--pipeline-partition-memory-gb", type=float, default=None, metavar="GB",
-                   help="per-stage memory budget for --pipeline-partition auto (static + in-flight "
-                        "activations); default: the device's memory on GPU, unlimited on CPU")
+                   help="per-stage memory budget for --pipeline-partition balanced or profiled (static + "
+                        "in-flight activations); default unlimited (profiled on GPU: the device's memory)")
     g.add_argument("--pipeline-partition-profile-iters", type=int, default=3, metavar="R",
                    help="timed forward+backward passes per profiled part (after one warm-up pass)")
 
 
 def validate_insight_args(args: argparse.Namespace) -> None:
-    if getattr(args, "pipeline_partition", "even") != "auto":
-        if args.pipeline_partition_memory_gb is not None:
-            raise InsightArgumentError("--pipeline-partition-memory-gb needs --pipeline-partition auto")
+    """Check the partition flags and decide the balanced split (sets ``args.pipeline_partition``
+    to what applies, and ``args.pipeline_layer_split`` when balancing moves layers)."""
+    _resolve_partition(args)
+    if args.pipeline_partition != "profiled":
         return
     pp = args.pipeline_model_parallel_size
-    if args.pipeline_layer_split is not None:
-        raise InsightArgumentError("--pipeline-partition auto chooses the split; drop --pipeline-layer-split")
     if args.num_layers < pp:
-        raise InsightArgumentError(f"--pipeline-partition auto needs --num-layers {args.num_layers} >= "
+        raise InsightArgumentError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= "
                                    f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")
     if getattr(args, "num_model_chunks", 1) != 1:
-        raise InsightArgumentError("--pipeline-partition auto splits one chunk per stage; "
+        raise InsightArgumentError("--pipeline-partition profiled splits one chunk per stage; "
                                    "interleaved schedules need the even split")
-    if args.pipeline_partition_memory_gb is not None and args.pipeline_partition_memory_gb <= 0:
-        raise InsightArgumentError("--pipeline-partition-memory-gb must be > 0")
     if args.pipeline_partition_profile_iters < 1:
         raise InsightArgumentError("--pipeline-partition-profile-iters must be >= 1")
     from megatron.trainer.tasks.auto_partition import split_from_checkpoint
@@ -56,3 +68,29 @@ def validate_insight_args(args: argparse.Namespace) -> None:
     if split is not None and len(split) == pp and sum(split) == args.num_layers:
         args.pipeline_layer_split = split
         args.pipeline_partition_resumed = True
+
+
+def _resolve_partition(args: argparse.Namespace) -> None:
+    """The partition that applies: an explicit split is ``even`` (the user's), the default is
+    ``balanced`` where it applies, else ``even``; an explicit choice that cannot apply is refused."""
+    from megatron.trainer.tasks.balanced_partition import apply_balanced_split, why_not_balanced
+
+    asked = getattr(args, "pipeline_partition", None)
+    memory = getattr(args, "pipeline_partition_memory_gb", None)
+    if memory is not None and memory <= 0:
+        raise InsightArgumentError("--pipeline-partition-memory-gb must be > 0")
+    if getattr(args, "_balanced_split", False):  # validated before: decide again from the flags
+        args.pipeline_layer_split, asked = None, "balanced"
+    if args.pipeline_layer_split is not None:
+        if asked in ("balanced", "profiled"):
+            raise InsightArgumentError(f"--pipeline-partition {asked} chooses the split; drop --pipeline-layer-split")
+        args.pipeline_partition = "explicit"
+    elif asked in (None, "balanced"):
+        reason = why_not_balanced(args)
+        if reason is not None and asked == "balanced":
+            raise InsightArgumentError(f"--pipeline-partition balanced cannot apply: {reason}")
+        args.pipeline_partition = "even" if reason is not None else "balanced"
+        if reason is None:
+            apply_balanced_split(args)
+    if memory is not None and args.pipeline_partition in ("even", "explicit"):
+        raise InsightArgumentError("--pipeline-partition-memory-gb needs --pipeline-partition balanced or profiled")

@@ -80,9 +80,9 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--zb-memory-limit cannot bound memory under --recompute-granularity full: the "
                             "Zero Bubble search takes W to keep no more than F, and with full recompute it "
                             "keeps more (use selective recompute, or drop the limit)")
-    if getattr(args, "pipeline_partition", "even") == "auto":
+    if getattr(args, "pipeline_partition", None) in ("profiled", "balanced"):
         raise ArgumentError("--recompute-granularity full needs the layer split up front; "
-                            "--pipeline-partition auto profiles layers without recompute")
+                            f"--pipeline-partition {args.pipeline_partition} splits layers costed without recompute")
     counts = [c for c in _chunk_layer_counts(args) if c > 0]
     if method == "uniform":
         bad = [c for c in counts if c % n]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from megatron.trainer.launch.optional_packages import optional_packages_line
+from megatron.trainer.tasks.balanced_partition import layer_split_line
 
 MOCK_DATA_WARNING = "WARNING: training on MOCK data (no --data-path): synthetic tokens, not text"
 
@@ -52,6 +53,7 @@ def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int], exec
     lines = argument_lines(args)
     lines.append(f"{args.pipeline_schedule} on {args.pipeline_model_parallel_size} stages "
                  f"({executor}) | {parameter_line(params_per_stage)}")
+    lines.append(layer_split_line(args))
     lines.append(data_source_line(args))
     optional = optional_packages_line()
     if optional:

@@ -1,4 +1,4 @@
-"""``--pipeline-partition auto``: profile a GPT's parts on this device, then split its layers with
+"""``--pipeline-partition profiled`` (alias ``auto``): profile a GPT's parts on this device, then split its layers with
 PACI's memory-constrained min-max partition (:mod:`megatron.pipeline.partition`).
 
 Why profile only three parts: the transformer layers of a GPT are identical, so one layer's
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import statistics
 import time
@@ -34,11 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron.pipeline.runtime.memory import ActivationMeter
-from megatron.pipeline.partition import Partition, one_f_one_b_in_flight, partition_layers
-from megatron.pipeline.schedules import build_schedule
-from megatron.pipeline.simulator import simulate_schedule
-from megatron.trainer.config.run_config import schedule_config
+from megatron.pipeline.partition import Partition, partition_layers
 from megatron.trainer.models.gpt import build_gpt_stage
+from megatron.trainer.tasks.balanced_partition import schedule_in_flight
 from megatron.trainer.tasks.gpt import gpt_model_args
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -124,21 +121,6 @@ def profile_gpt(task: object, args: argparse.Namespace, device: torch.device) ->
             "head": measured["layer+head"].minus(layer)}
 
 
-def schedule_in_flight(args: argparse.Namespace) -> list[float]:
-    """Peak micro-batches whose activations each stage holds under the run's schedule (simulated)."""
-    pp, m = args.pipeline_model_parallel_size, args.num_microbatches
-    try:
-        iterations = min(args.train_iters, 3)
-        config = dataclasses.replace(schedule_config(args), first_iteration=0, num_iterations=iterations)
-        result = simulate_schedule(build_schedule(args.pipeline_schedule, config))
-        peaks = [max(1.0, p) for p in result.peak_memory]
-        if len(peaks) == pp:
-            return peaks
-    except Exception:  # noqa: BLE001 - a schedule the simulator cannot run without profiling: 1F1B's counts
-        pass
-    return [float(w) for w in one_f_one_b_in_flight(pp, m)]
-
-
 def memory_budget(args: argparse.Namespace, device: torch.device) -> float:
     """Bytes per stage: the flag, else the device's memory on GPU, else unlimited."""
     if args.pipeline_partition_memory_gb is not None:
@@ -181,7 +163,7 @@ def describe(parts: dict[str, PartProfile], partition: Partition, in_flight: lis
 def choose_split(task: object, args: argparse.Namespace, device: torch.device) -> list[int]:
     """Profile, solve, print; return the layer counts per stage."""
     if getattr(task, "name", None) != "gpt":
-        raise SystemExit(f"error: --pipeline-partition auto profiles GPT models only (task {getattr(task, 'name', '?')})")
+        raise SystemExit(f"error: --pipeline-partition profiled profiles GPT models only (task {getattr(task, 'name', '?')})")
     parts = profile_gpt(task, args, device)
     in_flight = schedule_in_flight(args)
     partition = solve(parts, args.num_layers, in_flight, memory_budget(args, device))
@@ -207,9 +189,9 @@ def split_from_checkpoint(args: argparse.Namespace) -> list[int] | None:
 
 
 def apply_auto_partition(task: object, args: argparse.Namespace, device: torch.device) -> None:
-    """With ``--pipeline-partition auto``, set ``args.pipeline_layer_split`` (rank 0 decides under
+    """With ``--pipeline-partition profiled``, set ``args.pipeline_layer_split`` (rank 0 decides under
     torch.distributed and broadcasts, so all ranks build the same stages)."""
-    if getattr(args, "pipeline_partition", "even") != "auto":
+    if getattr(args, "pipeline_partition", None) != "profiled":
         return
     if args.pipeline_layer_split is not None:  # resumed: the checkpoint's split (insight_args)
         import torch.distributed as dist
