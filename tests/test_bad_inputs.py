@@ -630,7 +630,7 @@ RECOMPUTE = [
     (["--num-layers", "8", "--pipeline-schedule", "interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage", "2",
       *FULL, "--recompute-method", "block", "--recompute-num-layers", "3"], "exceeds the 2 layers per model chunk"),
     (["--pipeline-partition", "auto", *FULL, "--recompute-method", "block", "--recompute-num-layers", "1"],
-     "--pipeline-partition auto profiles layers without recompute"),
+     "--pipeline-partition profiled splits layers costed without recompute"),
     (["--distribute-saved-activations"], "--distribute-saved-activations needs tensor parallelism"),
     (["--pipeline-schedule", "zb-2p", "--zb-memory-limit", "4", *FULL, "--recompute-method", "block",
       "--recompute-num-layers", "1"], "--zb-memory-limit cannot bound memory under --recompute-granularity full"),

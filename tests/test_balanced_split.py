@@ -1,0 +1,156 @@
+"""The balanced layer split (``--pipeline-partition balanced``, the default): the analytic cost
+model against torch's own FLOP counter on megatron-core stages, the split it picks and when it
+applies, and that a run on the balanced split computes what a run on the even split does."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron.pipeline.cost_model import head_flops, layer_flops
+from megatron.trainer.config.arguments import ArgumentError, build_parser, parse_args
+from megatron.trainer.tasks.balanced_partition import layer_split_line, model_shape
+from megatron.trainer.tasks.gpt import GPTTask
+
+TINY = ["--pipeline-executor", "emulator", "--device", "cpu", "--num-threads", "1", "--seq-length", "8",
+        "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--log-interval", "1"]
+ISSUE = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+         "--micro-batch-size", "4", "--vocab-size", "8192", "--pipeline-executor", "emulator"]
+
+
+def _args(flags: list[str], bert: bool = False) -> argparse.Namespace:
+    parser = build_parser("test")
+    if bert:
+        from megatron.trainer.tasks.bert import BertTask
+
+        BertTask().add_arguments(parser)
+    return parse_args(flags, parser)
+
+
+def _counted_flops(args: argparse.Namespace, last: bool) -> float:
+    """torch's FlopCounterMode over one forward + backward of a one-layer stage (with the head
+    and loss when ``last``), built exactly as the trainer builds stages."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.trainer.models.gpt import build_gpt_stage
+    from megatron.trainer.tasks.gpt import gpt_model_args
+
+    task, device = GPTTask(), torch.device("cpu")
+    chunk = build_gpt_stage(gpt_model_args(args), range(0, 1), pre_process=False, post_process=last, seed=1,
+                            device=device)
+    batch = task.batch_fn(args, 0, device)(0)
+    shape, _ = task.activation_spec(args)
+    x = torch.randn(shape, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        out = chunk(x, batch)
+        if last:
+            task.loss_fn(out, batch)[0].backward()
+        else:
+            out.backward(torch.ones_like(out))
+    return float(counter.get_total_flops())
+
+
+@pytest.mark.usefixtures("megatron_world1")
+@pytest.mark.parametrize("extra", [[], ["--num-query-groups", "2", "--ffn-hidden-size", "48"], ["--swiglu"]],
+                         ids=["mha", "gqa-ffn", "swiglu"])
+def test_layer_and_head_flops_match_torchs_flop_counter(extra: list[str]) -> None:
+    """The model's matmul FLOPs equal what torch counts on the megatron-core layer; the head's
+    differ only by the loss's element-wise work, which torch does not count."""
+    args = _args([*TINY, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                  "--vocab-size", "128", "--micro-batch-size", "2", *extra])
+    shape = model_shape(args)
+    layer = _counted_flops(args, last=False)
+    assert layer_flops(shape) == pytest.approx(layer, rel=1e-6)
+    head = _counted_flops(args, last=True) - layer
+    loss_elementwise = head_flops(shape) - 6 * shape.seq_length * shape.micro_batch * shape.hidden * shape.vocab
+    assert head_flops(shape) - loss_elementwise == pytest.approx(head, rel=1e-6)
+
+
+def test_issue_workload_moves_layers_off_the_head_stage() -> None:
+    """The issue's GPT (head = 2.5 layers of FLOPs): [5, 3] on 2 stages, [2, 2, 3, 1] on 4."""
+    two = _args([*ISSUE, "--pipeline-model-parallel-size", "2"])
+    assert two.pipeline_partition == "balanced" and two.pipeline_layer_split == [5, 3]
+    assert layer_split_line(two) == "layer split: [5, 3] (--pipeline-partition balanced)"
+    four = _args([*ISSUE, "--pipeline-model-parallel-size", "4"])
+    assert four.pipeline_layer_split == [2, 2, 3, 1]
+    again = _args([*ISSUE, "--pipeline-model-parallel-size", "4"])
+    assert again.pipeline_layer_split == four.pipeline_layer_split  # from the flags alone
+
+
+def test_small_head_keeps_the_even_split_and_its_signature() -> None:
+    """A head cheaper than a layer leaves the even split, recorded as ``None`` like before."""
+    args = _args([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
+                  "--num-attention-heads", "4", "--vocab-size", "256"])
+    assert args.pipeline_partition == "balanced" and args.pipeline_layer_split is None
+    assert layer_split_line(args) == "layer split: [2, 2] (--pipeline-partition balanced)"
+
+
+def test_bert_heads_are_costed() -> None:
+    """BERT's LM-head transform and pooler add to the last stage's cost."""
+    flags = [*ISSUE, "--pipeline-model-parallel-size", "2"]
+    bert = model_shape(_args(flags, bert=True))
+    gpt = model_shape(_args(flags))
+    assert bert.bert and bert.binary_head and head_flops(bert) > head_flops(gpt)
+
+
+def test_where_balanced_does_not_apply() -> None:
+    """Interleaved chunks and full recompute keep the even split by default and refuse an
+    explicit ``balanced``; an explicit split is the user's; ``even`` stays available."""
+    interleaved = [*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved-1f1b",
+                   "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8"]
+    assert _args(interleaved).pipeline_partition == "even"
+    assert _args(interleaved).pipeline_layer_split is None
+    with pytest.raises(SystemExit):
+        _args([*interleaved, "--pipeline-partition", "balanced"])
+    recompute = [*ISSUE, "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+                 "--recompute-method", "uniform", "--recompute-num-layers", "2"]
+    assert _args(recompute).pipeline_layer_split is None
+    explicit = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-layer-split", "6", "2"])
+    assert explicit.pipeline_layer_split == [6, 2]
+    assert layer_split_line(explicit) == "layer split: [6, 2] (--pipeline-layer-split)"
+    even = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "even"])
+    assert even.pipeline_layer_split is None
+    assert _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "auto"]).pipeline_partition == "profiled"
+
+
+def test_memory_budget_moves_layers() -> None:
+    """Under 1F1B stage 0 holds N activations per layer; a budget that only fits it with fewer
+    layers (0.17 GB: the model counts 194 MB for [5, 3], 162 for [4, 4]) gives the even split."""
+    free = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32"])
+    tight = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32",
+                   "--pipeline-partition-memory-gb", "0.17"])
+    assert free.pipeline_layer_split == [5, 3]
+    assert tight.pipeline_layer_split is None and tight.pipeline_partition_feasible  # [4, 4]: 162 MB on stage 0, [5, 3] 194
+
+
+def test_balanced_split_trains_like_the_even_split() -> None:
+    """A split moves layers, not arithmetic: after one update the balanced [3, 1] run's
+    parameters equal the even [2, 2] run's (same flags otherwise, emulator)."""
+    from megatron.trainer.loop.training import emulate
+
+    def run(partition: str) -> dict[str, torch.Tensor]:
+        task = GPTTask()
+        parser = build_parser("gpt")
+        task.add_arguments(parser)
+        args = parse_args([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "16",
+                           "--num-attention-heads", "2", "--vocab-size", "256", "--hidden-dropout", "0",
+                           "--attention-dropout", "0", "--pipeline-partition", partition], parser)
+        workers = emulate(task, args)
+        assert [len(w.setup.chunks[0].layers) for w in workers] == ([3, 1] if partition == "balanced" else [2, 2])
+        return {n: p.detach().clone() for w in workers for n, p in task.named_parameters(w.setup.chunks)}
+
+    balanced, even = run("balanced"), run("even")
+    assert balanced.keys() == even.keys()
+    for name in even:
+        torch.testing.assert_close(balanced[name], even[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_refusals_are_one_line() -> None:
+    with pytest.raises(ArgumentError, match="drop --pipeline-layer-split"):
+        from megatron.trainer.config.arguments import finalize_args, validate_args
+
+        args = build_parser("t").parse_args([*ISSUE, "--pipeline-model-parallel-size", "2",
+                                             "--pipeline-layer-split", "4", "4", "--pipeline-partition", "balanced"])
+        finalize_args(args)
+        validate_args(args)
