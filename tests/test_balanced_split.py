@@ -154,3 +154,24 @@ def test_refusals_are_one_line() -> None:
                                              "--pipeline-layer-split", "4", "4", "--pipeline-partition", "balanced"])
         finalize_args(args)
         validate_args(args)
+
+
+def test_resume_keeps_the_checkpoints_split(tmp_path) -> None:
+    """A checkpoint saved on the even split (say, before the balanced default) resumes on it:
+    the default takes the ``--load`` checkpoint's split instead of deciding again."""
+    from megatron.trainer.loop.training import emulate
+
+    task = GPTTask()
+    flags = [*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "16",
+             "--num-attention-heads", "2", "--vocab-size", "256"]
+
+    def parsed(extra: list[str]) -> argparse.Namespace:
+        parser = build_parser("gpt")
+        task.add_arguments(parser)
+        return parse_args([*flags, *extra], parser)
+
+    assert parsed([]).pipeline_layer_split == [3, 1]
+    emulate(task, parsed(["--pipeline-partition", "even", "--save", str(tmp_path), "--save-interval", "1"]))
+    resumed = parsed(["--load", str(tmp_path), "--train-iters", "2"])
+    assert resumed.pipeline_layer_split is None and resumed.pipeline_partition == "checkpoint"
+    assert layer_split_line(resumed) == "layer split: [2, 2] (the --load checkpoint's)"

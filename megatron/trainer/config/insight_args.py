@@ -62,9 +62,9 @@ def validate_insight_args(args: argparse.Namespace) -> None:
                                    "interleaved schedules need the even split")
     if args.pipeline_partition_profile_iters < 1:
         raise InsightArgumentError("--pipeline-partition-profile-iters must be >= 1")
-    from megatron.trainer.tasks.auto_partition import split_from_checkpoint
+    from megatron.trainer.tasks.balanced_partition import checkpoint_split
 
-    split = split_from_checkpoint(args)  # resuming: keep the split the weights were saved with
+    _, split = checkpoint_split(args)  # resuming: keep the split the weights were saved with
     if split is not None and len(split) == pp and sum(split) == args.num_layers:
         args.pipeline_layer_split = split
         args.pipeline_partition_resumed = True
@@ -73,7 +73,7 @@ def validate_insight_args(args: argparse.Namespace) -> None:
 def _resolve_partition(args: argparse.Namespace) -> None:
     """The partition that applies: an explicit split is ``even`` (the user's), the default is
     ``balanced`` where it applies, else ``even``; an explicit choice that cannot apply is refused."""
-    from megatron.trainer.tasks.balanced_partition import apply_balanced_split, why_not_balanced
+    from megatron.trainer.tasks.balanced_partition import apply_balanced_split, checkpoint_split, why_not_balanced
 
     asked = getattr(args, "pipeline_partition", None)
     memory = getattr(args, "pipeline_partition_memory_gb", None)
@@ -90,7 +90,10 @@ def _resolve_partition(args: argparse.Namespace) -> None:
         if reason is not None and asked == "balanced":
             raise InsightArgumentError(f"--pipeline-partition balanced cannot apply: {reason}")
         args.pipeline_partition = "even" if reason is not None else "balanced"
-        if reason is None:
+        resumed, split = checkpoint_split(args) if asked is None and reason is None else (False, None)
+        if resumed:  # the default keeps a checkpoint's split (even before the balanced default)
+            args.pipeline_layer_split, args.pipeline_partition = split, "checkpoint"
+        elif reason is None:
             apply_balanced_split(args)
     if memory is not None and args.pipeline_partition in ("even", "explicit"):
         raise InsightArgumentError("--pipeline-partition-memory-gb needs --pipeline-partition balanced or profiled")

@@ -171,23 +171,6 @@ def choose_split(task: object, args: argparse.Namespace, device: torch.device) -
     return list(partition.counts)
 
 
-def split_from_checkpoint(args: argparse.Namespace) -> list[int] | None:
-    """The layer split of ``--load``'s checkpoint, if there is one: a resumed auto-partitioned run
-    keeps the split its weights were saved with (profiling again could choose another one)."""
-    if getattr(args, "load", None) is None:
-        return None
-    from megatron.trainer.checkpointing.checkpoint import CheckpointError, _read_metadata, find_resume_point
-
-    try:
-        point = find_resume_point(args.load)
-        if point is None:
-            return None
-        split = _read_metadata(point.directory)["signature"].get("pipeline_layer_split")
-    except (CheckpointError, KeyError, TypeError):
-        return None  # check_resume reports a broken checkpoint with its own message
-    return [int(c) for c in split] if split else None
-
-
 def apply_auto_partition(task: object, args: argparse.Namespace, device: torch.device) -> None:
     """With ``--pipeline-partition profiled``, set ``args.pipeline_layer_split`` (rank 0 decides under
     torch.distributed and broadcasts, so all ranks build the same stages)."""

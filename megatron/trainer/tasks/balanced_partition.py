@@ -113,6 +113,29 @@ def apply_balanced_split(args: argparse.Namespace) -> None:
     args.pipeline_partition_feasible = partition.feasible
 
 
+def checkpoint_split(args: argparse.Namespace) -> tuple[bool, list[int] | None]:
+    """(whether ``--load`` has a checkpoint to resume, the layer split it was saved with: None
+    for the even split). A resumed run keeps its weights' split: profiling again could choose
+    another one, and a checkpoint saved before the balanced default has the even split."""
+    if getattr(args, "load", None) is None:
+        return False, None
+    from megatron.trainer.checkpointing.checkpoint import CheckpointError, _read_metadata, find_resume_point
+
+    try:
+        point = find_resume_point(args.load)
+        if point is None:
+            return False, None
+        signature = _read_metadata(point.directory)["signature"]
+        split = signature.get("pipeline_layer_split")
+        same_cut = (signature.get("pipeline_model_parallel_size") == args.pipeline_model_parallel_size
+                    and signature.get("num_layers") == args.num_layers)
+    except (CheckpointError, KeyError, TypeError, AttributeError):
+        return False, None  # check_resume reports a broken checkpoint with its own message
+    if not same_cut:  # another stage count or depth: nothing to keep (check_resume says what differs)
+        return False, None
+    return True, ([int(c) for c in split] if split else None)
+
+
 def layer_split_line(args: argparse.Namespace) -> str:
     """One banner line: how the layers are split over the stages, and why."""
     pp = args.pipeline_model_parallel_size
@@ -121,7 +144,8 @@ def layer_split_line(args: argparse.Namespace) -> str:
     if counts is None and getattr(args, "num_model_chunks", 1) == 1 and args.num_layers % pp == 0:
         counts = even_counts(args.num_layers, pp)
     mode = getattr(args, "pipeline_partition", "even")
-    how = "--pipeline-layer-split" if mode == "explicit" else f"--pipeline-partition {mode}"
+    how = {"explicit": "--pipeline-layer-split", "checkpoint": "the --load checkpoint's"}.get(
+        mode, f"--pipeline-partition {mode}")
     line = f"layer split: {counts if counts is not None else 'even over the model chunks'} ({how})"
     if getattr(args, "pipeline_partition_feasible", True) is False:
         line += " WARNING: no split fits --pipeline-partition-memory-gb; least overshoot"
