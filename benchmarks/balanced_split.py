@@ -79,6 +79,25 @@ def run(schedule: str, partition: str, stages: int, m: int, iters: int, skip: in
     }
 
 
+def predicted(stages: int) -> str:
+    """The cost model's per-stage cost (in transformer layers) of the even and balanced splits."""
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.tasks.balanced_partition import model_shape
+    from megatron.pipeline.cost_model import layer_costs, layer_flops
+
+    args = parse_args([*WORKLOAD, "--pipeline-model-parallel-size", str(stages), "--pipeline-executor", "emulator"])
+    shape = model_shape(args)
+    times, unit = layer_costs(shape).time, layer_flops(shape)
+    out = []
+    for name, counts in (("even", [args.num_layers // stages] * stages), ("balanced", args.pipeline_layer_split or [args.num_layers // stages] * stages)):
+        bounds, start = [], 0
+        for c in counts:
+            bounds.append(round(sum(times[start:start + c]) / unit, 2))
+            start += c
+        out.append(f"{name} {counts}: {bounds}")
+    return f"N={stages} model stage cost in layers: " + "; ".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
@@ -91,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.iters <= args.skip:
         raise SystemExit("--iters must exceed --skip")
     rows = []
+    for stages in args.stages:
+        print(predicted(stages))
     print("| N | schedule | partition | split | fwd ms/mb per stage | bwd ms/mb per stage | bound (busy) ms | "
           "span ms | of bound | tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
