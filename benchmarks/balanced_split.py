@@ -88,8 +88,9 @@ def predicted(stages: int) -> str:
     args = parse_args([*WORKLOAD, "--pipeline-model-parallel-size", str(stages), "--pipeline-executor", "emulator"])
     shape = model_shape(args)
     times, unit = layer_costs(shape).time, layer_flops(shape)
+    even = [args.num_layers // stages] * stages
     out = []
-    for name, counts in (("even", [args.num_layers // stages] * stages), ("balanced", args.pipeline_layer_split or [args.num_layers // stages] * stages)):
+    for name, counts in (("even", even), ("balanced", args.pipeline_layer_split or even)):
         bounds, start = [], 0
         for c in counts:
             bounds.append(round(sum(times[start:start + c]) / unit, 2))

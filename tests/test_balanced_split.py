@@ -111,7 +111,8 @@ def test_where_balanced_does_not_apply() -> None:
     assert layer_split_line(explicit) == "layer split: [6, 2] (--pipeline-layer-split)"
     even = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "even"])
     assert even.pipeline_layer_split is None
-    assert _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "auto"]).pipeline_partition == "profiled"
+    alias = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "auto"])
+    assert alias.pipeline_partition == "profiled"
 
 
 def test_memory_budget_moves_layers() -> None:
@@ -121,13 +122,16 @@ def test_memory_budget_moves_layers() -> None:
     tight = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32",
                    "--pipeline-partition-memory-gb", "0.17"])
     assert free.pipeline_layer_split == [5, 3]
-    assert tight.pipeline_layer_split is None and tight.pipeline_partition_feasible  # [4, 4]: 162 MB on stage 0, [5, 3] 194
+    assert tight.pipeline_layer_split is None and tight.pipeline_partition_feasible
 
 
+@pytest.mark.usefixtures("megatron_world1")
 def test_balanced_split_trains_like_the_even_split() -> None:
     """A split moves layers, not arithmetic: after one update the balanced [3, 1] run's
     parameters equal the even [2, 2] run's (same flags otherwise, emulator)."""
     from megatron.trainer.loop.training import emulate
+
+    initial: dict[str, torch.Tensor] = {}
 
     def run(partition: str) -> dict[str, torch.Tensor]:
         task = GPTTask()
@@ -135,13 +139,18 @@ def test_balanced_split_trains_like_the_even_split() -> None:
         task.add_arguments(parser)
         args = parse_args([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "16",
                            "--num-attention-heads", "2", "--vocab-size", "256", "--hidden-dropout", "0",
-                           "--attention-dropout", "0", "--pipeline-partition", partition], parser)
+                           "--attention-dropout", "0", "--lr-decay-style", "constant",  # (cosine: lr 0 at step 1)
+                           "--pipeline-partition", partition], parser)
+        if not initial:  # stage 0's weights before training (initialisation depends on names only)
+            initial.update((n, p.detach().clone()) for n, p in task.named_parameters(task.build_stage(args, 0, "cpu")))
         workers = emulate(task, args)
         assert [len(w.setup.chunks[0].layers) for w in workers] == ([3, 1] if partition == "balanced" else [2, 2])
+        assert all(w.setup.optimizer.step_count == 1 for w in workers)  # it trained
         return {n: p.detach().clone() for w in workers for n, p in task.named_parameters(w.setup.chunks)}
 
     balanced, even = run("balanced"), run("even")
     assert balanced.keys() == even.keys()
+    assert any(not torch.equal(even[n], p) for n, p in initial.items()), "no update: the test could not fail"
     for name in even:
         torch.testing.assert_close(balanced[name], even[name], rtol=1e-5, atol=1e-6, msg=name)
 
@@ -175,3 +184,19 @@ def test_resume_keeps_the_checkpoints_split(tmp_path) -> None:
     resumed = parsed(["--load", str(tmp_path), "--train-iters", "2"])
     assert resumed.pipeline_layer_split is None and resumed.pipeline_partition == "checkpoint"
     assert layer_split_line(resumed) == "layer split: [2, 2] (the --load checkpoint's)"
+
+
+def test_profiled_partition_runs_for_bert(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pipeline-partition profiled`` measures a BERT's layer, embedding and heads too."""
+    from megatron.trainer.loop.training import emulate
+    from megatron.trainer.tasks.bert import BertTask
+
+    task = BertTask()
+    parser = build_parser("bert")
+    task.add_arguments(parser)
+    args = parse_args([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "3", "--hidden-size", "16",
+                       "--num-attention-heads", "2", "--vocab-size", "64", "--pipeline-partition", "profiled",
+                       "--pipeline-partition-profile-iters", "1"], parser)
+    workers = emulate(task, args)
+    assert "pipeline partition profiled: layer split" in capsys.readouterr().out
+    assert sum(len(w.setup.chunks[0].layers) for w in workers) == 3

@@ -54,6 +54,8 @@ def validate_insight_args(args: argparse.Namespace) -> None:
     if args.pipeline_partition != "profiled":
         return
     pp = args.pipeline_model_parallel_size
+    if hasattr(args, "synthetic_forward_ms"):
+        raise InsightArgumentError("--pipeline-partition profiled profiles GPT and BERT layers; this task has none")
     if args.num_layers < pp:
         raise InsightArgumentError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= "
                                    f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")

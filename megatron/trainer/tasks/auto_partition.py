@@ -1,5 +1,6 @@
-"""``--pipeline-partition profiled`` (alias ``auto``): profile a GPT's parts on this device, then split its layers with
-PACI's memory-constrained min-max partition (:mod:`megatron.pipeline.partition`).
+"""``--pipeline-partition profiled`` (alias ``auto``): profile a GPT's or BERT's parts on this
+device, then split its layers with PACI's memory-constrained min-max partition
+(:mod:`megatron.pipeline.partition`).
 
 Why profile only three parts: the transformer layers of a GPT are identical, so one layer's
 forward+backward time, static memory and activation memory stand for all of them; only the
@@ -27,7 +28,7 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -104,15 +105,27 @@ def profile_part(chunk: torch.nn.Module, task: object, args: argparse.Namespace,
     return PartProfile(statistics.median(times), static_bytes(chunk), float(meter.run_peak_bytes))
 
 
-def profile_gpt(task: object, args: argparse.Namespace, device: torch.device) -> dict[str, PartProfile]:
-    """Per-part profiles: ``layer`` (one transformer layer), ``embedding``, ``head`` (norm, output, loss)."""
-    model_args = gpt_model_args(args)
+def _stage_builder(task_name: str) -> tuple[Callable[[argparse.Namespace], object], Callable[..., torch.nn.Module]]:
+    """The task's model arguments and stage builder (the trainer's own)."""
+    if task_name == "bert":
+        from megatron.trainer.models.bert import build_bert_stage
+        from megatron.trainer.tasks.bert import bert_model_args
+
+        return bert_model_args, build_bert_stage
+    return gpt_model_args, build_gpt_stage
+
+
+def profile_parts(task: object, args: argparse.Namespace, device: torch.device) -> dict[str, PartProfile]:
+    """Per-part profiles: ``layer`` (one transformer layer), ``embedding``, ``head`` (norm, output
+    heads, loss)."""
+    model_args_of, build_stage = _stage_builder(getattr(task, "name", "gpt"))
+    model_args = model_args_of(args)
     iters = args.pipeline_partition_profile_iters
     one = range(0, 1)
     measured = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for name, first, last in (("layer", False, False), ("embedding+layer", True, False), ("layer+head", False, True)):
-            chunk = build_gpt_stage(model_args, one, pre_process=first, post_process=last, seed=args.seed, device=device)
+            chunk = build_stage(model_args, one, pre_process=first, post_process=last, seed=args.seed, device=device)
             chunk.train()
             measured[name] = profile_part(chunk, task, args, device, first, last, iters)
             del chunk
@@ -147,24 +160,25 @@ def describe(parts: dict[str, PartProfile], partition: Partition, in_flight: lis
     mb = 2.0**20
     budget = "unlimited" if math.isinf(partition.budget) else f"{partition.budget / mb:.1f} MB"
     lines = [
-        "pipeline partition auto: profiled per micro-batch (forward+backward ms, static MB, activation MB): "
+        "pipeline partition profiled: profiled per micro-batch (forward+backward ms, static MB, activation MB): "
         + ", ".join(f"{k} {p.time_ms:.2f} / {p.static_bytes / mb:.2f} / {p.activation_bytes / mb:.2f}"
                     for k, p in parts.items()),
-        f"pipeline partition auto: layer split {list(partition.counts)}; predicted per-stage time (ms) "
+        f"pipeline partition profiled: layer split {list(partition.counts)}; predicted per-stage time (ms) "
         f"{[round(t, 2) for t in partition.stage_time]}, memory (MB) {[round(m / mb, 1) for m in partition.stage_memory]} "
         f"with {[round(w, 1) for w in in_flight]} micro-batches in flight, budget {budget}",
     ]
     if not partition.feasible:
-        lines.append(f"pipeline partition auto: WARNING no split fits the budget; the least-overshoot split "
+        lines.append(f"pipeline partition profiled: WARNING no split fits the budget; the least-overshoot split "
                      f"exceeds it by {partition.overshoot / mb:.1f} MB on its worst stage")
     return "\n".join(f"[megatron-async] {line}" for line in lines)
 
 
 def choose_split(task: object, args: argparse.Namespace, device: torch.device) -> list[int]:
     """Profile, solve, print; return the layer counts per stage."""
-    if getattr(task, "name", None) != "gpt":
-        raise SystemExit(f"error: --pipeline-partition profiled profiles GPT models only (task {getattr(task, 'name', '?')})")
-    parts = profile_gpt(task, args, device)
+    if getattr(task, "name", None) not in ("gpt", "bert"):
+        raise SystemExit(f"error: --pipeline-partition profiled profiles GPT and BERT models only "
+                         f"(task {getattr(task, 'name', '?')})")
+    parts = profile_parts(task, args, device)
     in_flight = schedule_in_flight(args)
     partition = solve(parts, args.num_layers, in_flight, memory_budget(args, device))
     print(describe(parts, partition, in_flight), flush=True)
@@ -180,7 +194,7 @@ def apply_auto_partition(task: object, args: argparse.Namespace, device: torch.d
         import torch.distributed as dist
 
         if getattr(args, "pipeline_partition_resumed", False) and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"[megatron-async] pipeline partition auto: resuming with the checkpoint's layer split "
+            print(f"[megatron-async] pipeline partition profiled: resuming with the checkpoint's layer split "
                   f"{args.pipeline_layer_split}", flush=True)
         return
     import torch.distributed as dist
