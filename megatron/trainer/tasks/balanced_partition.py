@@ -110,10 +110,6 @@ def apply_balanced_split(args: argparse.Namespace) -> None:
     if counts != even_counts(args.num_layers, args.pipeline_model_parallel_size):
         args.pipeline_layer_split = counts
         args._balanced_split = True  # not the user's: a second validation decides it again
-        import os
-        if os.environ.get("SPLITLOG"):
-            with open(os.environ["SPLITLOG"], "a") as f:
-                f.write(f"{os.environ.get('PYTEST_CURRENT_TEST')} {counts} h{args.hidden_size} V{args.vocab_size}\n")
     args.pipeline_partition_feasible = partition.feasible
 
 
