@@ -9,9 +9,11 @@
   memory-constrained min-max partition (``megatron.pipeline.partition``): deterministic from
   the flags, decided before any rank starts (``megatron.trainer.tasks.balanced_partition``).
   ``even`` gives every stage the same number of layers. ``profiled`` measures one layer, the
-  embedding and the head on this device instead (GPT only; the split can differ between runs
-  and machines). ``--pipeline-layer-split`` overrides all of them; ``--pipeline-partition-memory-gb``
-  bounds each stage's memory for ``balanced`` and ``profiled``.
+  embedding and the head on this device instead (GPT and BERT; the split can differ between
+  runs and machines). ``--pipeline-layer-split`` overrides all of them; ``--pipeline-partition-memory-gb``
+  bounds each stage's memory for ``balanced`` and ``profiled``. Resuming (``--load``) without
+  ``--pipeline-partition`` keeps the checkpoint's split; an explicit ``balanced`` decides again
+  (the checkpoint then loads resharded).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def add_insight_args(p: argparse.ArgumentParser) -> None:
                    help="balanced (default where it applies: one model part per stage, GPT or BERT, no full "
                         "recompute): minimise the slowest stage by the analytic FLOPs of layers, embedding, "
                         "head and loss; even: equal layers per stage; profiled (alias auto): measure the "
-                        "costs on this device (GPT). --pipeline-layer-split overrides")
+                        "costs on this device (GPT, BERT). --pipeline-layer-split overrides")
     g.add_argument("--pipeline-partition-memory-gb", type=float, default=None, metavar="GB",
                    help="per-stage memory budget for --pipeline-partition balanced or profiled (static + "
                         "in-flight activations); default unlimited (profiled on GPU: the device's memory)")
@@ -73,8 +75,9 @@ def validate_insight_args(args: argparse.Namespace) -> None:
 
 
 def _resolve_partition(args: argparse.Namespace) -> None:
-    """The partition that applies: an explicit split is ``even`` (the user's), the default is
-    ``balanced`` where it applies, else ``even``; an explicit choice that cannot apply is refused."""
+    """The partition that applies: ``explicit`` for the user's ``--pipeline-layer-split``,
+    ``checkpoint`` for a resumed run's, the default ``balanced`` where it applies, else ``even``;
+    an explicit choice that cannot apply is refused."""
     from megatron.trainer.tasks.balanced_partition import apply_balanced_split, checkpoint_split, why_not_balanced
 
     asked = getattr(args, "pipeline_partition", None)
