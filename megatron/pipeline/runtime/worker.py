@@ -131,6 +131,8 @@ class StageWorker:
         self.profiler: Any = None
         # Records op spans with --trace-dir (megatron.pipeline.runtime.tracing); None: tracing off.
         self.tracer: Any = None
+        # Overlapped data-parallel reduction (megatron.pipeline.runtime.grad_buckets); None: off.
+        self.grad_sync: Any = None
         # Dropout RNG: stage s starts from seed + 100 * s (Megatron's convention). The
         # emulator runs all stages in one process and swaps the state per op.
         self._isolate_rng = isolate_rng
@@ -339,15 +341,23 @@ class StageWorker:
         deferred = self._deferred.pop(key, None)
         if deferred is None:
             raise RuntimeError(f"stage {self.stage}: {op} has no preceding B of its micro-batch")
-        deferred.run()
+        with self._grad_scope(op, completes=True):
+            deferred.run()
         self.meter.release(key)
+
+    def _grad_scope(self, op: Op, completes: bool) -> contextlib.AbstractContextManager[None]:
+        """Tell the overlapped reduction (if any) that ``op`` accumulates gradients."""
+        if self.grad_sync is None:
+            return contextlib.nullcontext()
+        return self.grad_sync.grad_op(op.microbatch // self.setup.microbatches_per_update, op.chunk, completes)
 
     def _backward(self, op: Op, grad_output: torch.Tensor | None, defer: bool) -> torch.Tensor | None:
         key = (op.microbatch, op.chunk)
         x, out = self._stash.pop(key)
         version = self.weights.before_backward(op)
         scaler = self.setup.loss_scaler
-        with self._rng_scope(), (defer_weight_grads() if defer else contextlib.nullcontext()) as deferred:
+        with self._grad_scope(op, completes=not defer), self._rng_scope(), \
+                (defer_weight_grads() if defer else contextlib.nullcontext()) as deferred:
             if grad_output is None:
                 torch.autograd.backward(out if scaler is None else out * scaler.scale)
             else:

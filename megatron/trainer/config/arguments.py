@@ -23,6 +23,7 @@ from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import FlagError, OneLineParser, check_flag_values
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
 from megatron.trainer.config.recompute_args import add_recompute_args, validate_recompute_args
+from megatron.trainer.config.ddp_args import add_ddp_args, validate_ddp_args
 from megatron.trainer.optim.lr_schedule import DECAY_STYLES
 from megatron.trainer.config.megatron_compat_args import (
     CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
@@ -141,6 +142,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_insight_args(p)  # --trace-dir, --pipeline-partition
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
     add_recompute_args(p)  # --recompute-granularity/-method/-num-layers, --recompute-activations
+    add_ddp_args(p)  # --overlap-grad-reduce, --ddp-bucket-size
     _add_logging_args(p)
     add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
     return p
@@ -243,6 +245,7 @@ def validate_args(args: argparse.Namespace) -> None:
     validate_mixed_precision_args(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
     validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
     validate_recompute_args(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)
+    validate_ddp_args(args)  # --overlap-grad-reduce, --ddp-bucket-size
     try:
         validate_megatron_compat_args(args)  # Megatron-LM's model, rampup, loading and logging flags
     except CompatArgumentError as exc:

@@ -88,7 +88,7 @@ DOMAINS: dict[str, Domain] = {
     "loss_scale_window": AT_LEAST_1, "hysteresis": AT_LEAST_1,
     # parallelism
     "pipeline_model_parallel_size": AT_LEAST_1, "tensor_model_parallel_size": AT_LEAST_1,
-    "data_parallel_size": AT_LEAST_1, "pipeline_layer_split": AT_LEAST_1,
+    "data_parallel_size": AT_LEAST_1, "pipeline_layer_split": AT_LEAST_1, "ddp_bucket_size": AT_LEAST_1,
     "num_layers_per_virtual_pipeline_stage": AT_LEAST_1, "recompute_num_layers": AT_LEAST_1,
     "microbatch_group_size_per_virtual_pipeline_stage": AT_LEAST_1,
     "distributed_timeout_minutes": POSITIVE, "pipeline_timeout_seconds": POSITIVE, "num_threads": AT_LEAST_1,

@@ -43,8 +43,8 @@ REFUSED_FLAGS: dict[str, str] = {
     "sequence_parallel": "--sequence-parallel needs tensor parallelism, which is not supported yet",
     "use_distributed_optimizer": "--use-distributed-optimizer is not supported: each stage keeps its own "
                                  "optimizer state (ZeRO sharding is not implemented)",
-    "overlap_grad_reduce": "--overlap-grad-reduce is not supported: the data-parallel all-reduce runs at the update",
-    "overlap_param_gather": "--overlap-param-gather needs --use-distributed-optimizer, which is not supported",
+    "overlap_param_gather": "--overlap-param-gather needs the distributed optimizer (--use-distributed-optimizer), "
+                            "which does not exist here yet",
     "distribute_saved_activations": "--distribute-saved-activations needs tensor parallelism, which is not "
                                     "supported yet",
 }

@@ -32,6 +32,7 @@ from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
 from megatron.trainer.tasks.auto_partition import apply_auto_partition
 from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.config.ddp_args import overlap_bucket_size
 from megatron.trainer.config.run_config import run_config
 from megatron.trainer.launch.exit_control import StopControl, launcher_signals, rank_signal_defaults, stop_control
 from megatron.trainer.checkpointing.checkpoint import (
@@ -264,7 +265,8 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         _init_megatron_parallel_state()
     apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
     try:
-        drive(task, args, DistributedTransport(groups, stage_layout, p2p_timeout), device, stop)
+        transport = DistributedTransport(groups, stage_layout, p2p_timeout, overlap_bucket_size(args))
+        drive(task, args, transport, device, stop)
     except PipelineRuntimeError as exc:
         _fail(f"[megatron-async] error: {exc}")
     except Exception as exc:  # noqa: BLE001 - any failure must end this rank, not hang it

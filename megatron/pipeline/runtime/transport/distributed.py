@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
 from megatron.pipeline.runtime.executors.send_reaper import SendReaper, wait_or_raise
+from megatron.pipeline.runtime.grad_buckets import OverlappedGradReduce
 from megatron.pipeline.runtime.parallel import StageGroups
 from megatron.pipeline.runtime.replicas import has_replicas
 from megatron.pipeline.runtime.report import StageReport
@@ -124,8 +125,13 @@ class DistributedTransport(Transport):
     name = "distributed"
     in_process = False
 
-    def __init__(self, groups: StageGroups, layout: PipelineLayout, timeout: timedelta):
+    def __init__(self, groups: StageGroups, layout: PipelineLayout, timeout: timedelta,
+                 overlap_bucket_size: int | None = None):
+        """``overlap_bucket_size``: --overlap-grad-reduce's bucket size (elements); None: one
+        all-reduce of every gradient at the step."""
         self.groups = groups
+        self.overlap_bucket_size = overlap_bucket_size
+        self._overlap: dict[int, OverlappedGradReduce] = {}  # id(worker) -> its buckets
         self.layout = layout
         self.timeout = timeout
         self.rank, self.dp_rank = groups.rank, groups.dp_rank
@@ -153,12 +159,29 @@ class DistributedTransport(Transport):
 
     def channel(self, worker: StageWorker) -> P2PChannel:
         """This stage's point-to-point messages (one channel per executor run)."""
+        self._attach_overlap(worker)
         return P2PChannel(worker, self.groups, self.timeout)
 
     # -- the optimizer step ------------------------------------------------------------
+    def _attach_overlap(self, worker: StageWorker) -> None:
+        """Give ``worker`` its gradient buckets (once) when the reduction overlaps the backward."""
+        if self.overlap_bucket_size is None or self.data_parallel_size == 1 or id(worker) in self._overlap:
+            return
+        trained = {id(p) for p in worker.setup.optimizer.parameters()}
+        chunk_params = [[p for p in chunk.parameters() if id(p) in trained] for chunk in worker.setup.chunks]
+        if sum(map(len, chunk_params)) != len(trained):
+            raise RuntimeError(f"stage {worker.stage}: --overlap-grad-reduce needs every trained parameter "
+                               "in exactly one model chunk")
+        buckets = OverlappedGradReduce(chunk_params, self.overlap_bucket_size, worker.setup.microbatches_per_update,
+                                       self.groups.data_parallel, self.data_parallel_size, self.timeout)
+        self._overlap[id(worker)] = worker.grad_sync = buckets
+
     def reduce_data_parallel(self, worker: StageWorker) -> None:
         dp = self.data_parallel_size
         if dp == 1:
+            return
+        if id(worker) in self._overlap:
+            self._overlap[id(worker)].finish()
             return
         params = worker.setup.optimizer.parameters()
         for p in params:

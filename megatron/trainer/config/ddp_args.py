@@ -1,0 +1,42 @@
+"""Megatron-LM's data-parallel reduction flags: ``--overlap-grad-reduce``, ``--ddp-bucket-size``.
+
+Why a module of its own: the flags configure the runtime's data-parallel transport
+(:mod:`megatron.pipeline.runtime.grad_buckets`), not the model or the schedule. Bucket sizes
+are elements, as in Megatron-LM. With one data-parallel replica (and so always on the emulator)
+there is nothing to reduce: the flag is a documented no-op there, not a refusal, so one flag set
+runs at any DP. ``--ddp-bucket-size`` without ``--overlap-grad-reduce`` is refused: the
+non-overlapped reduction is one all-reduce at the step and has no buckets to size.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron.trainer.config.errors import ArgumentError
+
+#: Megatron-LM's DDP default bucket size in elements (its max(40M, 1M x DP) for DP <= 40).
+DEFAULT_BUCKET_SIZE = 40_000_000
+
+
+def add_ddp_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data-parallel gradient reduction (Megatron-LM)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="all-reduce gradients in buckets, each launched as soon as the window's last "
+                        "backward (or W) has finished it, so the reduction overlaps the backward; "
+                        "a no-op with one data-parallel replica (and on the emulator)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, metavar="ELEMENTS",
+                   help=f"with --overlap-grad-reduce: elements per bucket (default {DEFAULT_BUCKET_SIZE:,})")
+
+
+def validate_ddp_args(args: argparse.Namespace) -> None:
+    """One-line :class:`ArgumentError` for a combination that cannot act; fills the default size
+    (the domain, >= 1, is :data:`~megatron.trainer.config.flag_checks.DOMAINS`')."""
+    if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
+        raise ArgumentError("--ddp-bucket-size sizes the buckets of --overlap-grad-reduce; without it the "
+                            "gradients are all-reduced at once at the step")
+    if args.overlap_grad_reduce and args.ddp_bucket_size is None:
+        args.ddp_bucket_size = DEFAULT_BUCKET_SIZE
+
+
+def overlap_bucket_size(args: argparse.Namespace) -> int | None:
+    """What the distributed transport gets: the bucket size when overlapping, else None."""
+    return args.ddp_bucket_size if getattr(args, "overlap_grad_reduce", False) else None
