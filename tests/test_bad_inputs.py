@@ -672,3 +672,18 @@ def test_resharding_with_uneven_update_counts_is_refused(refuse, inputs, tmp_pat
         (directory / ckpt.METADATA).write_text(json.dumps(metadata))
     root = _damaged(inputs, tmp_path, uneven)
     assert "different update counts" in refuse([*TINY, "--pipeline-model-parallel-size", "1", "--load", str(root)])
+
+
+# ------------------------------------------------------- overlapped gradient reduction (ddp_args)
+
+DDP = [
+    (["--overlap-grad-reduce", "--ddp-bucket-size", "0"], "--ddp-bucket-size"),
+    (["--overlap-grad-reduce", "--ddp-bucket-size", "-5"], "--ddp-bucket-size"),
+    (["--ddp-bucket-size", "1000"], "--ddp-bucket-size sizes the buckets of --overlap-grad-reduce"),
+    (["--overlap-param-gather"], "needs the distributed optimizer"),
+]
+
+
+@pytest.mark.parametrize("flags,says", DDP, ids=[" ".join(f) for f, _ in DDP])
+def test_bad_ddp_flags_are_refused_up_front(refuse, flags: list[str], says: str) -> None:
+    assert says in refuse([*TINY, *flags])
