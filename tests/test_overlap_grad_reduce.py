@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 import traceback
 from pathlib import Path
 
@@ -26,7 +25,6 @@ import torch.multiprocessing as mp
 from megatron.trainer.launch.launcher import free_port
 from tests.async_helpers import run_pretrain, tiny_args
 
-TIMEOUT_S = 90
 BUCKET = 10  # elements: every parameter of the module below ends a bucket
 
 
@@ -119,19 +117,12 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_buckets_launch_inside_the_last_backward() -> None:
-    context = mp.start_processes(_worker, args=(free_port(),), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"gradient-bucket workers did not finish in {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    # No hang: every collective of the workers has the process group's 60 s timeout, and a
+    # worker that raises makes the join raise (and end the other one).
+    mp.start_processes(_worker, args=(free_port(),), nprocs=2, join=True, start_method="spawn")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,extra", [
     ("1f1b", ()),
     ("paci", ()),
@@ -139,7 +130,7 @@ def test_buckets_launch_inside_the_last_backward() -> None:
     ("1f1b", ("--enable-optimizer-post-validation",)),
 ])
 def test_overlapped_equals_non_overlapped(tmp_path: Path, schedule: str, extra: tuple[str, ...]) -> None:
-    args = [*tiny_args(2, schedule, 2, 3, "--hidden-dropout", "0", "--attention-dropout", "0", *extra),
+    args = [*tiny_args(2, schedule, 2, 2, "--hidden-dropout", "0", "--attention-dropout", "0", *extra),
             "--data-parallel-size", "2", "--global-batch-size", "4"]
     plain, p_plain = run_pretrain(args, tmp_path / "plain")
     # 300 elements: several buckets per stage of the tiny GPT.
