@@ -39,7 +39,7 @@ def _measure(rank: int, args: argparse.Namespace, bucket_size: int, overlap: boo
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh())
                                   for _ in range(args.layers)])
-    sync = OverlappedGradReduce([list(model.parameters())], bucket_size, args.microbatches, None, 2,
+    sync = OverlappedGradReduce([list(model.parameters())], bucket_size, None, 2,
                                 datetime.timedelta(seconds=120))
     gen = torch.Generator().manual_seed(rank)
     exposed, whole = [], []
@@ -49,7 +49,7 @@ def _measure(rank: int, args: argparse.Namespace, bucket_size: int, overlap: boo
         for mb in range(args.microbatches):
             x = torch.randn(args.batch, args.width, generator=gen)
             if overlap:
-                with sync.grad_op(it, 0, completes=True):
+                with sync.grad_op(it, args.microbatches, 0, completes=True):
                     model(x).square().mean().backward()
             else:
                 model(x).square().mean().backward()

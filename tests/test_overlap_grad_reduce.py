@@ -14,16 +14,13 @@ Two layers of evidence:
 from __future__ import annotations
 
 import datetime
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from megatron.trainer.launch.launcher import free_port
 from tests.async_helpers import run_pretrain, tiny_args
+from tests.gloo_ranks import run_on_two_gloo_ranks
 
 BUCKET = 10  # elements: every parameter of the module below ends a bucket
 
@@ -58,18 +55,18 @@ def _check(rank: int) -> None:
     timeout = datetime.timedelta(seconds=60)
     module = _module()
     params = list(module.parameters())
-    sync = OverlappedGradReduce([params], BUCKET, 2, None, 2, timeout)
+    sync = OverlappedGradReduce([params], BUCKET, None, 2, timeout)
     assert len(sync.buckets) > 2
-    with sync.grad_op(0, 0, completes=True):
+    with sync.grad_op(0, 2, 0, completes=True):
         _backward(module, rank, 0)
     assert sync.launches == [], "launched before the window's last micro-batch"
-    with sync.grad_op(0, 0, completes=True):
+    with sync.grad_op(0, 2, 0, completes=True):
         _backward(module, rank, 1)
         during = list(sync.launches)
     assert during and set(during) == {"backward"}, f"nothing launched inside the last backward: {during}"
     assert len(sync.launches) == len(sync.buckets) and "step" not in sync.launches
     with pytest.raises(RuntimeError, match="being reduced"):
-        with sync.grad_op(1, 0, completes=True):
+        with sync.grad_op(1, 2, 0, completes=True):
             pass
     sync.finish()
     for p, ref in zip(params, _flat_reference(rank, 2)):
@@ -78,11 +75,11 @@ def _check(rank: int) -> None:
     # W finishes gradients outside autograd (no hook fires): the buckets launch at the op's end.
     module.zero_grad(set_to_none=True)
     sync.launches.clear()
-    with sync.grad_op(1, 0, completes=False):  # B of both micro-batches: not final yet
+    with sync.grad_op(1, 2, 0, completes=False):  # B of both micro-batches: not final yet
         _backward(module, rank, 0)
         _backward(module, rank, 1)
     for _ in range(2):
-        with sync.grad_op(1, 0, completes=True):  # W: nothing left to accumulate here
+        with sync.grad_op(1, 2, 0, completes=True):  # W: nothing left to accumulate here
             pass
     assert set(sync.launches) == {"op end"} and len(sync.launches) == len(sync.buckets)
     sync.finish()
@@ -92,7 +89,7 @@ def _check(rank: int) -> None:
     # A window this stage did not complete is reduced at the step, with the same numbers.
     module.zero_grad(set_to_none=True)
     sync.launches.clear()
-    with sync.grad_op(2, 0, completes=True):
+    with sync.grad_op(2, 2, 0, completes=True):
         _backward(module, rank, 0)
     sync.finish()
     assert set(sync.launches) == {"step"}
@@ -100,26 +97,8 @@ def _check(rank: int) -> None:
         assert torch.equal(p.grad, ref.view_as(p.grad))
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        _check(rank)
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 def test_buckets_launch_inside_the_last_backward() -> None:
-    # No hang: every collective of the workers has the process group's 60 s timeout, and a
-    # worker that raises makes the join raise (and end the other one).
-    mp.start_processes(_worker, args=(free_port(),), nprocs=2, join=True, start_method="spawn")
+    run_on_two_gloo_ranks(_check)
 
 
 @pytest.mark.slow

@@ -73,9 +73,8 @@ class OverlappedGradReduce:
     """One stage's buckets over its data-parallel group; see the module docstring."""
 
     def __init__(self, chunk_params: Sequence[Sequence[torch.nn.Parameter]], bucket_size: int,
-                 microbatches_per_update: int, group: dist.ProcessGroup | None, size: int, timeout: timedelta):
+                 group: dist.ProcessGroup | None, size: int, timeout: timedelta):
         self.buckets = make_buckets(chunk_params, bucket_size)
-        self.window = microbatches_per_update
         self.group, self.size, self.timeout = group, size, timeout
         self._done: Counter[tuple[int, int]] = Counter()  # (update, chunk) -> completing ops so far
         self._armed: set[int] = set()  # chunks in their window's last completing op
@@ -92,15 +91,16 @@ class OverlappedGradReduce:
 
     # -- during the backward ---------------------------------------------------------
     @contextlib.contextmanager
-    def grad_op(self, update: int, chunk: int, completes: bool) -> Iterator[None]:
-        """Around an op that accumulates gradients of ``chunk`` for micro-batch window ``update``;
+    def grad_op(self, update: int, window: int, chunk: int, completes: bool) -> Iterator[None]:
+        """Around an op that accumulates gradients of ``chunk`` for update ``update``, whose
+        window is ``window`` micro-batches (read per op: a batch-size rampup changes it);
         ``completes``: the op finishes that micro-batch's gradients (BW, or W)."""
         mine = [b for b in self.buckets if b.chunk == chunk]
         if any(b.launched for b in mine):
             raise RuntimeError(f"chunk {chunk}: a gradient op of update {update} runs while the "
                                "chunk's gradient buckets are being reduced (before the step)")
         key = (update, chunk)
-        last = completes and self._done[key] + 1 == self.window
+        last = completes and self._done[key] + 1 == window
         if last:
             for b in mine:
                 b.pending = {id(p) for p in b.params}

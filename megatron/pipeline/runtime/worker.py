@@ -349,7 +349,8 @@ class StageWorker:
         """Tell the overlapped reduction (if any) that ``op`` accumulates gradients."""
         if self.grad_sync is None:
             return contextlib.nullcontext()
-        return self.grad_sync.grad_op(op.microbatch // self.setup.microbatches_per_update, op.chunk, completes)
+        a = self.setup.microbatches_per_update
+        return self.grad_sync.grad_op(op.microbatch // a, a, op.chunk, completes)
 
     def _backward(self, op: Op, grad_output: torch.Tensor | None, defer: bool) -> torch.Tensor | None:
         key = (op.microbatch, op.chunk)

@@ -172,8 +172,8 @@ class DistributedTransport(Transport):
         if sum(map(len, chunk_params)) != len(trained):
             raise RuntimeError(f"stage {worker.stage}: --overlap-grad-reduce needs every trained parameter "
                                "in exactly one model chunk")
-        buckets = OverlappedGradReduce(chunk_params, self.overlap_bucket_size, worker.setup.microbatches_per_update,
-                                       self.groups.data_parallel, self.data_parallel_size, self.timeout)
+        buckets = OverlappedGradReduce(chunk_params, self.overlap_bucket_size, self.groups.data_parallel,
+                                       self.data_parallel_size, self.timeout)
         self._overlap[id(worker)] = worker.grad_sync = buckets
 
     def reduce_data_parallel(self, worker: StageWorker) -> None:

@@ -1,0 +1,41 @@
+"""Run a function on two spawned gloo ranks of one process group (CPU collectives in tests).
+
+Why a helper: a test of a collective needs real ranks, and every such test repeats the same
+set-up (one thread per rank, a fresh TCP rendezvous, the group torn down however the check
+ends). ``fn(rank, *args)`` must be picklable (a module-level function). No hang: the group's
+collectives time out after ``timeout`` and a rank that raises makes the join raise and end the
+other rank.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron.trainer.launch.launcher import free_port
+
+
+def _rank(rank: int, port: int, timeout_s: float, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        fn(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_two_gloo_ranks(fn: Callable[..., None], *args: Any, timeout_s: float = 60) -> None:
+    """``fn(rank, *args)`` on ranks 0 and 1 of a gloo group; raises if either raises."""
+    mp.start_processes(_rank, args=(free_port(), timeout_s, fn, args), nprocs=2, join=True, start_method="spawn")
