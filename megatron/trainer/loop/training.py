@@ -230,7 +230,9 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     stop = stop_control(args, decides_time=True)  # --exit-signal-handler: the handler goes in first
     if not dist.is_initialized():
         flight_recorder.disable_unless_requested()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+        # One process: an in-memory store, no port (a probed free port can be taken by another
+        # process before the store binds it: two emulator runs at once failed with EADDRINUSE).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
