@@ -37,7 +37,7 @@ from megatron.trainer.config.run_config import run_config
 from megatron.trainer.launch.exit_control import StopControl, launcher_signals, rank_signal_defaults, stop_control
 from megatron.trainer.checkpointing.checkpoint import (
     CheckpointError, ResumePoint, check_resume, load_stage_state, restore_schedule_state)
-from megatron.trainer.launch.launcher import free_port, is_worker_process, launch_local
+from megatron.trainer.launch.launcher import is_worker_process, launch_local
 from megatron.trainer.loop.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop.segments import Segment, plan_segments, run_segments
 from megatron.trainer.loop.run_banner import print_banner
@@ -256,7 +256,12 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     flight_recorder.disable_unless_requested()  # its ring grew the logging rank's heap by ~1 MB
-    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    device_id = device if device.type == "cuda" else None
+    if int(os.environ["WORLD_SIZE"]) == 1:  # one rank: an in-memory store, no port to collide on
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                device_id=device_id)
+    else:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size)
     # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
     # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
@@ -344,8 +349,7 @@ def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | No
     if is_worker_process():
         return run_distributed(task, args)
     if args.world_size == 1:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         return run_distributed(task, args)
     # CPU ranks are forked from here (imports already paid); GPU ranks start fresh processes.
     target = (lambda: run_distributed(task, args)) if _runs_on_cpu(args) else None
