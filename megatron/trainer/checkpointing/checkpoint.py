@@ -5,6 +5,7 @@ Layout (Megatron-LM's names)::
     SAVE/latest_checkpointed_iteration.txt   iteration of the last *complete* checkpoint
     SAVE/iter_0000010/metadata.json          run signature, byte size, SHA-256 and parameter index of every rank file
     SAVE/iter_0000010/stage00_dp0.pt         one file per (pipeline stage, data-parallel replica)
+    SAVE/iter_0000010/stage00_dp0_tp1.pt     ... and tensor-parallel rank, with TP > 1 (its shards)
 
 A rank file holds the stage's parameters (by their names in the unsplit model), its
 optimizer state (moments, fp32 masters, update counter = the stage's weight version, which
@@ -29,7 +30,8 @@ Loading is checked before any rank starts (:func:`check_resume`): the pointer, t
 directory, the signature (model shape, precision, ...), every file's size and checksum, each
 failure one line naming the file. A rank verifies each file's checksum again as it reads it
 (under torchrun no launcher checks first). A checkpoint of another layout (pipeline size,
-data-parallel size, layer split, schedule) loads by global parameter name through the
+data-parallel size, tensor-parallel size, layer split, schedule) loads by global parameter
+name (and TP shard offset) through the
 ``index`` in ``metadata.json`` (:mod:`megatron.trainer.checkpointing.reshard`,
 ``docs/checkpoints.md``); the same layout loads file for file, bitwise.
 
@@ -54,8 +56,11 @@ import torch
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing.paths import rank_file_name
 from megatron.trainer.checkpointing.reshard import (
-    LAYOUT_FLAGS, ReshardError, ReshardPlan, file_index, merge_optimizer_states, plan, smallest_scale)
+    LAYOUT_FLAGS, VOCAB_FLAGS, ReshardError, ReshardPlan, check_vocab, file_index, merge_optimizer_states, plan,
+    saved_signature, smallest_scale, tp_size)
+from megatron.trainer.checkpointing.shards import Region, ShardError
 from megatron.trainer.config.megatron_compat_args import COMPAT_SIGNATURE_FLAGS
+from megatron.trainer.models.tensor_parallel import shard_layout, stage_tp_group, tp_rank_and_size
 from megatron.trainer.tasks.task import PretrainTask
 
 POINTER = "latest_checkpointed_iteration.txt"
@@ -67,7 +72,8 @@ SIGNATURE_FLAGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "seq_length", "max_position_embeddings", "vocab_size", "normalization", "position_embedding_type",
     "pipeline_model_parallel_size", "num_model_chunks", "pipeline_layer_split", "data_parallel_size",
-    "pipeline_schedule", "num_microbatches", "micro_batch_size", "bf16", "fp16", *COMPAT_SIGNATURE_FLAGS,
+    "pipeline_schedule", "num_microbatches", "micro_batch_size", "bf16", "fp16", "tensor_model_parallel_size",
+    *COMPAT_SIGNATURE_FLAGS,
 )
 
 
@@ -82,8 +88,16 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
 def run_signature(task: PretrainTask, args: argparse.Namespace) -> dict[str, Any]:
     """What identifies a run's model and pipeline layout (checked on load)."""
     signature = {flag: getattr(args, flag, None) for flag in SIGNATURE_FLAGS}
+    signature["tensor_model_parallel_size"] = signature["tensor_model_parallel_size"] or 1
+    signature["tokenizer_vocab_size"] = getattr(args, "tokenizer_vocab_size", None)  # which vocab rows are padding
     signature["task"] = task.name
     return signature
+
+
+def tensor_parallel_rank(chunks: list[torch.nn.Module]) -> tuple[int, int]:
+    """(TP rank, TP size) of a stage's chunks (the TP group megatron built them with)."""
+    model = getattr(chunks[0], "model", chunks[0]) if chunks else None
+    return tp_rank_and_size(None if model is None else stage_tp_group(model))
 
 
 # ----------------------------------------------------------------------------- saving
@@ -98,10 +112,14 @@ def stage_state(task: PretrainTask, worker: StageWorker) -> dict[str, Any]:
     optimizer = worker.setup.optimizer
     if any(p.grad is not None and bool(p.grad.any()) for p in optimizer.parameters()):
         raise CheckpointError(f"stage {worker.stage}: cannot checkpoint with accumulated gradients not yet applied")
+    named = list(task.named_parameters(worker.setup.chunks))
+    tp_rank, tp_size_ = tensor_parallel_rank(worker.setup.chunks)
+    layouts = {name: list(layout) for name, p in named if (layout := shard_layout(p)) is not None}
     return {
         "format": FORMAT_VERSION,
         "stage": worker.stage,
-        "model": {name: p.detach().cpu().clone() for name, p in task.named_parameters(worker.setup.chunks)},
+        "model": {name: p.detach().cpu().clone() for name, p in named},
+        "tensor_parallel": {"rank": tp_rank, "size": tp_size_, "layouts": layouts},  # what each shard is
         "optimizer": optimizer.state_dict(),
         "rng": worker.rng_state(),
         "drift_histogram": dict(worker.drift_histogram),
@@ -175,9 +193,11 @@ def write_durable_text(path: Path, text: str) -> None:
 
 def write_rank_file(root: str | Path, iteration: int, stage: int, dp_rank: int, state: dict[str, Any]) -> None:
     """Write one rank's state into the staging directory (temporary name, fsync, rename), with
-    its SHA-256 (computed while writing) and its parameter index (names, shapes, update count:
-    what a resharded load looks up) beside it for :func:`publish`."""
-    path = staging_dir(root, iteration) / rank_file_name(stage, dp_rank)
+    its SHA-256 (computed while writing) and its parameter index (names, shapes, TP shards,
+    update count: what a resharded load looks up) beside it for :func:`publish`. The file name
+    carries the state's own TP rank (:func:`stage_state` records it)."""
+    tp = state.get("tensor_parallel") or {"rank": 0, "size": 1}
+    path = staging_dir(root, iteration) / rank_file_name(stage, dp_rank, tp["rank"], tp["size"])
     partial = path.with_suffix(".partial")
     with open(partial, "wb") as f:
         writer = _HashingWriter(f)
@@ -217,12 +237,14 @@ def restore_schedule_state(schedule: object, point: "ResumePoint | None") -> Non
 def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_stages: int, dp_size: int,
             schedule: dict[str, Any] | None = None) -> Path:
     """Coordinator, after every rank wrote: metadata (sizes, checksums, the schedule's state),
-    rename into place, then the pointer; each step durable before the next."""
+    rename into place, then the pointer; each step durable before the next. With tensor
+    parallelism (the signature's size) every TP rank of every (stage, replica) wrote a file."""
     staging, final = staging_dir(root, iteration), iteration_dir(root, iteration)
     files, checksums, index = {}, {}, {}
+    tp = tp_size(signature)
     for stage in range(num_stages):
-        for dp in range(dp_size):
-            name = rank_file_name(stage, dp)
+        for dp, tp_rank in ((dp, r) for dp in range(dp_size) for r in range(tp)):
+            name = rank_file_name(stage, dp, tp_rank, tp)
             sidecar = staging / (name + CHECKSUM_SUFFIX)
             if not (staging / name).is_file() or not sidecar.is_file():
                 raise CheckpointError(f"checkpoint {staging}: {name} was not written")
@@ -303,9 +325,13 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
         return None
     metadata = _read_metadata(point.directory)
     path = point.directory / METADATA
-    saved, ours = metadata["signature"], run_signature(task, args)
+    saved, ours = saved_signature(metadata), run_signature(task, args)
+    try:
+        vocab_padding = check_vocab(saved, ours, str(path))
+    except ReshardError as exc:
+        raise CheckpointError(str(exc)) from None
     for key in ours:
-        if saved.get(key) != ours[key] and key not in LAYOUT_FLAGS:
+        if saved.get(key) != ours[key] and key not in LAYOUT_FLAGS and key not in VOCAB_FLAGS:
             flag = "model type" if key == "task" else "--" + key.replace("_", "-")
             raise CheckpointError(f"checkpoint {path} was saved with {flag} {saved.get(key)}, "
                                   f"this run has {ours[key]}")
@@ -317,21 +343,21 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
             raise CheckpointError(f"checkpoint file {file} is truncated or corrupt "
                                   f"({file.stat().st_size} bytes, {size} when saved)")
     reshard = None
-    if any(saved.get(key) != ours[key] for key in LAYOUT_FLAGS):
+    if vocab_padding or any(saved.get(key) != ours[key] for key in LAYOUT_FLAGS):
         try:
             reshard = plan(metadata, ours, args, str(path))
         except ReshardError as exc:
             raise CheckpointError(str(exc)) from None
     checksums = metadata.get("sha256", {})
     if verify_files:
-        read = None if reshard is None else reshard.files_read(args.data_parallel_size)
+        read = None if reshard is None else reshard.files_read(args.data_parallel_size, tp_size(ours))
         for name, expected in checksums.items():
             if read is None or name in read:
                 _verify_checksum(point.directory / name, file_checksum(point.directory / name), expected)
     if point.iteration >= args.train_iters and not getattr(args, "finetune", False):
         raise CheckpointError(f"checkpoint {point.directory} is at iteration {point.iteration}, "
                               f"not before --train-iters {args.train_iters}: nothing left to train")
-    keeps_order = reshard is None or (reshard.same_partition and reshard.same_schedule)
+    keeps_order = reshard is None or (reshard.keeps_rank_state and reshard.same_schedule)
     return ResumePoint(point.iteration, point.directory, checksums,
                        metadata.get("schedule_state") if keeps_order else None, reshard)
 
@@ -393,7 +419,7 @@ def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint
     if point.reshard is not None:
         _load_resharded(task, worker, point, dp_rank, optimizer, rng)
         return
-    path = point.directory / rank_file_name(worker.stage, dp_rank)
+    path = point.directory / rank_file_name(worker.stage, dp_rank, *tensor_parallel_rank(worker.setup.chunks))
     state = _read_rank_file(point, path.name)
     params = dict(task.named_parameters(worker.setup.chunks))
     saved = state.get("model", {})
@@ -414,10 +440,13 @@ def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint
 def _load_resharded(task: PretrainTask, worker: StageWorker, point: ResumePoint, dp_rank: int,
                     optimizer: bool, rng: bool) -> None:
     """This stage's parameters and optimizer state by global name from the old files holding
-    them; per-stage state as :mod:`megatron.trainer.checkpointing.reshard` decides."""
+    them, each tensor-parallel region assembled from the shards overlapping it (parameters and
+    AdamW's moments and masters alike); per-rank state as
+    :mod:`megatron.trainer.checkpointing.reshard` decides."""
     plan_ = point.reshard
     assert plan_ is not None
-    if worker.stage == 0 and dp_rank == 0:
+    tp_rank, tp_size_ = tensor_parallel_rank(worker.setup.chunks)
+    if worker.stage == 0 and dp_rank == 0 and tp_rank == 0:
         for line in plan_.notices:
             print(f"[megatron-async] checkpoint: {line}", flush=True)
     params = dict(task.named_parameters(worker.setup.chunks))
@@ -425,21 +454,50 @@ def _load_resharded(task: PretrainTask, worker: StageWorker, point: ResumePoint,
     if missing:
         raise CheckpointError(f"checkpoint {point.directory} holds no {missing[0]} "
                               f"({len(missing)} parameters of stage {worker.stage} missing)")
-    states = {name: _read_rank_file(point, name) for name in plan_.files_for(list(params))}
-    _copy_parameters(params, {n: states[plan_.owners[n]]["model"][n] for n in params},
-                     {n: point.directory / plan_.owners[n] for n in params})
-    stage_file = plan_.stage_file(worker.stage, dp_rank) if plan_.same_partition else None
+    try:
+        regions = {n: plan_.region(n, shard_layout(p), tp_rank, tp_size_, tuple(p.shape)) for n, p in params.items()}
+    except ReshardError as exc:
+        raise CheckpointError(str(exc)) from None
+    states = {name: _read_rank_file(point, name) for name in sorted({f for r in regions.values() for f in r.files})}
+    with torch.no_grad():
+        for name, p in params.items():
+            p.data.copy_(_assemble(point, regions[name], p.detach(), {f: states[f]["model"][name] for f in regions[name].files}))
+    stage_file = plan_.stage_file(worker.stage, dp_rank, tp_rank) if plan_.same_partition else None
     if stage_file is not None and stage_file not in states:
         states[stage_file] = _read_rank_file(point, stage_file)
     if optimizer:
-        trained = {n for n, _ in worker.setup.optimizer.named_parameters()}
-        merged = merge_optimizer_states([(s["optimizer"], set(s["model"])) for s in states.values()], trained)
-        _load_optimizer(worker, merged, ", ".join(str(point.directory / n) for n in sorted(states)))
-        if plan_.same_schedule and stage_file is not None:
+        _load_resharded_optimizer(worker, point, regions, states)
+        if plan_.keeps_rank_state and plan_.same_schedule and stage_file is not None:
             worker.weights.load_state_dict(states[stage_file].get("weight_versions", {}))
         scaler = states[stage_file].get("loss_scaler") if stage_file is not None else \
             smallest_scale([s.get("loss_scaler") for s in states.values()])
         if worker.setup.loss_scaler is not None and scaler is not None:
             worker.setup.loss_scaler.load_state_dict(scaler)
-    if rng and stage_file is not None:
+    if rng and stage_file is not None and plan_.keeps_rank_state:
         _load_rng(worker, states[stage_file])
+
+
+def _assemble(point: ResumePoint, region: Region, current: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One tensor's region out of the saved shards (a shape that does not fit: one line)."""
+    try:
+        return region.assemble(current, saved)
+    except ShardError as exc:
+        raise CheckpointError(f"checkpoint {point.directory} ({', '.join(region.files)}): {exc}") from None
+
+
+def _load_resharded_optimizer(worker: StageWorker, point: ResumePoint, regions: dict[str, Region],
+                              states: dict[str, dict[str, Any]]) -> None:
+    """The optimizer's state for this rank: per-name entries merged from the files holding them,
+    AdamW's tensors (moments, masters) assembled region by region like their parameters, into
+    the fresh optimizer's values where the checkpoint has none (vocabulary padding rows)."""
+    trained = {n for n, _ in worker.setup.optimizer.named_parameters()}
+    sources = [(state["optimizer"], set(state["model"]), {n for n in trained if regions[n].files[:1] == [f]})
+               for f, state in states.items()]
+    merged = merge_optimizer_states(sources)
+    fresh = worker.setup.optimizer.state_dict()["params"]
+    merged["params"] = {
+        name: {key: _assemble(point, regions[name], value,
+                              {f: states[f]["optimizer"]["params"][name][key] for f in regions[name].files})
+               for key, value in fresh[name].items()}
+        for name in trained}
+    _load_optimizer(worker, merged, ", ".join(str(point.directory / n) for n in sorted(states)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 
 from megatron.trainer.checkpointing.writable import OutputPathError, check_output_flags, check_writable_directory
@@ -93,6 +94,20 @@ def check_checkpoint_paths(args: argparse.Namespace) -> None:
         raise CheckpointPathError(str(exc)) from None
 
 
-def rank_file_name(stage: int, dp_rank: int) -> str:
-    """The file one rank writes into a checkpoint's iteration directory."""
-    return f"stage{stage:02d}_dp{dp_rank}.pt"
+def rank_file_name(stage: int, dp_rank: int, tp_rank: int = 0, tp_size: int = 1) -> str:
+    """The file one rank writes into a checkpoint's iteration directory: one per (pipeline
+    stage, data-parallel replica), and with tensor parallelism per TP rank too (``_tp<r>``;
+    without it the name has no TP part, so checkpoints from before TP keep their names)."""
+    return f"stage{stage:02d}_dp{dp_rank}{f'_tp{tp_rank}' if tp_size > 1 else ''}.pt"
+
+
+_RANK_FILE = re.compile(r"stage(\d+)_dp(\d+)(?:_tp(\d+))?\.pt")
+
+
+def rank_file_coordinates(name: str) -> tuple[int, int, int] | None:
+    """(stage, data-parallel rank, tensor-parallel rank) of a :func:`rank_file_name`; None for
+    another name."""
+    match = _RANK_FILE.fullmatch(name)
+    if match is None:
+        return None
+    return int(match[1]), int(match[2]), int(match[3] or 0)

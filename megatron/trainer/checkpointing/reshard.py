@@ -1,4 +1,5 @@
-"""Loading a checkpoint into another layout: pipeline size, data-parallel size, layer split, schedule.
+"""Loading a checkpoint into another layout: pipeline size, data-parallel size, tensor-parallel
+size, layer split, schedule.
 
 Why this works at all: every parameter, and every piece of optimizer state that belongs to one
 parameter (AdamW's moments and fp32 master, basis rotation's bases), is saved under the
@@ -6,8 +7,11 @@ parameter's *global* name (its name in the unsplit model). ``metadata.json`` car
 (``index``: rank file -> the names it holds, with shape, global shape and offset, and the
 stage's update count), so a rank of the new layout finds the old files that hold its names,
 reads only those (data-parallel replica 0's: replicas hold identical weights), checks their
-SHA-256 and takes exactly its entries. The offset / global-shape fields are there for tensor
-parallelism, whose shards are pieces of one global tensor; today every entry is whole.
+SHA-256 and takes exactly its entries. A tensor-parallel run's files hold TP shards, listed
+with their offset, stride and TP rank in the global tensor; a rank of another TP size
+assembles its region from the shards that overlap it (:mod:`megatron.trainer.checkpointing.shards`),
+parameters and optimizer moments alike. Replicated parameters are in every TP rank's file;
+TP rank 0's copy is read.
 
 What does not follow a parameter is decided here, per item (``docs/checkpoints.md``):
 
@@ -21,6 +25,11 @@ What does not follow a parameter is decided here, per item (``docs/checkpoints.m
 * the partition changed: dropout RNG streams restart from ``--seed`` (per-stage streams have
   no meaning across stage counts), drift histograms start empty, the loss scale is the
   smallest of the gathered stages' scales;
+* the TP size changed: per-rank tensors that are not parameters (RNG streams, 2BW's stash,
+  PipeMare's delta) reset as for a partition change; basis rotation's bases (computed on a
+  shard) are refused unless ``--no-load-optim``; the padded vocabulary (divisible by
+  ``--make-vocab-size-divisible-by`` x TP) may change: saved padding rows past this run's
+  vocabulary are dropped, rows the checkpoint lacks keep this run's initialisation;
 * weight versions of another schedule or partition and zb's profiled order: reset (the
   first window reads the current weights, PipeMare's delta starts at 0, zb profiles again),
   each with a one-line notice;
@@ -34,15 +43,45 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.pipeline.schedules import schedule_class
-from megatron.trainer.checkpointing.paths import rank_file_name
+from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
+from megatron.trainer.checkpointing.shards import Region, ShardError, plan_region, shard_entry
+from megatron.trainer.models.tensor_parallel import ShardLayout
 
 # Flags that describe the layout, not the model: they may differ between save and load.
 LAYOUT_FLAGS = ("pipeline_model_parallel_size", "num_model_chunks", "pipeline_layer_split",
-                "data_parallel_size", "pipeline_schedule", "num_microbatches", "micro_batch_size")
+                "data_parallel_size", "pipeline_schedule", "num_microbatches", "micro_batch_size",
+                "tensor_model_parallel_size")
+# The padded vocabulary and the tokenizer's own size: checked by :func:`check_vocab` (padding
+# may change with the TP size, the tokenizer may not).
+VOCAB_FLAGS = ("vocab_size", "tokenizer_vocab_size")
+# Signature entries of checkpoints saved before the flag was recorded.
+SIGNATURE_DEFAULTS = {"tensor_model_parallel_size": 1}
 
 
 class ReshardError(ValueError):
     """A layout change that cannot be loaded correctly; one line for the user."""
+
+
+def saved_signature(metadata: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's signature, with the values older checkpoints did not record (TP 1)."""
+    return {**SIGNATURE_DEFAULTS, **metadata["signature"]}
+
+
+def tp_size(signature: dict[str, Any]) -> int:
+    return int(signature.get("tensor_model_parallel_size") or 1)
+
+
+def check_vocab(saved: dict[str, Any], ours: dict[str, Any], where: str) -> bool:
+    """True if the padded vocabularies differ only in padding (the same tokenizer, padded for
+    another TP size); False if they are equal; :class:`ReshardError` if the vocabulary differs."""
+    if saved.get("vocab_size") == ours.get("vocab_size"):
+        return False
+    true = saved.get("tokenizer_vocab_size")
+    if true is None or true != ours.get("tokenizer_vocab_size") or \
+            true > min(saved.get("vocab_size") or 0, ours.get("vocab_size") or 0):
+        raise ReshardError(f"checkpoint {where} was saved with --vocab-size {saved.get('vocab_size')}, "
+                           f"this run has {ours.get('vocab_size')}")
+    return True
 
 
 def global_batch(signature: dict[str, Any]) -> int | None:
@@ -67,24 +106,32 @@ def describe(signature: dict[str, Any]) -> str:
     """A layout in a few words, for notices."""
     split = signature.get("pipeline_layer_split")
     chunks = signature.get("num_model_chunks") or 1
-    return (f"PP{signature.get('pipeline_model_parallel_size')} DP{signature.get('data_parallel_size')}"
+    tp = tp_size(signature)
+    return (f"{f'TP{tp} ' if tp != 1 else ''}"
+            f"PP{signature.get('pipeline_model_parallel_size')} DP{signature.get('data_parallel_size')}"
             f"{f' x{chunks} chunks' if chunks != 1 else ''}{f' split {split}' if split else ''}"
             f" {signature.get('pipeline_schedule')}")
 
 
-def param_entry(name: str, shape: tuple[int, ...]) -> dict[str, Any]:
-    """Index entry of one saved tensor: a whole tensor today; a TP shard would have its offset
-    within ``global_shape`` and its own ``shape``."""
-    return {"shape": list(shape), "global_shape": list(shape), "offset": [0] * len(shape)}
+def param_entry(name: str, shape: tuple[int, ...], layout: ShardLayout | None = None, tp_rank: int = 0,
+                tp_size_: int = 1) -> dict[str, Any]:
+    """Index entry of one saved tensor: whole, or a TP shard with its offset, stride and TP rank
+    in ``global_shape`` (:func:`megatron.trainer.checkpointing.shards.shard_entry`)."""
+    return shard_entry(shape, layout, tp_rank, tp_size_)
 
 
 def file_index(state: dict[str, Any]) -> dict[str, Any]:
-    """What ``metadata.json`` lists for one rank file (written by the rank beside its file)."""
+    """What ``metadata.json`` lists for one rank file (written by the rank beside its file).
+    ``state["tensor_parallel"]`` (TP rank, size and each sharded parameter's dim and stride)
+    describes TP shards; without it every tensor is whole."""
     optimizer = state.get("optimizer") or {}
     model = state.get("model", {})
+    tp = state.get("tensor_parallel") or {"rank": 0, "size": 1, "layouts": {}}
+    layouts = {name: ShardLayout(*dim_stride) for name, dim_stride in tp["layouts"].items()}
     return {"stage": state.get("stage"), "step_count": optimizer.get("step_count"),
             "optimizer_sharded": _sharded(optimizer.get("params", {}), model),
-            "params": {name: param_entry(name, tuple(t.shape)) for name, t in model.items()}}
+            "params": {name: param_entry(name, tuple(t.shape), layouts.get(name), tp["rank"], tp["size"])
+                       for name, t in model.items()}}
 
 
 def _sharded(entries: dict[str, Any], model: dict[str, Any]) -> bool:
@@ -98,29 +145,53 @@ class ReshardPlan:
     """How this run's ranks take their state from a checkpoint of another layout."""
 
     saved: dict[str, Any]                      # the checkpoint's signature
-    owners: dict[str, str]                     # global parameter name -> rank file holding it (DP 0)
+    owners: dict[str, str]                     # global parameter name -> rank file holding it (DP 0, TP 0)
     index: dict[str, dict[str, Any]]           # rank file -> its index entry
     same_partition: bool                       # same stages: per-stage state maps stage to stage
     same_schedule: bool
     load_optimizer: bool
     notices: tuple[str, ...] = field(default_factory=tuple)
+    holders: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> DP 0 files, by TP rank
+    same_tp: bool = True                       # same TP size: per-rank state maps rank to rank
+    vocab: tuple[int, int] = (0, 0)            # padded vocabulary (saved, this run)
+
+    @property
+    def keeps_rank_state(self) -> bool:
+        """Whether each new rank has an old twin (same stage and TP rank) whose RNG stream,
+        weight versions and profiled costs it continues."""
+        return self.same_partition and self.same_tp
 
     def files_for(self, names: list[str]) -> list[str]:
         """The rank files that hold ``names``, in stage order (each read once)."""
         return sorted({self.owners[n] for n in names if n in self.owners})
 
-    def files_read(self, dp_size: int) -> set[str]:
-        """Every file some rank of a run with ``dp_size`` replicas reads (checked up front): the
-        owners, and with the same partition each replica's own stage file for its RNG."""
-        needed = set(self.owners.values())
+    def region(self, name: str, layout: ShardLayout | None, tp_rank: int, tp_size_: int,
+               shape: tuple[int, ...]) -> Region:
+        """Where TP rank ``tp_rank`` of ``tp_size_`` finds its part of ``name`` (local ``shape``,
+        sharded as ``layout``): the saved files that overlap it and which blocks to copy."""
+        files = self.holders.get(name) or (self.owners[name],)
+        try:
+            return plan_region(name, [(f, self.index[f]["params"][name]) for f in files], layout,
+                               tp_rank, tp_size_, shape, self.vocab)
+        except ShardError as exc:
+            raise ReshardError(f"checkpoint file {files[0]}: {exc}") from None
+
+    def files_read(self, dp_size: int, tp_size_: int = 1) -> set[str]:
+        """Every file some rank of a run with ``dp_size`` replicas (and ``tp_size_`` TP ranks)
+        reads (checked up front): the holders, and with the same partition each rank's own
+        stage file for its RNG."""
+        needed = set(self.owners.values()) | {f for files in self.holders.values() for f in files}
         if self.same_partition:
-            needed |= {f for f, entry in self.index.items() for dp in range(dp_size)
-                       if f == self.stage_file(entry["stage"], dp)}
+            needed |= {f for f, entry in self.index.items() for dp in range(dp_size) for tp in range(tp_size_)
+                       if f == self.stage_file(entry["stage"], dp, tp)}
         return needed
 
-    def stage_file(self, stage: int, dp_rank: int) -> str | None:
-        """The old rank file of the same stage (this replica's if it existed, else replica 0's)."""
-        for name in (rank_file_name(stage, dp_rank), rank_file_name(stage, 0)):
+    def stage_file(self, stage: int, dp_rank: int, tp_rank: int = 0) -> str | None:
+        """The old rank file of the same stage (this replica's if it existed, else replica 0's;
+        the same TP rank if the TP size is unchanged, else TP rank 0's)."""
+        saved_tp = tp_size(self.saved)
+        tp = tp_rank if self.same_tp else 0
+        for name in (rank_file_name(stage, dp_rank, tp, saved_tp), rank_file_name(stage, 0, tp, saved_tp)):
             if name in self.index:
                 return name
         return None
@@ -129,7 +200,8 @@ class ReshardPlan:
 def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespace, where: str) -> ReshardPlan:
     """Decide how to load ``metadata``'s checkpoint into the layout ``ours``; :class:`ReshardError`
     (one line naming ``where``) for what would resume wrongly. Called before any rank starts."""
-    saved = metadata["signature"]
+    saved = saved_signature(metadata)
+    vocab_padding = check_vocab(saved, ours, where)
     if global_batch(saved) != global_batch(ours):
         raise ReshardError(f"checkpoint {where} was saved with a global batch of {global_batch(saved)} samples, "
                            f"this run has {global_batch(ours)} (the data position would not continue)")
@@ -145,50 +217,70 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
             not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
         raise ReshardError(f"checkpoint {where}: its optimizer state is sharded over data-parallel replicas; "
                            f"load it with its own layout {describe(saved)} or pass --no-load-optim")
-    replica0 = {f: entry for f, entry in index.items() if f.endswith("_dp0.pt")}
-    owners = {name: f for f, entry in sorted(replica0.items()) for name in entry["params"]}
+    replica0 = {f: entry for f, entry in index.items() if (rank_file_coordinates(f) or (0, 1, 0))[1] == 0}
+    holders: dict[str, tuple[str, ...]] = {}
+    for f in sorted(replica0, key=lambda f: rank_file_coordinates(f) or (0, 0, 0)):
+        for name in replica0[f]["params"]:  # one stage's TP ranks (the first stage holding it)
+            if name not in holders or replica0[holders[name][0]]["stage"] == replica0[f]["stage"]:
+                holders[name] = (*holders.get(name, ()), f)
+    owners = {name: files[0] for name, files in holders.items()}
     same_partition = partition(saved) == partition(ours)
     same_schedule = saved.get("pipeline_schedule") == ours.get("pipeline_schedule")
+    same_tp = tp_size(saved) == tp_size(ours)
     load_optimizer = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
+    if load_optimizer and not same_tp and getattr(args, "optimizer", None) == "basis-rotation":
+        raise ReshardError(f"checkpoint {where}: basis rotation's bases belong to one tensor-parallel shard, "
+                           f"they do not reshard from TP{tp_size(saved)} to TP{tp_size(ours)}; keep "
+                           f"--tensor-model-parallel-size {tp_size(saved)} or pass --no-load-optim")
     counts = sorted({entry.get("step_count") for entry in replica0.values()}, key=str)
     if load_optimizer and not same_partition and len(counts) > 1:
         raise ReshardError(f"checkpoint {where}: its stages applied different update counts {counts} "
                            f"(stage-local steps), one optimizer cannot continue several; keep "
                            f"--pipeline-model-parallel-size/--pipeline-layer-split or pass --no-load-optim")
+    vocab = (saved.get("vocab_size") or 0, ours.get("vocab_size") or 0)
+    notices = _notices(saved, ours, same_partition and same_tp, same_schedule, metadata)
+    if vocab_padding:
+        notices.append(f"padded vocabulary {vocab[0]} -> {vocab[1]} (tokenizer {saved['tokenizer_vocab_size']}): "
+                       f"padding rows the checkpoint lacks keep this run's initialisation, the loss moves "
+                       f"by the padding logits' share")
     return ReshardPlan(saved, owners, index, same_partition, same_schedule, load_optimizer,
-                       tuple(_notices(saved, ours, same_partition, same_schedule, metadata)))
+                       tuple(notices), holders, same_tp, vocab)
 
 
-def _notices(saved: dict[str, Any], ours: dict[str, Any], same_partition: bool, same_schedule: bool,
+def _notices(saved: dict[str, Any], ours: dict[str, Any], same_ranks: bool, same_schedule: bool,
              metadata: dict[str, Any]) -> list[str]:
-    """One line per piece of state that is reset rather than carried."""
+    """One line per piece of state that is reset rather than carried (``same_ranks``: the same
+    stage partition and TP size, so every rank has its old twin)."""
     notices = [f"resharding the checkpoint from {describe(saved)} to {describe(ours)}"]
-    if not same_partition:
-        notices.append("stage partition changed: dropout RNG streams restart from --seed, "
+    if not same_ranks:
+        changed = "stage partition" if partition(saved) != partition(ours) else "tensor-parallel size"
+        notices.append(f"{changed} changed: dropout RNG streams restart from --seed, "
                        "drift histograms start empty")
     policies = {name for name in (saved.get("pipeline_schedule"), ours.get("pipeline_schedule"))
                 if name and schedule_class(name).weight_policy_has_state}
-    if policies and not (same_partition and same_schedule):
+    if policies and not (same_ranks and same_schedule):
         notices.append(f"weight-version state of {'/'.join(sorted(policies))} reset (2BW's stash, "
                        f"PipeMare's delta start fresh)")
-    if metadata.get("schedule_state") is not None and not (same_partition and same_schedule):
+    if metadata.get("schedule_state") is not None and not (same_ranks and same_schedule):
         notices.append("the schedule's profiled order is not carried over (profiled again)")
     return notices
 
 
-def merge_optimizer_states(states: list[tuple[dict[str, Any], set[str]]], names: set[str]) -> dict[str, Any]:
-    """One optimizer ``state_dict`` for the parameters ``names`` out of several old stages'.
+def merge_optimizer_states(states: list[tuple[dict[str, Any], set[str], set[str]]]) -> dict[str, Any]:
+    """One optimizer ``state_dict`` out of several old files'.
 
-    ``states`` pairs each old state dict with the parameter names its file held. A dict-valued
-    entry keyed by parameter names (AdamW's ``params``, basis rotation's ``rotation``) is merged,
-    keeping ``names``; anything else (``step_count``, ``rotation_config``) is the same for all
-    sources (checked by :func:`plan` for the count) and taken from the first.
+    ``states`` holds per old file its state dict, the parameter names the file held, and the
+    names to take from it (each name from one file). A dict-valued entry keyed by parameter
+    names (AdamW's ``params``, basis rotation's ``rotation``) is merged; anything else
+    (``step_count``, ``rotation_config``) is the same for all sources (checked by :func:`plan`
+    for the count) and taken from the first. Tensor-parallel shards of AdamW's entries are
+    assembled afterwards (:func:`megatron.trainer.checkpointing.checkpoint._load_resharded`).
     """
     merged: dict[str, Any] = {}
-    for state, held in states:
+    for state, held, take in states:
         for key, value in state.items():
             if isinstance(value, dict) and set(value) <= held:
-                merged.setdefault(key, {}).update({n: v for n, v in value.items() if n in names})
+                merged.setdefault(key, {}).update({n: v for n, v in value.items() if n in take})
             else:
                 merged.setdefault(key, value)
     return merged
