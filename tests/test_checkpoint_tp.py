@@ -153,6 +153,20 @@ def test_plan_across_tp_sizes(tmp_path: Path) -> None:
     assert same.region("w", ShardLayout(0, 1), 1, 2, (4, 2)).files == [rank_file_name(0, 0, 1, 2)]
 
 
+def test_plan_reshards_vocabulary_padding() -> None:
+    """TP 2 -> TP 4 with a tokenizer of 60 tokens padded to 64 and then 128: a plan with a notice,
+    whose embedding region keeps rows 64.. from this run."""
+    metadata = _tp2_metadata()
+    metadata["signature"].update(vocab_size=64, tokenizer_vocab_size=60)
+    metadata["index"] = {f: {**entry, "params": {"emb": shard_entry((32, 2), ShardLayout(0, 1), r, 2)}}
+                         for r, (f, entry) in enumerate(sorted(metadata["index"].items()))}
+    ours = {**metadata["signature"], "tensor_model_parallel_size": 4, "vocab_size": 128}
+    plan = reshard.plan(metadata, ours, parse_args(MODEL), "here")
+    assert plan.vocab == (64, 128) and any("padded vocabulary 64 -> 128" in n for n in plan.notices)
+    assert plan.region("emb", ShardLayout(0, 1), 1, 4, (32, 2)).files == [rank_file_name(0, 0, 1, 2)]
+    assert plan.region("emb", ShardLayout(0, 1), 2, 4, (32, 2)).files == []  # rows 64..95: all padding
+
+
 def test_checkpoints_before_tp_are_tp1() -> None:
     """A signature without the TP size (saved before it was recorded) is TP 1: same layout."""
     assert reshard.tp_size(reshard.saved_signature({"signature": {"pipeline_model_parallel_size": 2}})) == 1

@@ -466,7 +466,7 @@ def _load_resharded(task: PretrainTask, worker: StageWorker, point: ResumePoint,
     if stage_file is not None and stage_file not in states:
         states[stage_file] = _read_rank_file(point, stage_file)
     if optimizer:
-        _load_resharded_optimizer(worker, point, regions, states)
+        _load_resharded_optimizer(worker, point, params, regions, states)
         if plan_.keeps_rank_state and plan_.same_schedule and stage_file is not None:
             worker.weights.load_state_dict(states[stage_file].get("weight_versions", {}))
         scaler = states[stage_file].get("loss_scaler") if stage_file is not None else \
@@ -485,19 +485,23 @@ def _assemble(point: ResumePoint, region: Region, current: torch.Tensor, saved: 
         raise CheckpointError(f"checkpoint {point.directory} ({', '.join(region.files)}): {exc}") from None
 
 
-def _load_resharded_optimizer(worker: StageWorker, point: ResumePoint, regions: dict[str, Region],
-                              states: dict[str, dict[str, Any]]) -> None:
+def _load_resharded_optimizer(worker: StageWorker, point: ResumePoint, params: dict[str, torch.nn.Parameter],
+                              regions: dict[str, Region], states: dict[str, dict[str, Any]]) -> None:
     """The optimizer's state for this rank: per-name entries merged from the files holding them,
-    AdamW's tensors (moments, masters) assembled region by region like their parameters, into
-    the fresh optimizer's values where the checkpoint has none (vocabulary padding rows)."""
+    AdamW's tensors (moments, masters) assembled region by region like their parameters.
+    Where the checkpoint has no value (vocabulary padding rows it lacks) the moments start at
+    zero and the master at the loaded parameter (this run's initialisation there), as fresh."""
     trained = {n for n, _ in worker.setup.optimizer.named_parameters()}
     sources = [(state["optimizer"], set(state["model"]), {n for n in trained if regions[n].files[:1] == [f]})
                for f, state in states.items()]
     merged = merge_optimizer_states(sources)
-    fresh = worker.setup.optimizer.state_dict()["params"]
-    merged["params"] = {
-        name: {key: _assemble(point, regions[name], value,
-                              {f: states[f]["optimizer"]["params"][name][key] for f in regions[name].files})
-               for key, value in fresh[name].items()}
-        for name in trained}
+    entries = {}
+    for name in trained:
+        saved = {f: states[f]["optimizer"]["params"][name] for f in regions[name].files}
+        first = next(iter(saved.values()))
+        fresh = {key: params[name].detach().to(value.dtype) if key == "master" else
+                 torch.zeros(params[name].shape, dtype=value.dtype) for key, value in first.items()}
+        entries[name] = {key: _assemble(point, regions[name], fresh[key], {f: e[key] for f, e in saved.items()})
+                         for key in first}
+    merged["params"] = entries
     _load_optimizer(worker, merged, ", ".join(str(point.directory / n) for n in sorted(states)))
