@@ -495,13 +495,15 @@ def _load_resharded_optimizer(worker: StageWorker, point: ResumePoint, params: d
     sources = [(state["optimizer"], set(state["model"]), {n for n in trained if regions[n].files[:1] == [f]})
                for f, state in states.items()]
     merged = merge_optimizer_states(sources)
-    entries = {}
+    entries, kinds = {}, worker.setup.optimizer.state_dict()["params"]  # which tensors, which dtypes
     for name in trained:
         saved = {f: states[f]["optimizer"]["params"][name] for f in regions[name].files}
-        first = next(iter(saved.values()))
         fresh = {key: params[name].detach().to(value.dtype) if key == "master" else
-                 torch.zeros(params[name].shape, dtype=value.dtype) for key, value in first.items()}
-        entries[name] = {key: _assemble(point, regions[name], fresh[key], {f: e[key] for f, e in saved.items()})
-                         for key in first}
+                 torch.zeros(params[name].shape, dtype=value.dtype) for key, value in kinds[name].items()}
+        if any(set(entry) != set(fresh) for entry in saved.values()):
+            raise CheckpointError(f"checkpoint {point.directory} ({', '.join(saved)}): optimizer state of {name} "
+                                  f"holds {sorted(next(iter(saved.values())))}, this run {sorted(fresh)}")
+        entries[name] = {key: _assemble(point, regions[name], value, {f: e[key] for f, e in saved.items()})
+                         for key, value in fresh.items()}
     merged["params"] = entries
     _load_optimizer(worker, merged, ", ".join(str(point.directory / n) for n in sorted(states)))
