@@ -206,15 +206,15 @@ def _train_step(worker, batch: dict) -> None:
         p.grad = None
 
 
-def _save(worker, args: argparse.Namespace, root: Path, iteration: int, rank: int, writers: int) -> None:
-    """The runtime's save sequence: staging by the coordinator, each TP rank's file, publish."""
+def _save(workers: list, args: argparse.Namespace, root: Path, iteration: int, rank: int, writers: int) -> None:
+    """The runtime's save sequence: staging by the coordinator, each TP rank's files, publish."""
     import torch.distributed as dist
     from megatron.trainer.tasks.gpt import GPTTask
 
     if rank == 0:
         ckpt.prepare_staging(root, iteration)
     dist.barrier()
-    if rank < writers:
+    for worker in workers if rank < writers else ():
         ckpt.write_rank_file(root, iteration, worker.stage, 0, ckpt.stage_state(GPTTask(), worker))
     dist.barrier()
     if rank == 0:
@@ -254,9 +254,24 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
     return float((got - ref).abs().max()) <= REL_TOL * float(ref.abs().max())
 
 
+def _assert_shards_of(task, worker, full: dict[str, torch.Tensor], rank: int) -> None:
+    """Each parameter and moment of a TP 2 ``worker`` is ``take_shard`` of ``full``'s."""
+    from megatron.trainer.models.tensor_parallel import shard_layout
+
+    moments = worker.setup.optimizer.state_dict()["params"]
+    strides = set()
+    for name, p in task.named_parameters(worker.setup.chunks):
+        layout = shard_layout(p)
+        strides.add(None if layout is None else layout.stride)
+        assert torch.equal(p.detach(), take_shard(full[name], layout, rank, 2)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(moments[name][key], take_shard(full[f"{name}/{key}"], layout, rank, 2)), (name, key)
+    assert strides == {None, 1, 2}
+
+
 def _tp_ranks(rank: int, out: str) -> None:
     from megatron.core import parallel_state
-    from megatron.trainer.models.tensor_parallel import initialize_tensor_parallel, shard_layout
+    from megatron.trainer.models.tensor_parallel import initialize_tensor_parallel
     from megatron.trainer.tasks.gpt import GPTTask
 
     root = Path(out)
@@ -268,7 +283,7 @@ def _tp_ranks(rank: int, out: str) -> None:
     w2 = _worker(_args(2))
     for batch in batches[:2]:
         _train_step(w2, batch)
-    _save(w2, _args(2), root / "tp2", 2, rank, writers=2)
+    _save([w2], _args(2), root / "tp2", 2, rank, writers=2)
     full2, shards2 = _full_state(w2), {n: p.detach().clone() for n, p in task.named_parameters(w2.setup.chunks)}
     with torch.no_grad():
         next_loss2 = _loss([w2], batches[2])
@@ -295,32 +310,27 @@ def _tp_ranks(rank: int, out: str) -> None:
         assert all(w.setup.optimizer.step_count == 2 for w in workers)
         with torch.no_grad():
             assert _close(_loss(workers, batches[2]), next_loss2), "first loss after loading at TP1"
+    _save(workers, _args(1, 2), root / "tp1pp2", 2, rank, writers=1)  # (TP1, PP2), for TP2 x PP1 below
     fresh, load = _worker(_args(1)), _args(1, 1, "--load", str(root / "tp2"), "--no-load-optim")
     ckpt.load_stage_state(task, fresh, ckpt.check_resume(task, load), 0, optimizer=False)  # weights only
     assert fresh.setup.optimizer.step_count == 0
     assert all(torch.equal(v, full2[k]) for k, v in _full_state(fresh).items() if "/" not in k)
     w1 = _load(_args(1), root / "tp2")[0][0]
     _train_step(w1, batches[2])  # TP 1 moves on, then saves (rank 0 writes, TP 1 has one file)
-    _save(w1, _args(1), root / "tp1", 3, rank, writers=1)
+    _save([w1], _args(1), root / "tp1", 3, rank, writers=1)
     full1 = _full_state(w1)
     with torch.no_grad():
         loss1 = _loss([w1], batches[0])
 
-    # TP 1 -> TP 2: every tensor is take_shard of the full one (fc1 with stride 2), same loss.
+    # TP 1 -> TP 2: every tensor is take_shard of the full one (fc1 with stride 2), same loss;
+    # from one stage and from two (stage files joined and cut into TP shards at once).
     initialize_tensor_parallel(2)
-    (w2b,), point = _load(_args(2), root / "tp1")
-    assert point.reshard is not None
-    moments = w2b.setup.optimizer.state_dict()["params"]
-    strides = set()
-    for name, p in task.named_parameters(w2b.setup.chunks):
-        layout = shard_layout(p)
-        strides.add(None if layout is None else layout.stride)
-        assert torch.equal(p.detach(), take_shard(full1[name], layout, rank, 2)), name
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(moments[name][key], take_shard(full1[f"{name}/{key}"], layout, rank, 2)), (name, key)
-    assert strides == {None, 1, 2}
-    with torch.no_grad():
-        assert _close(_loss([w2b], batches[0]), loss1), "first loss after loading at TP2"
+    for checkpoint, full, batch, loss in (("tp1", full1, batches[0], loss1), ("tp1pp2", full2, batches[2], next_loss2)):
+        (w2b,), point = _load(_args(2), root / checkpoint)
+        assert point.reshard is not None
+        _assert_shards_of(task, w2b, full, rank)
+        with torch.no_grad():
+            assert _close(_loss([w2b], batch), loss), f"first loss after loading {checkpoint} at TP2"
     parallel_state.destroy_model_parallel()
 
 
