@@ -68,6 +68,7 @@ def saved_signature(metadata: dict[str, Any]) -> dict[str, Any]:
 
 
 def tp_size(signature: dict[str, Any]) -> int:
+    """The tensor-parallel size a signature records (1 when absent)."""
     return int(signature.get("tensor_model_parallel_size") or 1)
 
 
@@ -160,10 +161,6 @@ class ReshardPlan:
         """Whether each new rank has an old twin (same stage and TP rank) whose RNG stream,
         weight versions and profiled costs it continues."""
         return self.same_partition and self.same_tp
-
-    def files_for(self, names: list[str]) -> list[str]:
-        """The rank files that hold ``names``, in stage order (each read once)."""
-        return sorted({self.owners[n] for n in names if n in self.owners})
 
     def region(self, name: str, layout: ShardLayout | None, tp_rank: int, tp_size_: int,
                shape: tuple[int, ...]) -> Region:
