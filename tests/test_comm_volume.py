@@ -93,3 +93,22 @@ def test_runtime_traffic_equals_the_theory(tmp_path: Path) -> None:
         assert r["measured"] == r["theory"] and r["spread"] == 0, r
         if r["closed_form"] is not None:
             assert r["measured"] == r["closed_form"], r
+
+
+def test_distributed_optimizer_memory_hook_follows_the_trainer() -> None:
+    """``benchmarks/per_rank_memory.py --distributed-optimizer DP`` is refused with one line
+    naming the trainer's refusal while ``--use-distributed-optimizer`` is refused, and opens by
+    itself once the trainer accepts the flag."""
+    from benchmarks.comm_volume import Model
+    from benchmarks.per_rank_memory import check_distributed_optimizer
+    from megatron.trainer.config.megatron_compat_args import REFUSED_FLAGS
+
+    model = Model(layers=2, hidden=16, heads=2, seq=8, vocab=64, microbatches=2)
+    with pytest.raises(SystemExit, match="DP >= 2"):
+        check_distributed_optimizer(model, 1)
+    if "use_distributed_optimizer" in REFUSED_FLAGS:
+        with pytest.raises(SystemExit) as refused:
+            check_distributed_optimizer(model, 2)
+        assert "--use-distributed-optimizer" in str(refused.value.code) and "\n" not in str(refused.value.code)
+    else:
+        check_distributed_optimizer(model, 2)
