@@ -21,7 +21,7 @@ Payload = bytes handed to the call (what the ratio compares); the "ring wire" co
 ring algorithm puts on the wire per rank for that payload. A last table applies the same
 theory, without running, to the issue's shapes (GPT-2 medium, GPT-3 175B) at bf16.
 
-    OMP_NUM_THREADS=1 python benchmarks/comm_volume.py                    # all runs, ~5 min loaded
+    OMP_NUM_THREADS=1 python benchmarks/comm_volume.py                    # 25 cases, about a minute
     OMP_NUM_THREADS=1 python benchmarks/comm_volume.py --schedules 1f1b --layouts 2x2
 """
 from __future__ import annotations
