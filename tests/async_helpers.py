@@ -61,6 +61,8 @@ def run_pretrain(argv: list[str], out_dir: Path, timeout: float = 240,
     cmd = [sys.executable, str(REPO / script), *argv, "--log-json", str(log), "--dump-final-params", str(dump)]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "stderr.txt").write_text(proc.stderr)  # every rank's warnings and skip lines
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [r for r in read_log(log) if "eval_split" not in r]  # training records
