@@ -141,7 +141,7 @@ _SKIP_LINE = re.compile(r"stage (\d+): skipped update (\d+) ")
     ("1f1b", "fp16", ("--enable-optimizer-post-validation", "--clip-grad", "0.5")),  # PSTEP reduces first
     ("paci", "fp16", ()),  # stage-local scales
     ("zb-h1", "bf16", ()),  # W finishes the gradients
-])
+], ids=["1f1b-fp16-post-validation", "paci-fp16", "zb-h1-bf16"])
 def test_overlapped_reduction_equals_flat_in_half_precision(tmp_path: Path, schedule: str, precision: str,
                                                             extra: tuple[str, ...]) -> None:
     dp = 2
