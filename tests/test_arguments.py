@@ -38,7 +38,8 @@ BAD = {
         ["--seq-length", "128", "--max-position-embeddings", "64"], "--max-position-embeddings"),
     "emulator-with-data-parallel": (
         ["--pipeline-executor", "emulator", "--data-parallel-size", "2"], "--pipeline-executor emulator"),
-    "tensor-parallel": (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+    "tensor-parallel-emulator": (["--tensor-model-parallel-size", "2", "--pipeline-executor", "emulator"],
+                                 "--tensor-model-parallel-size"),
     "min-lr-above-lr": (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr"),
 }
 

@@ -631,7 +631,7 @@ RECOMPUTE = [
       *FULL, "--recompute-method", "block", "--recompute-num-layers", "3"], "exceeds the 2 layers per model chunk"),
     (["--pipeline-partition", "auto", *FULL, "--recompute-method", "block", "--recompute-num-layers", "1"],
      "--pipeline-partition profiled splits layers costed without recompute"),
-    (["--distribute-saved-activations"], "--distribute-saved-activations needs tensor parallelism"),
+    (["--distribute-saved-activations"], "--distribute-saved-activations is not supported: the recompute here"),
     (["--pipeline-schedule", "zb-2p", "--zb-memory-limit", "4", *FULL, "--recompute-method", "block",
       "--recompute-num-layers", "1"], "--zb-memory-limit cannot bound memory under --recompute-granularity full"),
 ]

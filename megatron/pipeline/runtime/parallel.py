@@ -63,6 +63,17 @@ class StageGroups:
     def dp_rank(self) -> int:
         return self.layout.coords(self.rank)[1]
 
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coords(self.rank)[2]
+
+    def peer(self, stage: int) -> int:
+        """The rank of ``stage`` this rank exchanges messages with: the same (dp, tp) index.
+        Every TP rank of a stage runs the same op stream on the same replicated activations,
+        so TP rank t of stage s talks only to TP rank t of stages s +- 1."""
+        _, dp, tp = self.layout.coords(self.rank)
+        return self.layout.rank(stage, dp, tp)
+
     def p2p_group(self, src_stage: int, dst_stage: int) -> dist.ProcessGroup:
         """The group of messages from ``src_stage`` to ``dst_stage`` (this rank's dp/tp index)."""
         return self.p2p[(src_stage, dst_stage)]

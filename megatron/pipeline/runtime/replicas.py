@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
+from megatron.pipeline.runtime.tensor_parallel import tp_sq_sum
 from megatron.pipeline.runtime.worker import StageWorker
 
 if TYPE_CHECKING:
@@ -79,8 +80,11 @@ def _sum_in_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def owned_sq_norm(worker: StageWorker) -> float:
     """Squared gradient norm of this device's pipeline-0 chunk (logical stage = device)."""
+    grads = chunk_grads(worker, 0)
+    if worker.setup.tp_group is not None:  # over the whole (unsharded) stage, as at TP = 1
+        return worker.unscale_sq(tp_sq_sum(zip(worker.setup.chunks[0].parameters(), grads), worker.setup.tp_group))
     total = torch.zeros((), dtype=torch.float32)
-    for g in chunk_grads(worker, 0):
+    for g in grads:
         total += g.float().square().sum().cpu()
     return worker.unscale_sq(float(total))
 

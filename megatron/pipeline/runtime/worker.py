@@ -46,6 +46,7 @@ from megatron.pipeline.runtime.memory import ActivationMeter
 from megatron.pipeline.post_validation import is_state_message
 from megatron.pipeline.runtime.post_validation_state import PostValidationState, state_spec
 from megatron.pipeline.runtime.report import StageReport
+from megatron.pipeline.runtime.tensor_parallel import tp_sq_sum
 from megatron.pipeline.runtime.weight_versions import WeightPolicy
 from megatron.pipeline.runtime.wgrad import DeferredWeightGrads, defer_weight_grads
 
@@ -99,6 +100,9 @@ class StageSetup:
     report_params_norm: bool = False
     # A part of the loss logged on its own (BERT's sentence-order loss); None: nothing extra.
     aux_loss_fn: Callable[[Any, Batch], torch.Tensor | None] | None = None
+    # The stage's tensor-parallel group (megatron's); None at TP = 1. Its ranks run the same
+    # ops, and the stage's norms are reduced over it (megatron.pipeline.runtime.tensor_parallel).
+    tp_group: Any = None
 
 
 class StageWorker:
@@ -149,6 +153,8 @@ class StageWorker:
     @torch.no_grad()
     def _param_sq(self) -> float:
         """Sum of squares of this stage's parameters (the live weights), in float64."""
+        if self.setup.tp_group is not None:
+            return tp_sq_sum(((p, p) for p in self.setup.optimizer.parameters()), self.setup.tp_group)
         return float(sum(p.detach().double().pow(2).sum() for p in self.setup.optimizer.parameters()))
 
     def _reset_interval(self) -> None:
@@ -393,6 +399,9 @@ class StageWorker:
                 if p.grad is not None:
                     p.grad.view(-1)[0] = float("nan")
                     break
+        if self.setup.tp_group is not None:  # the whole stage's norm, the same on every TP rank
+            params = self.setup.optimizer.parameters()
+            return self.unscale_sq(tp_sq_sum(((p, p.grad) for p in params), self.setup.tp_group))
         return self.unscale_sq(float(self.setup.optimizer.grad_sq_norm()))
 
     def apply_update(self, op: Op, stage_sq_norms: list[float]) -> None:

@@ -24,6 +24,7 @@ from megatron.trainer.config.flag_checks import FlagError, OneLineParser, check_
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
 from megatron.trainer.config.recompute_args import add_recompute_args, validate_recompute_args
 from megatron.trainer.config.ddp_args import add_ddp_args, validate_ddp_args
+from megatron.trainer.config.tensor_parallel_args import validate_tensor_parallel_args
 from megatron.trainer.optim.lr_schedule import DECAY_STYLES
 from megatron.trainer.config.megatron_compat_args import (
     CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
@@ -188,10 +189,9 @@ def validate_args(args: argparse.Namespace) -> None:
     """Raise :class:`ArgumentError` with one line for the first problem found."""
     pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
     world = _world_size_from_env()
-    if args.tensor_model_parallel_size != 1:
-        raise ArgumentError("--tensor-model-parallel-size > 1 is pending the runtime (TP stages are built, TP process groups and P2P are not yet)")
     if world is not None and args.pipeline_executor == "distributed" and world != args.world_size:
-        raise ArgumentError(f"WORLD_SIZE={world} but pipeline {pp} x data {dp} needs {args.world_size} processes")
+        raise ArgumentError(f"WORLD_SIZE={world} but pipeline {pp} x data {dp} x tensor "
+                            f"{args.tensor_model_parallel_size} needs {args.world_size} processes")
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "train_iters", "vocab_size", "log_interval"):
         if getattr(args, flag) < 1:
@@ -225,6 +225,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.clip_grad < 0:
         raise ArgumentError("--clip-grad must be >= 0")
     _validate_data(args)
+    validate_tensor_parallel_args(args)  # emulator, divisibility (padded vocab), unsupported combinations
     if args.device == "cuda" or args.bf16:
         import torch
 

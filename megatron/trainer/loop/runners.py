@@ -98,7 +98,10 @@ class PipelineRunner:
         streams = [evaluation_ops(s, layout, self.data.num_microbatches) for s in self.transport.stages]
         run_streams(self.transport, self.workers, streams, self.cadence, self.sink)
         results = [w.end_evaluation() for w in self.workers]
-        # Only last stages hold losses; every data-parallel replica evaluated its own share.
+        # Only last stages hold losses; every data-parallel replica evaluated its own share,
+        # and the tensor-parallel ranks of a stage the same one (TP rank 0 counts it).
+        if self.transport.tp_rank:
+            results = [(0.0, 0) for _ in results]
         loss_sum, tokens = self.transport.all_sum([sum(loss for loss, _ in results),
                                                    float(sum(tokens for _, tokens in results))])
         return loss_sum, int(tokens)

@@ -52,6 +52,8 @@ from megatron.trainer.loop.rampup import segment_boundaries, segment_schedules
 from megatron.trainer.launch import flight_recorder
 from megatron.trainer.loop.runners import PipelineRunner
 from megatron.trainer.tasks.task import PretrainTask
+from megatron.trainer.models.tensor_parallel import (
+    build_tensor_parallel_stage, full_shape, gather_full, initialize_tensor_parallel, shard_layout)
 
 
 def resolve_device(args: argparse.Namespace, local_rank: int) -> torch.device:
@@ -69,7 +71,7 @@ def set_threads(args: argparse.Namespace, local_processes: int) -> None:
 
 def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
                  device: torch.device, isolate_rng: bool) -> StageWorker:
-    chunks = task.build_stage(args, stage, device)
+    chunks = build_tensor_parallel_stage(task, args, stage, device)
     run = run_config(args)
     layout = run.layout
     if len(chunks) != layout.num_chunks:
@@ -109,8 +111,18 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
         report_params_norm=args.log_params_norm,
         aux_loss_fn=getattr(task, "aux_loss_fn", None),
+        tp_group=_tensor_parallel_group(run.tensor_parallel_size),
     )
     return StageWorker(setup, isolate_rng=isolate_rng)
+
+
+def _tensor_parallel_group(tp_size: int) -> dist.ProcessGroup | None:
+    """megatron's TP group of this rank (set by :func:`initialize_tensor_parallel`); None at TP = 1."""
+    if tp_size == 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _loss_scaler(args: argparse.Namespace, asynchronous: bool) -> StageLossScaler | None:
@@ -139,9 +151,11 @@ def make_logger(args: argparse.Namespace, start_iteration: int = 0, task: Pretra
     )
 
 
-def stage_parameter_count(worker: StageWorker) -> int:
-    """Parameters of one stage (all its model chunks), for the start banner."""
-    return sum(p.numel() for chunk in worker.setup.chunks for p in chunk.parameters())
+def stage_parameter_count(worker: StageWorker, tp_size: int = 1) -> int:
+    """Parameters of one stage (all its model chunks), for the start banner: of the whole
+    stage, a TP shard counted at its full (unsharded) size."""
+    return sum(full_shape(p.shape, shard_layout(p), tp_size).numel()
+               for chunk in worker.setup.chunks for p in chunk.parameters())
 
 
 def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | None = None) -> Schedule:
@@ -159,10 +173,16 @@ def run_plan(args: argparse.Namespace, start: int) -> list[Segment]:
                          boundaries=segment_boundaries(args))
 
 
-def dump_parameters(task: PretrainTask, worker: StageWorker, directory: str) -> None:
+def dump_parameters(task: PretrainTask, worker: StageWorker, directory: str, tp_rank: int = 0) -> None:
+    """``--dump-final-params``: the stage's full parameters (TP shards gathered: a collective
+    over the TP group), written by TP rank 0."""
+    group = worker.setup.tp_group
+    state = {name: gather_full(p.detach(), shard_layout(p), group).cpu().clone()
+             for name, p in task.named_parameters(worker.setup.chunks)}
+    if tp_rank:
+        return
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    state = {name: p.detach().cpu().clone() for name, p in task.named_parameters(worker.setup.chunks)}
     torch.save(state, path / f"stage{worker.stage}.pt")
 
 
@@ -208,17 +228,18 @@ def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, de
     if logger:
         logger.log_summary()
         logger.close()
-    if args.log_weight_version_drift and transport.dp_rank == 0:
+    if args.log_weight_version_drift and transport.dp_rank == 0 and transport.tp_rank == 0:
         _print_drift_histograms(workers)
     if args.dump_final_params and transport.dp_rank == 0:
         for w in workers:
-            dump_parameters(task, w, args.dump_final_params)
+            dump_parameters(task, w, args.dump_final_params, transport.tp_rank)
     return workers
 
 
 def _start_banner(args: argparse.Namespace, transport: Transport, workers: list[StageWorker]) -> None:
     """The run's first lines, with every stage's parameter count (gathered: a rank has one stage)."""
-    counts = transport.gather_rows({w.stage: [stage_parameter_count(w)] for w in workers})
+    tp_size = run_config(args).tensor_parallel_size
+    counts = transport.gather_rows({w.stage: [stage_parameter_count(w, tp_size)] for w in workers})
     if transport.is_coordinator:
         per_stage = {s: int(n) for s, (n,) in reversed(counts)}  # data-parallel replicas agree
         print_banner(args, [per_stage[s] for s in sorted(per_stage)], transport.describe(), sys.stdout)
@@ -262,14 +283,15 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
                                 device_id=device_id)
     else:
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-    layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size)
+    layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size, args.tensor_model_parallel_size)
     # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
     # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
     p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
     stage_layout = run_config(args).layout  # P2P groups per link direction; AMDP's replica groups
     groups = StageGroups.create(layout, p2p_timeout, stage_layout)
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
-        _init_megatron_parallel_state()
+        # megatron's TP groups (T consecutive ranks, its pipeline size 1) are this layout's.
+        initialize_tensor_parallel(args.tensor_model_parallel_size)
     apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
     try:
         transport = DistributedTransport(groups, stage_layout, p2p_timeout, overlap_bucket_size(args))

@@ -56,6 +56,9 @@ class Transport(abc.ABC):
 
     rank: int = 0
     dp_rank: int = 0
+    # Tensor-parallel rank within the stage: TP peers run the same ops on the same data, so
+    # only TP rank 0 contributes to sums of per-stage results (reports, evaluation losses).
+    tp_rank: int = 0
     pipeline_size: int
     data_parallel_size: int = 1
 

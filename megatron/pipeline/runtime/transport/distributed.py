@@ -50,7 +50,7 @@ class P2PChannel:
         self._sends = SendReaper(timeout, threaded=worker.setup.device.type == "cpu")
 
     def _peer(self, stage: int) -> int:
-        return self.groups.layout.rank(stage, self.groups.dp_rank)
+        return self.groups.peer(stage)
 
     def post(self, msg: Message) -> None:
         if msg.src_stage == msg.dst_stage:
@@ -86,11 +86,14 @@ class P2PChannel:
 
 
 class SideChannelReports:
-    """Ships every rank's :class:`StageReport` to the logging rank over a gloo side group.
+    """Ships every reporting rank's :class:`StageReport` to the logging rank over a gloo side group.
 
     Non-logging ranks ``isend`` and move on. The logging rank is stage 0 / replica 0: in
     every schedule here stage 0 is the last to finish an update, so the others' reports
-    for that update have already been sent when it collects them.
+    for that update have already been sent when it collects them. Only tensor-parallel rank
+    0 of each (stage, replica) reports: its TP peers computed the same loss (vocab-parallel
+    cross-entropy is reduced over the group) and the same TP-reduced norms, so the log is
+    the TP = 1 log.
     """
 
     def __init__(self, groups: StageGroups, collector: ReportSink | None, timeout: timedelta, logging_rank: int = 0):
@@ -101,6 +104,8 @@ class SideChannelReports:
         self._sends = SendReaper(timeout, threaded=True)  # the side group is gloo
 
     def submit(self, report: StageReport, replica: int) -> None:
+        if self.groups.tp_rank != 0:
+            return
         if self.groups.rank != self.logging_rank:
             t = report.to_tensor()
             work = dist.isend(t, dst=self.logging_rank, group=self.groups.reports)
@@ -108,7 +113,7 @@ class SideChannelReports:
             return
         assert self.collector is not None
         self.collector.submit(report, replica)
-        for rank in range(self.groups.layout.world_size):
+        for rank in reporting_ranks(self.groups):
             if rank == self.logging_rank:
                 continue
             buf = torch.empty(StageReport.size(), dtype=torch.float64)
@@ -119,6 +124,11 @@ class SideChannelReports:
 
     def flush(self) -> None:
         self._sends.flush()
+
+
+def reporting_ranks(groups: StageGroups) -> list[int]:
+    """The ranks whose reports make an update's statistics: TP rank 0 of every (stage, replica)."""
+    return [r for r in range(groups.layout.world_size) if groups.layout.coords(r)[2] == 0]
 
 
 class DistributedTransport(Transport):
@@ -134,7 +144,7 @@ class DistributedTransport(Transport):
         self._overlap: dict[int, OverlappedGradReduce] = {}  # id(worker) -> its buckets
         self.layout = layout
         self.timeout = timeout
-        self.rank, self.dp_rank = groups.rank, groups.dp_rank
+        self.rank, self.dp_rank, self.tp_rank = groups.rank, groups.dp_rank, groups.tp_rank
         self.pipeline_size = groups.layout.pipeline_size
         self.data_parallel_size = groups.layout.data_parallel_size
         # The sync step's group: AMDP's (the devices holding replicas of the same stages), else
@@ -149,7 +159,7 @@ class DistributedTransport(Transport):
 
     @property
     def num_reporters(self) -> int:
-        return self.groups.layout.world_size
+        return len(reporting_ranks(self.groups))
 
     def describe(self) -> str:
         return f"distributed runtime, {self.groups.layout.world_size} ranks"
@@ -251,7 +261,7 @@ class DistributedTransport(Transport):
         timed round trips after one untimed.
         """
         setup, layout = worker.setup, self.groups.layout
-        n, stage, dp = layout.pipeline_size, self.groups.stage, self.dp_rank
+        n, stage = layout.pipeline_size, self.groups.stage
         buf = torch.zeros(setup.activation_shape, dtype=setup.activation_dtype, device=setup.device)
 
         def wait(work: "dist.Work") -> None:
@@ -262,7 +272,7 @@ class DistributedTransport(Transport):
         hop = 0.0
         for left in range(n - 1):
             if stage == left:
-                peer = layout.rank(left + 1, dp)
+                peer = self.groups.peer(left + 1)
                 times = []
                 for _ in range(PING_ROUNDS + 1):
                     start = time.perf_counter()
@@ -271,7 +281,7 @@ class DistributedTransport(Transport):
                     times.append(time.perf_counter() - start)
                 hop = statistics.median(times[1:]) / 2
             elif stage == left + 1:
-                peer = layout.rank(left, dp)
+                peer = self.groups.peer(left)
                 for _ in range(PING_ROUNDS + 1):
                     wait(dist.irecv(buf, src=peer))
                     wait(dist.isend(buf, dst=peer))

@@ -1,0 +1,42 @@
+"""``--tensor-model-parallel-size``: what a tensor-parallel run can and cannot combine with.
+
+Checked before any rank starts, each refusal one line. The model half (which dimensions are
+sharded) lives in :mod:`megatron.trainer.models.tensor_parallel`; here are the run-level
+limits:
+
+* the emulator runs every stage in one process, so it has no T ranks for megatron's TP
+  layers: TP runs use the distributed runtime (one process per TP rank per stage);
+* heads, query groups, the FFN size and the (padded) vocabulary must split T ways;
+* basis rotation keeps eigenbases of each weight matrix: a shard's bases are not the full
+  matrix's, so a TP run would train a different optimizer than TP = 1;
+* checkpoints are written per (stage, replica): TP ranks would write the same file.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron.trainer.config.errors import ArgumentError
+
+
+def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
+    """Raise :class:`ArgumentError` (one line) for a TP size this run cannot use; needs the
+    padded vocabulary (after the data checks)."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        return
+    if args.pipeline_executor == "emulator":
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} needs one process per tensor-parallel rank, which "
+                            "the emulator (one process) does not have: use --pipeline-executor distributed")
+    from megatron.trainer.models.tensor_parallel import check_tensor_parallel_args
+
+    try:
+        check_tensor_parallel_args(args, tp)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    if getattr(args, "optimizer", "adamw") == "basis-rotation":
+        raise ArgumentError(f"--optimizer basis-rotation with --tensor-model-parallel-size {tp}: the rotation bases "
+                            "of a weight's shard are not those of the full weight (use --optimizer adamw)")
+    for flag, value in (("--save", args.save), ("--load", args.load)):
+        if value is not None:
+            raise ArgumentError(f"{flag} with --tensor-model-parallel-size {tp} is not supported yet: checkpoints are "
+                                "written per stage and replica, so tensor-parallel ranks would share one file")
