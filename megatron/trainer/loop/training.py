@@ -11,6 +11,7 @@ import dataclasses
 import os
 import sys
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -266,6 +267,25 @@ def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
             stop.restore()
 
 
+def rank_transport(task: PretrainTask, args: argparse.Namespace,
+                   device: torch.device) -> tuple[StageGroups, DistributedTransport]:
+    """This rank's groups and transport on the initialised default process group (collective:
+    every rank calls it). A process may call it again for another run of the same world."""
+    layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size, args.tensor_model_parallel_size)
+    # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
+    # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
+    p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
+    stage_layout = run_config(args).layout  # P2P groups per link direction; AMDP's replica groups
+    groups = StageGroups.create(layout, p2p_timeout, stage_layout)
+    if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
+        # megatron's TP groups (T consecutive ranks, its pipeline size 1) are this layout's.
+        initialize_tensor_parallel(args.tensor_model_parallel_size)
+        if device.type == "cpu":  # its advice on CUDA streams (TP linears) means nothing on a CPU
+            warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+    apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
+    return groups, DistributedTransport(groups, stage_layout, p2p_timeout, overlap_bucket_size(args))
+
+
 def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     rank_signal_defaults(args)
@@ -283,18 +303,8 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
                                 device_id=device_id)
     else:
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-    layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size, args.tensor_model_parallel_size)
-    # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
-    # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
-    p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
-    stage_layout = run_config(args).layout  # P2P groups per link direction; AMDP's replica groups
-    groups = StageGroups.create(layout, p2p_timeout, stage_layout)
-    if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
-        # megatron's TP groups (T consecutive ranks, its pipeline size 1) are this layout's.
-        initialize_tensor_parallel(args.tensor_model_parallel_size)
-    apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
+    groups, transport = rank_transport(task, args, device)
     try:
-        transport = DistributedTransport(groups, stage_layout, p2p_timeout, overlap_bucket_size(args))
         drive(task, args, transport, device, stop)
     except PipelineRuntimeError as exc:
         _fail(f"[megatron-async] error: {exc}")

@@ -1,0 +1,112 @@
+"""Tensor parallelism in the distributed runtime (issue 15, item 1): TP = 2 x PP = 2 on 4 gloo ranks
+trains like TP = 1 x PP = 2.
+
+The reference is independent of the TP code path: the emulator at TP = 1 (one process, no TP
+group; bitwise the runtime at TP = 1, which other tests check). Every TP = 2 run must give its
+losses (<= 1e-5 relative per iteration) and, gathered over the TP group, its final parameters.
+That exercises the TP-matched P2P pairs, the TP-reduced gradient norm under --clip-grad
+(sharded part summed over the group, replicated part once), reports from TP rank 0 only and
+the gathered parameter dump. fp32, no dropout, a tiny GPT with biases (so replicated row-parallel
+biases and norms are in the norm too).
+
+All runs of a test share one launch of 4 forked ranks (``tests/tp_runtime_driver.py``): importing
+megatron-core dominates the cost of a launch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.async_helpers import REPO, emulate, final_params, read_log
+from tests.test_reference import _qkv_bias_mask
+
+pytestmark = pytest.mark.usefixtures("megatron_world1")
+
+HEADS, HIDDEN = 4, 32
+MODEL = ["--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS), "--seq-length", "16",
+         "--vocab-size", "64", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3",
+         "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-threads", "1",
+         "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--pipeline-model-parallel-size", "2",
+         "--device", "cpu", "--pipeline-timeout-seconds", "120"]
+# (name, flags): what each schedule needs beyond MODEL.
+DONE_WHEN = [
+    ("1f1b", ["--num-layers", "2"]),
+    ("paci", ["--num-layers", "2"]),
+    ("zb-2p", ["--num-layers", "2", "--zb-costs", "1,1,1,0"]),
+    ("interleaved-1f1b", ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
+]
+OTHERS = [
+    ("gpipe", ["--num-layers", "2"]),
+    ("async-1f1b", ["--num-layers", "2", "--global-batch-size", "1"]),
+    ("zb-h1", ["--num-layers", "2"]),
+    ("zb-h2", ["--num-layers", "2"]),
+    ("zb-1p", ["--num-layers", "2", "--zb-profile-iters", "1"]),  # profiling: ping-pong over TP pairs
+    ("pipedream-2bw", ["--num-layers", "2"]),
+    ("pipemare", ["--num-layers", "2"]),
+    ("amdp", ["--num-layers", "2"]),
+    ("1f1b", ["--num-layers", "2", "--enable-optimizer-post-validation"]),
+    ("1f1b", ["--num-layers", "2", "--log-params-norm", "--eval-interval", "3", "--eval-iters", "1"]),
+]
+
+
+def _argv(schedule: str, flags: list[str]) -> list[str]:
+    return [*MODEL, "--pipeline-schedule", schedule, *flags]
+
+
+def _launch_tp2(runs: list[tuple[str, list[str]]], tmp_path: Path) -> list[tuple[list[dict], dict]]:
+    """Every run at TP = 2 in one 4-rank launch; per run its log records and gathered parameters."""
+    dirs = [tmp_path / f"run{i}" for i in range(len(runs))]
+    argvs = [[*_argv(s, f), "--tensor-model-parallel-size", "2", "--log-json", str(d / "log.jsonl"),
+              "--dump-final-params", str(d / "params")] for (s, f), d in zip(runs, dirs)]
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps(argvs))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_runtime_driver.py"), str(spec)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    out = []
+    for d in dirs:
+        params: dict[str, torch.Tensor] = {}
+        for f in sorted((d / "params").glob("stage*.pt")):
+            params.update(torch.load(f))
+        out.append((read_log(d / "log.jsonl"), params))
+    return out
+
+
+def _assert_same_training(tp2: tuple[list[dict], dict], schedule: str, flags: list[str], tmp_path: Path) -> None:
+    log = tmp_path / f"tp1-{schedule}.jsonl"
+    workers = emulate([*_argv(schedule, flags), "--pipeline-executor", "emulator", "--log-json", str(log)])
+    ref_records, ref_params = read_log(log), final_params(workers)
+    records, params = tp2
+    assert [r.get("iteration") for r in records] == [r.get("iteration") for r in ref_records]
+    for ours, ref in zip(records, ref_records):
+        for key in ("loss", "grad_norm", "params_norm"):
+            if key in ref:
+                assert ours[key] == pytest.approx(ref[key], rel=1e-5), (schedule, key, ours, ref)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        assert params[name].shape == ref.shape, name
+        if name.endswith("linear_qkv.bias"):
+            # The key slice's true gradient is exactly zero, so Adam turns rounding noise into
+            # steps of up to lr there (see test_reference.py): bounded by the steps taken.
+            keys = _qkv_bias_mask(ref.shape, 1, heads=HEADS, groups=HEADS, hidden=HIDDEN)
+            torch.testing.assert_close(params[name][keys], ref[keys], rtol=0, atol=3e-3)
+            torch.testing.assert_close(params[name][~keys], ref[~keys], rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_tp2_pp2_trains_like_tp1_for_1f1b_paci_zb2p_interleaved(tmp_path):
+    for (schedule, flags), result in zip(DONE_WHEN, _launch_tp2(DONE_WHEN, tmp_path)):
+        _assert_same_training(result, schedule, flags, tmp_path)
+
+
+def test_every_other_schedule_trains_like_tp1_at_tp2(tmp_path):
+    for (schedule, flags), result in zip(OTHERS, _launch_tp2(OTHERS, tmp_path)):
+        assert all(math.isfinite(r["loss"]) for r in result[0] if "loss" in r), schedule
+        _assert_same_training(result, schedule, flags, tmp_path)

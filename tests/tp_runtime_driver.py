@@ -1,0 +1,54 @@
+"""Several training runs on one set of 4 forked gloo ranks: ``python tests/tp_runtime_driver.py RUNS.json``.
+
+Why: a launch of ``pretrain_gpt.py`` pays for importing torch and megatron-core and for the
+rendezvous every time; a test that trains a dozen schedules at TP = 2 pays that once here.
+``RUNS.json`` is a list of argument lists (each one ``pretrain_gpt.py``'s flags, with its own
+``--log-json`` / ``--dump-final-params``); every rank runs them in order through the same
+driver as ``pretrain_gpt.py`` (:func:`~megatron.trainer.loop.training.rank_transport` and
+:func:`~megatron.trainer.loop.training.drive`), each on fresh process groups.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WORLD_SIZE = 4
+
+
+def _rank(runs: list[list[str]]) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.loop.training import drive, rank_transport
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    task = GPTTask()
+    for argv in runs:
+        parser = build_parser()
+        task.add_arguments(parser)
+        args = parse_args(argv, parser)
+        groups, transport = rank_transport(task, args, torch.device("cpu"))
+        drive(task, args, transport, torch.device("cpu"), None)
+        dist.barrier(group=groups.reports)
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    from megatron.trainer.launch.launcher import launch_local
+
+    runs = json.loads(Path(sys.argv[1]).read_text())
+    os.environ["OMP_NUM_THREADS"] = "1"
+    return launch_local(WORLD_SIZE, [], target=lambda: _rank(runs), grace_seconds=10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
