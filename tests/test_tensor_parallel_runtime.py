@@ -59,14 +59,14 @@ def _argv(schedule: str, flags: list[str]) -> list[str]:
     return [*MODEL, "--pipeline-schedule", schedule, *flags]
 
 
-def _launch_tp2(runs: list[tuple[str, list[str]]], tmp_path: Path) -> list[tuple[list[dict], dict]]:
-    """Every run at TP = 2 in one 4-rank launch; per run its log records and gathered parameters."""
+def _launch_tp2(runs: list[tuple[str, list[str]]], tmp_path: Path, ranks: int = 4) -> list[tuple[list[dict], dict]]:
+    """Every run at TP = 2 in one launch of ``ranks`` ranks; per run its log records and gathered parameters."""
     dirs = [tmp_path / f"run{i}" for i in range(len(runs))]
     argvs = [[*_argv(s, f), "--tensor-model-parallel-size", "2", "--log-json", str(d / "log.jsonl"),
               "--dump-final-params", str(d / "params")] for (s, f), d in zip(runs, dirs)]
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps(argvs))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_runtime_driver.py"), str(spec)],
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_runtime_driver.py"), str(spec), str(ranks)],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     out = []
@@ -110,3 +110,11 @@ def test_every_other_schedule_trains_like_tp1_at_tp2(tmp_path):
     for (schedule, flags), result in zip(OTHERS, _launch_tp2(OTHERS, tmp_path)):
         assert all(math.isfinite(r["loss"]) for r in result[0] if "loss" in r), schedule
         _assert_same_training(result, schedule, flags, tmp_path)
+
+
+def test_amdp_replicas_at_tp2_train_like_tp1(tmp_path):
+    """AMDP on 4 devices: 2 replicated pipelines whose replicas sum gradients and shard AdamW
+    state per TP index (8 ranks: PP 4 x TP 2)."""
+    runs = [("amdp", ["--num-layers", "4", "--pipeline-model-parallel-size", "4"])]
+    (result,) = _launch_tp2(runs, tmp_path, ranks=8)
+    _assert_same_training(result, *runs[0], tmp_path)

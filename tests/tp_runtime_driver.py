@@ -1,4 +1,5 @@
-"""Several training runs on one set of 4 forked gloo ranks: ``python tests/tp_runtime_driver.py RUNS.json``.
+"""Several training runs on one set of forked gloo ranks: ``python tests/tp_runtime_driver.py RUNS.json [RANKS]``
+(4 ranks by default).
 
 Why: a launch of ``pretrain_gpt.py`` pays for importing torch and megatron-core and for the
 rendezvous every time; a test that trains a dozen schedules at TP = 2 pays that once here.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-WORLD_SIZE = 4
+DEFAULT_WORLD_SIZE = 4
 
 
 def _rank(runs: list[list[str]]) -> int:
@@ -47,7 +48,10 @@ def main() -> int:
 
     runs = json.loads(Path(sys.argv[1]).read_text())
     os.environ["OMP_NUM_THREADS"] = "1"
-    return launch_local(WORLD_SIZE, [], target=lambda: _rank(runs), grace_seconds=10)
+    import megatron.trainer.loop.training  # noqa: F401 - imported once, before the ranks fork
+    import megatron.trainer.tasks.gpt  # noqa: F401
+    world_size = int(sys.argv[2]) if len(sys.argv) > 2 else DEFAULT_WORLD_SIZE
+    return launch_local(world_size, [], target=lambda: _rank(runs), grace_seconds=10)
 
 
 if __name__ == "__main__":
