@@ -94,7 +94,8 @@ def _assert_same_training(tp2: tuple[list[dict], dict], schedule: str, flags: li
         if name.endswith("linear_qkv.bias"):
             # The key slice's true gradient is exactly zero, so Adam turns rounding noise into
             # steps of up to lr there (see test_reference.py): bounded by the steps taken.
-            keys = _qkv_bias_mask(ref.shape, 1, heads=HEADS, groups=HEADS, hidden=HIDDEN)
+            groups = int(flags[flags.index("--num-query-groups") + 1]) if "--num-query-groups" in flags else HEADS
+            keys = _qkv_bias_mask(ref.shape, 1, heads=HEADS, groups=groups, hidden=HIDDEN)
             torch.testing.assert_close(params[name][keys], ref[keys], rtol=0, atol=3e-3)
             torch.testing.assert_close(params[name][~keys], ref[~keys], rtol=1e-5, atol=1e-5)
         else:
@@ -118,3 +119,28 @@ def test_amdp_replicas_at_tp2_train_like_tp1(tmp_path):
     runs = [("amdp", ["--num-layers", "4", "--pipeline-model-parallel-size", "4"])]
     (result,) = _launch_tp2(runs, tmp_path, ranks=8)
     _assert_same_training(result, *runs[0], tmp_path)
+
+
+TP2 = ["--tensor-model-parallel-size", "2"]
+REFUSED = [
+    ([*TP2, "--pipeline-executor", "emulator"], "the emulator (one process) does not have: use --pipeline-executor distributed"),
+    ([*TP2, "--hidden-size", "48", "--num-attention-heads", "3"], "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
+    ([*TP2, "--group-query-attention", "--num-query-groups", "1"], "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    ([*TP2, "--ffn-hidden-size", "33"], "--ffn-hidden-size 33 is not divisible by --tensor-model-parallel-size 2"),
+    ([*TP2, "--vocab-size", "63"], "--vocab-size (padded) 63 is not divisible by --tensor-model-parallel-size 2"),
+    ([*TP2, "--optimizer", "basis-rotation"], "the rotation bases of a weight's shard are not those of the full weight"),
+    ([*TP2, "--save", "ckpt"], "--save with --tensor-model-parallel-size 2 is not supported yet"),
+    ([*TP2, "--pipeline-partition", "auto"], "a tensor-parallel layer needs its whole TP group"),
+    ([*TP2, "--sequence-parallel"], "gloo has no reduce-scatter"),
+    (["--distribute-saved-activations"], "keeps each region's input whole on every tensor-parallel rank"),
+]
+
+
+@pytest.mark.parametrize("argv,says", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_tensor_parallel_bad_inputs_refused_with_one_line(argv, says, capsys, tmp_path, monkeypatch):
+    from tests.async_helpers import assert_flag_error
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert_flag_error(capsys, argv, says)

@@ -9,7 +9,9 @@ limits:
 * heads, query groups, the FFN size and the (padded) vocabulary must split T ways;
 * basis rotation keeps eigenbases of each weight matrix: a shard's bases are not the full
   matrix's, so a TP run would train a different optimizer than TP = 1;
-* checkpoints are written per (stage, replica): TP ranks would write the same file.
+* checkpoints are written per (stage, replica): TP ranks would write the same file;
+* ``--pipeline-partition profiled`` times layers on rank 0 alone, but a TP layer's forward is a
+  collective over its TP group.
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
     if getattr(args, "optimizer", "adamw") == "basis-rotation":
         raise ArgumentError(f"--optimizer basis-rotation with --tensor-model-parallel-size {tp}: the rotation bases "
                             "of a weight's shard are not those of the full weight (use --optimizer adamw)")
+    if getattr(args, "pipeline_partition", None) == "profiled" and args.pipeline_layer_split is None:
+        raise ArgumentError(f"--pipeline-partition profiled with --tensor-model-parallel-size {tp}: rank 0 profiles "
+                            "layers alone, and a tensor-parallel layer needs its whole TP group (use balanced)")
     for flag, value in (("--save", args.save), ("--load", args.load)):
         if value is not None:
             raise ArgumentError(f"{flag} with --tensor-model-parallel-size {tp} is not supported yet: checkpoints are "
