@@ -9,7 +9,6 @@ limits:
 * heads, query groups, the FFN size and the (padded) vocabulary must split T ways;
 * basis rotation keeps eigenbases of each weight matrix: a shard's bases are not the full
   matrix's, so a TP run would train a different optimizer than TP = 1;
-* checkpoints are written per (stage, replica): TP ranks would write the same file;
 * ``--pipeline-partition profiled`` times layers on rank 0 alone, but a TP layer's forward is a
   collective over its TP group.
 """
@@ -41,7 +40,3 @@ def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
     if getattr(args, "pipeline_partition", None) == "profiled" and args.pipeline_layer_split is None:
         raise ArgumentError(f"--pipeline-partition profiled with --tensor-model-parallel-size {tp}: rank 0 profiles "
                             "layers alone, and a tensor-parallel layer needs its whole TP group (use balanced)")
-    for flag, value in (("--save", args.save), ("--load", args.load)):
-        if value is not None:
-            raise ArgumentError(f"{flag} with --tensor-model-parallel-size {tp} is not supported yet: checkpoints are "
-                                "written per stage and replica, so tensor-parallel ranks would share one file")

@@ -210,7 +210,7 @@ def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, de
     resume = check_resume_or_exit(task, args, verify_files=False)  # each process verifies the files it loads
     workers = [build_worker(task, args, s, transport.dp_rank, device, isolate_rng=transport.in_process)
                for s in transport.stages]
-    start = _resume(task, args, workers, transport.dp_rank, resume)
+    start = _resume(task, args, workers, transport.dp_rank, resume, say=transport.is_coordinator)
     _start_banner(args, transport, workers)
     coordinator = transport.is_coordinator
     logger = make_logger(args, start, task) if coordinator else None
@@ -327,7 +327,7 @@ def check_resume_or_exit(task: PretrainTask, args: argparse.Namespace,
 
 
 def _resume(task: PretrainTask, args: argparse.Namespace, workers: list[StageWorker], dp_rank: int,
-            point: ResumePoint | None) -> int:
+            point: ResumePoint | None, say: bool = True) -> int:
     """Load ``point`` into ``workers``; return the iteration training starts at.
 
     ``--no-load-optim``: weights, RNG and iteration, a fresh optimizer (and with it a fresh LR
@@ -339,7 +339,7 @@ def _resume(task: PretrainTask, args: argparse.Namespace, workers: list[StageWor
     for w in workers:
         load_stage_state(task, w, point, dp_rank, optimizer=not fresh_optimizer, rng=not args.finetune)
     start = 0 if args.finetune else point.iteration
-    if dp_rank == 0 and workers[0].stage == 0:
+    if say:  # the logging rank (not every TP rank of stage 0)
         fresh = " (weights only, from iteration 0)" if args.finetune else \
             " (fresh optimizer and LR schedule)" if args.no_load_optim else ""
         print(f"[megatron-async] resumed from {point.directory} at iteration {point.iteration}{fresh}", flush=True)
