@@ -8,9 +8,8 @@ replaces only sizes and lengths. Two changes, each named: ``--mock-data`` stands
 ``--tensor-model-parallel-size 1`` (the in-process emulator, which these runs use on CPU, has no
 tensor-parallel ranks). GPT-3 175B's set also runs as Megatron-LM shards it, tensor-parallel:
 ``--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2`` on 4 CPU ranks of the
-distributed runtime, without ``--save``/``--load`` (checkpoints of TP runs are not written yet),
-and trains like the same set at TP = 1 (fp16 loss scaling included: every TP rank takes the
-same skip decisions).
+distributed runtime (checkpoints per TP rank included), and trains like the same set at TP = 1
+(fp16 loss scaling included: every TP rank takes the same skip decisions).
 """
 from __future__ import annotations
 
@@ -133,34 +132,17 @@ def test_megatron_example_flag_set_runs(flags, task, tmp_path):
         emulate(argv, task)
 
 
-CHECKPOINT_FLAGS = ("--save", "--load", "--save-interval")  # not with TP yet (one line refuses them)
-
-
-def _without(flags: list[str], names: tuple[str, ...]) -> list[str]:
-    """``flags`` less each flag of ``names`` and its value."""
-    out: list[str] = []
-    skip = False
-    for i, flag in enumerate(flags):
-        if skip:
-            skip = False
-            continue
-        if flag in names:
-            skip = i + 1 < len(flags) and not flags[i + 1].startswith("--")
-            continue
-        out.append(flag)
-    return out
-
-
 def test_gpt3_175b_flag_set_runs_tensor_parallel_on_4_ranks(tmp_path):
-    base = _without(shrink(GPT_175B, tmp_path), CHECKPOINT_FLAGS)
-    tp2 = [*base, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-           "--pipeline-executor", "distributed"]
+    tp2 = [*shrink(GPT_175B, tmp_path / "tp2"), "--tensor-model-parallel-size", "2",
+           "--pipeline-model-parallel-size", "2", "--pipeline-executor", "distributed"]
     records, params = run_pretrain(tp2, tmp_path / "tp2")
-    train_iters = int(base[base.index("--train-iters") + 1])
+    train_iters = int(tp2[tp2.index("--train-iters") + 1])
     assert [r["iteration"] for r in records] == list(range(1, train_iters + 1))
     assert all(math.isfinite(r["loss"]) for r in records)
+    saved = tmp_path / "tp2" / "ckpt" / f"iter_{train_iters:07d}"
+    assert sorted(f.name for f in saved.glob("*.pt")) == [f"stage0{s}_dp0_tp{t}.pt" for s in (0, 1) for t in (0, 1)]
     log = tmp_path / "tp1.jsonl"
-    emulate([*base, "--log-json", str(log)], GPTTask())
+    emulate([*shrink(GPT_175B, tmp_path / "tp1"), "--log-json", str(log)], GPTTask())
     reference = [r for r in map(json.loads, log.read_text().splitlines()) if "eval_split" not in r]
     # The same fp16 overflows, so the same skipped updates and loss scales on every stage.
     assert [r["skipped_updates"] for r in records] == [r["skipped_updates"] for r in reference]
