@@ -34,9 +34,12 @@ def _tracer(args: argparse.Namespace, worker: StageWorker, dp_rank: int, executo
 
 
 @contextlib.contextmanager
-def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], args: argparse.Namespace) -> Iterator[None]:
+def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], args: argparse.Namespace,
+             writes: bool) -> Iterator[None]:
     """Trace training segments only (evaluation is not part of the schedule's timeline); write the
-    cumulative trace files at the end of each segment, so a run that stops early still leaves them."""
+    cumulative trace files at the end of each segment, so a run that stops early still leaves them.
+    ``writes`` is False on tensor-parallel ranks other than 0: they trace (the clock alignment is a
+    collective) but their op streams are their TP rank 0's, whose file is the stage's."""
     if not tracers or tracers[0] is None:
         yield
         return
@@ -48,7 +51,8 @@ def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], args
         for w, t in zip(workers, tracers):
             w.tracer = None
             assert t is not None
-            t.write(args.trace_dir)
+            if writes:
+                t.write(args.trace_dir)
 
 
 class EvaluationData:
@@ -84,7 +88,7 @@ class PipelineRunner:
         hook = schedule_profiling(schedule, self.transport, self.workers)  # zb-1p / zb-2p with --zb-profile-iters
         if self.tracers and self.tracers[0] is not None:
             self.transport.align_clocks([t for t in self.tracers if t is not None])
-        with _tracing(self.workers, self.tracers, self.args):
+        with _tracing(self.workers, self.tracers, self.args, writes=self.transport.tp_rank == 0):
             run_streams(self.transport, self.workers, self.transport.local_streams(schedule), self.cadence,
                         self.sink, sync_hook=hook, outcomes=getattr(schedule, "validation_outcomes", None))
 
