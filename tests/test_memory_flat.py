@@ -12,6 +12,12 @@ sent activation or gradient until the segment ends (what reaping gloo sends by
 ``is_completed()`` did) grows by ``m`` boundary tensors per iteration, several micro-batches'
 worth over the window. The live heap must grow by less than ``LIVE_BOUND`` bytes per iteration.
 
+The probe runs every process with glibc's per-thread cache off, because ``mallinfo2`` counts
+the chunks that cache holds as in use, and the caches fill slowly (this was the decaying
+growth of 1-18 B/iteration on the 1F1B ranks that looked like a leak inside torch): the
+thread-cache test shows the tunable takes freed chunks out of the live heap, and the
+distributed test checks that every rank ran with it.
+
 The leak test shows that the live-heap slope is not blind: the emulator, run in this process
 with the probe's deliberate leak of one ``bytes(64)`` per update, must show at least 64 B
 per update more than the same run without it.
@@ -25,11 +31,14 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from benchmarks.soak import pretrain_cmd, run_probed, slope, steady
-from benchmarks.soak_probe import Probe, probed, read
+from benchmarks.soak import REPO, pretrain_cmd, run_probed, slope, steady
+from benchmarks.soak_probe import NO_TCACHE, Probe, probed, read, tcache_off_env
 from tests.async_helpers import emulate, tiny_args
 
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "2", "--seq-length", "64",
@@ -52,6 +61,7 @@ def test_distributed_ranks_memory_does_not_grow_over_100_iterations(tmp_path) ->
     series, _ = run_probed(cmd, tmp_path / "probe", ["--every", "5"], timeout_s=300)
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [s.name for s in series] == ["megatron-rank0", "megatron-rank1"], [s.name for s in series]
+    assert all(s.tcache_off for s in series), [s.tunables for s in series]
     for stage, s in enumerate(series):
         # one micro-batch's saved activations on this stage, as the run measured them
         per_microbatch = max(r["peak_activation_mb"][stage] / r["peak_inflight_microbatches"][stage]
@@ -65,6 +75,49 @@ def test_distributed_ranks_memory_does_not_grow_over_100_iterations(tmp_path) ->
             f"{s.name}: RSS grew {growth / 2**10:.0f} KiB over the last {WINDOW} iterations, more than one "
             f"micro-batch's activations ({per_microbatch / 2**10:.0f} KiB)")
         assert live_slope <= LIVE_BOUND, f"{s.name}: the live heap grows by {live_slope:.1f} B per iteration"
+
+
+# Frees 7 chunks of each of 33 size classes the thread cache holds (520-1032 bytes) and prints
+# by how much glibc's in-use bytes stayed above where they were before the mallocs.
+_FREED_CHUNKS = """
+import ctypes
+from benchmarks.soak_probe import c_heap_in_use
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+sizes = [size for size in range(1032, 512, -16) for _ in range(7)]
+chunks = (ctypes.c_void_p * len(sizes))()  # allocated before the first reading
+before = c_heap_in_use()
+for i, size in enumerate(sizes):
+    chunks[i] = libc.malloc(size)
+for chunk in chunks:
+    libc.free(chunk)
+print(c_heap_in_use() - before, sum(sizes))
+"""
+
+
+def test_freed_chunks_leave_the_live_heap_with_the_thread_cache_off() -> None:
+    """With glibc's default thread cache, freed small chunks stay counted as in use (that is
+    what the probe must not measure); with the probe's tunable they leave at once."""
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+
+    def still_counted(env: dict[str, str]) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", _FREED_CHUNKS], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=60, check=True).stdout.split()
+        return int(out[0]), int(out[1])
+
+    off_env = tcache_off_env(plain)
+    assert off_env is not None and tcache_off_env(off_env) is None
+    cached, freed = still_counted({**plain, "GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"})
+    off, _ = still_counted(off_env)
+    print(f"freed {freed} B in 231 chunks; still counted in use: {cached} B with the thread cache, {off} B without")
+    assert cached >= freed // 2, f"the thread cache kept only {cached} of {freed} freed bytes counted (test not sensitive)"
+    assert abs(off) <= 256, f"with {NO_TCACHE}, {off} B of {freed} freed bytes still count as in use"
+
+
+def test_tcache_tunable_joins_other_tunables() -> None:
+    env = tcache_off_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"})
+    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=1:{NO_TCACHE}"}
+    assert tcache_off_env(env) is None
 
 
 def _probed_slope(out, leak_bytes: int, updates: int = 200) -> float:
