@@ -16,10 +16,14 @@ and docs/benchmarks.md). ``--leak-bytes N --leak-every K`` injects a deliberate 
     python benchmarks/soak.py --emulator-iters 4000 --dist-iters 2000 --json soak.json
     python benchmarks/soak.py --emulator-iters 0 --dist-iters 1000 --dist-schedules paci --leak-bytes 64 --leak-every 64
 
-The distributed default is 8k iterations, not the issue's 2k: the ranks' live heap still grows
-by a few bytes per iteration (torch-internal, decaying) until about iteration 4000. 12000
-emulator iterations took 374 s and 8000 distributed ones 224-319 s on a 2-core machine under a
-load average of about 40 (other sessions); see docs/benchmarks.md.
+Every process runs with glibc's per-thread cache off (``soak_probe`` sets the tunable; ``--keep-tcache``
+leaves it on): ``mallinfo2`` counts the freed chunks the caches hold as in use, and their slow
+filling read as a "growth" on the 1F1B ranks decaying from 18 to 0.3 B/iteration over 24k iterations.
+
+The distributed default is 8k iterations, not the issue's 2k: CPython's own heap (pymalloc)
+still settles by 1-2 B/iteration between iterations 1000 and 2000 (see docs/benchmarks.md).
+12000 emulator iterations took 374 s and 8000 distributed ones 224-319 s on a 2-core machine
+under a load average of about 40 (other sessions).
 ``run_probed``, ``steady`` and ``slope`` are also used by ``tests/test_memory_flat.py``.
 """
 from __future__ import annotations

@@ -16,10 +16,10 @@ Why glibc's per-thread cache is turned off (``GLIBC_TUNABLES=glibc.malloc.tcache
 set by re-executing the probe unless ``--keep-tcache``): each thread keeps up to 7 freed
 chunks of each of the 64 small size classes (up to 1032 bytes) in its *tcache*, and
 ``mallinfo2`` counts those chunks as in use (they stay marked allocated; only the arenas'
-bins and fastbins count as free). The caches fill slowly -- a size class a thread frees but
-rarely allocates again (gloo's and the send reapers' threads free what the main thread
-allocated, and the reverse) gains a chunk now and then -- up to ~240 KB per thread, which read
-as a decaying growth of 1-18 B/iteration over the first 24k iterations of a 2-stage 1F1B rank
+bins and fastbins count as free). The caches fill slowly -- a size class a thread frees more often than it allocates
+(a chunk another thread allocated, say) gains a chunk now and then, up to 7 x (32 + ... +
+1040) = 240 KB per thread -- which read
+as a growth decaying from 18 to 0.3 B/iteration over the first 24k iterations of a 2-stage 1F1B rank
 (docs/benchmarks.md). With the cache off, a freed chunk goes to a bin and leaves ``uordblks``
 at once: what remains is what the program holds.
 
@@ -98,6 +98,14 @@ def tcache_off_env(env: dict[str, str]) -> dict[str, str] | None:
     if NO_TCACHE in tunables.split(":"):
         return None
     return {**env, "GLIBC_TUNABLES": f"{tunables}:{NO_TCACHE}" if tunables else NO_TCACHE}
+
+
+def restart_without_tcache() -> None:
+    """Re-execute this script with the thread cache off, unless it is off already (glibc
+    reads its tunables once, at start-up; forked children inherit the setting)."""
+    env = tcache_off_env(dict(os.environ))
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def c_heap_in_use() -> int:
@@ -282,9 +290,8 @@ def main() -> None:
     p.add_argument("script", help="the training script; its arguments follow (after --)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     ns = p.parse_args()
-    env = None if ns.keep_tcache else tcache_off_env(dict(os.environ))
-    if env is not None:  # glibc reads its tunables at start-up only: start again with it set
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if not ns.keep_tcache:
+        restart_without_tcache()
     ns.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `megatron`
     install(Probe(ns.out, ns.every, ns.collect, ns.trim, ns.leak_bytes, ns.leak_every,
