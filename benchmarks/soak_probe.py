@@ -54,7 +54,8 @@ Attributing growth to Python code: ``--trace-from U --snapshots A B`` starts ``t
 at update U and dumps a snapshot at updates A and B (after the sample's collection);
 ``python benchmarks/soak_probe.py --compare SNAP_A SNAP_B`` prints what was allocated and is
 still held, grouped by traceback. C++ allocations (torch, gloo) are not traced: growth of the
-``heap_c`` column with nothing in the comparison is the C/C++ side.
+``heap_c`` column with nothing in the comparison is the C/C++ side. While tracing, ``heap_py``
+reads 0 (CPython prints no pymalloc statistics once tracemalloc hooks the allocator).
 """
 from __future__ import annotations
 
