@@ -16,10 +16,14 @@ and docs/benchmarks.md). ``--leak-bytes N --leak-every K`` injects a deliberate 
     python benchmarks/soak.py --emulator-iters 4000 --dist-iters 2000 --json soak.json
     python benchmarks/soak.py --emulator-iters 0 --dist-iters 1000 --dist-schedules paci --leak-bytes 64 --leak-every 64
 
-The distributed default is 8k iterations, not the issue's 2k: the ranks' live heap still grows
-by a few bytes per iteration (torch-internal, decaying) until about iteration 4000. 12000
-emulator iterations took 374 s and 8000 distributed ones 224-319 s on a 2-core machine under a
-load average of about 40 (other sessions); see docs/benchmarks.md.
+Every process runs with glibc's per-thread cache off (``soak_probe`` sets the tunable; ``--keep-tcache``
+leaves it on): ``mallinfo2`` counts the freed chunks the caches hold as in use, and their slow
+filling read as a "growth" on the 1F1B ranks decaying from 18 to 0.3 B/iteration over 24k iterations.
+
+The distributed default is 8k iterations, not the issue's 2k: CPython's own heap (pymalloc)
+still settles by 1-2 B/iteration between iterations 1000 and 2000 (see docs/benchmarks.md).
+12000 emulator iterations took 374 s and 8000 distributed ones 224-319 s on a 2-core machine
+under a load average of about 40 (other sessions).
 ``run_probed``, ``steady`` and ``slope`` are also used by ``tests/test_memory_flat.py``.
 """
 from __future__ import annotations
@@ -129,6 +133,8 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=32)
     p.add_argument("--every", type=int, default=10, help="sample every N updates")
     p.add_argument("--trim", action="store_true", help="malloc_trim(0) before each sample (RSS without free pages)")
+    p.add_argument("--keep-tcache", action="store_true",
+                   help="leave glibc's per-thread cache on: its freed chunks then count as live (see soak_probe)")
     p.add_argument("--leak-bytes", type=int, default=0,
                    help="inject a deliberate leak of bytes(N) per update (shows the metric catches one)")
     p.add_argument("--leak-every", type=int, default=1, help="... every N updates")
@@ -141,6 +147,7 @@ def main() -> None:
     model[model.index("--num-layers") + 1] = str(max(2, args.stages))
     probe_args = ["--every", str(args.every), "--leak-bytes", str(args.leak_bytes), "--leak-every", str(args.leak_every)]
     probe_args += ["--trim"] if args.trim else []
+    probe_args += ["--keep-tcache"] if args.keep_tcache else []
     runs: list[tuple[str, str, bool, int]] = []
     if args.emulator_iters > 0:
         runs.append((f"emulator {args.emulator_schedule}", args.emulator_schedule, True, args.emulator_iters))
@@ -157,6 +164,7 @@ def main() -> None:
             print(f"{name}: {iters} iterations in {wall_s:.0f} s", flush=True)
     print(f"\nslopes in bytes per iteration over updates {args.warmup:.0%} to the end, one sample every {args.every} "
           f"updates after a full gc.collect(){' and malloc_trim(0)' if args.trim else ''}"
+          f"{', glibc thread cache on' if args.keep_tcache else ', glibc thread cache off'}"
           f"{f'; deliberate leak: {args.leak_bytes} B every {args.leak_every} updates' if args.leak_bytes else ''}")
     print("| run | process | live heap after warm-up -> end (MB) | live heap slope | (Theil-Sen) "
           "| RSS after warm-up -> end (MB) | RSS slope | gc objects / iteration | samples |")
