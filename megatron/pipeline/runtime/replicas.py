@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
+from megatron.pipeline.runtime.sharding import (
+    assign_flat, flat_values, owned_ranges, padded_part, shard_range, unpadded)
 from megatron.pipeline.runtime.tensor_parallel import tp_sq_sum
 from megatron.pipeline.runtime.worker import StageWorker
 
@@ -139,25 +141,16 @@ class ReplicaReduction:
         parts = layout.num_pipelines
         for j, replicas in sorted(_local_replicas(layout, ops).items()):
             params = {(d, c): _chunk_params(workers[d].setup.chunks, c) for d, c in replicas}
-            flats = {k: _flat_params(ps) for k, ps in params.items()}
+            flats = {k: flat_values(ps) for k, ps in params.items()}
             n = next(iter(flats.values())).numel()  # replicas hold equal parameters
-            owned = {}
-            for (d, c), flat in flats.items():
-                lo, hi = shard_range(n, parts, c)  # chunk c is pipeline c's replica
-                owned[(d, c)] = torch.zeros(-(-n // parts), dtype=flat.dtype, device=flat.device)
-                owned[(d, c)][:hi - lo] = flat[lo:hi]
-            ranges = transport.replica_gather(j, owned)
-            whole = torch.cat([part[:hi - lo] for part, (lo, hi) in zip(ranges, (shard_range(n, parts, p) for p in range(parts)))])
+            # chunk c is pipeline c's replica: it owns part c
+            owned = {(d, c): padded_part(flat, n, parts, c) for (d, c), flat in flats.items()}
+            whole = unpadded(transport.replica_gather(j, owned), n)
             for ps in params.values():
-                _assign_params(ps, whole)
+                assign_flat(ps, whole)
 
 
 # ----------------------------------------------------------------------------- sharding
-
-
-def shard_range(numel: int, parts: int, index: int) -> tuple[int, int]:
-    """The flat range ``[start, stop)`` of part ``index`` of ``parts`` near-equal parts."""
-    return numel * index // parts, numel * (index + 1) // parts
 
 
 def _chunk_params(worker_chunks: Sequence[torch.nn.Module], chunk: int) -> list[torch.nn.Parameter]:
@@ -176,25 +169,9 @@ def optimizer_shards(layout: MultiPipelineLayout, chunks: Sequence[torch.nn.Modu
     for chunk in range(layout.num_chunks):
         params = _chunk_params(chunks, chunk)
         lo, hi = shard_range(sum(p.numel() for p in params), layout.num_pipelines, chunk)
-        offset = 0
-        for p in params:
-            start, stop = max(lo, offset), min(hi, offset + p.numel())
-            shards[name_of[id(p)]] = (start - offset, stop - offset) if stop > start else (0, 0)
-            offset += p.numel()
+        for i, start, stop in owned_ranges(params, lo, hi):
+            shards[name_of[id(params[i])]] = (start, stop)
     return shards
-
-
-def _flat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    if len({p.dtype for p in params}) > 1:
-        raise ValueError("optimizer sharding needs one parameter dtype per model chunk")
-    return torch.cat([p.data.reshape(-1) for p in params])
-
-
-def _assign_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
 
 
 def _is_sharded(worker: StageWorker) -> bool:

@@ -153,6 +153,7 @@ class StageWorker:
     @torch.no_grad()
     def _param_sq(self) -> float:
         """Sum of squares of this stage's parameters (the live weights), in float64."""
+        self.params_ready()
         if self.setup.tp_group is not None:
             return tp_sq_sum(((p, p) for p in self.setup.optimizer.parameters()), self.setup.tp_group)
         return float(sum(p.detach().double().pow(2).sum() for p in self.setup.optimizer.parameters()))
@@ -228,6 +229,14 @@ class StageWorker:
         if self.setup.loss_scaler is not None:
             self.setup.loss_scaler.update(found_inf)
 
+    def params_ready(self) -> None:
+        """Wait for the weights to be whole before reading them: ``--overlap-param-gather``
+        leaves the distributed optimizer's parameter all-gather in flight after a step
+        (:mod:`megatron.pipeline.runtime.distributed_optimizer`); a no-op otherwise."""
+        wait = getattr(self.setup.optimizer, "wait_params", None)
+        if wait is not None:
+            wait()
+
     def in_flight(self) -> int:
         """Micro-batches whose forward ran but whose backward (or W) has not."""
         return len(self._stash) + len(self._deferred)
@@ -268,6 +277,7 @@ class StageWorker:
         key = (op.microbatch, op.chunk)
         batch = self._batch(op)
         x = None if received is None else received.detach().requires_grad_(True)
+        self.params_ready()
         self._fwd_version[key] = self.weights.before_forward(op)
         with self._rng_scope(), self.meter.record(key):
             out = self.setup.chunks[op.chunk](x, batch)
@@ -361,6 +371,7 @@ class StageWorker:
     def _backward(self, op: Op, grad_output: torch.Tensor | None, defer: bool) -> torch.Tensor | None:
         key = (op.microbatch, op.chunk)
         x, out = self._stash.pop(key)
+        self.params_ready()
         version = self.weights.before_backward(op)
         scaler = self.setup.loss_scaler
         with self._grad_scope(op, completes=not defer), self._rng_scope(), \
@@ -412,6 +423,7 @@ class StageWorker:
         start = self.tracer.now() if self.tracer is not None else 0  # after the collective: see tracing
         total_sq = math.fsum(stage_sq_norms)
         opt = self.setup.optimizer
+        self.params_ready()
         self.weights.before_update(op)
         if not math.isfinite(total_sq):
             self.record_update(op.update, total_sq, None)
@@ -422,6 +434,8 @@ class StageWorker:
             opt.step(lr, grad_scale=scale * self.inv_loss_scale)
             self.record_update(op.update, total_sq, lr)
         self.update_loss_scale(not math.isfinite(total_sq))
+        if type(self.weights).after_update is not WeightPolicy.after_update:  # reads the new weights
+            self.params_ready()
         self.weights.after_update(op)
         opt.zero_grad()
         if self.tracer is not None:

@@ -130,7 +130,7 @@ def file_index(state: dict[str, Any]) -> dict[str, Any]:
     tp = state.get("tensor_parallel") or {"rank": 0, "size": 1, "layouts": {}}
     layouts = {name: ShardLayout(*dim_stride) for name, dim_stride in tp["layouts"].items()}
     return {"stage": state.get("stage"), "step_count": optimizer.get("step_count"),
-            "optimizer_sharded": _sharded(optimizer.get("params", {}), model),
+            "optimizer_sharded": "data_parallel_shard" in optimizer or _sharded(optimizer.get("params", {}), model),
             "params": {name: param_entry(name, tuple(t.shape), layouts.get(name), tp["rank"], tp["size"])
                        for name, t in model.items()}}
 

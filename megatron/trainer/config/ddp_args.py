@@ -1,4 +1,5 @@
-"""Megatron-LM's data-parallel reduction flags: ``--overlap-grad-reduce``, ``--ddp-bucket-size``.
+"""Megatron-LM's data-parallel flags: ``--overlap-grad-reduce``, ``--ddp-bucket-size``,
+``--use-distributed-optimizer``, ``--overlap-param-gather``.
 
 Why a module of its own: the flags configure the runtime's data-parallel transport
 (:mod:`megatron.pipeline.runtime.grad_buckets`), not the model or the schedule. Bucket sizes
@@ -6,6 +7,12 @@ are elements, as in Megatron-LM. With one data-parallel replica (and so always o
 there is nothing to reduce: the flag is a documented no-op there, not a refusal, so one flag set
 runs at any DP. ``--ddp-bucket-size`` without ``--overlap-grad-reduce`` is refused: the
 non-overlapped reduction is one all-reduce at the step and has no buckets to size.
+
+``--use-distributed-optimizer`` shards each stage's optimizer state over its data-parallel
+replicas (:mod:`megatron.pipeline.runtime.distributed_optimizer`); like the overlap it is a
+no-op at one replica. ``--overlap-param-gather`` overlaps that optimizer's parameter all-gather
+and means nothing without it. Basis rotation is refused: it rotates whole matrices, so its
+state does not split into element ranges.
 """
 from __future__ import annotations
 
@@ -25,6 +32,13 @@ def add_ddp_args(p: argparse.ArgumentParser) -> None:
                         "a no-op with one data-parallel replica (and on the emulator)")
     g.add_argument("--ddp-bucket-size", type=int, default=None, metavar="ELEMENTS",
                    help=f"with --overlap-grad-reduce: elements per bucket (default {DEFAULT_BUCKET_SIZE:,})")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1: shard each stage's AdamW state and fp32 masters over its data-parallel "
+                        "replicas (reduce-scatter gradients, step the shard, all-gather parameters); "
+                        "a no-op with one data-parallel replica (and on the emulator)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: all-gather the parameters asynchronously after "
+                        "the step, waited for before the stage next reads its weights")
 
 
 def validate_ddp_args(args: argparse.Namespace) -> None:
@@ -33,6 +47,15 @@ def validate_ddp_args(args: argparse.Namespace) -> None:
     if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
         raise ArgumentError("--ddp-bucket-size sizes the buckets of --overlap-grad-reduce; without it the "
                             "gradients are all-reduced at once at the step")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs the distributed optimizer (--use-distributed-optimizer): "
+                            "it overlaps that optimizer's parameter all-gather")
+    if args.use_distributed_optimizer and getattr(args, "optimizer", "adamw") == "basis-rotation":
+        raise ArgumentError("--use-distributed-optimizer with --optimizer basis-rotation is not supported: basis "
+                            "rotation rotates whole matrices, its state does not shard into element ranges")
+    if args.use_distributed_optimizer and getattr(args, "tensor_model_parallel_size", 1) > 1:
+        raise ArgumentError("--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported yet: "
+                            "the tensor-parallel gradient norm reads whole gradients, the shards reduce only theirs")
     if args.overlap_grad_reduce and args.ddp_bucket_size is None:
         args.ddp_bucket_size = DEFAULT_BUCKET_SIZE
 

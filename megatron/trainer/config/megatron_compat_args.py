@@ -42,10 +42,6 @@ LOCAL_SPEC_BACKENDS = ("auto", "unfused", "local")
 REFUSED_FLAGS: dict[str, str] = {
     "sequence_parallel": "--sequence-parallel is not supported: gloo has no reduce-scatter for its CPU path, and "
                          "the NCCL path (sequence-sharded activations between stages) is not implemented",
-    "use_distributed_optimizer": "--use-distributed-optimizer is not supported: each stage keeps its own "
-                                 "optimizer state (ZeRO sharding is not implemented)",
-    "overlap_param_gather": "--overlap-param-gather needs the distributed optimizer (--use-distributed-optimizer), "
-                            "which does not exist here yet",
     "distribute_saved_activations": "--distribute-saved-activations is not supported: the recompute here keeps "
                                     "each region's input whole on every tensor-parallel rank (no split over the "
                                     "TP group)",

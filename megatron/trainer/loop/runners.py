@@ -91,6 +91,8 @@ class PipelineRunner:
         with _tracing(self.workers, self.tracers, self.args, writes=self.transport.tp_rank == 0):
             run_streams(self.transport, self.workers, self.transport.local_streams(schedule), self.cadence,
                         self.sink, sync_hook=hook, outcomes=getattr(schedule, "validation_outcomes", None))
+        for w in self.workers:  # a segment ends with whole weights (--overlap-param-gather)
+            w.params_ready()
 
     def evaluate(self, split: str) -> tuple[float, int] | None:
         batch_fn = self.data.batch_fn(split)

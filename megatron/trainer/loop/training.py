@@ -27,6 +27,7 @@ from megatron.pipeline.runtime.transport.distributed import DistributedTransport
 from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 from megatron.pipeline.runtime.profiling import log_fixed_choice
 from megatron.pipeline.runtime.replicas import optimizer_shards
+from megatron.trainer.optim.data_parallel import shard_over_data_parallel
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.runtime.weight_versions import build_weight_policy
@@ -83,7 +84,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
     if run.shards_optimizer_state:
         assert isinstance(layout, MultiPipelineLayout)
         shards = optimizer_shards(layout, chunks, named)
-    optimizer = build_optimizer(args, named, stage, shards)
+    optimizer = shard_over_data_parallel(args, named, stage, dp_rank) or build_optimizer(args, named, stage, shards)
     schedule = LRSchedule(
         max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,

@@ -253,6 +253,17 @@ class StageAdamW:
             total += grad.float().square().sum().to(device)
         return total
 
+    def owned_grad_sq_norm(self) -> Tensor:
+        """Sum of squares of the gradient elements this optimizer steps (all of them unsharded;
+        the owned ranges when sharded): the distributed optimizer sums these over its replicas."""
+        device = self._device()
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for slot in self._slots:
+            grad = slot.grad()
+            if grad is not None:
+                total += grad.detach().float().square().sum().to(device)
+        return total
+
     def grads_finite(self) -> bool:
         """True when no grad holds inf/NaN.
 

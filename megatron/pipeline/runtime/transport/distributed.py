@@ -170,6 +170,9 @@ class DistributedTransport(Transport):
     def channel(self, worker: StageWorker) -> P2PChannel:
         """This stage's point-to-point messages (one channel per executor run)."""
         self._attach_overlap(worker)
+        attach = getattr(worker.setup.optimizer, "attach", None)  # the distributed optimizer's group
+        if attach is not None:
+            attach(self.groups.data_parallel, self.timeout)
         return P2PChannel(worker, self.groups, self.timeout)
 
     # -- the optimizer step ------------------------------------------------------------
@@ -192,6 +195,10 @@ class DistributedTransport(Transport):
             return
         if id(worker) in self._overlap:
             self._overlap[id(worker)].finish()
+            return
+        reduce_scatter = getattr(worker.setup.optimizer, "reduce_gradients", None)  # --use-distributed-optimizer
+        if reduce_scatter is not None:
+            reduce_scatter()
             return
         params = worker.setup.optimizer.parameters()
         for p in params:
