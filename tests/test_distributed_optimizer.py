@@ -104,6 +104,12 @@ def _check(rank: int, dtype: torch.dtype, exact: bool) -> None:
                 _assert_params_equal(named, ref_named)
             ref.zero_grad()
             opt.zero_grad()
+        # A replicated (whole) state loads into a sharded optimizer as its owned ranges.
+        whole = ref.state_dict()
+        opt.load_state_dict(whole)
+        for name, entry in opt.state_dict()["params"].items():
+            start, stop = opt.inner._slots[[s.name for s in opt.inner._slots].index(name)].index
+            assert torch.equal(entry["exp_avg_sq"], whole["params"][name]["exp_avg_sq"].reshape(-1)[start:stop])
         # A non-finite gradient on one replica only: both see a non-finite norm (found_inf agrees).
         _set_grads(named, rank, 9)
         if rank == 1:
@@ -183,6 +189,15 @@ def test_sharded_checkpoint_resumes_bitwise_and_is_marked_sharded(tmp_path: Path
     _assert_close((resumed[0], resumed[1]), (full[0][2:], full[1]), exact=True)
     index = json.loads((save / "iter_0000002" / "metadata.json").read_text())["index"]
     assert index and all(entry["optimizer_sharded"] for entry in index.values())
+    # The shards do not load into whole optimizer states: one line before any rank starts.
+    from megatron.trainer.checkpointing.checkpoint import CheckpointError, check_resume
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    replicated = [a for a in args if a != "--use-distributed-optimizer"]
+    with pytest.raises(CheckpointError, match="holds sharded optimizer state"):
+        check_resume(GPTTask(), parse_args([*replicated, "--load", str(save)]))
+    check_resume(GPTTask(), parse_args([*replicated, "--load", str(save), "--no-load-optim"]))
 
 
 @pytest.mark.parametrize("argv,fragment", [

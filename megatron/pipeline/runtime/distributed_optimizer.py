@@ -191,8 +191,20 @@ class DataParallelShardedOptimizer:
         return {**self.inner.state_dict(), "data_parallel_shard": [self.dp_rank, self.dp_size]}
 
     def load_state_dict(self, sd: dict) -> None:
+        """This replica's shard; a whole (replicated) state is cut to the owned ranges first."""
         shard = sd.get("data_parallel_shard")
-        if shard is not None and list(shard) != [self.dp_rank, self.dp_size]:
+        if shard is None:
+            sd = {**sd, "params": self._owned_entries(sd["params"])}
+        elif list(shard) != [self.dp_rank, self.dp_size]:
             raise ValueError(f"optimizer state of data-parallel shard {shard[0]} of {shard[1]}, "
                              f"this replica owns shard {self.dp_rank} of {self.dp_size}")
         self.inner.load_state_dict({k: v for k, v in sd.items() if k != "data_parallel_shard"})
+
+    def _owned_entries(self, entries: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        named = self.inner.named_parameters()
+        owned = {}
+        for i, start, stop in owned_ranges([p for _, p in named], self.lo, self.hi):
+            name = named[i][0]
+            if stop > start and name in entries:
+                owned[name] = {k: t.reshape(-1)[start:stop].clone() for k, t in entries[name].items()}
+        return owned

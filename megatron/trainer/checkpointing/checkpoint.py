@@ -60,6 +60,7 @@ from megatron.trainer.checkpointing.reshard import (
     saved_signature, smallest_scale, tp_size)
 from megatron.trainer.checkpointing.shards import Region, ShardError
 from megatron.trainer.config.megatron_compat_args import COMPAT_SIGNATURE_FLAGS
+from megatron.trainer.config.run_config import run_config
 from megatron.trainer.models.tensor_parallel import shard_layout, stage_tp_group, tp_rank_and_size
 from megatron.trainer.tasks.task import PretrainTask
 
@@ -348,6 +349,7 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
             reshard = plan(metadata, ours, args, str(path))
         except ReshardError as exc:
             raise CheckpointError(str(exc)) from None
+    _check_sharded_optimizer(metadata, args, str(path))
     checksums = metadata.get("sha256", {})
     if verify_files:
         read = None if reshard is None else reshard.files_read(args.data_parallel_size, tp_size(ours))
@@ -360,6 +362,19 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
     keeps_order = reshard is None or (reshard.keeps_rank_state and reshard.same_schedule)
     return ResumePoint(point.iteration, point.directory, checksums,
                        metadata.get("schedule_state") if keeps_order else None, reshard)
+
+
+def _check_sharded_optimizer(metadata: dict[str, Any], args: argparse.Namespace, where: str) -> None:
+    """Optimizer shards (AMDP's, --use-distributed-optimizer's) load only into a run that shards its
+    optimizer state too (a replicated state, by contrast, is sliced into a distributed optimizer)."""
+    if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
+        return
+    sharded_run = run_config(args).shards_optimizer_state or (
+        getattr(args, "use_distributed_optimizer", False) and args.data_parallel_size > 1)
+    if not sharded_run and any(e.get("optimizer_sharded") for e in (metadata.get("index") or {}).values()):
+        raise CheckpointError(f"checkpoint {where} holds sharded optimizer state (saved with "
+                              f"--use-distributed-optimizer or AMDP's sharded state); this run keeps whole "
+                              f"optimizer states: shard it the same way or pass --no-load-optim")
 
 
 def _verify_checksum(path: Path, actual: str, expected: str) -> None:
