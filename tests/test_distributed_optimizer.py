@@ -223,7 +223,6 @@ def test_nccl_reduce_scatter_and_overlapped_gather_equal_replicated(tmp_path: Pa
 @pytest.mark.parametrize("argv,fragment", [
     (["--overlap-param-gather"], "needs the distributed optimizer"),
     (["--use-distributed-optimizer", "--optimizer", "basis-rotation"], "basis rotation rotates whole matrices"),
-    (["--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], "not supported yet"),
 ])
 def test_refusals_are_one_line(capsys, argv: list[str], fragment: str) -> None:
     assert_flag_error(capsys, argv, fragment)

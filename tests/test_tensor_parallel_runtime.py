@@ -121,6 +121,30 @@ def test_amdp_replicas_at_tp2_train_like_tp1(tmp_path):
     _assert_same_training(result, *runs[0], tmp_path)
 
 
+# TP 2 x DP 2 x PP 1: the distributed optimizer against the replicated one, each pair in one launch.
+DP2 = ["--num-layers", "2", "--pipeline-model-parallel-size", "1", "--data-parallel-size", "2"]
+DISTOPT = [(schedule, [*DP2, *extra]) for schedule in ("1f1b", "paci")
+           for extra in ([], ["--use-distributed-optimizer"])]
+
+
+def test_distributed_optimizer_at_tp2_dp2_equals_the_replicated_optimizer(tmp_path):
+    """Each TP rank's flat space holds its TP shards and each DP replica reduces and steps only
+    its range of that: the clipping norm must count the TP-sharded elements of every range over
+    TP and DP and the replicated ones once. --clip-grad 0.5 is active on every update (the norms
+    are above it), so a wrong norm would change every step."""
+    results = _launch_tp2(DISTOPT, tmp_path)
+    for i in range(0, len(DISTOPT), 2):
+        (plain_records, plain_params), (records, params) = results[i], results[i + 1]
+        assert [r.get("iteration") for r in records] == [r.get("iteration") for r in plain_records] == [1, 2, 3]
+        assert all(r["grad_norm"] > 0.5 for r in plain_records), plain_records
+        for ours, ref in zip(records, plain_records):
+            for key in ("loss", "grad_norm"):
+                assert ours[key] == pytest.approx(ref[key], rel=1e-6, abs=0), (DISTOPT[i][0], key, ours, ref)
+        assert params.keys() == plain_params.keys()
+        for name, ref in plain_params.items():
+            torch.testing.assert_close(params[name], ref, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 TP2 = ["--tensor-model-parallel-size", "2"]
 REFUSED = [
     ([*TP2, "--pipeline-executor", "emulator"], "the emulator (one process) does not have: use --pipeline-executor distributed"),

@@ -16,7 +16,11 @@ replica ``r`` keeps state for, and steps, range ``r`` only (``StageAdamW(shards=
    every gradient and nothing more is exchanged;
 2. the norm for clipping and the non-finite check: each replica's squared norm of its range,
    summed over the group (an all-reduce), so every replica decides to clip, skip (fp16
-   overflow: ``found_inf`` agrees) or roll back alike;
+   overflow: ``found_inf`` agrees) or roll back alike. At TP > 1 the DP groups are per TP
+   index and each TP rank's flat space holds its TP shards: the range's squares are split into
+   TP-sharded and replicated elements, summed over the DP group, then the sharded part over the
+   TP group and the replicated part counted once (:meth:`tp_grad_sq_norm`), the same value on
+   every rank of the stage;
 3. the step of the own range (the Adam arithmetic is element-wise, so every element gets the
    bits the unsharded step gives it), then an all-gather of the ranges into every replica's
    parameters. Post-validation's rollback undoes the own range and gathers again.
@@ -45,6 +49,7 @@ import torch.distributed as dist
 from megatron.pipeline.runtime.executors.send_reaper import wait_or_raise
 from megatron.pipeline.runtime.sharding import (
     assign_flat, flat_dtype, flat_values, owned_ranges, padded_part, part_length, shard_range, unpadded)
+from megatron.pipeline.runtime.tensor_parallel import count_replicated_once, split_sq_sums
 
 # torch >= 2.11 renames the tensor collectives (the old names warn); same signatures.
 _reduce_scatter: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -152,6 +157,22 @@ class DataParallelShardedOptimizer:
         total = self.inner.owned_grad_sq_norm()
         dist.all_reduce(total, group=self.group)
         return total
+
+    def tp_grad_sq_norm(self, tp_group: dist.ProcessGroup) -> torch.Tensor:
+        """The squared gradient norm of the whole, unsharded stage at TP > 1 (float64, the same
+        bits on every TP and DP rank of the stage).
+
+        This TP rank's flat space holds its shards of the TP-sharded parameters and whole copies
+        of the replicated ones; each DP replica averaged only its range of it. So the own range's
+        squares are split by the kind of parameter (``[sharded, replicated]``), summed over the DP
+        group (the whole local flat space), then over the TP group with the replicated part from
+        TP rank 0 only (counted once)."""
+        parts = ((self._params[i], None if self._params[i].grad is None else
+                  self._params[i].grad.reshape(-1)[start:stop])
+                 for i, start, stop in owned_ranges(self._params, self.lo, self.hi) if stop > start)
+        sums = split_sq_sums(parts)
+        dist.all_reduce(sums, group=self.group)
+        return count_replicated_once(sums, tp_group).sum()
 
     # -- the step and its undo ---------------------------------------------------------
     def step(self, lr: float, grad_scale: float = 1.0) -> None:

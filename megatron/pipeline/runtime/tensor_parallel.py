@@ -21,18 +21,35 @@ def is_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
-def tp_sq_sum(pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]], group: dist.ProcessGroup) -> float:
-    """Sum of squares of the tensors (a parameter's gradient or value, paired with the
-    parameter that says how it is sharded) over the whole stage; a collective over ``group``.
-    Accumulated in float64 (fp16 squares overflow; the sum must not depend on the shard count)."""
+def split_sq_sums(pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """``[sharded, replicated]``: the local sums of squares of the tensors (a parameter's gradient
+    or value, or a flat range of it, paired with the parameter that says how it is sharded), in
+    float64 (fp16 squares overflow; the sum must not depend on the shard count). No collective."""
     sums: torch.Tensor | None = None
     for param, tensor in pairs:
         if sums is None:
             sums = torch.zeros(2, dtype=torch.float64, device=param.device)
         if tensor is not None:
             sums[0 if is_sharded(param) else 1] += tensor.detach().double().square().sum()
-    if sums is None:
-        sums = torch.zeros(2, dtype=torch.float64)
+    return torch.zeros(2, dtype=torch.float64) if sums is None else sums
+
+
+def tp_sq_sum(pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]], group: dist.ProcessGroup) -> float:
+    """Sum of squares of the tensors (see :func:`split_sq_sums`) over the whole stage; a
+    collective over ``group``."""
+    sums = split_sq_sums(pairs)
     sharded = sums[0:1].clone()
     dist.all_reduce(sharded, group=group)
     return float(sharded) + float(sums[1])
+
+
+def count_replicated_once(sums: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-reduce ``[sharded, replicated]`` sums over the TP group, the replicated part from TP
+    rank 0 only: every TP rank holds the same replicated values, so this counts them once and
+    gives every rank the same bits (the sum does not depend on which rank's rounding it took).
+    A non-finite replicated sum is kept on every rank, so an overflow anywhere stays visible."""
+    sums = sums.clone()
+    if dist.get_rank(group=group) != 0 and bool(torch.isfinite(sums[1])):
+        sums[1] = 0.0
+    dist.all_reduce(sums, group=group)
+    return sums

@@ -411,6 +411,9 @@ class StageWorker:
                     p.grad.view(-1)[0] = float("nan")
                     break
         if self.setup.tp_group is not None:  # the whole stage's norm, the same on every TP rank
+            sharded_norm = getattr(self.setup.optimizer, "tp_grad_sq_norm", None)  # distributed optimizer
+            if sharded_norm is not None:  # each DP replica averaged only its range of the gradients
+                return self.unscale_sq(float(sharded_norm(self.setup.tp_group)))
             params = self.setup.optimizer.parameters()
             return self.unscale_sq(tp_sq_sum(((p, p.grad) for p in params), self.setup.tp_group))
         return self.unscale_sq(float(self.setup.optimizer.grad_sq_norm()))

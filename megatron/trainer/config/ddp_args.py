@@ -53,9 +53,6 @@ def validate_ddp_args(args: argparse.Namespace) -> None:
     if args.use_distributed_optimizer and getattr(args, "optimizer", "adamw") == "basis-rotation":
         raise ArgumentError("--use-distributed-optimizer with --optimizer basis-rotation is not supported: basis "
                             "rotation rotates whole matrices, its state does not shard into element ranges")
-    if args.use_distributed_optimizer and getattr(args, "tensor_model_parallel_size", 1) > 1:
-        raise ArgumentError("--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported yet: "
-                            "the tensor-parallel gradient norm reads whole gradients, the shards reduce only theirs")
     if args.overlap_grad_reduce and args.ddp_bucket_size is None:
         args.ddp_bucket_size = DEFAULT_BUCKET_SIZE
 
