@@ -15,6 +15,9 @@ The reference is always the unsharded optimizer on the same averaged gradients:
   overlapped gather equals the non-overlapped one bitwise;
 * a same-layout resume of a sharded checkpoint is bitwise, the index marks it sharded, and a run
   with whole optimizer states refuses it up front (unless ``--no-load-optim``);
+* at TP > 1 (two gloo ranks as one TP group), the norm of the own ranges counts the TP-sharded
+  squares over TP and the replicated ones once, the same bits on every rank (TP2 x DP2 end to
+  end and its checkpoints: ``tests/test_tensor_parallel_runtime.py``);
 * on two GPUs (``gpu``-marked), the NCCL collectives of the same path;
 * the refusals are one line.
 """
@@ -127,6 +130,42 @@ def _check_all(rank: int) -> None:
 
 def test_sharded_step_rollback_and_overlapped_gather_equal_the_unsharded_optimizer() -> None:
     run_on_two_gloo_ranks(_check_all)
+
+
+def _check_tp_norm(rank: int) -> None:
+    """Two TP ranks, one DP replica each: the sharded weight's squares summed over TP, the
+    replicated ones (here deliberately one ulp apart between the ranks) counted once, from TP
+    rank 0: both ranks get the same bits; an overflow in rank 1's replicated copy reaches both."""
+    import torch.distributed as dist
+
+    from megatron.pipeline.runtime.distributed_optimizer import DataParallelShardedOptimizer, data_parallel_shards
+    from megatron.trainer.optim.adamw import StageAdamW
+
+    own_dp = [dist.new_group([r]) for r in range(2)][rank]
+    named = _named(torch.float32)
+    named[0][1].tensor_model_parallel = True  # a.weight: this rank's TP shard
+    opt = DataParallelShardedOptimizer(StageAdamW(named, lr=1e-2, weight_decay=0.0,
+                                                  shards=data_parallel_shards(named, 1, 0)), 0, 1)
+    opt.attach(own_dp, TIMEOUT)
+    _set_grads(named, 0, 0)  # the same on both ranks...
+    named[0][1].grad.mul_(rank + 1)  # ...but the shards differ
+    if rank == 1:  # and rank 1's replicated copy is one ulp off
+        named[1][1].grad.copy_(torch.nextafter(named[1][1].grad, torch.full_like(named[1][1].grad, 9.0)))
+    sharded = named[0][1].grad.double().square().sum()
+    replicated = sum(p.grad.double().square().sum() for _, p in named[1:])
+    total = opt.tp_grad_sq_norm(dist.group.WORLD)
+    both = [torch.zeros((), dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(both, total)
+    assert torch.equal(both[0], both[1])
+    if rank == 0:  # shards: 1x and 2x the same values -> 5x the one sum
+        assert float(total) == pytest.approx(5 * float(sharded) + float(replicated), rel=1e-12)
+    if rank == 1:
+        named[-1][1].grad.view(-1)[0] = float("inf")
+    assert not torch.isfinite(opt.tp_grad_sq_norm(dist.group.WORLD))
+
+
+def test_tensor_parallel_norm_of_shards_counts_replicated_once_and_agrees_bitwise() -> None:
+    run_on_two_gloo_ranks(_check_tp_norm)
 
 
 # ------------------------------------------------------------------------------ end to end

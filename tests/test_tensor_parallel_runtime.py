@@ -9,6 +9,10 @@ That exercises the TP-matched P2P pairs, the TP-reduced gradient norm under --cl
 the gathered parameter dump. fp32, no dropout, a tiny GPT with biases (so replicated row-parallel
 biases and norms are in the norm too).
 
+TP = 2 x DP = 2 x PP = 1 with ``--use-distributed-optimizer`` (ZeRO-1 over each TP index's DP
+group) trains like the replicated optimizer at the same layout (<= 1e-6), with clipping active,
+and its per-(stage, dp, tp) checkpoint files resume bitwise.
+
 All runs of a test share one launch of 4 forked ranks (``tests/tp_runtime_driver.py``): importing
 megatron-core dominates the cost of a launch.
 """
