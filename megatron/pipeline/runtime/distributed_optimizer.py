@@ -170,7 +170,7 @@ class DataParallelShardedOptimizer:
         parts = ((self._params[i], None if self._params[i].grad is None else
                   self._params[i].grad.reshape(-1)[start:stop])
                  for i, start, stop in owned_ranges(self._params, self.lo, self.hi) if stop > start)
-        sums = split_sq_sums(parts)
+        sums = split_sq_sums(parts).to(self._params[0].device)  # an empty range's zeros too
         dist.all_reduce(sums, group=self.group)
         return count_replicated_once(sums, tp_group).sum()
 
