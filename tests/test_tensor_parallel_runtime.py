@@ -126,7 +126,8 @@ def test_amdp_replicas_at_tp2_train_like_tp1(tmp_path):
 
 
 # TP 2 x DP 2 x PP 1: the distributed optimizer against the replicated one, each pair in one launch.
-DP2 = ["--num-layers", "2", "--pipeline-model-parallel-size", "1", "--data-parallel-size", "2"]
+DP2 = ["--num-layers", "2", "--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
+       "--log-params-norm"]
 DISTOPT = [(schedule, [*DP2, *extra]) for schedule in ("1f1b", "paci")
            for extra in ([], ["--use-distributed-optimizer"])]
 
@@ -142,7 +143,7 @@ def test_distributed_optimizer_at_tp2_dp2_equals_the_replicated_optimizer(tmp_pa
         assert [r.get("iteration") for r in records] == [r.get("iteration") for r in plain_records] == [1, 2, 3]
         assert all(r["grad_norm"] > 0.5 for r in plain_records), plain_records
         for ours, ref in zip(records, plain_records):
-            for key in ("loss", "grad_norm"):
+            for key in ("loss", "grad_norm", "params_norm"):
                 assert ours[key] == pytest.approx(ref[key], rel=1e-6, abs=0), (DISTOPT[i][0], key, ours, ref)
         assert params.keys() == plain_params.keys()
         for name, ref in plain_params.items():

@@ -6,7 +6,9 @@ row-parallel biases, position embeddings), whose gradients are identical on ever
 without sequence parallelism. The stage's squared norm (gradient clipping, the non-finite
 check, ``--log-params-norm``) is therefore the sharded part summed over the TP group plus the
 replicated part counted once. Every TP rank gets the same value, so they clip alike and skip
-alike (an overflow on one rank's shard is an inf/nan in the sum everyone sees).
+alike (an overflow on one rank's shard is an inf/nan in the sum everyone sees). The distributed
+optimizer, whose replicas hold only their range of the averaged gradients, sums the two parts
+over its DP group first and then uses :func:`count_replicated_once`.
 """
 from __future__ import annotations
 
