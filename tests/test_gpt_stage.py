@@ -420,3 +420,33 @@ def test_bf16_stage_on_cuda():
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     assert abs(loss.item() - math.log(args.vocab_size)) < 0.2
     assert all(g.is_cuda and torch.isfinite(g).all() for g in grads.values())
+
+
+def test_attention_dropout_masks_differ_per_tensor_parallel_rank():
+    """At TP > 1 each rank holds other heads, so (as Megatron's model-parallel RNG) their
+    attention-dropout masks must differ; the stage stream must still advance identically on
+    every TP rank (the replicated region's dropout stays equal), and a rank's masks repeat when
+    the stream is restored (resume, recompute)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attn = _attention(4, 4, AttnMaskType.causal, dropout=0.5)
+    attn.train()
+    q, k, v = _qkv(groups=4)
+
+    def run(rank):
+        attn.tp_rank = rank
+        torch.manual_seed(1234)
+        out = attn(q, k, v, None)
+        return out, torch.get_rng_state()
+
+    out0, after0 = run(0)
+    out1, after1 = run(1)
+    again1, _ = run(1)
+    shared, after_shared = run(None)  # TP = 1: the stage stream itself
+    assert not torch.equal(out0, out1)
+    assert torch.equal(out1, again1)
+    assert torch.equal(after0, after1)  # the stage stream advanced alike on both ranks
+    assert not torch.equal(after0, after_shared)  # one draw seeds the rank's stream ...
+    torch.manual_seed(1234)
+    torch.randint(0, 2**62, (1,))
+    assert torch.equal(torch.get_rng_state(), after0)  # ... and nothing else moves it

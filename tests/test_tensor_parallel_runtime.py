@@ -200,3 +200,15 @@ def test_tensor_parallel_bad_inputs_refused_with_one_line(argv, says, capsys, tm
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     assert_flag_error(capsys, argv, says)
+
+
+def test_attention_dropout_at_tp2_repeats_under_recompute(tmp_path):
+    """Attention dropout at TP = 2 draws per-TP-rank masks from the stage stream
+    (``sdpa_attention.tensor_parallel_dropout_stream``): full recompute replays them exactly,
+    so it trains bitwise like no recompute."""
+    dropout = ["--num-layers", "2", "--attention-dropout", "0.3", "--hidden-dropout", "0.1"]
+    runs = [("1f1b", dropout), ("1f1b", [*dropout, "--recompute-granularity", "full",
+                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"])]
+    (plain, _), (recomputed, _) = _launch_tp2(runs, tmp_path)
+    assert [r["loss"] for r in recomputed] == [r["loss"] for r in plain]
+    assert [r["grad_norm"] for r in recomputed] == [r["grad_norm"] for r in plain]

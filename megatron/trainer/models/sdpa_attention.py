@@ -10,7 +10,9 @@ any device and lets PyTorch pick a fused kernel (flash / memory-efficient) where
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -36,6 +38,39 @@ def _tp_world_size(pg_collection: Any) -> int:
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_model_parallel_world_size()
     return 1
+
+
+def _tp_rank(pg_collection: Any) -> int:
+    """This process's tensor-parallel rank (0 without a TP group)."""
+    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+        return pg_collection.tp.rank()
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return 0
+
+
+@contextlib.contextmanager
+def tensor_parallel_dropout_stream(device: torch.device, tp_rank: int) -> Iterator[None]:
+    """Draw dropout masks from a stream of this TP rank's own, as Megatron's model-parallel RNG
+    does for attention dropout: each TP rank holds other heads, and heads must not share masks.
+
+    Why derived from the current stream rather than a second seeded generator: one value is
+    drawn from the device's current generator (the stage's stream, advanced identically on
+    every TP rank, so the replicated region's dropout stays equal across TP ranks) and seeds
+    ``value + tp_rank`` for the duration. Everything that restores the stage stream (resume,
+    recompute's RNG replay, the emulator's per-stage isolation) therefore repeats these masks
+    too, with no extra state to checkpoint.
+    """
+    base = int(torch.randint(0, 2**62, (1,), device=device).item())
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.random.fork_rng(devices=[index]):
+            torch.cuda.default_generators[index].manual_seed(base + tp_rank)
+            yield
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(base + tp_rank)
+            yield
 
 
 def megatron_mask_to_sdpa(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -87,6 +122,8 @@ class SDPAAttention(MegatronModule):
         self.attention_type = attention_type
 
         tp = _tp_world_size(pg_collection)
+        # Attention dropout at TP > 1 draws per-TP-rank masks (tensor_parallel_dropout_stream).
+        self.tp_rank = _tp_rank(pg_collection) if tp > 1 else None
         self.num_heads_per_partition = config.num_attention_heads // tp
         self.num_query_groups_per_partition = config.num_query_groups // tp
         if self.num_heads_per_partition % self.num_query_groups_per_partition:
@@ -142,15 +179,18 @@ class SDPAAttention(MegatronModule):
             None if attention_mask is None else megatron_mask_to_sdpa(attention_mask, q.dtype)
         )
 
-        context = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=is_causal,
-            scale=self.softmax_scale,
-        )
+        dropout_p = self.dropout_p if self.training else 0.0
+        per_rank = dropout_p > 0 and self.tp_rank is not None
+        with tensor_parallel_dropout_stream(q.device, self.tp_rank) if per_rank else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+            )
         # [b, n, s, d] -> [s, b, n * d]
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
