@@ -212,3 +212,23 @@ def test_attention_dropout_at_tp2_repeats_under_recompute(tmp_path):
     (plain, _), (recomputed, _) = _launch_tp2(runs, tmp_path)
     assert [r["loss"] for r in recomputed] == [r["loss"] for r in plain]
     assert [r["grad_norm"] for r in recomputed] == [r["grad_norm"] for r in plain]
+
+
+def test_transformer_engine_at_tp2_refused_and_auto_picks_the_local_spec():
+    """TE's TP layers carry no shard marks our init and checkpoints read: an explicit TE request
+    at TP > 1 is refused (checked directly: on a CPU machine the "TE needs a GPU" refusal comes
+    first), and ``auto`` resolves to the local spec at TP > 1 even where TE would run."""
+    import argparse
+
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.errors import ArgumentError
+    from megatron.trainer.config.tensor_parallel_args import validate_tensor_parallel_args
+    from megatron.trainer.tasks.stage_tasks import transformer_kwargs
+
+    args = parse_args([*_argv("1f1b", ["--num-layers", "2"]), *TP2])
+    validate_tensor_parallel_args(args)
+    assert transformer_kwargs(args)["use_transformer_engine"] is False
+    assert transformer_kwargs(parse_args(_argv("1f1b", ["--num-layers", "2"])))["use_transformer_engine"] is None
+    te = argparse.Namespace(**{**vars(args), "transformer_impl": "transformer_engine"})
+    with pytest.raises(ArgumentError, match="TE's tensor-parallel layers are not mapped"):
+        validate_tensor_parallel_args(te)

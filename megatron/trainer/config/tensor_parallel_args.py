@@ -10,7 +10,10 @@ limits:
 * basis rotation keeps eigenbases of each weight matrix: a shard's bases are not the full
   matrix's, so a TP run would train a different optimizer than TP = 1;
 * ``--pipeline-partition profiled`` times layers on rank 0 alone, but a TP layer's forward is a
-  collective over its TP group.
+  collective over its TP group;
+* Transformer Engine's TP layers are not mapped by
+  :func:`~megatron.trainer.models.tensor_parallel.mark_tensor_parallel` (shard initialisation,
+  checkpoints, norms read those marks), so TP runs use the local spec (``auto`` picks it).
 """
 from __future__ import annotations
 
@@ -37,6 +40,9 @@ def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
     if getattr(args, "optimizer", "adamw") == "basis-rotation":
         raise ArgumentError(f"--optimizer basis-rotation with --tensor-model-parallel-size {tp}: the rotation bases "
                             "of a weight's shard are not those of the full weight (use --optimizer adamw)")
+    if getattr(args, "transformer_impl", "auto") == "transformer_engine":
+        raise ArgumentError(f"--transformer-impl transformer_engine with --tensor-model-parallel-size {tp}: TE's "
+                            "tensor-parallel layers are not mapped for sharded init and checkpoints (use local)")
     if getattr(args, "pipeline_partition", None) == "profiled" and args.pipeline_layer_split is None:
         raise ArgumentError(f"--pipeline-partition profiled with --tensor-model-parallel-size {tp}: rank 0 profiles "
                             "layers alone, and a tensor-parallel layer needs its whole TP group (use balanced)")

@@ -25,6 +25,8 @@ class BatchSource(Protocol):
 def transformer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """:class:`~megatron.trainer.models.stage.TransformerArgs` fields from Megatron's flags."""
     impl = {"auto": None, "local": False, "transformer_engine": True}[args.transformer_impl]
+    if impl is None and getattr(args, "tensor_model_parallel_size", 1) > 1:
+        impl = False  # auto at TP > 1: the local spec (TE layers' shard layout is not mapped)
     return dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
