@@ -187,7 +187,6 @@ REFUSED = [
     ([*TP2, "--vocab-size", "63"], "--vocab-size (padded) 63 is not divisible by --tensor-model-parallel-size 2"),
     ([*TP2, "--optimizer", "basis-rotation"], "the rotation bases of a weight's shard are not those of the full weight"),
     ([*TP2, "--pipeline-partition", "auto"], "a tensor-parallel layer needs its whole TP group"),
-    ([*TP2, "--sequence-parallel"], "gloo has no reduce-scatter"),
     (["--distribute-saved-activations"], "keeps each region's input whole on every tensor-parallel rank"),
 ]
 

@@ -55,3 +55,26 @@ def count_replicated_once(sums: torch.Tensor, group: dist.ProcessGroup) -> torch
         sums[1] = 0.0
     dist.all_reduce(sums, group=group)
     return sums
+
+
+def reduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Sum over the TP group the gradients of parameters megatron marks ``sequence_parallel``
+    (norms, row-parallel biases under ``--sequence-parallel``): each TP rank saw only its own
+    sequence shard, so its gradient is a partial sum. Once per update, after the data-parallel
+    average and before the norm (Megatron-LM does it in ``finalize_model_grads``); afterwards they are
+    replicated like any unsharded parameter, which :func:`tp_sq_sum` counts once. One flat
+    all-reduce; nothing to do without such parameters or without a TP group."""
+    if group is None:
+        return
+    marked = [p for p in params if getattr(p, "sequence_parallel", False)]
+    if not marked:
+        return
+    for p in marked:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in marked])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in marked:
+        p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+        offset += p.grad.numel()

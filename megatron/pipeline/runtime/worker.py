@@ -249,12 +249,12 @@ class StageWorker:
         state: dict[str, Any] = {"cpu": torch.get_rng_state()}
         if self.setup.device.type == "cuda":
             state["cuda"] = torch.cuda.get_rng_state(self.setup.device)
-            from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel
 
-            tracker = tensor_parallel.get_cuda_rng_tracker()
-            if tracker.is_initialized():
-                state["tracker"] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                    for k, v in tracker.get_states().items()}
+        tracker = tensor_parallel.get_cuda_rng_tracker()  # also on CPU under --sequence-parallel
+        if tracker.is_initialized():
+            state["tracker"] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                for k, v in tracker.get_states().items()}
         return state
 
     def set_rng_state(self, state: Any) -> None:

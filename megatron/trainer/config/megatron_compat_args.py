@@ -40,8 +40,6 @@ LOCAL_SPEC_BACKENDS = ("auto", "unfused", "local")
 
 # dest -> the one line a user gets when setting it.
 REFUSED_FLAGS: dict[str, str] = {
-    "sequence_parallel": "--sequence-parallel is not supported: gloo has no reduce-scatter for its CPU path, and "
-                         "the NCCL path (sequence-sharded activations between stages) is not implemented",
     "distribute_saved_activations": "--distribute-saved-activations is not supported: the recompute here keeps "
                                     "each region's input whole on every tensor-parallel rank (no split over the "
                                     "TP group)",
@@ -76,6 +74,9 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
                    help="grouped-query attention with --num-query-groups (Megatron's default: 1)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto/unfused/local: our SDPA attention on the local spec; flash/fused: Transformer Engine")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-model-parallel-size > 1: norms and dropouts on s / T positions per TP rank "
+                        "(reduce-scatter / all-gather around the TP linears; gloo and NCCL)")
     g = p.add_argument_group("training length in samples, warm-up, WSD, batch-size rampup")
     g.add_argument("--train-samples", type=int, default=None,
                    help="train for this many samples (instead of --train-iters)")
@@ -234,7 +235,7 @@ def compat_model_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The :class:`~megatron.trainer.models.stage.TransformerArgs` fields of these flags."""
     return dict(swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, norm_epsilon=args.norm_epsilon,
                 kv_channels=args.kv_channels, rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
-                attention_backend=args.attention_backend)
+                attention_backend=args.attention_backend, sequence_parallel=args.sequence_parallel)
 
 
 def flops_per_iteration(args: argparse.Namespace, global_batch: int) -> float:

@@ -13,7 +13,9 @@ limits:
   collective over its TP group;
 * Transformer Engine's TP layers are not mapped by
   :func:`~megatron.trainer.models.tensor_parallel.mark_tensor_parallel` (shard initialisation,
-  checkpoints, norms read those marks), so TP runs use the local spec (``auto`` picks it).
+  checkpoints, norms read those marks), so TP runs use the local spec (``auto`` picks it);
+* ``--sequence-parallel`` splits the sequence over the TP group: it needs T > 1 (Megatron-LM
+  turns it off silently at T = 1; here that is a refusal) and a sequence length divisible by T.
 """
 from __future__ import annotations
 
@@ -26,6 +28,13 @@ def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
     """Raise :class:`ArgumentError` (one line) for a TP size this run cannot use; needs the
     padded vocabulary (after the data checks)."""
     tp = args.tensor_model_parallel_size
+    if getattr(args, "sequence_parallel", False):
+        if tp == 1:
+            raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
+                                "over the tensor-parallel group)")
+        if args.seq_length % tp:
+            raise ArgumentError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
+                                f"--tensor-model-parallel-size {tp}")
     if tp == 1:
         return
     if args.pipeline_executor == "emulator":

@@ -17,6 +17,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.trainer.models.sequence_parallel import block_spec
 from megatron.trainer.models.stage import (
     PipelineStage,
     TransformerArgs,
@@ -89,7 +90,7 @@ def build_gpt_stage(
     def make(config: TransformerConfig, use_te: bool) -> GPTModel:
         return GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(args, use_te),
+            transformer_layer_spec=block_spec(layer_spec(args, use_te), config),
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,

@@ -24,11 +24,14 @@ with ffn = 4h), i.e. the paper's M_W = 32·sbh bytes in 16-bit.
 Tensor parallelism: a column-parallel linear at TP > 1 (megatron's ``allreduce_dgrad``)
 all-reduces ``dx`` over its TP group in its backward, i.e. in B, and W stays local (each
 rank's ``dW`` is the gradient of its own shard: no communication). A row-parallel linear
-needs nothing here (its output all-reduce is outside the matmul, in the forward).
+needs nothing here (its output all-reduce is outside the matmul, in the forward). With
+``--sequence-parallel`` a column-parallel linear's input is a sequence shard: the forward
+all-gathers it (the matmul and W see the whole sequence) and B reduce-scatters ``dx`` instead
+of all-reducing it; a row-parallel linear's reduce-scatter is again outside the matmul.
 
 Not deferred (computed in B as before): biases added outside the matmul (megatron's
 ``skip_bias_add`` biases, which the layer adds in its bias-dropout-add / activation), and
-every configuration this function does not implement -- frozen weights, sequence parallel,
+every configuration this function does not implement -- frozen weights,
 gradient-accumulation fusion, megatron's embedding-wgrad buffers, a non-leaf ``weight``
 argument: those fall back to megatron's own path, which is correct but computes the weight
 gradient in B.
@@ -50,6 +53,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 from megatron.pipeline.runtime.wgrad import accumulate_grad, active_deferral
+from megatron.trainer.models.sequence_collectives import gather_first_dim, reduce_scatter_first_dim
 
 
 def _weight_and_bias_grads(
@@ -102,7 +106,12 @@ class _DeferrableLinearFunction(torch.autograd.Function):
     """``y = x Wᵀ (+ b)``; backward defers ``dW``/``db`` when a deferral store is active."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, module, dgrad_group):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, module, dgrad_group, sp_group=None):  # type: ignore[override]
+        # --sequence-parallel (column-parallel): x is this rank's sequence shard; the matmul
+        # (and W) takes the whole sequence, dx is reduce-scattered back to the shard in B.
+        ctx.sp_group = sp_group
+        if sp_group is not None:
+            x = gather_first_dim(x, sp_group)
         ctx.save_for_backward(x, weight)
         # Column-parallel at TP > 1: the TP group dx is all-reduced over (in B), else None.
         ctx.dgrad_group = dgrad_group
@@ -121,17 +130,19 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         if grad_input is not None and ctx.dgrad_group is not None:
             torch.distributed.all_reduce(grad_input, group=ctx.dgrad_group)
+        if grad_input is not None and ctx.sp_group is not None:
+            grad_input = reduce_scatter_first_dim(grad_input, ctx.sp_group)
         store = active_deferral()
         if store is not None:
             work = _LinearWeightGrad(ctx.module, ctx.weight_param, bias, x, grad_output)
             ctx.module._wgrad_fifo.append(work)
             store.add(work)
-            return grad_input, None, None, None, None
+            return grad_input, None, None, None, None, None
         grad_weight, grad_bias = _weight_and_bias_grads(x, grad_output, bias is not None)
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
-_FALLBACK_FLAGS = ("gradient_accumulation_fusion", "sequence_parallel")
+_FALLBACK_FLAGS = ("gradient_accumulation_fusion",)
 
 
 class _DeferrableWeightGrad:
@@ -147,7 +158,7 @@ class _DeferrableWeightGrad:
             return False
         if any(kwargs.get(flag) for flag in _FALLBACK_FLAGS):
             return False
-        if kwargs.get("allreduce_dgrad") and kwargs.get("tp_group") is None:
+        if (kwargs.get("allreduce_dgrad") or kwargs.get("sequence_parallel")) and kwargs.get("tp_group") is None:
             return False  # megatron would all-reduce over the default group: leave it to it
         if kwargs.get("grad_output_buffer") is not None:
             return False
@@ -158,7 +169,8 @@ class _DeferrableWeightGrad:
         if not self._deferrable(weight, args, kwargs):
             return super()._forward_impl(input, weight, *args, **kwargs)  # type: ignore[misc]
         dgrad_group = kwargs["tp_group"] if kwargs.get("allreduce_dgrad") else None
-        return _DeferrableLinearFunction.apply(input, weight, kwargs.get("bias"), self, dgrad_group)
+        sp_group = kwargs["tp_group"] if kwargs.get("sequence_parallel") else None
+        return _DeferrableLinearFunction.apply(input, weight, kwargs.get("bias"), self, dgrad_group, sp_group)
 
     def backward_dw(self) -> None:
         """megatron's API: run the oldest deferred weight gradient of this layer (if any)."""

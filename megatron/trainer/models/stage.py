@@ -27,6 +27,11 @@ from megatron.core.utils import init_method_normal, scaled_init_method_normal
 from megatron.trainer.models.recompute import RecomputeSettings, install_recompute
 from megatron.trainer.models.rope import make_rotary_device_agnostic
 from megatron.trainer.models.sdpa_attention import SDPAAttention
+from megatron.trainer.models.sequence_parallel import (
+    adopt_split_output_layer,
+    seed_sequence_parallel_rng,
+    with_sequence_shard_norms,
+)
 from megatron.trainer.models.split_linear import with_split_linears
 from megatron.trainer.models.tensor_parallel import (
     check_tensor_parallel_args,
@@ -74,6 +79,8 @@ class TransformerArgs:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     recompute_stash_weights: bool = False
+    # Megatron-LM's --sequence-parallel (TP > 1): norms and dropouts on s / T positions.
+    sequence_parallel: bool = False
 
     @property
     def recompute(self) -> RecomputeSettings:
@@ -156,6 +163,8 @@ def layer_spec(
         spec = get_gpt_layer_local_spec(normalization=args.normalization)
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
         spec = with_split_linears(spec)
+        if args.sequence_parallel:  # torch norms whose gradients are marked partial per TP rank
+            spec = with_sequence_shard_norms(spec)
     if attn_mask_type != AttnMaskType.causal:
         spec.submodules.self_attention.params["attn_mask_type"] = attn_mask_type
     return spec
@@ -198,6 +207,10 @@ def transformer_config(args: TransformerArgs, num_stage_layers: int) -> Transfor
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        sequence_parallel=args.sequence_parallel,
+        # megatron checks SP against it, and RoPE's length is the shard's times it.
+        **({"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size()}
+           if args.sequence_parallel else {}),
         **args.recompute.config_fields(),
     )
 
@@ -328,6 +341,8 @@ def build_stage(
         # TE's core attention forks megatron's CUDA RNG tracker for dropout.
         if not tensor_parallel.get_cuda_rng_tracker().is_initialized():
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if config.sequence_parallel:  # the embedding and the block fork the tracker for dropout
+        seed_sequence_parallel_rng(seed, parallel_state.get_tensor_model_parallel_rank(), torch.device(device))
     # Some submodules (the position embedding is a plain ``torch.nn.Embedding``) draw their
     # default init from the global CPU RNG; fork it so building a stage has no side effects.
     with torch.random.fork_rng(devices=[]):
@@ -335,6 +350,8 @@ def build_stage(
     if args.recompute_granularity is not None:
         install_recompute(model, args.recompute)
     make_rotary_device_agnostic(model, args.rotary_percent, args.rotary_base)
+    if config.sequence_parallel and torch.device(device).type != "cuda":
+        adopt_split_output_layer(model)
     mark_tensor_parallel(model, args.swiglu)
     stage = wrap(model)
     stage.init_parameters(seed)

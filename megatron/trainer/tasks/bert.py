@@ -40,6 +40,9 @@ def check_bert_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
     if not 0.0 <= args.short_seq_prob <= 1.0:
         raise ArgumentError(f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
+    if getattr(args, "sequence_parallel", False):
+        raise ArgumentError("--sequence-parallel is implemented for GPT only (BERT's final norm, pooler and heads "
+                            "would need the sequence-shard handling GPT's have here)")
     if args.seq_length < MIN_SEQ_LENGTH:
         raise ArgumentError(f"BERT needs --seq-length >= {MIN_SEQ_LENGTH} ([CLS] A [SEP] B [SEP])")
     if args.data_path is None:

@@ -90,5 +90,10 @@ def micro_batch_fn(
 
 
 def hidden_activation_spec(args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
-    """Hidden states ``[s, b, h]`` cross stage boundaries, bf16/fp16 with ``--bf16``/``--fp16``."""
-    return (args.seq_length, args.micro_batch_size, args.hidden_size), model_dtype(args)
+    """Hidden states ``[s, b, h]`` cross stage boundaries, bf16/fp16 with ``--bf16``/``--fp16``;
+    ``[s / T, b, h]`` with ``--sequence-parallel`` (each TP rank sends its own sequence shard
+    to its TP-matched peer)."""
+    seq = args.seq_length
+    if getattr(args, "sequence_parallel", False):
+        seq //= args.tensor_model_parallel_size
+    return (seq, args.micro_batch_size, args.hidden_size), model_dtype(args)

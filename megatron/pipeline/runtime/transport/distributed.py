@@ -26,6 +26,7 @@ from megatron.pipeline.runtime.grad_buckets import OverlappedGradReduce
 from megatron.pipeline.runtime.parallel import StageGroups
 from megatron.pipeline.runtime.replicas import has_replicas
 from megatron.pipeline.runtime.report import StageReport
+from megatron.pipeline.runtime.tensor_parallel import reduce_sequence_parallel_grads
 from megatron.pipeline.runtime.transport import ReportSink, Transport
 from megatron.pipeline.runtime.worker import StageWorker
 
@@ -190,6 +191,11 @@ class DistributedTransport(Transport):
         self._overlap[id(worker)] = worker.grad_sync = buckets
 
     def reduce_data_parallel(self, worker: StageWorker) -> None:
+        self._average_over_replicas(worker)
+        # After the DP average (the overlapped buckets write p.grad back when they finish).
+        reduce_sequence_parallel_grads(worker.setup.optimizer.parameters(), worker.setup.tp_group)
+
+    def _average_over_replicas(self, worker: StageWorker) -> None:
         dp = self.data_parallel_size
         if dp == 1:
             return

@@ -1,0 +1,50 @@
+"""``--sequence-parallel`` (issue 15, item 1): TP = 2 x PP = 2 with the sequence split over the
+TP group trains like TP = 1 x PP = 2, on gloo.
+
+Sequence parallelism changes where every norm and the activations between stages live
+(``[s/2, b, h]`` per TP rank), adds an all-gather before and a reduce-scatter after each TP
+linear (gloo's ``all_gather_into_tensor`` / ``reduce_scatter_tensor``) and makes the norms'
+and row-parallel biases' gradients partial per TP rank (summed over the TP group before the
+norm). None of that may change the training: the reference is the emulator at TP = 1 (no TP
+code at all), compared like tests/test_tensor_parallel_runtime.py does (losses, grad norms
+<= 1e-5 relative, final parameters gathered over the TP group). The B/W-split schedule
+(ZB-2P) checks that the sequence-parallel matmuls defer their weight gradients correctly;
+the RoPE + RMSNorm + SwiGLU run checks RoPE's length on a shard and the RMSNorm weights.
+One launch of 4 forked gloo ranks for all runs.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.async_helpers import assert_flag_error
+from tests.test_tensor_parallel_runtime import TP2, _assert_same_training, _launch_tp2
+
+pytestmark = pytest.mark.usefixtures("megatron_world1")
+
+SP = ["--sequence-parallel"]
+RUNS = [
+    ("1f1b", ["--num-layers", "2"]),
+    ("zb-2p", ["--num-layers", "2", "--zb-costs", "1,1,1,0"]),
+    ("paci", ["--num-layers", "2"]),
+    ("1f1b", ["--num-layers", "2", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"]),
+]
+
+
+def test_sequence_parallel_tp2_pp2_trains_like_tp1(tmp_path):
+    results = _launch_tp2([(schedule, [*flags, *SP]) for schedule, flags in RUNS], tmp_path)
+    for (schedule, flags), result in zip(RUNS, results):
+        _assert_same_training(result, schedule, flags, tmp_path)
+
+
+REFUSED = [
+    (SP, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    ([*TP2, *SP, "--seq-length", "15"], "--seq-length 15 is not divisible by --tensor-model-parallel-size 2"),
+]
+
+
+@pytest.mark.parametrize("argv,says", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_sequence_parallel_bad_inputs_refused_with_one_line(argv, says, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert_flag_error(capsys, argv, says)
