@@ -36,6 +36,21 @@ def test_sequence_parallel_tp2_pp2_trains_like_tp1(tmp_path):
         _assert_same_training(result, schedule, flags, tmp_path)
 
 
+def test_sequence_parallel_with_data_parallel_sums_after_the_dp_average(tmp_path):
+    """DP = 2 x PP = 2 x TP = 2 (8 ranks): the TP sum of the sequence-parallel gradients comes
+    after the DP average, which with --overlap-grad-reduce writes the gradients back only at the
+    step. Reference: the same run without sequence parallelism (itself checked against TP = 1)."""
+    flags = ["--num-layers", "2", "--global-batch-size", "8"]
+    ref, plain, overlapped = _launch_tp2([("1f1b", flags), ("1f1b", [*flags, *SP]),
+                                          ("1f1b", [*flags, *SP, "--overlap-grad-reduce"])], tmp_path, ranks=8)
+    for records, _ in (plain, overlapped):
+        for ours, want in zip(records, ref[0]):
+            for key in ("loss", "grad_norm"):
+                if key in want:
+                    assert ours[key] == pytest.approx(want[key], rel=1e-5), (key, ours, want)
+        assert len(records) == len(ref[0])
+
+
 REFUSED = [
     (SP, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     ([*TP2, *SP, "--seq-length", "15"], "--seq-length 15 is not divisible by --tensor-model-parallel-size 2"),
