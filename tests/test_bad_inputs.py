@@ -204,6 +204,8 @@ def test_every_numeric_flag_has_a_domain() -> None:
 
 def test_bert_task_flags_are_range_checked(refuse) -> None:
     assert "--mask-prob must be in (0, 1), got 1.5" in refuse([*TINY, "--mask-prob", "1.5"], BertTask())
+    sp = [*TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert "--sequence-parallel is implemented for GPT only" in refuse(sp, BertTask())
 
 
 # --------------------------------------------------------------------------- list flags

@@ -10,14 +10,14 @@ code at all), compared like tests/test_tensor_parallel_runtime.py does (losses, 
 <= 1e-5 relative, final parameters gathered over the TP group). The B/W-split schedule
 (ZB-2P) checks that the sequence-parallel matmuls defer their weight gradients correctly;
 the RoPE + RMSNorm + SwiGLU run checks RoPE's length on a shard and the RMSNorm weights.
-One launch of 4 forked gloo ranks for all runs.
+One launch of 4 forked gloo ranks for all runs. The one-line refusals (T = 1, a sequence length
+not divisible by T, BERT) are in tests/test_tensor_parallel_runtime.py's REFUSED list.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.async_helpers import assert_flag_error
-from tests.test_tensor_parallel_runtime import TP2, _assert_same_training, _launch_tp2
+from tests.test_tensor_parallel_runtime import _assert_same_training, _launch_tp2
 
 pytestmark = pytest.mark.usefixtures("megatron_world1")
 
@@ -49,17 +49,3 @@ def test_sequence_parallel_with_data_parallel_sums_after_the_dp_average(tmp_path
                 if key in want:
                     assert ours[key] == pytest.approx(want[key], rel=1e-5), (key, ours, want)
         assert len(records) == len(ref[0])
-
-
-REFUSED = [
-    (SP, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
-    ([*TP2, *SP, "--seq-length", "15"], "--seq-length 15 is not divisible by --tensor-model-parallel-size 2"),
-]
-
-
-@pytest.mark.parametrize("argv,says", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
-def test_sequence_parallel_bad_inputs_refused_with_one_line(argv, says, capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    assert_flag_error(capsys, argv, says)

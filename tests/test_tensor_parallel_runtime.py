@@ -188,6 +188,8 @@ REFUSED = [
     ([*TP2, "--optimizer", "basis-rotation"], "the rotation bases of a weight's shard are not those of the full weight"),
     ([*TP2, "--pipeline-partition", "auto"], "a tensor-parallel layer needs its whole TP group"),
     (["--distribute-saved-activations"], "keeps each region's input whole on every tensor-parallel rank"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    ([*TP2, "--sequence-parallel", "--seq-length", "15"], "--seq-length 15 is not divisible by --tensor-model-parallel-size 2"),
 ]
 
 
