@@ -415,19 +415,21 @@ def test_overlap_grad_reduce_on_nccl_equals_non_overlapped(tmp_path: Path, monke
 
 @gpu
 @two_gpus
+@pytest.mark.parametrize("sp", [[], ["--sequence-parallel"]], ids=["tp", "sp"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_tensor_parallel_on_nccl_matches_tp1(tmp_path: Path, monkeypatch, schedule: str):
+def test_tensor_parallel_on_nccl_matches_tp1(tmp_path: Path, monkeypatch, schedule: str, sp: list[str]):
     """TP = 2 over NCCL (two GPUs, megatron's TP layers all-reducing on NCCL, the TP-reduced
     grad norm with clipping active) trains to the losses and gathered weights of TP = 1 on one
     GPU. zb-h1 runs the split linears' B/W at TP > 1 (dx all-reduced in B, W local). 1e-5, as
     the CPU tests (tests/test_tensor_parallel_runtime.py), loosened to 1e-4 for GPU kernels'
-    reduction order."""
+    reduction order. ``sp``: also with --sequence-parallel (megatron's CUDA mappings and RNG
+    tracker, [s/2, b, h] between stages; tests/test_sequence_parallel.py on gloo)."""
     for key, value in DETERMINISTIC_ENV.items():
         monkeypatch.setenv(key, value)
     args = [*tiny_args(1, schedule, 2, 3, *NO_DROPOUT, "--device", "cuda", "--distributed-backend", "nccl",
                        "--lr", "1e-4", "--num-layers", "2", "--clip-grad", "0.05")]
     tp1, p_tp1 = run_pretrain(args, tmp_path / "tp1", timeout=600)
-    tp2, p_tp2 = run_pretrain([*args, "--tensor-model-parallel-size", "2"], tmp_path / "tp2", timeout=600)
+    tp2, p_tp2 = run_pretrain([*args, "--tensor-model-parallel-size", "2", *sp], tmp_path / "tp2", timeout=600)
     assert [r["iteration"] for r in tp2] == [r["iteration"] for r in tp1] == [1, 2, 3]
     for a, b in zip(tp2, tp1):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (schedule, tp2, tp1)

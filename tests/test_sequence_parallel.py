@@ -39,11 +39,12 @@ def test_sequence_parallel_tp2_pp2_trains_like_tp1(tmp_path):
 def test_sequence_parallel_with_data_parallel_sums_after_the_dp_average(tmp_path):
     """DP = 2 x PP = 2 x TP = 2 (8 ranks): the TP sum of the sequence-parallel gradients comes
     after the DP average, which with --overlap-grad-reduce writes the gradients back only at the
-    step. Reference: the same run without sequence parallelism (itself checked against TP = 1)."""
+    step (and with --use-distributed-optimizer only this rank's range of them). Reference: the same run without sequence parallelism (itself checked against TP = 1)."""
     flags = ["--num-layers", "2", "--global-batch-size", "8"]
-    ref, plain, overlapped = _launch_tp2([("1f1b", flags), ("1f1b", [*flags, *SP]),
-                                          ("1f1b", [*flags, *SP, "--overlap-grad-reduce"])], tmp_path, ranks=8)
-    for records, _ in (plain, overlapped):
+    ref, *with_sp = _launch_tp2([("1f1b", flags), ("1f1b", [*flags, *SP]),
+                                 ("1f1b", [*flags, *SP, "--overlap-grad-reduce"]),
+                                 ("1f1b", [*flags, *SP, "--use-distributed-optimizer"])], tmp_path, ranks=8)
+    for records, _ in with_sp:
         for ours, want in zip(records, ref[0]):
             for key in ("loss", "grad_norm"):
                 if key in want:
