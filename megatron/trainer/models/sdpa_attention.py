@@ -31,22 +31,15 @@ MASKED_SCORE = -10000.0
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
-def _tp_world_size(pg_collection: Any) -> int:
-    """Tensor-parallel width, without requiring megatron's parallel state for standalone use."""
+def _tp_rank_and_size(pg_collection: Any) -> tuple[int, int]:
+    """This process's tensor-parallel rank and the TP width ((0, 1) without a TP group), without
+    requiring megatron's parallel state for standalone use."""
     if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
-        return pg_collection.tp.size()
+        return pg_collection.tp.rank(), pg_collection.tp.size()
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_world_size()
-    return 1
-
-
-def _tp_rank(pg_collection: Any) -> int:
-    """This process's tensor-parallel rank (0 without a TP group)."""
-    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
-        return pg_collection.tp.rank()
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_rank()
-    return 0
+        return (parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_tensor_model_parallel_world_size())
+    return 0, 1
 
 
 @contextlib.contextmanager
@@ -121,9 +114,9 @@ class SDPAAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
 
-        tp = _tp_world_size(pg_collection)
+        tp_rank, tp = _tp_rank_and_size(pg_collection)
         # Attention dropout at TP > 1 draws per-TP-rank masks (tensor_parallel_dropout_stream).
-        self.tp_rank = _tp_rank(pg_collection) if tp > 1 else None
+        self.tp_rank = tp_rank if tp > 1 else None
         self.num_heads_per_partition = config.num_attention_heads // tp
         self.num_query_groups_per_partition = config.num_query_groups // tp
         if self.num_heads_per_partition % self.num_query_groups_per_partition:
