@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +14,9 @@ def megatron_world1():
 
     Megatron modules look up their (trivial) tensor-parallel group at construction, so any test
     that builds a megatron-core model needs this. Our runtime does the pipelining itself, hence
-    megatron's pipeline size stays 1. The timeout keeps a wedged collective from hanging CI.
+    megatron's pipeline size stays 1. The timeout keeps a wedged collective from hanging CI. One
+    rank needs no port: an in-memory store (a probed free port can be taken by a parallel test
+    before the store binds it).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -29,7 +24,7 @@ def megatron_world1():
     if not dist.is_initialized():
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            store=dist.HashStore(),
             rank=0,
             world_size=1,
             timeout=datetime.timedelta(seconds=60),
