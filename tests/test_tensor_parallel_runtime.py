@@ -150,11 +150,11 @@ def test_distributed_optimizer_at_tp2_dp2_equals_the_replicated_optimizer(tmp_pa
             torch.testing.assert_close(params[name], ref, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
-def test_distributed_optimizer_checkpoint_at_tp2_dp2_resumes_bitwise_and_refuses_resharding(tmp_path):
-    """Files per (stage, dp, tp), each the own range's optimizer state: a same-layout resume
-    continues bitwise; loading the shards into another TP, or into whole optimizer states, is
-    refused before any rank starts unless --no-load-optim."""
-    from megatron.trainer.checkpointing.checkpoint import CheckpointError, check_resume
+def test_distributed_optimizer_checkpoint_at_tp2_dp2_resumes_bitwise_and_reshards(tmp_path):
+    """Files per (stage, dp, tp), each holding the stage's whole optimizer state of its TP shard
+    (gathered over DP at save): a same-layout resume continues bitwise, and the checkpoint passes
+    the up-front checks for another TP size and for whole (unsharded) optimizer states."""
+    from megatron.trainer.checkpointing.checkpoint import check_resume
     from megatron.trainer.config.arguments import parse_args
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -168,14 +168,10 @@ def test_distributed_optimizer_checkpoint_at_tp2_dp2_resumes_bitwise_and_refuses
     assert resumed[1].keys() == full[1].keys()
     assert all(torch.equal(resumed[1][name], value) for name, value in full[1].items())
     index = json.loads((save / "iter_0000002" / "metadata.json").read_text())["index"]
-    assert len(index) == 4 and all(entry["optimizer_sharded"] for entry in index.values())
+    assert len(index) == 4 and not any(entry["optimizer_sharded"] for entry in index.values())
     base = [*_argv("1f1b", flags), "--load", str(save)]
-    for argv, says in ((["--tensor-model-parallel-size", "1"], "sharded over data-parallel replicas"),
-                       (["--tensor-model-parallel-size", "2"], "holds sharded optimizer state")):
-        replicated = [a for a in base if a != "--use-distributed-optimizer"] if "holds" in says else base
-        with pytest.raises(CheckpointError, match=says):
-            check_resume(GPTTask(), parse_args([*replicated, *argv]))
-        check_resume(GPTTask(), parse_args([*replicated, *argv, "--no-load-optim"]))
+    check_resume(GPTTask(), parse_args([*base, "--tensor-model-parallel-size", "1"]))
+    check_resume(GPTTask(), parse_args([a for a in base if a != "--use-distributed-optimizer"] + TP2))
 
 
 TP2 = ["--tensor-model-parallel-size", "2"]

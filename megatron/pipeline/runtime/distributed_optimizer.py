@@ -207,6 +207,35 @@ class DataParallelShardedOptimizer:
         assign_flat(self._params, unpadded(out.chunk(self.dp_size), self.numel))
 
     # -- checkpoints -----------------------------------------------------------------------
+    def full_state_dict(self) -> dict:
+        """The whole stage's optimizer state, as the unsharded optimizer saves it (moments and
+        half-precision masters in parameter shape): every replica's ranges gathered over the
+        group. A collective: checkpoints are written by every replica at the same drained
+        boundary. Why gather: a checkpoint of it is a plain one, so it loads into any other
+        layout (TP, PP, DP, split, schedule, with or without this flag) like one, and
+        :meth:`load_state_dict` cuts this replica's ranges back out bit for bit."""
+        own = self.inner.state_dict()
+        names = {id(p): name for name, p in self.inner.named_parameters()}
+        ordered = [names[id(p)] for p in self._params]
+        device = self._params[0].device
+        whole: dict[str, dict[str, torch.Tensor]] = {}
+        for kind in ("exp_avg", "exp_avg_sq", "master"):
+            pieces = [own["params"][ordered[i]][kind].reshape(-1).float()
+                      if kind in own["params"].get(ordered[i], {}) else torch.zeros(stop - start, device=device)
+                      for i, start, stop in owned_ranges(self._params, self.lo, self.hi) if stop > start]
+            mine = torch.cat(pieces) if pieces else torch.zeros(0, device=device)
+            padded = padded_part(mine, self.numel, self.dp_size, self.dp_rank)
+            out = torch.empty(padded.numel() * self.dp_size, dtype=padded.dtype, device=device)
+            _all_gather(out, padded, group=self.group)
+            flat, offset = unpadded(out.chunk(self.dp_size), self.numel), 0
+            for name, p in zip(ordered, self._params):
+                if kind != "master" or p.dtype in (torch.bfloat16, torch.float16):
+                    whole.setdefault(name, {})[kind] = flat[offset:offset + p.numel()].view(p.shape).clone()
+                offset += p.numel()
+        for name, entry in own["params"].items():  # parameters outside the sharded set are whole already
+            whole.setdefault(name, entry)
+        return {**{k: v for k, v in own.items() if k != "params"}, "params": whole}
+
     def state_dict(self) -> dict:
         """The own range's state; marked so that a checkpoint index lists the file as sharded."""
         return {**self.inner.state_dict(), "data_parallel_shard": [self.dp_rank, self.dp_size]}

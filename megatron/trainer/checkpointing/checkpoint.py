@@ -121,7 +121,9 @@ def stage_state(task: PretrainTask, worker: StageWorker) -> dict[str, Any]:
         "stage": worker.stage,
         "model": {name: p.detach().cpu().clone() for name, p in named},
         "tensor_parallel": {"rank": tp_rank, "size": tp_size_, "layouts": layouts},  # what each shard is
-        "optimizer": optimizer.state_dict(),
+        # A distributed optimizer gathers its shards: the file holds a whole state, which loads
+        # into any layout (docs/checkpoints.md).
+        "optimizer": getattr(optimizer, "full_state_dict", optimizer.state_dict)(),
         "rng": worker.rng_state(),
         "drift_histogram": dict(worker.drift_histogram),
         "weight_versions": worker.weights.state_dict(),  # 2BW's stash, PipeMare's delta
