@@ -147,7 +147,9 @@ def test_refusals_are_one_line(saved, tmp_path: Path) -> None:
     checkpoint, _ = saved
     assert "global batch of 4 samples, this run has 8" in _plan_error(checkpoint, tmp_path, "--global-batch-size", "8")
     assert "--vocab-size 32, this run has 64" in _plan_error(checkpoint, tmp_path, "--vocab-size", "64")
-    assert "amdp shards optimizer state" in _plan_error(checkpoint, tmp_path, "--pipeline-schedule", "amdp")
+    # AMDP reshards now (its shards are gathered at save, tests/test_checkpoint_amdp.py)
+    amdp = parse_args(_argv(4, "amdp", tmp_path / "x.jsonl", "--load", str(checkpoint)))
+    assert ckpt.check_resume(GPTTask(), amdp).reshard is not None
 
     def unequal_counts(metadata: dict) -> None:
         metadata["index"][ckpt.rank_file_name(3, 0)]["step_count"] = 2
@@ -238,7 +240,7 @@ def test_sharded_optimizer_state_is_marked_and_refused(tmp_path: Path) -> None:
                  "micro_batch_size": 1, "pipeline_schedule": "1f1b"}
     metadata = {"signature": signature, "index": {ckpt.rank_file_name(0, 0): reshard.file_index(part)}}
     ours = {**signature, "pipeline_schedule": "paci"}
-    with pytest.raises(reshard.ReshardError, match="optimizer state is sharded"):
+    with pytest.raises(reshard.ReshardError, match="optimizer state is sharded over replicas"):
         reshard.plan(metadata, ours, parse_args(_argv(2, "paci", Path("x.jsonl"))), "here")
     fresh = parse_args(_argv(2, "paci", Path("x.jsonl"), "--load", str(tmp_path), "--no-load-optim"))
     assert not reshard.plan(metadata, ours, fresh, "here").load_optimizer

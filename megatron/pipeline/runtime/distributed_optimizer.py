@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 from megatron.pipeline.runtime.executors.send_reaper import wait_or_raise
 from megatron.pipeline.runtime.sharding import (
-    assign_flat, flat_dtype, flat_values, owned_ranges, padded_part, part_length, shard_range, unpadded)
+    STATE_KINDS, add_whole_state, assign_flat, flat_dtype, flat_values, owned_entries, owned_ranges, owned_state,
+    padded_part, part_length, shard_range, unpadded)
 from megatron.pipeline.runtime.tensor_parallel import count_replicated_once, split_sq_sums
 
 # torch >= 2.11 renames the tensor collectives (the old names warn); same signatures.
@@ -217,21 +218,13 @@ class DataParallelShardedOptimizer:
         own = self.inner.state_dict()
         names = {id(p): name for name, p in self.inner.named_parameters()}
         ordered = [names[id(p)] for p in self._params]
-        device = self._params[0].device
         whole: dict[str, dict[str, torch.Tensor]] = {}
-        for kind in ("exp_avg", "exp_avg_sq", "master"):
-            pieces = [own["params"][ordered[i]][kind].reshape(-1).float()
-                      if kind in own["params"].get(ordered[i], {}) else torch.zeros(stop - start, device=device)
-                      for i, start, stop in owned_ranges(self._params, self.lo, self.hi) if stop > start]
-            mine = torch.cat(pieces) if pieces else torch.zeros(0, device=device)
+        for kind in STATE_KINDS:
+            mine = owned_state(own["params"], ordered, self._params, self.lo, self.hi, kind)
             padded = padded_part(mine, self.numel, self.dp_size, self.dp_rank)
-            out = torch.empty(padded.numel() * self.dp_size, dtype=padded.dtype, device=device)
+            out = torch.empty(padded.numel() * self.dp_size, dtype=padded.dtype, device=padded.device)
             _all_gather(out, padded, group=self.group)
-            flat, offset = unpadded(out.chunk(self.dp_size), self.numel), 0
-            for name, p in zip(ordered, self._params):
-                if kind != "master" or p.dtype in (torch.bfloat16, torch.float16):
-                    whole.setdefault(name, {})[kind] = flat[offset:offset + p.numel()].view(p.shape).clone()
-                offset += p.numel()
+            add_whole_state(whole, kind, unpadded(out.chunk(self.dp_size), self.numel), ordered, self._params)
         for name, entry in own["params"].items():  # parameters outside the sharded set are whole already
             whole.setdefault(name, entry)
         return {**{k: v for k, v in own.items() if k != "params"}, "params": whole}
@@ -252,9 +245,4 @@ class DataParallelShardedOptimizer:
 
     def _owned_entries(self, entries: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         named = self.inner.named_parameters()
-        owned = {}
-        for i, start, stop in owned_ranges([p for _, p in named], self.lo, self.hi):
-            name = named[i][0]
-            if stop > start and name in entries:
-                owned[name] = {k: t.reshape(-1)[start:stop].clone() for k, t in entries[name].items()}
-        return owned
+        return owned_entries(entries, [n for n, _ in named], [p for _, p in named], self.lo, self.hi)

@@ -32,14 +32,15 @@ instead; equal ranges make the saving exactly 1/P on every device, whatever the 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
 from megatron.pipeline.runtime.sharding import (
-    assign_flat, flat_values, owned_ranges, padded_part, shard_range, unpadded)
+    STATE_KINDS, add_whole_state, assign_flat, flat_values, owned_entries, owned_ranges, owned_state, padded_part,
+    shard_range, unpadded)
 from megatron.pipeline.runtime.tensor_parallel import tp_sq_sum
 from megatron.pipeline.runtime.worker import StageWorker
 
@@ -98,8 +99,9 @@ def prepare(worker: StageWorker, op: Op) -> None:
     worker.grad_sq_norm(op)
 
 
-def _local_replicas(layout: MultiPipelineLayout, ops: Sequence[Op]) -> dict[int, list[tuple[int, int]]]:
-    """Logical stage -> the (device, chunk) replicas of it on the local devices of ``ops``."""
+def _local_replicas(layout: MultiPipelineLayout,
+                    ops: Sequence[Op] | Sequence[StageWorker]) -> dict[int, list[tuple[int, int]]]:
+    """Logical stage -> the (device, chunk) replicas of it on the local devices of ``ops`` (or workers)."""
     local: dict[int, list[tuple[int, int]]] = {}
     for op in ops:
         for chunk in range(layout.num_chunks):
@@ -157,18 +159,24 @@ def _chunk_params(worker_chunks: Sequence[torch.nn.Module], chunk: int) -> list[
     return [p for p in worker_chunks[chunk].parameters() if p.requires_grad]
 
 
-def optimizer_shards(layout: MultiPipelineLayout, chunks: Sequence[torch.nn.Module],
-                     named: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[str, tuple[int, int]]:
-    """Name -> the flat range of that parameter its replica owns (``StageAdamW(shards=...)``).
-
-    Chunk ``c`` is pipeline ``c``'s replica of its logical stage, so it owns part ``c`` of the
-    stage's flat parameter vector; each parameter gets its intersection with that part.
-    """
-    name_of = {id(p): name for name, p in named}
-    shards: dict[str, tuple[int, int]] = {}
+def _chunk_ranges(layout: MultiPipelineLayout, chunks: Sequence[torch.nn.Module]
+                  ) -> Iterator[tuple[list[torch.nn.Parameter], int, int]]:
+    """Per chunk: its trained parameters (the logical stage's flat order) and the flat range
+    ``[lo, hi)`` its replica owns. Chunk ``c`` is pipeline ``c``'s replica of its logical stage,
+    so it owns part ``c`` of the stage's flat parameter vector."""
     for chunk in range(layout.num_chunks):
         params = _chunk_params(chunks, chunk)
         lo, hi = shard_range(sum(p.numel() for p in params), layout.num_pipelines, chunk)
+        yield params, lo, hi
+
+
+def optimizer_shards(layout: MultiPipelineLayout, chunks: Sequence[torch.nn.Module],
+                     named: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[str, tuple[int, int]]:
+    """Name -> the flat range of that parameter its replica owns (``StageAdamW(shards=...)``):
+    each parameter's intersection with its chunk's part (:func:`_chunk_ranges`)."""
+    name_of = {id(p): name for name, p in named}
+    shards: dict[str, tuple[int, int]] = {}
+    for params, lo, hi in _chunk_ranges(layout, chunks):
         for i, start, stop in owned_ranges(params, lo, hi):
             shards[name_of[id(params[i])]] = (start, stop)
     return shards
@@ -176,3 +184,67 @@ def optimizer_shards(layout: MultiPipelineLayout, chunks: Sequence[torch.nn.Modu
 
 def _is_sharded(worker: StageWorker) -> bool:
     return bool(getattr(worker.setup.optimizer, "sharded", False))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _has_replica_shards(worker: StageWorker) -> bool:
+    """AMDP's optimizer state is sharded over the replicas (at D = 2 one part: flat, but whole)."""
+    return isinstance(worker.layout, MultiPipelineLayout) and _is_sharded(worker)
+
+
+def _replica_ranges(worker: StageWorker) -> list[tuple[list[str], list[torch.nn.Parameter], int, int]]:
+    """Per chunk of ``worker``: its parameters' names, the parameters and the owned flat range."""
+    layout = worker.layout
+    assert isinstance(layout, MultiPipelineLayout)
+    name_of = {id(p): name for name, p in worker.setup.optimizer.named_parameters()}
+    return [([name_of[id(p)] for p in params], params, lo, hi)
+            for params, lo, hi in _chunk_ranges(layout, worker.setup.chunks)]
+
+
+def whole_optimizer_states(transport: "Transport", workers: Sequence[StageWorker]) -> dict[int, dict] | None:
+    """Device -> its optimizer's ``state_dict`` with every hosted logical stage's state whole
+    (moments and half-precision masters in parameter shape, as the unsharded optimizer saves
+    them); None when the optimizer state is not sharded over replicas (nothing to gather).
+
+    Why gather at save: a checkpoint holding whole states is a plain one, so it loads into any
+    layout (another pipeline size, split or schedule, AMDP or not) by parameter name, and
+    :func:`owned_optimizer_state` cuts each replica's range back out bit for bit. A collective
+    of the replica groups, in the order of :class:`ReplicaReduction` (increasing logical stage,
+    every device alike): checkpoints are written by every device at the same drained boundary.
+    """
+    if not workers or not _has_replica_shards(workers[0]):
+        return None
+    layout = workers[0].layout
+    assert isinstance(layout, MultiPipelineLayout)
+    by_device = {w.stage: w for w in workers}
+    states = {d: w.setup.optimizer.state_dict() for d, w in by_device.items()}
+    ranges = {d: _replica_ranges(w) for d, w in by_device.items()}
+    whole: dict[int, dict[str, dict[str, torch.Tensor]]] = {d: {} for d in by_device}
+    for j, replicas in sorted(_local_replicas(layout, workers).items()):
+        numel = sum(p.numel() for p in ranges[replicas[0][0]][replicas[0][1]][1])  # replicas hold equal parameters
+        for kind in STATE_KINDS:
+            owned = {(d, c): padded_part(owned_state(states[d]["params"], names, params, lo, hi, kind),
+                                         numel, layout.num_pipelines, c)
+                     for d, c in replicas for names, params, lo, hi in (ranges[d][c],)}
+            # One pipeline (D = 2): the replica owns everything, nothing to exchange.
+            parts = transport.replica_gather(j, owned) if has_replicas(layout) else list(owned.values())
+            flat = unpadded(parts, numel)
+            for d, c in replicas:
+                add_whole_state(whole[d], kind, flat, ranges[d][c][0], ranges[d][c][1])
+    return {d: {**{k: v for k, v in state.items() if k != "params"}, "params": whole[d]}
+            for d, state in states.items()}
+
+
+def owned_optimizer_state(worker: StageWorker, state: dict) -> dict:
+    """A whole optimizer state (a gathered AMDP checkpoint, or one of a run without replicas)
+    cut to the ranges this device's replicas own, for a sharded optimizer's ``load_state_dict``;
+    ``state`` as it is for an unsharded one. Entries that are already a part (a checkpoint
+    saved before the shards were gathered) stay as they are."""
+    if not _has_replica_shards(worker):
+        return state
+    entries: dict[str, dict[str, torch.Tensor]] = {}
+    for names, params, lo, hi in _replica_ranges(worker):
+        entries.update(owned_entries(state["params"], names, params, lo, hi))
+    return {**state, "params": entries}

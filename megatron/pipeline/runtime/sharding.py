@@ -81,3 +81,50 @@ def unpadded(parts: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
     """The flat vector of ``numel`` elements from its padded parts, in part order."""
     return torch.cat([part[:hi - lo] for index, part in enumerate(parts)
                       for lo, hi in (shard_range(numel, len(parts), index),)])
+
+
+# -- optimizer state in checkpoints: the owners' parts gathered whole, a whole state cut again --
+
+#: The per-parameter tensors of AdamW's state (a "master" only for bf16/fp16 parameters).
+STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
+
+
+def owned_state(entries: dict[str, dict[str, torch.Tensor]], names: Sequence[str],
+                params: Sequence[torch.Tensor], lo: int, hi: int, kind: str) -> torch.Tensor:
+    """The flat range ``[lo, hi)`` of one ``kind`` of optimizer state over ``params`` (named
+    ``names``), from a sharded optimizer's ``state_dict()["params"]``, whose entries hold each
+    parameter's owned part flat; zeros where a parameter has none of that kind (an fp32
+    parameter is its own master). The part an owner contributes to a gather of the whole."""
+    device = params[0].device
+    pieces = [entries[names[i]][kind].reshape(-1).float() if kind in entries.get(names[i], {})
+              else torch.zeros(stop - start, device=device)
+              for i, start, stop in owned_ranges(params, lo, hi) if stop > start]
+    return torch.cat(pieces) if pieces else torch.zeros(0, device=device)
+
+
+def add_whole_state(whole: dict[str, dict[str, torch.Tensor]], kind: str, flat: torch.Tensor,
+                    names: Sequence[str], params: Sequence[torch.Tensor]) -> None:
+    """Cut the gathered flat vector of one ``kind`` over all ``params`` into per-parameter
+    tensors in parameter shape, into ``whole`` (name -> kind -> tensor): the form the unsharded
+    optimizer saves, so a checkpoint of it loads into any layout. Masters only of bf16/fp16
+    parameters, as there."""
+    offset = 0
+    for name, p in zip(names, params):
+        if kind != "master" or p.dtype in (torch.bfloat16, torch.float16):
+            whole.setdefault(name, {})[kind] = flat[offset:offset + p.numel()].view(p.shape).clone()
+        offset += p.numel()
+
+
+def owned_entries(entries: dict[str, dict[str, torch.Tensor]], names: Sequence[str],
+                  params: Sequence[torch.Tensor], lo: int, hi: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The inverse of a gather: a whole state's entries (parameter shape) cut to the flat range
+    ``[lo, hi)`` of ``params`` an owner keeps, bit for bit. A tensor that is not whole (a
+    checkpoint saved sharded, before the shards were gathered at save) is that owner's part
+    already and stays as it is."""
+    owned = {}
+    for i, start, stop in owned_ranges(params, lo, hi):
+        name = names[i]
+        if stop > start and name in entries:
+            owned[name] = {k: t.reshape(-1)[start:stop].clone() if t.numel() == params[i].numel() else t
+                           for k, t in entries[name].items()}
+    return owned

@@ -224,7 +224,6 @@ class AMDP(AsynchronousSchedule):
 
     name = "amdp"
     flag_groups = (AMDP_FLAGS,)
-    reshard_refusal = "amdp shards optimizer state over replicated stages; keep its layout"
 
     @classmethod
     def layout_of(cls, config: ScheduleConfig) -> PipelineLayout:

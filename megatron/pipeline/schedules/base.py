@@ -153,8 +153,8 @@ class Schedule(abc.ABC):
     #: PipeMare's delta); it only resumes into the same partition and schedule
     weight_policy_has_state: ClassVar[bool] = False
 
-    #: False when a checkpoint can only resume into the layout it was saved from (AMDP's
-    #: replicas hold sharded optimizer state); the message says why
+    #: Set (to the reason) when a checkpoint can only resume into the layout it was saved from;
+    #: no registered schedule needs it now (AMDP's sharded optimizer state is gathered at save)
     reshard_refusal: ClassVar[str | None] = None
 
     @classmethod

@@ -47,12 +47,15 @@ import io
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron.pipeline.runtime.replicas import owned_optimizer_state, whole_optimizer_states
+from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing.paths import rank_file_name
 from megatron.trainer.checkpointing.reshard import (
@@ -104,15 +107,35 @@ def tensor_parallel_rank(chunks: list[torch.nn.Module]) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- saving
 
 
-def stage_state(task: PretrainTask, worker: StageWorker) -> dict[str, Any]:
-    """Everything one stage needs to continue exactly; refuses an undrained pipeline."""
+def stage_states(task: PretrainTask, transport: Transport, workers: Sequence[StageWorker]) -> list[dict[str, Any]]:
+    """:func:`stage_state` of every local worker. AMDP's replicas, whose optimizer state is
+    sharded over them, first gather each hosted logical stage's whole state (a collective of
+    the replica groups, :func:`~megatron.pipeline.runtime.replicas.whole_optimizer_states`), so
+    every file holds whole states and loads into any layout, as a distributed optimizer's."""
+    for worker in workers:
+        _check_drained(worker)
+    gathered = whole_optimizer_states(transport, workers) or {}
+    return [stage_state(task, worker, gathered.get(worker.stage)) for worker in workers]
+
+
+def _check_drained(worker: StageWorker) -> None:
+    """Refuse a pipeline with micro-batches in flight or gradients not yet applied."""
     in_flight = worker.in_flight()
     if in_flight:
         raise CheckpointError(f"stage {worker.stage}: cannot checkpoint with {in_flight} micro-batches in flight "
                               f"(checkpoints are taken at drained segment ends)")
-    optimizer = worker.setup.optimizer
-    if any(p.grad is not None and bool(p.grad.any()) for p in optimizer.parameters()):
+    if any(p.grad is not None and bool(p.grad.any()) for p in worker.setup.optimizer.parameters()):
         raise CheckpointError(f"stage {worker.stage}: cannot checkpoint with accumulated gradients not yet applied")
+
+
+def stage_state(task: PretrainTask, worker: StageWorker, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything one stage needs to continue exactly; refuses an undrained pipeline.
+    ``optimizer_state``: the whole state gathered over AMDP's replicas (:func:`stage_states`);
+    by default the optimizer's own (a distributed optimizer gathers its shards itself)."""
+    _check_drained(worker)
+    optimizer = worker.setup.optimizer
+    if optimizer_state is None:
+        optimizer_state = getattr(optimizer, "full_state_dict", optimizer.state_dict)()
     named = list(task.named_parameters(worker.setup.chunks))
     tp_rank, tp_size_ = tensor_parallel_rank(worker.setup.chunks)
     layouts = {name: list(layout) for name, p in named if (layout := shard_layout(p)) is not None}
@@ -121,9 +144,9 @@ def stage_state(task: PretrainTask, worker: StageWorker) -> dict[str, Any]:
         "stage": worker.stage,
         "model": {name: p.detach().cpu().clone() for name, p in named},
         "tensor_parallel": {"rank": tp_rank, "size": tp_size_, "layouts": layouts},  # what each shard is
-        # A distributed optimizer gathers its shards: the file holds a whole state, which loads
-        # into any layout (docs/checkpoints.md).
-        "optimizer": getattr(optimizer, "full_state_dict", optimizer.state_dict)(),
+        # Sharded optimizer states (a distributed optimizer's, AMDP's) are gathered: the file
+        # holds a whole state, which loads into any layout (docs/checkpoints.md).
+        "optimizer": optimizer_state,
         "rng": worker.rng_state(),
         "drift_histogram": dict(worker.drift_histogram),
         "weight_versions": worker.weights.state_dict(),  # 2BW's stash, PipeMare's delta
@@ -411,8 +434,10 @@ def _copy_parameters(params: dict[str, torch.nn.Parameter], saved: dict[str, tor
 
 
 def _load_optimizer(worker: StageWorker, state: dict[str, Any], path: Path | str) -> None:
+    """A whole optimizer state into the worker's optimizer (AMDP's sharded replicas take their
+    ranges of it, a distributed optimizer cuts its own)."""
     try:
-        worker.setup.optimizer.load_state_dict(state)
+        worker.setup.optimizer.load_state_dict(owned_optimizer_state(worker, state))
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint file {path}: optimizer state does not fit: {exc}") from None
 
@@ -513,7 +538,9 @@ def _load_resharded_optimizer(worker: StageWorker, point: ResumePoint, params: d
                for f, state in states.items()]
     merged = merge_optimizer_states(sources)
     entries, kinds = {}, worker.setup.optimizer.state_dict()["params"]  # which tensors, which dtypes
-    for name in trained:
+    # A sharded optimizer (AMDP's replicas, a distributed optimizer) holds entries only for the
+    # parameters it owns a part of; those get whole entries, which it cuts to its part on load.
+    for name in (n for n in trained if n in kinds):
         saved = {f: states[f]["optimizer"]["params"][name] for f in regions[name].files}
         fresh = {key: params[name].detach().to(value.dtype) if key == "master" else
                  torch.zeros(params[name].shape, dtype=value.dtype) for key, value in kinds[name].items()}

@@ -33,8 +33,17 @@ What does not follow a parameter is decided here, per item (``docs/checkpoints.m
 * weight versions of another schedule or partition and zb's profiled order: reset (the
   first window reads the current weights, PipeMare's delta starts at 0, zb profiles again),
   each with a one-line notice;
-* AMDP (replicated stages with ZeRO-sharded optimizer state): refused, its files hold parts of
-  the optimizer state per device.
+* sharded optimizer state (AMDP's replicas, ZeRO-1 over a stage's replicas, paper §3.4;
+  ``--use-distributed-optimizer``): gathered at save, so a file holds each of its parameters'
+  whole state and the checkpoint reshards like any other, optimizer included; a sharded run
+  cuts its own ranges out on load (:func:`megatron.pipeline.runtime.replicas.owned_optimizer_state`,
+  ``DataParallelShardedOptimizer.load_state_dict``), and the same layout resumes bitwise. An
+  AMDP device hosts one logical stage of each pipeline (:func:`partition`), so AMDP and a single
+  pipeline of the same size are different partitions; each AMDP file holds D/2 logical stages,
+  the replicas of every parameter sit in D/2 files and replica 0's (the first file) is read.
+  Still refused: checkpoints written before the gather (their files hold parts of the optimizer
+  state, marked ``optimizer_sharded`` in the index) into another layout, unless
+  ``--no-load-optim``.
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.pipeline.schedules import schedule_class
+from megatron.pipeline.schedules.base import ScheduleConfig
 from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
 from megatron.trainer.checkpointing.shards import Region, ShardError, plan_region, shard_entry
 from megatron.trainer.models.tensor_parallel import ShardLayout
@@ -94,13 +104,24 @@ def global_batch(signature: dict[str, Any]) -> int | None:
 
 
 def partition(signature: dict[str, Any]) -> tuple[Any, ...]:
-    """Which layers each stage holds: (stages, chunks, layers per stage), an even split spelled
-    out, so ``--pipeline-layer-split 2 2`` and the default even split of 4 layers compare equal."""
+    """Which layers each stage holds: (stages, chunks, layers per model part, the model parts
+    each stage hosts), an even split spelled out, so ``--pipeline-layer-split 2 2`` and the
+    default even split of 4 layers compare equal. The parts come from the schedule's layout:
+    an AMDP device hosts one logical stage of each of its D/2 pipelines (device 0 of four: parts
+    0 and 2), not the part of the same index, so its files are no stage-for-stage match for a
+    single pipeline of the same size."""
     pp, chunks = signature.get("pipeline_model_parallel_size"), signature.get("num_model_chunks") or 1
     split, layers = signature.get("pipeline_layer_split"), signature.get("num_layers")
     if not split and chunks == 1 and isinstance(pp, int) and isinstance(layers, int) and pp > 0 and layers % pp == 0:
         split = [layers // pp] * pp
-    return pp, chunks, tuple(split) if split else None
+    hosted = None
+    if signature.get("pipeline_schedule") and isinstance(pp, int) and pp > 0:
+        layout = schedule_class(signature["pipeline_schedule"]).layout_of(
+            ScheduleConfig(num_stages=pp, num_microbatches=1, num_chunks=chunks))
+        hosted = tuple(tuple(layout.model_stage(s, c) for c in range(layout.num_chunks)) for s in range(pp))
+        if hosted == tuple((s,) for s in range(pp)):
+            hosted = None  # one part per stage, in order: what a signature without a schedule means
+    return pp, chunks, tuple(split) if split else None, hosted
 
 
 def describe(signature: dict[str, Any]) -> str:
@@ -212,8 +233,9 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
                            f"load it with its own layout {describe(saved)}")
     if any(entry.get("optimizer_sharded") for entry in index.values()) and \
             not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
-        raise ReshardError(f"checkpoint {where}: its optimizer state is sharded over data-parallel replicas; "
-                           f"load it with its own layout {describe(saved)} or pass --no-load-optim")
+        raise ReshardError(f"checkpoint {where}: its optimizer state is sharded over replicas (saved before "
+                           f"checkpoints gathered the shards); load it with its own layout {describe(saved)} "
+                           f"or pass --no-load-optim")
     replica0 = {f: entry for f, entry in index.items() if (rank_file_coordinates(f) or (0, 1, 0))[1] == 0}
     holders: dict[str, tuple[str, ...]] = {}
     for f in sorted(replica0, key=lambda f: rank_file_coordinates(f) or (0, 0, 0)):

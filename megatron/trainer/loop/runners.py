@@ -117,8 +117,8 @@ class PipelineRunner:
         if transport.is_coordinator:
             ckpt.prepare_staging(root, iteration)
         transport.barrier()
-        for w in self.workers:
-            ckpt.write_rank_file(root, iteration, w.stage, transport.dp_rank, ckpt.stage_state(self.task, w))
+        for w, state in zip(self.workers, ckpt.stage_states(self.task, transport, self.workers)):
+            ckpt.write_rank_file(root, iteration, w.stage, transport.dp_rank, state)
         transport.barrier()
         if transport.is_coordinator:
             ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.args),
