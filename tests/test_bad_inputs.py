@@ -653,8 +653,6 @@ RESHARD_REFUSALS = {
     # the data position (iteration x global batch) would not continue
     "other global batch": (["--pipeline-model-parallel-size", "1", "--global-batch-size", "4"],
                            "global batch of 2 samples, this run has 4"),
-    # AMDP's files hold ZeRO shards of replicated stages
-    "into amdp": (["--pipeline-schedule", "amdp"], "amdp shards optimizer state over replicated stages"),
 }
 
 
@@ -674,6 +672,23 @@ def test_resharding_with_uneven_update_counts_is_refused(refuse, inputs, tmp_pat
         (directory / ckpt.METADATA).write_text(json.dumps(metadata))
     root = _damaged(inputs, tmp_path, uneven)
     assert "different update counts" in refuse([*TINY, "--pipeline-model-parallel-size", "1", "--load", str(root)])
+
+
+def test_resharding_optimizer_state_saved_sharded_is_refused(refuse, inputs, tmp_path: Path) -> None:
+    """Files holding parts of the optimizer state (AMDP or distributed-optimizer checkpoints
+    written before their saves gathered the shards; marked in the index) load only into their
+    own layout: into AMDP (or any other layout) one line before any rank starts. A checkpoint
+    with whole states loads into AMDP (tests/test_checkpoint_amdp.py)."""
+    import json
+
+    def sharded(directory: Path) -> None:
+        metadata = json.loads((directory / ckpt.METADATA).read_text())
+        for entry in metadata["index"].values():
+            entry["optimizer_sharded"] = True
+        (directory / ckpt.METADATA).write_text(json.dumps(metadata))
+    root = _damaged(inputs, tmp_path, sharded)
+    says = "optimizer state is sharded over replicas (saved before checkpoints gathered the shards)"
+    assert says in refuse([*TINY, "--pipeline-schedule", "amdp", "--load", str(root)])
 
 
 # ------------------------------------------------------- overlapped gradient reduction (ddp_args)

@@ -18,8 +18,8 @@ What does not follow a parameter is decided here, per item (``docs/checkpoints.m
 * update counts (the LR position, AdamW's bias correction): one per optimizer. Carried when
   the stages a new stage gathers from agree (synchronous schedules always do); refused when an
   asynchronous run's stages stepped different counts and the stage partition changes;
-* the stage partition unchanged (same stage count, chunks and split; only the data-parallel
-  size or the schedule differs): each new stage's RNG stream, drift histogram and loss scaler
+* the stage partition unchanged (same stage count, chunks, split and model parts per stage;
+  only the data-parallel size or the schedule differs): each new stage's RNG stream, drift histogram and loss scaler
   come from the old stage of the same index, and with the same schedule also its weight
   versions (2BW's stash, PipeMare's delta) and the schedule's profiled order;
 * the partition changed: dropout RNG streams restart from ``--seed`` (per-stage streams have
@@ -40,7 +40,7 @@ What does not follow a parameter is decided here, per item (``docs/checkpoints.m
   ``DataParallelShardedOptimizer.load_state_dict``), and the same layout resumes bitwise. An
   AMDP device hosts one logical stage of each pipeline (:func:`partition`), so AMDP and a single
   pipeline of the same size are different partitions; each AMDP file holds D/2 logical stages,
-  the replicas of every parameter sit in D/2 files and replica 0's (the first file) is read.
+  every parameter sits in D/2 files (one per replica) and the first of them is read.
   Still refused: checkpoints written before the gather (their files hold parts of the optimizer
   state, marked ``optimizer_sharded`` in the index) into another layout, unless
   ``--no-load-optim``.
@@ -108,7 +108,7 @@ def partition(signature: dict[str, Any]) -> tuple[Any, ...]:
     each stage hosts), an even split spelled out, so ``--pipeline-layer-split 2 2`` and the
     default even split of 4 layers compare equal. The parts come from the schedule's layout:
     an AMDP device hosts one logical stage of each of its D/2 pipelines (device 0 of four: parts
-    0 and 2), not the part of the same index, so its files are no stage-for-stage match for a
+    0 and 3), not the part of the same index, so its files are no stage-for-stage match for a
     single pipeline of the same size."""
     pp, chunks = signature.get("pipeline_model_parallel_size"), signature.get("num_model_chunks") or 1
     split, layers = signature.get("pipeline_layer_split"), signature.get("num_layers")
