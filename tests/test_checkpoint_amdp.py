@@ -178,3 +178,18 @@ def test_the_runtime_gathers_the_emulators_files(runs, tmp_path: Path) -> None:
         assert ours["optimizer"]["params"].keys() == theirs["optimizer"]["params"].keys()
         for n, entry in ours["optimizer"]["params"].items():
             assert all(torch.equal(t, theirs["optimizer"]["params"][n][k]) for k, t in entry.items()), n
+
+
+def test_bf16_masters_are_gathered_and_resume_bitwise(megatron_world1, tmp_path: Path) -> None:
+    """bf16: the replicas' fp32 master ranges are gathered too (saved in parameter shape) and cut
+    back out on load: the resumed run is the straight run's bits."""
+    argv = [*tiny_args(4, "amdp", 4, 4, *NO_DROPOUT, "--bf16"), "--num-layers", "4"]
+    straight = final_params(emulate([*argv, "--log-json", str(tmp_path / "a.jsonl"), "--save", str(tmp_path / "a"),
+                                     "--save-interval", "2"]))
+    state = torch.load(ckpt.iteration_dir(tmp_path / "a", 2) / ckpt.rank_file_name(0, 0), weights_only=False)
+    assert all(entry["master"].shape == state["model"][name].shape and entry["master"].dtype == torch.float32
+               for name, entry in state["optimizer"]["params"].items())
+    resumed = final_params(emulate([*argv, "--log-json", str(tmp_path / "b.jsonl"),
+                                    "--load", str(_only(tmp_path / "a", 2, tmp_path / "b"))]))
+    assert _losses(tmp_path / "b.jsonl") == {it: v for it, v in _losses(tmp_path / "a.jsonl").items() if it > 2}
+    assert all(torch.equal(resumed[name], value) for name, value in straight.items())
