@@ -128,7 +128,8 @@ def _check_drained(worker: StageWorker) -> None:
         raise CheckpointError(f"stage {worker.stage}: cannot checkpoint with accumulated gradients not yet applied")
 
 
-def stage_state(task: PretrainTask, worker: StageWorker, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
+def stage_state(task: PretrainTask, worker: StageWorker,
+                optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything one stage needs to continue exactly; refuses an undrained pipeline.
     ``optimizer_state``: the whole state gathered over AMDP's replicas (:func:`stage_states`);
     by default the optimizer's own (a distributed optimizer gathers its shards itself)."""
@@ -390,16 +391,18 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
 
 
 def _check_sharded_optimizer(metadata: dict[str, Any], args: argparse.Namespace, where: str) -> None:
-    """Optimizer shards (AMDP's, --use-distributed-optimizer's) load only into a run that shards its
-    optimizer state too (a replicated state, by contrast, is sliced into a distributed optimizer)."""
+    """Optimizer shards (files of AMDP or --use-distributed-optimizer written before their saves
+    gathered the shards) load only into a run that shards its optimizer state the same way (a
+    whole state, by contrast, is sliced into either)."""
     if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
         return
     sharded_run = run_config(args).shards_optimizer_state or (
         getattr(args, "use_distributed_optimizer", False) and args.data_parallel_size > 1)
     if not sharded_run and any(e.get("optimizer_sharded") for e in (metadata.get("index") or {}).values()):
         raise CheckpointError(f"checkpoint {where} holds sharded optimizer state (saved with "
-                              f"--use-distributed-optimizer or AMDP's sharded state); this run keeps whole "
-                              f"optimizer states: shard it the same way or pass --no-load-optim")
+                              f"--use-distributed-optimizer or AMDP's sharded state, before saves gathered "
+                              f"the shards); this run keeps whole optimizer states: shard it the same way "
+                              f"or pass --no-load-optim")
 
 
 def _verify_checksum(path: Path, actual: str, expected: str) -> None:
