@@ -193,3 +193,14 @@ def test_bf16_masters_are_gathered_and_resume_bitwise(megatron_world1, tmp_path:
                                     "--load", str(_only(tmp_path / "a", 2, tmp_path / "b"))]))
     assert _losses(tmp_path / "b.jsonl") == {it: v for it, v in _losses(tmp_path / "a.jsonl").items() if it > 2}
     assert all(torch.equal(resumed[name], value) for name, value in straight.items())
+
+
+@pytest.mark.slow
+def test_into_the_runtime_at_pp2_dp2_with_the_distributed_optimizer(runs, tmp_path: Path) -> None:
+    """AMDP PP4 -> 1F1B PP2 x DP2 through the runtime (4 gloo ranks), the optimizer state sharded
+    again over the data-parallel replicas (each cuts its range of the whole state)."""
+    argv = _argv(2, "1f1b", tmp_path / "unused.jsonl", "--load", str(runs["amdp3"]), "--data-parallel-size", "2",
+                 "--use-distributed-optimizer", "--device", "cpu")
+    records, _ = run_pretrain(argv[:argv.index("--log-json")] + argv[argv.index("--log-json") + 2:], tmp_path / "run")
+    losses, ref = {r["iteration"]: r["loss"] for r in records}, runs["ref"]
+    assert sorted(losses) == [4, 5] and all(_close(losses[it], ref[it]) for it in (4, 5)), (losses, ref)
