@@ -28,6 +28,7 @@ from megatron.pipeline.runtime.replicas import has_replicas
 from megatron.pipeline.runtime.report import StageReport
 from megatron.pipeline.runtime.tensor_parallel import reduce_sequence_parallel_grads
 from megatron.pipeline.runtime.transport import ReportSink, Transport
+from megatron.pipeline.runtime.transport.recv_buffers import ReceiveBuffers
 from megatron.pipeline.runtime.worker import StageWorker
 
 if TYPE_CHECKING:
@@ -38,12 +39,28 @@ PING_ROUNDS = 5
 
 
 class P2PChannel:
-    """Point-to-point messages of one stage, with receives posted ahead of use."""
+    """Point-to-point messages of one stage, with receives posted ahead of use.
+
+    Receives go into recycled buffers (:class:`~.recv_buffers.ReceiveBuffers`: reused only
+    once nothing references them). Sends never copy: a contiguous tensor is sent as it is
+    (stages produce contiguous outputs; a non-contiguous one is copied once, as gloo and NCCL
+    need contiguous memory), and a stage sending to itself hands the tensor over without a
+    clone (the sender keeps no reference it writes to: an activation is ``out.detach()``, a
+    gradient ``x.grad`` of a popped stash, a post-validation state a fresh tensor; an in-place
+    write by the receiver would fail autograd's version check on either side, as it would on
+    a received buffer). Each send and receive is one unbatched ``isend``/``irecv`` on its
+    direction's two-rank group: ``batch_isend_irecv`` takes ops of one group only, and gloo
+    runs a batch as the same calls in a loop (docs/gpu.md section 1, docs/benchmarks.md).
+    """
+
+    #: Recycle receive buffers (benchmarks switch it off before the ranks fork to compare).
+    reuse_receive_buffers: bool = True
 
     def __init__(self, worker: StageWorker, groups: StageGroups, timeout: timedelta):
         self.worker = worker
         self.groups = groups
         self.timeout = timeout
+        self.buffers = ReceiveBuffers(reuse=self.reuse_receive_buffers)
         # Posted receives per message, oldest first: a post-validation replay receives the
         # same activation twice (a stale copy to DRAIN, then the re-sent one).
         self._posted: dict[Message, deque[tuple[dist.Work | None, torch.Tensor]]] = {}
@@ -57,7 +74,7 @@ class P2PChannel:
         if msg.src_stage == msg.dst_stage:
             return
         shape, dtype = self.worker.recv_spec(msg)
-        buf = torch.empty(shape, dtype=dtype, device=self.worker.setup.device)
+        buf = self.buffers.take(shape, dtype, self.worker.setup.device)
         group = self.groups.p2p_group(msg.src_stage, msg.dst_stage)
         self._posted.setdefault(msg, deque()).append((dist.irecv(buf, src=self._peer(msg.src_stage), group=group), buf))
 
@@ -71,11 +88,11 @@ class P2PChannel:
         if not queue:
             del self._posted[msg]
         wait_or_raise(work, self.timeout, f"receiving {msg} from stage {msg.src_stage} (rank {self._peer(msg.src_stage)})")
-        return buf
+        return self.buffers.lend(buf)
 
     def send(self, msg: Message, tensor: torch.Tensor) -> None:
         if msg.src_stage == msg.dst_stage:
-            self._local[msg] = tensor.clone()
+            self._local[msg] = tensor  # no clone: see the class docstring
             return
         tensor = tensor.contiguous()  # a no-op (no copy) for the contiguous tensors stages produce
         peer = self._peer(msg.dst_stage)

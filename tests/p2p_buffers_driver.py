@@ -1,0 +1,57 @@
+"""``pretrain_gpt.py`` with the receive-buffer pool observed or deliberately broken (tests only).
+
+Environment (read here, never by the runtime):
+- ``P2P_BUFFERS_STATS``: a directory; every rank appends ``{"taken", "allocated"}`` of each
+  channel's pool to ``rank<R>.jsonl`` when the channel flushes (the end of a segment).
+- ``P2P_BUFFERS_MODE``: ``pool`` (the runtime as shipped), ``off`` (no reuse) or ``unsafe``
+  (every lent buffer counts as free at the next receive, whoever still holds it: the bug the
+  pool's reference check exists to prevent, so a test can show that its comparison catches it).
+
+The ranks are forked from this process (the launcher's CPU path), so they inherit the patches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _patch(mode: str, stats: Path) -> None:
+    from megatron.pipeline.runtime.transport.distributed import P2PChannel
+    from megatron.pipeline.runtime.transport.recv_buffers import ReceiveBuffers
+
+    if mode == "off":
+        P2PChannel.reuse_receive_buffers = False
+    elif mode == "unsafe":
+        def reclaim_everything(self: ReceiveBuffers) -> None:
+            for buf in self._lent:
+                self._free.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+            self._lent = []
+        ReceiveBuffers._reclaim = reclaim_everything  # type: ignore[method-assign]
+    elif mode != "pool":
+        raise SystemExit(f"P2P_BUFFERS_MODE={mode!r}: expected pool, off or unsafe")
+    flush = P2PChannel.flush
+
+    def flush_and_record(self: P2PChannel) -> None:
+        flush(self)
+        with open(stats / f"rank{os.environ.get('RANK', '0')}.jsonl", "a") as f:
+            f.write(json.dumps({"taken": self.buffers.taken, "allocated": self.buffers.allocated}) + "\n")
+    P2PChannel.flush = flush_and_record  # type: ignore[method-assign]
+
+
+def main() -> int:
+    from megatron.trainer.launch.launcher import fork_is_safe
+    from megatron.trainer.loop.training import pretrain
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    _patch(os.environ["P2P_BUFFERS_MODE"], Path(os.environ["P2P_BUFFERS_STATS"]))
+    if not fork_is_safe():  # exec'd ranks would run without the patches
+        raise SystemExit("p2p_buffers_driver: the launcher cannot fork its ranks here")
+    return pretrain(GPTTask(), sys.argv[1:], script=__file__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
