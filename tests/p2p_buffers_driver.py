@@ -2,7 +2,8 @@
 
 Environment (read here, never by the runtime):
 - ``P2P_BUFFERS_STATS``: a directory; every rank appends ``{"taken", "allocated"}`` of each
-  channel's pool to ``rank<R>.jsonl`` when the channel flushes (the end of a segment).
+  channel's pool and its ``sends`` and ``copies`` (sends of a non-contiguous tensor, which
+  ``P2PChannel.send`` copies) to ``rank<R>.jsonl`` when the channel flushes (a segment's end).
 - ``P2P_BUFFERS_MODE``: ``pool`` (the runtime as shipped), ``off`` (no reuse) or ``unsafe``
   (every lent buffer counts as free at the next receive, whoever still holds it: the bug the
   pool's reference check exists to prevent, so a test can show that its comparison catches it).
@@ -15,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,13 +35,20 @@ def _patch(mode: str, stats: Path) -> None:
         ReceiveBuffers._reclaim = reclaim_everything  # type: ignore[method-assign]
     elif mode != "pool":
         raise SystemExit(f"P2P_BUFFERS_MODE={mode!r}: expected pool, off or unsafe")
-    flush = P2PChannel.flush
+    flush, send = P2PChannel.flush, P2PChannel.send
+    counts = {"sends": 0, "copies": 0}
+
+    def counted_send(self: P2PChannel, msg: Any, tensor: Any) -> None:
+        counts["sends"] += 1
+        counts["copies"] += not tensor.is_contiguous()
+        send(self, msg, tensor)
 
     def flush_and_record(self: P2PChannel) -> None:
         flush(self)
+        record = {"taken": self.buffers.taken, "allocated": self.buffers.allocated, **counts}
         with open(stats / f"rank{os.environ.get('RANK', '0')}.jsonl", "a") as f:
-            f.write(json.dumps({"taken": self.buffers.taken, "allocated": self.buffers.allocated}) + "\n")
-    P2PChannel.flush = flush_and_record  # type: ignore[method-assign]
+            f.write(json.dumps(record) + "\n")
+    P2PChannel.send, P2PChannel.flush = counted_send, flush_and_record  # type: ignore[method-assign]
 
 
 def main() -> int:

@@ -169,6 +169,7 @@ def test_runtime_with_recycled_buffers_equals_emulator_bitwise(megatron_world1, 
     argv = RUNS[case]
     records, params, pools = _run(tmp_path, monkeypatch, argv, "pool")
     assert sum(p["allocated"] for p in pools) < sum(p["taken"] for p in pools), pools  # buffers were reused
+    assert sum(p["sends"] for p in pools) > 0 and sum(p["copies"] for p in pools) == 0, pools  # stages send contiguous tensors
     losses, emu_params = _emulated(tmp_path, argv)
     assert [r["loss"] for r in records] == losses
     assert params.keys() == emu_params.keys()
@@ -183,3 +184,86 @@ def test_reusing_a_held_buffer_is_caught_by_the_comparison(megatron_world1, tmp_
     differs = [r["loss"] for r in records] != losses or any(
         not torch.equal(value, emu_params[name]) for name, value in params.items())
     assert differs, "a pool that overwrites stashed activations went unnoticed"
+
+
+# -- CUDA / NCCL (skipped without a GPU; see docs/gpu.md section 4) ------------------------
+gpu = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@gpu
+def test_recycled_cuda_buffer_waits_for_kernels_still_reading_it() -> None:
+    """The ordering reuse relies on under NCCL: a kernel reading a received buffer may still be
+    queued when its last reference is dropped; the next receive into the recycled buffer runs
+    on another stream made to wait for the compute stream when it is posted (what
+    ProcessGroupNCCL does for every P2P op), so the queued reader sees the old data."""
+    device = torch.device("cuda")
+    pool = ReceiveBuffers()
+    buf = pool.take((2048, 2048), torch.float32, device)
+    buf.copy_(torch.arange(2048 * 2048, dtype=torch.float32, device=device).view(2048, 2048) / 2**22)
+    expected = buf.double().cpu()
+    expected = (expected @ expected).sum()
+    received = pool.lend(buf)
+    torch.cuda._sleep(200_000_000)  # keep the compute stream busy so the reader is still queued
+    result = (received @ received).double().sum()  # queued, not yet run
+    del received
+    again = pool.take((2048, 2048), torch.float32, device)
+    assert again.data_ptr() == buf.data_ptr()  # recycled while its reader is queued
+    comm = torch.cuda.Stream(device)
+    comm.wait_stream(torch.cuda.current_stream(device))  # NCCL's syncStream at posting
+    with torch.cuda.stream(comm):
+        again.fill_(float("nan"))  # the "receive" into the recycled buffer
+    torch.cuda.synchronize(device)
+    assert torch.isclose(result.cpu(), expected, rtol=1e-4), (float(result), float(expected))
+
+
+def _nccl_rank(rank: int, store: str, out: str) -> None:
+    """Stage ``rank`` of a two-stage NCCL link through :class:`P2PChannel`: stage 0 sends six
+    activations, each produced by a kernel still running when it is sent; stage 1 receives
+    them two ahead, keeps every other one (a stash) and drops the rest."""
+    import datetime
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60), device_id=device)
+    try:
+        worker = SimpleNamespace(setup=SimpleNamespace(device=device), recv_spec=lambda msg: ((1024, 1024), torch.float32))
+        groups = SimpleNamespace(peer=lambda stage: stage, p2p_group=lambda src, dst: None)
+        channel = P2PChannel(worker, groups, timedelta(seconds=60))  # type: ignore[arg-type]
+        msgs = [_act(mb, 0, 1) for mb in range(6)]
+        if rank == 0:
+            for mb, msg in enumerate(msgs):
+                torch.cuda._sleep(50_000_000)  # the producing kernel is still queued at isend
+                channel.send(msg, torch.full((1024, 1024), float(mb), device=device) + 0.0)
+            channel.flush()
+            return
+        held, seen = {}, []
+        for msg in msgs[:2]:
+            channel.post(msg)
+        for mb, msg in enumerate(msgs):
+            got = channel.wait(msg)
+            seen.append(float(got.mean()))
+            if mb % 2 == 0:
+                held[mb] = got
+            del got
+            if mb + 2 < len(msgs):
+                channel.post(msgs[mb + 2])
+        kept = {mb: float(t.mean()) for mb, t in held.items()}
+        Path(out).write_text(json.dumps({"seen": seen, "kept": kept, "taken": channel.buffers.taken,
+                                         "allocated": channel.buffers.allocated}))
+    finally:
+        dist.destroy_process_group()
+
+
+@gpu
+@two_gpus
+def test_nccl_channel_recycles_buffers_without_corrupting_held_ones(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "stage1.json"
+    mp.start_processes(_nccl_rank, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True, start_method="spawn")
+    result = json.loads(out.read_text())
+    assert result["seen"] == [float(mb) for mb in range(6)]
+    assert result["kept"] == {str(mb): float(mb) for mb in (0, 2, 4)}  # held buffers never reused
+    assert result["allocated"] < result["taken"] == 6, result  # dropped ones were
