@@ -67,6 +67,7 @@ def test_a_buffer_with_a_receive_pending_is_never_reclaimed() -> None:
 
 def test_kinds_do_not_mix_and_reuse_can_be_switched_off() -> None:
     pool = ReceiveBuffers()
+    assert pool.reuses  # this torch can count a storage's references (else reuse is silently off)
     del_me = pool.lend(pool.take(SHAPE, torch.float32, CPU))
     del del_me
     assert pool.take(SHAPE, torch.float64, CPU).dtype == torch.float64 and pool.allocated == 2
