@@ -1,7 +1,8 @@
 """The runtime's transport: this rank's stage, torch.distributed point-to-point and collectives.
 
 Point-to-point goes over one two-rank group per link direction (:class:`P2PChannel`, receives
-posted ahead, sends reaped by :mod:`~megatron.pipeline.runtime.executors.send_reaper`);
+posted ahead into recycled buffers, sends never copied and reaped by
+:mod:`~megatron.pipeline.runtime.executors.send_reaper`);
 collectives over the rank's :class:`~megatron.pipeline.runtime.parallel.StageGroups`: the
 step's norms over the pipeline (or AMDP's sync group), gradients over the data-parallel group,
 statistics, sums, barriers and gathers over the gloo side group (never NCCL: CPU tensors).
