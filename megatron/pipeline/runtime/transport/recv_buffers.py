@@ -39,6 +39,14 @@ def _storage_use_count() -> Callable[[torch.Tensor], int] | None:
     return lambda t: count(t.untyped_storage()._cdata)
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as the ``cuda:N`` a tensor made there reports, so a buffer's own device finds
+    its kind again."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class ReceiveBuffers:
     """A pool of receive buffers by (shape, dtype, device); see the module docstring.
 
@@ -51,7 +59,7 @@ class ReceiveBuffers:
 
     def __init__(self, reuse: bool = True):
         self._use_count = _storage_use_count() if reuse else None
-        self._lent: list[torch.Tensor] = []
+        self._lent: list[tuple[BufferKey, torch.Tensor]] = []
         self._free: dict[BufferKey, list[torch.Tensor]] = {}
         self.taken = 0  # receives served
         self.allocated = 0  # buffers created for them (taken - allocated: receives without an allocation)
@@ -62,7 +70,7 @@ class ReceiveBuffers:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer to receive into: a free one of this kind if any, else a new one."""
-        key = (tuple(shape), dtype, torch.device(device))
+        key = (tuple(shape), dtype, _indexed(torch.device(device)))
         self.taken += 1
         if self._use_count is not None:
             self._reclaim()
@@ -78,18 +86,18 @@ class ReceiveBuffers:
         if self._use_count is None:
             return buf
         alias = buf.detach()  # a new tensor over the same storage: the pool's own stays private
-        self._lent.append(buf)
+        self._lent.append(((tuple(buf.shape), buf.dtype, buf.device), buf))
         return alias
 
     def _reclaim(self) -> None:
         assert self._use_count is not None
         still_lent = []
-        for buf in self._lent:
+        for key, buf in self._lent:
             # The pool's tensor and the temporary storage handle of the call: nothing else.
             if self._use_count(buf) <= 2:
-                self._free.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+                self._free.setdefault(key, []).append(buf)
             else:
-                still_lent.append(buf)
+                still_lent.append((key, buf))
         self._lent = still_lent
 
     def free_count(self) -> int:
