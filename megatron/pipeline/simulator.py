@@ -13,9 +13,18 @@ App. G), generalised to our IR and runtime:
   (input gradient only), ``t_w`` (deferred weight gradient), ``t_bw`` (fused backward, default
   ``t_b + t_w``) or ``t_opt`` (optimizer step, default 0) of its stage (:class:`OpCosts`;
   one set for all stages or one per stage).
+* **Runtime terms** (default 0; measured by ``benchmarks/calibrate_runtime.py``, see
+  :mod:`megatron.pipeline.calibration`). ``t_send``: what handing one message to the
+  transport (an ``isend`` call) costs the *sender*: an op that sends ``k`` messages to other
+  stages occupies its stage ``k * t_send`` longer (its span includes it). Its messages still
+  arrive ``t_comm`` after the end of its compute: gloo hands the data over inside the call,
+  so the receiver has it before the sender returns (measured: the end-to-end trip is shorter
+  than the call). ``t_sync``: the
+  latency of a synchronous step's collective (norm all-gather, statistics) at this pipeline
+  depth, paid on top of ``t_opt`` by synchronous OPTs only.
 * **Synchronous OPT.** All stages enter the collective together, at the latest of their free
-  times, and all leave it at ``start + max_s t_opt[s]``. A stage-local OPT (asynchronous
-  schedules) starts when its stage is free.
+  times, and all leave it at ``start + max_s (t_opt[s] + t_sync[s])``. A stage-local OPT
+  (asynchronous schedules) starts when its stage is free and lasts ``t_opt``.
 * **Per-stage span** (Zero Bubble App. G, objective (3)): from the start of the stage's first op
   to the end of its last op. The wait in front of the *final* synchronous OPT of the run is not
   counted (that OPT counts as starting right after the stage's previous op), so a one-iteration
@@ -64,7 +73,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
-from megatron.pipeline.comm import Message
+from megatron.pipeline.comm import Message, op_sends
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
 
@@ -88,6 +97,8 @@ class OpCosts:
     t_opt: float = 0.0
     m_w: float = 0.5  # M_W / M_B: activation memory kept between B and W
     m_f: float = 1.0  # activation memory kept from F to B / M_B (< 1 with activation recompute)
+    t_send: float = 0.0  # sender's time per message handed to the transport (isend call)
+    t_sync: float = 0.0  # a synchronous OPT's collective latency, on top of t_opt
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -100,6 +111,11 @@ class OpCosts:
     @property
     def fused_backward(self) -> float:
         return self.t_b + self.t_w if self.t_bw is None else self.t_bw
+
+    @property
+    def sync_step(self) -> float:
+        """Duration of this stage's part of a synchronous OPT: the step plus the collective."""
+        return self.t_opt + self.t_sync
 
     def duration(self, kind: OpKind) -> float:
         if kind is OpKind.F:
@@ -368,6 +384,7 @@ def simulate_streams(
     version_at_f: list[dict[tuple[int, int], int]] = [{} for _ in range(n)]
     drift: list[dict[int, int]] = [{} for _ in range(n)]
     comm = [c.t_comm for c in per_stage]
+    send_cost = [c.t_send for c in per_stage]
 
     durations = [{k: c.duration(k) for k in OpKind} for c in per_stage]
     deltas = [{k: c.memory_delta(k) for k in OpKind} for c in per_stage]
@@ -383,9 +400,11 @@ def simulate_streams(
         kind = op.kind
         duration = durations[part][kind]
         end = start + duration
-        free[s] = end
+        if send_cost[part]:
+            duration += send_cost[part] * sum(1 for msg in op_sends(op, layout) if msg.dst_stage != s)
+        free[s] = start + duration
         busy[s] += duration
-        spans[s].append(OpSpan(start, end, op))
+        spans[s].append(OpSpan(start, free[s], op))
         if kind is OpKind.OPT:
             versions[s] += 1
         else:
@@ -404,11 +423,11 @@ def simulate_streams(
 
     def execute_sync(ops: list[Op]) -> None:
         start = max(free[op.stage] for op in ops)
-        end = start + max(per_stage[op.stage].t_opt for op in ops)
+        end = start + max(per_stage[op.stage].sync_step for op in ops)
         for op in ops:
             s = op.stage
             free[s] = end
-            busy[s] += per_stage[s].t_opt
+            busy[s] += per_stage[s].sync_step
             spans[s].append(OpSpan(start, end, op))
             versions[s] += 1
 
@@ -423,7 +442,7 @@ def simulate_streams(
         last_end = ops[-1].end
         if ops[-1].op.kind is OpKind.OPT and ops[-1].op.sync:
             before = ops[-2].end if len(ops) > 1 else ops[-1].start
-            last_end = before + per_stage[s].t_opt
+            last_end = before + per_stage[s].sync_step
         stage_span.append(last_end - ops[0].start)
     makespan = max((ops[-1].end for ops in spans if ops), default=0.0)
     weights = [1.0] * n if weight_copies is None else [float(c) for c in weight_copies]
