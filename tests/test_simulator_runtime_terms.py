@@ -4,6 +4,10 @@ simulated timeline with known terms gives those terms back.
 """
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 
 from megatron.pipeline.calibration import (
@@ -17,6 +21,8 @@ from megatron.pipeline.comm import op_sends
 from megatron.pipeline.ir import BW, F, OPT, OpKind, PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 from megatron.pipeline.simulator import OpCosts, OpSpan, simulate_schedule, simulate_streams
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def simulate(name: str, n: int, m: int, costs: OpCosts, iterations: int = 1):
@@ -116,3 +122,28 @@ def test_median_of_repeated_calibrations() -> None:
     assert med.samples == {"ops": 30}
     with pytest.raises(ValueError):
         median_calibration([])
+
+
+def _load_harness():
+    spec = importlib.util.spec_from_file_location("zero_bubble_synthetic", REPO / "benchmarks" / "zero_bubble_synthetic.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path for its own imports
+    return module
+
+
+def test_harness_predictions_use_the_calibrated_terms() -> None:
+    zb = _load_harness()
+    costs = zb.CostSet(1.0, 1.0, 1.0)
+    terms = RuntimeTerms(per_op=0.5, t_send=0.25, t_comm=0.5, t_sync=3.0)
+    # 1F1B, N = 2, m = 1: 2 (t_f + o) + 2 (t_bw + o) + 2 t_comm + t_sync (test_two_stage_1f1b_one_microbatch)
+    sync = zb.Result("1f1b", 2, 1, False, 1.0, 1.0, 12, 2, wgrad_ms=1.0)
+    got = zb.predict(sync, costs, RuntimeTerms(), terms)
+    assert (got["sim_ms"], got["sim_ovh_ms"], got["sim_cal_ms"]) == pytest.approx((6.0, 6.0, 3.0 + 5.0 + 1.0 + 3.0))
+    # PACI (stage-local steps, no flush, no steady-state bubble with equal stages): one update
+    # is m (t_f + t_bw + 2 o) in the steady state; t_sync does not apply to its local steps.
+    paci = zb.Result("paci", 2, 2, True, 1.0, 1.0, 12, 2, wgrad_ms=1.0)
+    got = zb.predict(paci, costs, RuntimeTerms(), RuntimeTerms(per_op=0.5, t_sync=3.0))
+    assert got["sim_ms"] == pytest.approx(2 * 3.0)
+    assert got["sim_cal_ms"] == pytest.approx(2 * (3.0 + 2 * 0.5))
