@@ -21,6 +21,7 @@ weights: :meth:`WeightPolicy.before_update` restores them first.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -220,11 +221,12 @@ class DiscrepancyCorrection(WeightPolicy):
     def extra_weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.delta)
 
-    def corrected(self, steps: int | None = None) -> list[torch.Tensor]:
+    def corrected(self, steps: int | None = None) -> Iterator[torch.Tensor]:
         """The backward weights ``w - steps * delta`` (``steps`` defaults to ``tau``), in each
-        parameter's dtype."""
+        parameter's dtype, one parameter at a time: a caller that writes each into place holds one
+        parameter's worth transiently, not a second copy of the stage's weights."""
         steps = self.tau if steps is None else steps
-        return [(p.detach().to(d.dtype) - steps * d).to(p.dtype) for p, d in zip(self.params, self.delta)]
+        return ((p.detach().to(d.dtype) - steps * d).to(p.dtype) for p, d in zip(self.params, self.delta))
 
     def before_forward(self, op: Op) -> int:
         if self.measured_delay:

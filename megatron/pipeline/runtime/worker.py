@@ -40,6 +40,7 @@ import torch
 import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 from megatron.pipeline.comm import Message, MsgKind
+from megatron.pipeline.runtime.freed_outputs import backward_released, release_output
 from megatron.pipeline.runtime.loss_scaling import StageLossScaler
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.runtime.memory import ActivationMeter
@@ -118,7 +119,8 @@ class StageWorker:
         self.setup = setup
         self.stage = setup.stage
         self.layout = setup.layout
-        self._stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        # (micro-batch, chunk) -> (input, output, whether the output's storage was released)
+        self._stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, bool]] = {}
         self._fwd_version: dict[tuple[int, int], int] = {}
         self._aux_losses: dict[tuple[int, int], torch.Tensor] = {}  # setup.aux_loss_fn, until reported
         self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # B done, W pending
@@ -292,10 +294,12 @@ class StageWorker:
                     if aux is not None:
                         self._aux_losses[key] = aux.detach()
                 out = loss / self.setup.microbatches_per_update
-        self._stash[key] = (x, out)
         if self.layout.is_last(self.stage, op.chunk):
+            self._stash[key] = (x, out, False)
             return None
-        return out.detach()
+        sent = out.detach()  # the receiver's values: the send (or the next stage) holds them from here on
+        self._stash[key] = (x, out, release_output(out))
+        return sent
 
     # -- evaluation --------------------------------------------------------------------
     def begin_evaluation(self, batch_fn: Callable[[int], Batch]) -> None:
@@ -370,7 +374,7 @@ class StageWorker:
 
     def _backward(self, op: Op, grad_output: torch.Tensor | None, defer: bool) -> torch.Tensor | None:
         key = (op.microbatch, op.chunk)
-        x, out = self._stash.pop(key)
+        x, out, released = self._stash.pop(key)
         self.params_ready()
         version = self.weights.before_backward(op)
         scaler = self.setup.loss_scaler
@@ -381,7 +385,7 @@ class StageWorker:
             else:
                 if self._stage_local_scaling:  # arrives unscaled in fp32: apply this stage's scale
                     grad_output = (grad_output * scaler.scale).to(out.dtype)
-                torch.autograd.backward(out, grad_output)
+                (backward_released if released else torch.autograd.backward)(out, grad_output)
         self.weights.after_backward(op)
         if deferred is None:
             self.meter.release(key)

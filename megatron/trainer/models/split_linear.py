@@ -134,7 +134,9 @@ class _DeferrableLinearFunction(torch.autograd.Function):
             grad_input = reduce_scatter_first_dim(grad_input, ctx.sp_group)
         store = active_deferral()
         if store is not None:
-            work = _LinearWeightGrad(ctx.module, ctx.weight_param, bias, x, grad_output)
+            # Detached: the saved input still points into the graph (its grad_fn, and through it the
+            # stage input's AccumulateGrad with that input and its .grad), which B is done with.
+            work = _LinearWeightGrad(ctx.module, ctx.weight_param, bias, x.detach(), grad_output.detach())
             ctx.module._wgrad_fifo.append(work)
             store.add(work)
             return grad_input, None, None, None, None, None
