@@ -133,3 +133,29 @@ def test_tensors_die_at_their_last_op_and_a_drained_worker_holds_nothing(schedul
     for worker in workers:
         assert not worker._stash and not worker._deferred and not worker._fwd_version
         assert not worker._losses and worker.meter.live_count == 0
+
+
+def test_the_lm_head_saves_one_vocab_sized_buffer() -> None:
+    """The last stage's largest activation, ``s * b * vocab`` fp32 per micro-batch, is saved once:
+    megatron's cross-entropy turns the logits into the softmax in place and saves that (a copy,
+    or logits kept next to a softmax or log-softmax, would double the stage's biggest buffer)."""
+    from megatron.trainer.models.gpt import GPTModelArgs, build_gpt_stage, gpt_loss
+
+    s, b, vocab = 16, 2, 2048
+    args = GPTModelArgs(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=s,
+                        max_position_embeddings=s, vocab_size=vocab)
+    stage = build_gpt_stage(args, range(0, 1), False, True, 1, torch.device("cpu"))
+    batch = {"labels": torch.randint(0, vocab, (b, s)), "loss_mask": torch.ones(b, s),
+             "position_ids": torch.arange(s).expand(b, s)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = gpt_loss(stage(torch.randn(s, b, 32, requires_grad=True), batch), batch)
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    vocab_sized = [n for ptr, n in saved.items() if n >= s * b * vocab * 4 and ptr not in params]
+    assert vocab_sized == [s * b * vocab * 4], sorted(saved.values())[-4:]
+    loss.backward()
