@@ -84,6 +84,7 @@ class PeakRSS:
     def __init__(self, root_pid: int, match: str, period: float = 0.1) -> None:
         self.root, self.match, self.period = root_pid, match, period
         self.peak_kb: dict[int, int] = {}
+        self.names: dict[int, str] = {}  # pid -> process name (``megatron-rankN`` for ours)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -119,6 +120,7 @@ class PeakRSS:
                 except (OSError, StopIteration, ValueError):
                     continue
                 self.peak_kb[pid] = max(self.peak_kb.get(pid, 0), hwm)
+                self.names[pid] = name
             self._stop.wait(self.period)
 
     def stop(self) -> float:
@@ -132,7 +134,8 @@ def steady_median(times: list[float]) -> float:
     return statistics.median(times[len(times) // 3:])
 
 
-def run_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> RunResult:
+def train_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> tuple[PeakRSS, list[dict]]:
+    """Train our runtime on ``w``; return its ranks' peak RSS poller (stopped) and the iteration records."""
     log = tmp / f"ours-{schedule}-{m}-{time.monotonic_ns()}.jsonl"
     extra: list[str] = []
     if schedule == "interleaved-1f1b":
@@ -145,13 +148,17 @@ def run_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path)
                             env=_clean_env())
     rss = PeakRSS(proc.pid, "megatron-rank")
     out, _ = proc.communicate()
-    peak = rss.stop()
+    rss.stop()
     if proc.returncode != 0:
         raise SystemExit(f"ours {schedule} m={m} failed:\n{out[-3000:]}")
-    records = [json.loads(line) for line in log.read_text().splitlines() if '"iteration"' in line]
+    return rss, [json.loads(line) for line in log.read_text().splitlines() if '"iteration"' in line]
+
+
+def run_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> RunResult:
+    rss, records = train_ours(schedule, w, stages, m, iters, tmp)
     tokens = w["mbs"] * m * w["seq"]
     times = [tokens / r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
-    return RunResult(tokens / steady_median(times), peak, iteration_s=times)
+    return RunResult(tokens / steady_median(times), rss.stop(), iteration_s=times)
 
 
 def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> RunResult:
