@@ -275,7 +275,8 @@ class StageWorker:
 
     # -- ops ---------------------------------------------------------------------------
     def forward(self, op: Op, received: torch.Tensor | None) -> torch.Tensor | None:
-        """Run F; return the activation to send (None on the last virtual stage)."""
+        """Run F; return the activation to send (None on the last virtual stage). From here on the
+        stash keeps the output's graph, not its values (:mod:`megatron.pipeline.runtime.freed_outputs`)."""
         key = (op.microbatch, op.chunk)
         batch = self._batch(op)
         x = None if received is None else received.detach().requires_grad_(True)
