@@ -406,7 +406,9 @@ def print_timeline(where: Path, iters: int) -> None:
         print(line)
     for line in report("peer", {r: d["iterations"] for r, d in enumerate(peer)}, skip,
                        {r: d["cpu_ms"] for r, d in enumerate(peer)}):
-        print(line, flush=True)
+        print(line)
+    for line in report("peer cpu", {r: d["cpu_iterations"] for r, d in enumerate(peer)}, skip):
+        print(line, flush=True)  # the same ops on the thread's CPU clock: what they cost unloaded
 
 
 def main(argv: list[str] | None = None) -> None:

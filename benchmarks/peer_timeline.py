@@ -124,9 +124,9 @@ def breakdown(iterations: Sequence[list[Span]], skip: int, cpu_ms: Sequence[floa
     return Breakdown(med(periods), med(fwd), med(bwd), med(step), med(idle), cpu)
 
 
-HEADER = "   side rank  period    fwd    bwd   step   idle    cpu   (ms; fwd/bwd per forward op, the rest per iteration)"
+HEADER = "    side rank  period    fwd    bwd   step   idle    cpu   (ms; fwd/bwd per forward op, the rest per iteration)"
 
 
 def report(side: str, per_rank: dict[int, list[list[Span]]], skip: int, cpu: dict[int, list[float]] | None = None) -> list[str]:
-    return [f"{side:>7} {rank:4d} {breakdown(its, skip, (cpu or {}).get(rank, ())).row()}"
+    return [f"{side:>8} {rank:4d} {breakdown(its, skip, (cpu or {}).get(rank, ())).row()}"
             for rank, its in sorted(per_rank.items())]
