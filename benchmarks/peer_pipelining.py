@@ -134,12 +134,20 @@ def steady_median(times: list[float]) -> float:
     return statistics.median(times[len(times) // 3:])
 
 
-def train_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> tuple[PeakRSS, list[dict]]:
-    """Train our runtime on ``w``; return its ranks' peak RSS poller (stopped) and the iteration records."""
+def train_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
+               split: list[int] | None = None, timeline: Path | None = None,
+               flags: tuple[str, ...] = ()) -> tuple[PeakRSS, list[dict]]:
+    """Train our runtime on ``w``; return its ranks' peak RSS poller (stopped) and the iteration
+    records. ``split``: per-stage layer counts (the peer's), None for a multi-chunk schedule (even
+    split); ``timeline``: trace into this directory; ``flags``: more trainer flags."""
     log = tmp / f"ours-{schedule}-{m}-{time.monotonic_ns()}.jsonl"
-    extra: list[str] = []
+    extra: list[str] = [*flags]
     if schedule == "interleaved-1f1b":
-        extra = ["--num-layers-per-virtual-pipeline-stage", str(w["num_layers"] // (2 * stages))]
+        extra += ["--num-layers-per-virtual-pipeline-stage", str(w["num_layers"] // (2 * stages))]
+    if split is not None:
+        extra += ["--pipeline-layer-split", *map(str, split)]
+    if timeline is not None:
+        extra += ["--trace-dir", str(timeline)]
     cmd = [sys.executable, str(REPO / "pretrain_gpt.py"), *model_flags(w), *extra,
            "--pipeline-model-parallel-size", str(stages), "--pipeline-schedule", schedule,
            "--global-batch-size", str(w["mbs"] * m), "--train-iters", str(iters),
@@ -154,14 +162,19 @@ def train_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Pat
     return rss, [json.loads(line) for line in log.read_text().splitlines() if '"iteration"' in line]
 
 
-def run_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> RunResult:
-    rss, records = train_ours(schedule, w, stages, m, iters, tmp)
+def run_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
+             split: list[int] | None = None, timeline: Path | None = None) -> RunResult:
+    """One timed run of our runtime (arguments as for :func:`train_ours`)."""
+    rss, records = train_ours(schedule, w, stages, m, iters, tmp, split, timeline)
     tokens = w["mbs"] * m * w["seq"]
     times = [tokens / r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
     return RunResult(tokens / steady_median(times), rss.stop(), iteration_s=times)
 
 
-def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> RunResult:
+def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
+             split: list[int] | None = None, timeline: Path | None = None) -> RunResult:
+    """One run of the peer; ``split`` as for :func:`run_ours` (None: even over its parts);
+    ``timeline``: write its ranks' op spans to ``timeline/peer.json``."""
     out_file = tmp / f"peer-{schedule}-{m}-{time.monotonic_ns()}.json"
     port = _free_port()
     procs = []
@@ -169,7 +182,8 @@ def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path)
         env = dict(_clean_env(), RANK=str(rank), WORLD_SIZE=str(stages), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         cmd = [sys.executable, __file__, "--worker", schedule, "--worker-out", str(out_file),
-               "--worker-m", str(m), "--worker-iters", str(iters), "--worker-workload", json.dumps(w)]
+               "--worker-m", str(m), "--worker-iters", str(iters), "--worker-workload", json.dumps(w),
+               "--worker-split", json.dumps(split), "--worker-timeline", str(timeline or "")]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     monitors = [PeakRSS(p.pid, "python") for p in procs]
@@ -208,7 +222,8 @@ def _virtual_stages(schedule: str, rank: int, world: int) -> list[int]:
     return [rank, rank + world]
 
 
-def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str) -> None:
+def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split: list[int] | None = None,
+                timeline: str = "") -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed import pipelining
@@ -226,7 +241,7 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str) -> No
     args = parse_args(model_flags(w) + ["--pipeline-model-parallel-size", "1"])
     model_args = gpt_model_args(args)
     parts = 2 * world if schedule in MULTI_CHUNK else world
-    layers = split_layers(w["num_layers"], parts)
+    layers = split_layers(w["num_layers"], parts, split)
     labels: collections.deque = collections.deque()
 
     class Chunk(torch.nn.Module):
@@ -267,6 +282,13 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str) -> No
 
     from megatron.trainer.data.mock import MockGPTData
 
+    from benchmarks.peer_timeline import PeerRecorder, cpu_ms, now_ms
+
+    recorder = PeerRecorder()
+    if timeline:
+        for stage in stages:
+            recorder.wrap(stage)
+
     data = MockGPTData(w["seq"], w["vocab"], args.seed)
     holds_first, holds_last = 0 in mine, parts - 1 in mine
     times = []
@@ -277,22 +299,31 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str) -> No
             labels.extend(torch.stack([s["labels"] for s in samples]).chunk(m))
         target = torch.stack([s["loss_mask"] for s in samples]) if holds_last else None
         start = time.perf_counter()
+        recorder.begin()
         opt.zero_grad(set_to_none=True)
         step_args = (tokens,) if holds_first else ()
         sched.step(*step_args, target=target)
+        step_start, step_cpu = now_ms(), cpu_ms()
         sq = torch.stack([p.grad.pow(2).sum() for p in params if p.grad is not None]).sum()
         dist.all_reduce(sq)  # global-norm clipping across stages, as ours does
         coef = min(1.0, 1.0 / (float(sq.sqrt()) + 1e-6))
         if coef < 1.0:
             torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
         opt.step()
+        recorder.step(step_start, step_cpu)
         times.append(time.perf_counter() - start)
 
     compute = _compute_time(chunks, m, w, data, labels)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, compute)
+    spans: list = [None] * world
+    dist.all_gather_object(spans, {"iterations": recorder.iterations, "cpu_iterations": recorder.cpu_iterations,
+                                   "cpu_ms": recorder.cpu_ms})
     if rank == 0:
         Path(out_file).write_text(json.dumps({"iteration_s": times, "compute_s": gathered}))
+        if timeline:
+            Path(timeline).mkdir(parents=True, exist_ok=True)
+            (Path(timeline) / "peer.json").write_text(json.dumps(spans))
     dist.destroy_process_group()
 
 
@@ -324,22 +355,45 @@ def _compute_time(chunks, m: int, w: dict, data, labels: collections.deque) -> f
 # --------------------------------------------------------------------------- the comparison
 
 
-def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iters: int, tmp: Path) -> dict:
+def layer_split(w: dict, stages: int, how: str) -> list[int]:
+    """Per-stage layer counts of a one-part-per-stage run: our default (``balanced``: the
+    cost model's split, what ``pretrain_gpt.py`` picks without ``--pipeline-layer-split``) or
+    ``even``. Both sides of a single-chunk comparison get these counts, so only the runtime differs."""
+    if how == "even":
+        return [w["num_layers"] // stages] * stages
+    from megatron.trainer.config.arguments import parse_args
+
+    args = parse_args(model_flags(w) + ["--pipeline-model-parallel-size", str(stages), "--pipeline-schedule", "1f1b",
+                                        "--global-batch-size", str(w["mbs"] * stages)])
+    return list(args.pipeline_layer_split or [w["num_layers"] // stages] * stages)
+
+
+def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iters: int, tmp: Path,
+            split: list[int], timeline: Path | None = None) -> dict:
+    """``split``: the per-stage layer counts of both sides when both hold one part per stage
+    (ours gets it for zb-2p too; the peer's two-chunk schedules split evenly over 2N parts)."""
     ratios, ours_runs, peer_runs = [], [], []
+    ours_split = None if ours == "interleaved-1f1b" else split
+    peer_split = None if peer in MULTI_CHUNK else split
     for pair in range(pairs):
         order = [("ours", ours), ("peer", peer)] if pair % 2 == 0 else [("peer", peer), ("ours", ours)]
         got = {}
+        where = timeline / f"{ours}-{peer}-m{m}-pair{pair}" if timeline is not None else None
         for side, name in order:
-            runner = run_ours if side == "ours" else run_peer
-            got[side] = runner(name, w, stages, m, iters, tmp)
+            if side == "ours":
+                got[side] = run_ours(name, w, stages, m, iters, tmp, ours_split, where)
+            else:
+                got[side] = run_peer(name, w, stages, m, iters, tmp, peer_split, where)
         ours_runs.append(got["ours"])
         peer_runs.append(got["peer"])
         ratios.append(got["ours"].tokens_per_s / got["peer"].tokens_per_s)
         print(f"  pair {pair}: {ours} {got['ours'].tokens_per_s:.0f} tok/s, {peer} {got['peer'].tokens_per_s:.0f} "
               f"tok/s, ratio {ratios[-1]:.3f} (load {os.getloadavg()[0]:.1f})", flush=True)
+        if where is not None:
+            print_timeline(where, iters)
     bound = statistics.median(r.bound_tokens_per_s for r in peer_runs)
     return {
-        "ours": ours, "peer": peer, "m": m, "ratios": ratios,
+        "ours": ours, "peer": peer, "m": m, "split": ours_split, "ratios": ratios,
         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
         "ours_tokens_per_s": statistics.median(r.tokens_per_s for r in ours_runs),
         "peer_tokens_per_s": statistics.median(r.tokens_per_s for r in peer_runs),
@@ -351,6 +405,22 @@ def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iter
     }
 
 
+def print_timeline(where: Path, iters: int) -> None:
+    """Both sides' per-rank breakdown of one pair (:mod:`benchmarks.peer_timeline`)."""
+    from benchmarks.peer_timeline import HEADER, ours_iterations, report
+
+    skip = iters // 3
+    peer = json.loads((where / "peer.json").read_text())
+    print(HEADER)
+    for line in report("ours", ours_iterations(where), skip):
+        print(line)
+    for line in report("peer", {r: d["iterations"] for r, d in enumerate(peer)}, skip,
+                       {r: d["cpu_ms"] for r, d in enumerate(peer)}):
+        print(line)
+    for line in report("peer cpu", {r: d["cpu_iterations"] for r, d in enumerate(peer)}, skip):
+        print(line, flush=True)  # the same ops on the thread's CPU clock: what they cost unloaded
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=int, default=2)
@@ -359,26 +429,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--schedules", nargs="+", default=list(COMPARISONS), choices=list(COMPARISONS))
     p.add_argument("--quick", action="store_true", help="tiny model, one pair, 4 iterations (a smoke run)")
+    p.add_argument("--split", choices=("balanced", "even"), default="balanced",
+                   help="layer split of both sides (balanced: our default's counts)")
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="trace both sides into DIR and print each pair's per-rank breakdown")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-m", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-iters", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-workload", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-split", default="null", help=argparse.SUPPRESS)
+    p.add_argument("--worker-timeline", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        peer_worker(a.worker, a.worker_m, a.worker_iters, json.loads(a.worker_workload), a.worker_out)
+        peer_worker(a.worker, a.worker_m, a.worker_iters, json.loads(a.worker_workload), a.worker_out,
+                    json.loads(a.worker_split), a.worker_timeline)
         return
     w = QUICK if a.quick else WORKLOAD
     pairs, iters = (1, 4) if a.quick else (a.pairs, a.iters)
     rows = []
+    split = layer_split(w, a.stages, a.split)
+    timeline = Path(a.timeline) if a.timeline else None
+    began = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         for m in a.microbatches:
             for ours in a.schedules:
                 for peer in COMPARISONS[ours]:
                     print(f"{ours} vs {peer}, m={m}:", flush=True)
-                    rows.append(compare(ours, peer, w, a.stages, m, pairs, iters, Path(tmp)))
-    print(f"\nN={a.stages}, workload {w}, {pairs} interleaved pairs, {iters} iterations per run\n")
+                    rows.append(compare(ours, peer, w, a.stages, m, pairs, iters, Path(tmp), split, timeline))
+    print(f"\nN={a.stages}, workload {w}, layer split {split} ({a.split}), {pairs} interleaved pairs, "
+          f"{iters} iterations per run, {time.monotonic() - began:.0f} s in all\n")
     print("| ours | peer | m | ratio ours/peer median (min-max) | ours tok/s | peer tok/s | "
           "ours / bound | peer / bound | peak RSS MB ours | peak RSS MB peer |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -5,7 +5,8 @@ this executor's own is how its stream advances: receives are posted a few ops ah
 order, so per-peer FIFO matching is preserved) to overlap communication with compute; sends
 are non-blocking, and each sent tensor is released as soon as its send completes
 (:class:`~megatron.pipeline.runtime.transport.distributed.P2PChannel`); activations are freed by
-the worker as soon as their backward ran. Every wait has a timeout, and any failure is raised as
+the worker as soon as their backward ran. The logging rank collects a step's statistics after
+its next compute op, not at the step (the next iteration's first forward goes first). Every wait has a timeout, and any failure is raised as
 :class:`PipelineRuntimeError` naming stage and op.
 """
 from __future__ import annotations
@@ -71,7 +72,10 @@ class DistributedExecutor:
                     continue
                 inputs = {m: self.channel.wait(m) for m in op_recvs(current, layout)}
                 self.core.execute(current, inputs, self.channel.send)
+                # The last step's statistics: after this op, whose sends are on their way.
+                self.transport.collect_reports()
             current = None
+            self.transport.collect_reports()
             self.channel.flush()
         except PipelineRuntimeError as exc:
             raise PipelineRuntimeError(self._where(current) + str(exc)) from exc

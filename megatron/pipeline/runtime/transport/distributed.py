@@ -107,12 +107,16 @@ class P2PChannel:
 class SideChannelReports:
     """Ships every reporting rank's :class:`StageReport` to the logging rank over a gloo side group.
 
-    Non-logging ranks ``isend`` and move on. The logging rank is stage 0 / replica 0: in
-    every schedule here stage 0 is the last to finish an update, so the others' reports
-    for that update have already been sent when it collects them. Only tensor-parallel rank
-    0 of each (stage, replica) reports: its TP peers computed the same loss (vocab-parallel
-    cross-entropy is reduced over the group) and the same TP-reduced norms, so the log is
-    the TP = 1 log.
+    Non-logging ranks ``isend`` and move on. The logging rank is stage 0 / replica 0: at
+    :meth:`submit` it only posts the receives of the others' reports; :meth:`collect` waits
+    for them and hands the update to the collector (the logger). The runtime collects after
+    the logging rank's next compute op (and at the end of every run), not at the step: stage 0
+    starts the next iteration's first forward, which every other stage is waiting for, right
+    after its step instead of after the slowest stage's step, the report's trip and the log
+    line (the others send their reports right after their own step, so the wait is over by
+    then). Only tensor-parallel rank 0 of each (stage, replica) reports: its TP peers computed
+    the same loss (vocab-parallel cross-entropy is reduced over the group) and the same
+    TP-reduced norms, so the log is the TP = 1 log.
     """
 
     def __init__(self, groups: StageGroups, collector: ReportSink | None, timeout: timedelta, logging_rank: int = 0):
@@ -121,6 +125,9 @@ class SideChannelReports:
         self.timeout = timeout
         self.logging_rank = logging_rank
         self._sends = SendReaper(timeout, threaded=True)  # the side group is gloo
+        # Logging rank: submitted updates whose other reports are still to be waited for, in
+        # order: (own report, its replica, [(rank, buffer, receive)]).
+        self._pending: list[tuple[StageReport, int, list[tuple[int, torch.Tensor, dist.Work]]]] = []
 
     def submit(self, report: StageReport, replica: int) -> None:
         if self.groups.tp_rank != 0:
@@ -131,17 +138,26 @@ class SideChannelReports:
             self._sends.add(self.logging_rank, work, t, f"the statistics of update {report.update}")
             return
         assert self.collector is not None
-        self.collector.submit(report, replica)
+        receives = []
         for rank in reporting_ranks(self.groups):
-            if rank == self.logging_rank:
-                continue
-            buf = torch.empty(StageReport.size(), dtype=torch.float64)
-            work = dist.irecv(buf, src=rank, group=self.groups.reports)
-            stage = self.groups.layout.coords(rank)[0]
-            wait_or_raise(work, self.timeout, f"collecting statistics of update {report.update} from stage {stage} (rank {rank})")
-            self.collector.submit(StageReport.from_tensor(buf), self.groups.layout.coords(rank)[1])
+            if rank != self.logging_rank:
+                buf = torch.empty(StageReport.size(), dtype=torch.float64)
+                receives.append((rank, buf, dist.irecv(buf, src=rank, group=self.groups.reports)))
+        self._pending.append((report, replica, receives))
+
+    def collect(self) -> None:
+        """Wait for the posted reports and submit every pending update, in order (logging rank)."""
+        pending, self._pending = self._pending, []
+        for report, replica, receives in pending:
+            assert self.collector is not None
+            self.collector.submit(report, replica)
+            for rank, buf, work in receives:
+                stage, other_replica = self.groups.layout.coords(rank)[:2]
+                wait_or_raise(work, self.timeout, f"collecting statistics of update {report.update} from stage {stage} (rank {rank})")
+                self.collector.submit(StageReport.from_tensor(buf), other_replica)
 
     def flush(self) -> None:
+        self.collect()
         self._sends.flush()
 
 
@@ -264,7 +280,14 @@ class DistributedTransport(Transport):
         if self._reports is not None:
             self._reports.flush()
 
+    def collect_reports(self) -> None:
+        """Log the updates whose reports were submitted and not yet collected (see
+        :class:`SideChannelReports`); a no-op off the logging rank."""
+        if self._reports is not None:
+            self._reports.collect()
+
     def _all_reduce(self, values: Sequence[float], op: dist.ReduceOp) -> list[float]:
+        self.collect_reports()  # the side group's pending receives come first
         tensor = torch.tensor(list(values), dtype=torch.float64)
         dist.all_reduce(tensor, op=op, group=self.groups.reports)
         return tensor.tolist()
@@ -276,10 +299,12 @@ class DistributedTransport(Transport):
         return self._all_reduce(values, dist.ReduceOp.MAX)
 
     def barrier(self) -> None:
+        self.collect_reports()
         dist.barrier(group=self.groups.reports)
 
     def gather_rows(self, rows: Mapping[int, Sequence[float]]) -> list[tuple[int, list[float]]]:
         (row,) = rows.values()
+        self.collect_reports()
         mine = torch.tensor([float(x) for x in row], dtype=torch.float64)
         out = [torch.empty_like(mine) for _ in range(self.groups.layout.world_size)]
         dist.all_gather(out, mine, group=self.groups.reports, async_op=True).wait(self.timeout)
