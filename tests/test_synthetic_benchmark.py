@@ -88,6 +88,7 @@ def _synthetic_worker(t_b: float, t_w: float):
         "--num-attention-heads", "1", "--seq-length", "4", "--micro-batch-size", "1",
         "--global-batch-size", "2", "--train-iters", "1", "--device", "cpu",
         "--synthetic-forward-ms", "0", "--synthetic-backward-ms", str(t_b), "--synthetic-wgrad-ms", str(t_w),
+        "--log-activation-memory",
     ], parser)
     return build_worker(task, args, 0, 0, torch.device("cpu"), isolate_rng=True)
 

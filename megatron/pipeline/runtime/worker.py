@@ -104,6 +104,9 @@ class StageSetup:
     # The stage's tensor-parallel group (megatron's); None at TP = 1. Its ranks run the same
     # ops, and the stage's norms are reduced over it (megatron.pipeline.runtime.tensor_parallel).
     tp_group: Any = None
+    # Count activation bytes with saved-tensor hooks (--log-activation-memory); off, the meter
+    # only counts in-flight micro-batches and costs no hook (megatron.pipeline.runtime.memory).
+    measure_activations: bool = False
 
 
 class StageWorker:
@@ -124,7 +127,7 @@ class StageWorker:
         self._fwd_version: dict[tuple[int, int], int] = {}
         self._aux_losses: dict[tuple[int, int], torch.Tensor] = {}  # setup.aux_loss_fn, until reported
         self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # B done, W pending
-        self.meter = ActivationMeter(setup.optimizer.parameters())
+        self.meter = ActivationMeter(setup.optimizer.parameters(), measure_bytes=setup.measure_activations)
         self.weights = setup.weight_policy or WeightPolicy(setup.optimizer.parameters(), setup.optimizer)
         self.drift_histogram: Counter[int] = Counter()
         self.update_log: list[dict[str, Any]] = []  # per update of the interval: lr, norm, skipped

@@ -46,7 +46,7 @@ def _run_compute_op(
     if profiler is not None:
         worker.profiler = None
         try:
-            with profiler.timed(op, worker.meter):
+            with profiler.timed(op, worker.meter), worker.meter.measuring():  # M_W / M_B needs bytes
                 return _run_compute_op(worker, op, inputs)
         finally:
             worker.profiler = profiler
