@@ -23,6 +23,8 @@ it to what W still holds (the queued ``x`` and ``dy`` tensors; ``dy`` was not sa
 forward, so it is counted from B on) and W releases it; a micro-batch with nothing queued
 is released at B already. So ``peak_count`` counts micro-batches holding any activation
 memory, including those waiting only for W, and ``peak_bytes`` sees M_W, not M_B, for them.
+Bytes are counted only with ``StageSetup.measure_activations`` (``--log-activation-memory``) or
+around a profiled op; otherwise no saved-tensor hook runs and the byte figures stay 0.
 """
 from __future__ import annotations
 
