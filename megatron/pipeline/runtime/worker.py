@@ -178,11 +178,12 @@ class StageWorker:
         if self.setup.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.setup.device)
 
+    def _rng_scope(self) -> contextlib.AbstractContextManager[None]:
+        """This stage's RNG inside the block (the emulator's stages share one process)."""
+        return self._isolated_rng() if self._isolate_rng else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def _rng_scope(self) -> Iterator[None]:
-        if not self._isolate_rng:
-            yield
-            return
+    def _isolated_rng(self) -> Iterator[None]:
         outer = torch.get_rng_state()
         torch.set_rng_state(self._rng)
         try:
