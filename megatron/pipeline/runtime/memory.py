@@ -19,6 +19,11 @@ from collections.abc import Iterable, Iterator
 import torch
 
 
+def _unchanged(t: torch.Tensor) -> torch.Tensor:
+    """The unpack hook: the meter only looks at what is saved."""
+    return t
+
+
 class ActivationMeter:
     """Live and peak activation bytes / micro-batch counts of one stage."""
 
@@ -50,20 +55,21 @@ class ActivationMeter:
 
     @contextlib.contextmanager
     def _record_bytes(self, key: object) -> Iterator[None]:
+        params = self._param_storages
         seen: set[int] = set()
-        total = 0
+        sizes: list[int] = []
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self._param_storages and ptr not in seen:
+        def pack(t: torch.Tensor) -> torch.Tensor:  # one call per saved tensor: kept minimal
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in seen and ptr not in params:
                 seen.add(ptr)
-                total += t.untyped_storage().nbytes()
+                sizes.append(storage.nbytes())
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unchanged):
             yield
-        self._add(key, total)
+        self._add(key, sum(sizes))
 
     def _add(self, key: object, nbytes: int) -> None:
         self._live[key] = self._live.get(key, 0) + nbytes
