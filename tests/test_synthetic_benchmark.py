@@ -130,6 +130,36 @@ def test_synthetic_wgrad_sleep_lands_in_w_or_in_the_fused_backward() -> None:
     assert all(torch.equal(a, c) for a, c in zip(split_grads, fused_grads)), "B + W gradients differ from BW's"
 
 
+def test_synthetic_sleep_ends_at_its_deadline_with_a_tight_timer_slack() -> None:
+    """The benchmark model's sleeps: a forward's T_F counts from the forward's start (work before
+    the sleep is inside T_F, not added to it), and on Linux the sleeping thread's timer slack is
+    1 ns (the default 50 us slack let a sleep overshoot into the measured runtime cost)."""
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    from megatron.trainer.tasks.synthetic import sleep_until
+
+    def run() -> None:
+        start = time.perf_counter()
+        sleep_until(start - 1.0)  # a deadline in the past returns at once
+        assert time.perf_counter() - start < 0.5
+        sleep_until(start + 0.02)
+        elapsed.append(time.perf_counter() - start)
+        slack = Path("/proc/thread-self/timerslack_ns")
+        slacks.append(int(slack.read_text()) if slack.exists() else None)
+
+    elapsed: list[float] = []
+    slacks: list[int | None] = []
+    thread = threading.Thread(target=run)  # a thread of its own: the slack stays with it
+    thread.start()
+    thread.join()
+    assert elapsed[0] >= 0.02, f"woke {1000 * (0.02 - elapsed[0]):.3f} ms before the deadline"
+    if sys.platform.startswith("linux") and slacks[0] is not None:
+        assert slacks[0] == 1, slacks
+
+
 def test_synthetic_wgrad_defaults_to_zero() -> None:
     """Backwards compatible: without the flag a backward sleeps T_B only and W costs nothing."""
     from megatron.trainer.config.arguments import build_parser
