@@ -1,33 +1,40 @@
 """What each piece of a rank's instrumentation costs, off and on, in CPU time per op.
 
 Issue 18 asks that instrumentation which is off costs nothing and instrumentation which is on
-costs at most 3 %. This runs the same small training through the real trainer and the
-distributed executor (one rank, world size 1, in this process) once per variant:
+costs at most 3 %. Variants:
 
 * ``off``: no instrumentation flag (what the speed benchmarks run);
 * ``meter``: ``--log-activation-memory`` (saved-tensor hooks count every saved tensor's bytes);
-* ``trace``: ``--trace-dir`` (every op's span recorded and written);
+* ``trace``: ``--trace-dir`` (every op's span recorded);
 * ``params-norm``: ``--log-params-norm`` (a report carries the parameters' sum of squares);
-* ``drift``: ``--log-weight-version-drift`` (the drift bookkeeping itself always runs: it is
-  what the reports carry; the flag only prints it);
 * ``all``: every flag above at once.
+(The drift bookkeeping has no switch: one list append and one counter increment per backward,
+which the reports carry; ``--log-weight-version-drift`` only prints it. The end-to-end mode
+times that flag too.)
 
-Measure: the rank's main-thread CPU time (``time.thread_time``) between consecutive log
-records (``--log-interval 1``: one iteration each, statistics report and optimizer step
-included), divided by the iteration's compute ops (F and BW), of the cheapest iteration after
-the first two. CPU time, not wall time, so other processes' running time does not enter the
-number; and the cheapest iteration, because what a loaded host still adds to CPU time (caches
-and cores shared with other work) only ever adds. The variants run interleaved, ``--rounds`` times, and the on/off ratio is formed per
-round (the median and min-max over rounds are printed). Every run is a fresh process (a
-megatron-core process keeps its parallel state), which times itself and prints the result.
+**Paired mode (default).** One stage worker is built by the trainer (``emulate`` of one
+iteration, which is also the warm-up, N = 1, one thread), then iterations run on it directly
+(``run_compute_op`` for every F and BW, the optimizer step and the statistics report, as an
+executor runs them), each variant switched on the worker as its flag does
+(``StageSetup.measure_activations`` -> the meter's ``measure_bytes``, the tracer the trainer
+attaches, ``report_params_norm``). The variants take turns iteration by iteration, so a pair
+is milliseconds apart and sees the same load; the measure is the main thread's CPU time
+(``time.thread_time``) per compute op, and the on/off ratio is formed per round (median and
+min-max over ``--rounds`` rounds).
+
+**End-to-end mode** (``--end-to-end``): every variant is a whole trainer run with the flag, in
+a fresh process (a megatron-core process keeps its parallel state), through the distributed
+executor (world size 1); the measure is the CPU time between consecutive log records
+(``--log-interval 1``) over the iteration's compute ops, the cheapest iteration after the first
+two (what a loaded host adds to CPU time, shared caches and cores, only ever adds).
 
 Workloads: ``synthetic`` (the synthetic-cost stage with zero sleeps, so only the runtime's
 own work is left: ``megatron/trainer/tasks/synthetic.py``) and ``gpt`` (one stage of the speed
 issue's workload, ``benchmarks/peer_pipelining.py``'s ``WORKLOAD`` with the layers of one of its
 two stages; ``--quick``: its tiny model).
 
-    python benchmarks/instrumentation_overhead.py                  # both workloads, ~4 min
-    python benchmarks/instrumentation_overhead.py --workloads synthetic --rounds 5
+    python benchmarks/instrumentation_overhead.py                   # paired, both workloads, ~3 min
+    python benchmarks/instrumentation_overhead.py --end-to-end --rounds 3
 """
 from __future__ import annotations
 
@@ -123,7 +130,7 @@ def cpu_ms_per_op(workload: str, variant: str, quick: bool, iters: int, tmp: Pat
 
 
 def run_child(workload: str, variant: str, quick: bool, iters: int, tmp: Path) -> float:
-    """One run in a fresh process (see the module docstring); its CPU ms per op."""
+    """One end-to-end run in a fresh process (see the module docstring); its CPU ms per op."""
     cmd = [sys.executable, __file__, "--child", workload, variant, "--child-iters", str(iters), "--child-tmp", str(tmp),
            *(["--quick"] if quick else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=900)
@@ -132,47 +139,116 @@ def run_child(workload: str, variant: str, quick: bool, iters: int, tmp: Path) -
     return float(proc.stdout.strip().splitlines()[-1])
 
 
+def end_to_end(workload: str, variants: list[str], rounds: int, quick: bool, iters: int) -> dict[str, list[float]]:
+    """CPU ms per op of every variant, one fresh trainer process per run, interleaved by round."""
+    runs: dict[str, list[float]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory(prefix="instrumentation-") as tmp:
+        for r in range(rounds):
+            for variant in variants:
+                runs[variant].append(run_child(workload, variant, quick, iters, Path(tmp)))
+            print(f"# {workload} round {r + 1}: " + ", ".join(f"{v} {runs[v][-1]:.4f}" for v in variants), flush=True)
+    return runs
+
+
+class PairedStage:
+    """One trainer-built stage worker (N = 1) driven iteration by iteration with the variants'
+    instrumentation switched on it (see the module docstring)."""
+
+    def __init__(self, workload: str, quick: bool):
+        from megatron.pipeline.runtime.tracing import StageTracer
+        from megatron.trainer.loop.training import emulate, preflight
+
+        argv, self.ops = workload_argv(workload, quick, 1)
+        task = task_of(workload)
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = preflight(task, [*argv, "--pipeline-executor", "emulator"])
+            (self.worker,) = emulate(task, args)  # one iteration: the warm-up
+        self.microbatches = self.ops // 2
+        self.tracer = StageTracer(0, 0, self.worker.layout, "emulator", args.pipeline_schedule,
+                                  self.microbatches, self.worker.setup.device)
+        self.update = 1
+
+    def switch(self, variant: str) -> None:
+        on = set(VARIANTS[variant])
+        self.worker.meter.measure_bytes = "--log-activation-memory" in on
+        self.worker.tracer = self.tracer if "--trace-dir" in on else None
+        self.worker.setup.report_params_norm = "--log-params-norm" in on
+
+    def iteration(self) -> float:
+        """Main-thread CPU ms per compute op of one iteration: F and BW of every micro-batch, the
+        step and the report, as an executor runs them."""
+        from megatron.pipeline.ir import BW, F, OPT
+        from megatron.pipeline.runtime.executors.common import run_compute_op
+
+        w, u = self.worker, self.update
+        start = time.thread_time()
+        for mb in range(u * self.microbatches, (u + 1) * self.microbatches):
+            run_compute_op(w, F(0, mb), {})
+            run_compute_op(w, BW(0, mb), {})
+        op = OPT(0, u, sync=True)
+        w.apply_update(op, [w.grad_sq_norm(op)])
+        w.take_report(u)
+        self.update += 1
+        self.tracer.ops.clear()  # a long trace is written per segment; here it would only grow
+        return 1000.0 * (time.thread_time() - start) / self.ops
+
+
+def paired(workload: str, variants: list[str], rounds: int, quick: bool) -> dict[str, list[float]]:
+    """CPU ms per op of every variant, the variants taking turns iteration by iteration."""
+    stage = PairedStage(workload, quick)
+    runs: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(rounds):
+        order = variants if r % 2 == 0 else variants[::-1]  # neither side always goes first
+        for variant in order:
+            stage.switch(variant)
+            runs[variant].append(stage.iteration())
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
     p.add_argument("--child-iters", type=int, help=argparse.SUPPRESS)
     p.add_argument("--child-tmp", help=argparse.SUPPRESS)
     p.add_argument("--workloads", nargs="+", choices=("synthetic", "gpt"), default=["synthetic", "gpt"])
-    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the variants")
-    p.add_argument("--synthetic-iters", type=int, default=60)
-    p.add_argument("--gpt-iters", type=int, default=8)
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=None)
+    p.add_argument("--end-to-end", action="store_true", help="whole trainer runs, one process per variant and round")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds (default: paired 300 synthetic / 12 gpt iterations; end-to-end 3)")
+    p.add_argument("--synthetic-iters", type=int, default=60, help="end-to-end: iterations per run")
+    p.add_argument("--gpt-iters", type=int, default=8, help="end-to-end: iterations per run")
     p.add_argument("--quick", action="store_true", help="the tiny GPT instead of the speed workload's stage")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    if a.child:  # one timed run in this process: print its CPU ms per op
+    if a.child:  # one timed end-to-end run in this process: print its CPU ms per op
         print(cpu_ms_per_op(a.child[0], a.child[1], a.quick, a.child_iters, Path(a.child_tmp)))
         return 0
-    if "off" not in a.variants:
+    variants = a.variants or [v for v in VARIANTS if a.end_to_end or v != "drift"]
+    if "off" not in variants:
         p.error("--variants must include off: the ratios are against it")
+    if not a.end_to_end and "drift" in variants:
+        p.error("drift has no switch on the worker (its bookkeeping always runs): time its flag with --end-to-end")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     load = lambda: " ".join(Path("/proc/loadavg").read_text().split()[:3])  # noqa: E731
-    print(f"# load average before: {load()}", flush=True)
+    print(f"# {'end-to-end' if a.end_to_end else 'paired'}; load average before: {load()}", flush=True)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="instrumentation-") as tmp:
-        for workload in a.workloads:
+    for workload in a.workloads:
+        if a.end_to_end:
             iters = a.synthetic_iters if workload == "synthetic" else a.gpt_iters
-            runs: dict[str, list[float]] = {v: [] for v in a.variants}
-            for r in range(a.rounds):
-                for variant in a.variants:
-                    runs[variant].append(run_child(workload, variant, a.quick, iters, Path(tmp)))
-                print(f"# {workload} round {r + 1}: " + ", ".join(f"{v} {runs[v][-1]:.4f}" for v in a.variants), flush=True)
-            for variant in a.variants:
-                ratios = [on / off for on, off in zip(runs[variant], runs["off"])]
-                rows.append({"workload": workload, "variant": variant, "flags": " ".join(VARIANTS[variant]),
-                             "cpu_ms_per_op": statistics.median(runs[variant]), "runs_ms": runs[variant],
-                             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)})
-    print(f"\n{a.rounds} interleaved rounds; load average after: {load()}\n")
-    print("| workload | instrumentation | flags | CPU ms per op (median) | on / off (median, min-max) |")
-    print("|---|---|---|---|---|")
+            runs = end_to_end(workload, variants, a.rounds or 3, a.quick, iters)
+        else:
+            runs = paired(workload, variants, a.rounds or (300 if workload == "synthetic" else 12), a.quick)
+        for variant in variants:
+            ratios = [on / off for on, off in zip(runs[variant], runs["off"])]
+            rows.append({"workload": workload, "variant": variant, "flags": " ".join(VARIANTS[variant]),
+                         "cpu_ms_per_op": statistics.median(runs[variant]), "rounds": len(ratios),
+                         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)})
+    print(f"\nload average after: {load()}\n")
+    print("| workload | instrumentation | flags | CPU ms per op (median) | on / off per round: median (min-max) | rounds |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['variant']} | {r['flags'].replace('{trace}', 'DIR') or '-'} | "
-              f"{r['cpu_ms_per_op']:.4f} | {r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) |")
+              f"{r['cpu_ms_per_op']:.4f} | {r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {r['rounds']} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
     return 0

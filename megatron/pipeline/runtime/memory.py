@@ -24,6 +24,36 @@ def _unchanged(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class _SavedBytes:
+    """The block of :meth:`ActivationMeter.record` with byte measuring: a plain object, not a
+    generator context manager, since it runs on every forward and its pack hook on every
+    saved tensor."""
+
+    __slots__ = ("meter", "key", "seen", "total", "hooks")
+
+    def __init__(self, meter: "ActivationMeter", key: object):
+        self.meter, self.key = meter, key
+        self.seen: set[int] = set()
+        self.total = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unchanged)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.seen and ptr not in self.meter._param_storages:
+            self.seen.add(ptr)
+            self.total += storage.nbytes()
+        return t
+
+    def __enter__(self) -> None:
+        self.hooks.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.__exit__(*exc)
+        if exc[0] is None:
+            self.meter._add(self.key, self.total)
+
+
 class ActivationMeter:
     """Live and peak activation bytes / micro-batch counts of one stage."""
 
@@ -49,27 +79,9 @@ class ActivationMeter:
         """Attribute everything autograd saves inside the block to ``key``; without byte
         measuring, only mark ``key`` live (no hook)."""
         if self.measure_bytes:
-            return self._record_bytes(key)
+            return _SavedBytes(self, key)
         self._add(key, 0)
         return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _record_bytes(self, key: object) -> Iterator[None]:
-        params = self._param_storages
-        seen: set[int] = set()
-        sizes: list[int] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:  # one call per saved tensor: kept minimal
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in seen and ptr not in params:
-                seen.add(ptr)
-                sizes.append(storage.nbytes())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unchanged):
-            yield
-        self._add(key, sum(sizes))
 
     def _add(self, key: object, nbytes: int) -> None:
         self._live[key] = self._live.get(key, 0) + nbytes
