@@ -134,12 +134,14 @@ def steady_median(times: list[float]) -> float:
     return statistics.median(times[len(times) // 3:])
 
 
-def train_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path) -> tuple[PeakRSS, list[dict]]:
-    """Train our runtime on ``w``; return its ranks' peak RSS poller (stopped) and the iteration records."""
+def train_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
+               flags: tuple[str, ...] = ()) -> tuple[PeakRSS, list[dict]]:
+    """Train our runtime on ``w`` (plus trainer ``flags``); return its ranks' peak RSS poller
+    (stopped) and the iteration records."""
     log = tmp / f"ours-{schedule}-{m}-{time.monotonic_ns()}.jsonl"
-    extra: list[str] = []
+    extra: list[str] = [*flags]
     if schedule == "interleaved-1f1b":
-        extra = ["--num-layers-per-virtual-pipeline-stage", str(w["num_layers"] // (2 * stages))]
+        extra += ["--num-layers-per-virtual-pipeline-stage", str(w["num_layers"] // (2 * stages))]
     cmd = [sys.executable, str(REPO / "pretrain_gpt.py"), *model_flags(w), *extra,
            "--pipeline-model-parallel-size", str(stages), "--pipeline-schedule", schedule,
            "--global-batch-size", str(w["mbs"] * m), "--train-iters", str(iters),
