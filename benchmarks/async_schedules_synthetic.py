@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pipemare_decay:
         cases = [dataclasses.replace(c, extra_args=("--pipemare-discrepancy-decay", str(args.pipemare_decay)))
                  if c.schedule == "pipemare" else c for c in cases]
+    # the measured-bytes column needs the activation meter's hooks (off by default)
+    cases = [dataclasses.replace(c, extra_args=(*c.extra_args, "--log-activation-memory")) for c in cases]
     workdir_ctx = tempfile.TemporaryDirectory(prefix="async-synthetic-") if args.workdir is None else None
     workdir = Path(args.workdir or workdir_ctx.name)  # type: ignore[union-attr]
     workdir.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ def _argv(opts: argparse.Namespace, extra: list[str]) -> list[str]:
             "--micro-batch-size", "1", "--global-batch-size", str(opts.dp * opts.microbatches),
             "--train-iters", str(opts.iters), "--log-interval", str(opts.iters), "--device", "cpu",
             "--num-threads", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--pipeline-schedule", "1f1b", *(["--bf16"] if opts.bf16 else []),
+            "--pipeline-schedule", "1f1b", "--log-activation-memory", *(["--bf16"] if opts.bf16 else []),
             # an even split: the default balanced split moves layers when recompute changes the costs
             "--pipeline-layer-split", *[str(opts.layers // opts.stages)] * opts.stages, *extra]
 

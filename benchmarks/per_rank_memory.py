@@ -55,7 +55,7 @@ def argv_for(model: Model, pp: int, schedule: str, mode: str) -> list[str]:
             "--micro-batch-size", str(model.micro_batch), "--global-batch-size",
             str(model.micro_batch * model.microbatches), "--train-iters", str(model.iters),
             "--log-interval", str(model.iters), "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-            "--device", "cpu", "--pipeline-schedule", schedule, *extra, *RECOMPUTE_FLAGS[mode]]
+            "--device", "cpu", "--pipeline-schedule", schedule, "--log-activation-memory", *extra, *RECOMPUTE_FLAGS[mode]]
 
 
 def measure(model: Model, pp: int, schedule: str, mode: str) -> tuple[list[int], list[int]]:

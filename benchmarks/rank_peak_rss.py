@@ -26,7 +26,7 @@ from benchmarks.peer_pipelining import WORKLOAD, train_ours  # noqa: E402
 
 def run(schedule: str, m: int, iters: int, tmp: Path) -> tuple[list[float], list[float]]:
     """(peak RSS MB per rank, activation meter peak MB per stage) of one run."""
-    rss, records = train_ours(schedule, WORKLOAD, 2, m, iters, tmp)
+    rss, records = train_ours(schedule, WORKLOAD, 2, m, iters, tmp, flags=("--log-activation-memory",))
     by_rank = sorted((rss.names[pid], kb / 1024) for pid, kb in rss.peak_kb.items())
     return [mb for _, mb in by_rank], list(records[-1]["peak_activation_mb"])
 

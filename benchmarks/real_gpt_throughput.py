@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
          "--vocab-size", "512", "--micro-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--num-threads", "1"]
+         "--num-threads", "1", "--log-activation-memory"]
 
 
 def run(schedule: str, stages: int, m: int, iters: int, workdir: Path) -> dict:

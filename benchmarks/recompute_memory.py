@@ -46,7 +46,7 @@ def measure(opts: argparse.Namespace, schedule: str, mode: str) -> list[int]:
             str(opts.heads), "--seq-length", str(opts.seq), "--vocab-size", "512", "--micro-batch-size",
             str(opts.micro_batch), "--global-batch-size", str(opts.micro_batch * opts.microbatches),
             "--train-iters", str(opts.iters), "--log-interval", str(opts.iters), "--hidden-dropout", "0.1",
-            "--attention-dropout", "0.1", "--device", "cpu", "--pipeline-schedule", schedule, *MODES[mode]]
+            "--attention-dropout", "0.1", "--device", "cpu", "--pipeline-schedule", schedule, "--log-activation-memory", *MODES[mode]]
     with contextlib.redirect_stdout(io.StringIO()):
         workers = emulate(GPTTask(), parse_args(argv, build_parser()))
     return [w.meter.run_peak_bytes for w in workers]

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 SEQ = 128
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", str(SEQ),
          "--vocab-size", "512", "--micro-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--num-threads", "1", "--device", "cpu"]
+         "--num-threads", "1", "--device", "cpu", "--log-activation-memory"]
 MICRO_BATCH = 4
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p")
 MARKER = "zero-bubble-schedule "

@@ -92,7 +92,7 @@ def test_paci_on_one_stage_is_plain_gradient_accumulation(megatron_world1):
 
 def test_paci_keeps_the_activation_memory_of_1f1b(megatron_world1):
     """Peak in-flight micro-batches and saved-activation bytes per stage: PACI == 1F1B-flush."""
-    args = tiny_args(4, "paci", 4, 4, "--pipeline-executor", "emulator")
+    args = tiny_args(4, "paci", 4, 4, "--pipeline-executor", "emulator", "--log-activation-memory")
     paci = emulate(args)
     flush = emulate([x if x != "paci" else "1f1b" for x in args])
     for p, f in zip(paci, flush):

@@ -312,7 +312,7 @@ def _worker(chunk: torch.nn.Module, loss_fn, layout=PipelineLayout(1), stage=0):
         lr_schedule=LRSchedule(max_lr=1e-3, min_lr=0.0, warmup_steps=0, decay_steps=10, decay_style="constant"),
         microbatches_per_update=2, batch_fn=_batch, loss_fn=loss_fn,
         activation_shape=(TINY.seq_length, 2, TINY.hidden_size), activation_dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=torch.device("cpu"), measure_activations=True,
     )
     return StageWorker(setup, isolate_rng=True)
 
@@ -435,9 +435,9 @@ def test_emulator_b_w_schedule_trains_like_1f1b(split_schedule, num_stages, tmp_
     iters = 10
     base = tiny_args(num_stages, "1f1b", 4, iters, "--pipeline-executor", "emulator",
                      "--clip-grad", "1.0", "--hidden-dropout", "0.1")
-    ref_workers = emulate([*base, "--log-json", str(tmp_path / "ref.jsonl")])
+    ref_workers = emulate([*base, "--log-json", str(tmp_path / "ref.jsonl"), "--log-activation-memory"])
     split_args = [x if x != "1f1b" else split_schedule for x in base]
-    split_workers = emulate([*split_args, "--log-json", str(tmp_path / "split.jsonl")])
+    split_workers = emulate([*split_args, "--log-json", str(tmp_path / "split.jsonl"), "--log-activation-memory"])
 
     ref_losses, split_losses = _losses(tmp_path / "ref.jsonl"), _losses(tmp_path / "split.jsonl")
     assert len(ref_losses) == len(split_losses) == iters

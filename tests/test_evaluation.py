@@ -107,7 +107,7 @@ def test_tensorboard_events_are_written_and_readable(megatron_world1, tmp_path: 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _, records, _ = _run(tmp_path, "tb", 2, "paci", "--eval-interval", "5", "--eval-iters", "1",
-                         "--tensorboard-dir", str(tmp_path / "tb"))
+                         "--tensorboard-dir", str(tmp_path / "tb"), "--log-activation-memory")
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])

@@ -57,7 +57,7 @@ LIVE_BOUND = 512
 
 @pytest.mark.slow
 def test_distributed_ranks_memory_does_not_grow_over_100_iterations(tmp_path) -> None:
-    cmd = pretrain_cmd("paci", 2, 2, ITERS, tmp_path / "log.jsonl", MODEL, emulator=False)
+    cmd = pretrain_cmd("paci", 2, 2, ITERS, tmp_path / "log.jsonl", [*MODEL, "--log-activation-memory"], emulator=False)
     series, _ = run_probed(cmd, tmp_path / "probe", ["--every", "5"], timeout_s=300)
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [s.name for s in series] == ["megatron-rank0", "megatron-rank1"], [s.name for s in series]

@@ -101,7 +101,7 @@ RECOMPUTE_CASES = {
 def test_recompute_equals_none_in_half_precision(tmp_path: Path, case: str) -> None:
     schedule, precision = RECOMPUTE_CASES[case]
     dropout = () if "--hidden-dropout" in precision else NO_DROPOUT
-    flags = (*precision, *dropout, "--num-layers", "4", *SCHEDULE_FLAGS.get(schedule, ()))
+    flags = (*precision, *dropout, "--num-layers", "4", *SCHEDULE_FLAGS.get(schedule, ()), "--log-activation-memory")
     reference = _emulate(tmp_path, schedule, *flags)
     if "--fp16" in precision:
         _assert_overflowed_and_recovered(reference[0])

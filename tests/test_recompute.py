@@ -42,7 +42,7 @@ def train(schedule: str, tmp_path: Path, *extra: str, iters: int = 3) -> tuple[l
     """Losses, final parameters and workers of a 2-stage, 4-layer emulator run."""
     log = tmp_path / f"log{len(list(tmp_path.glob('log*')))}.jsonl"
     argv = [*tiny_args(2, schedule, 4, iters, "--num-layers", "4", *SCHEDULE_FLAGS.get(schedule, []), *extra),
-            "--pipeline-executor", "emulator", "--log-json", str(log)]
+            "--pipeline-executor", "emulator", "--log-json", str(log), "--log-activation-memory"]
     workers = emulate(argv)
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     return losses, final_params(workers), workers

@@ -22,7 +22,7 @@ def _run(capsys, tmp_path: Path, *extra: str, task=None, log: str = "log.jsonl")
 
 
 def test_banner_and_summary(megatron_world1, capsys, tmp_path: Path) -> None:
-    workers, out, records = _run(capsys, tmp_path, "--eval-interval", "3", "--eval-iters", "1")
+    workers, out, records = _run(capsys, tmp_path, "--eval-interval", "3", "--eval-iters", "1", "--log-activation-memory")
     lines = out.splitlines()
     start, end = lines.index("------------------------ arguments ------------------------"), \
         lines.index("-------------------- end of arguments ---------------------")
@@ -43,6 +43,19 @@ def test_banner_and_summary(megatron_world1, capsys, tmp_path: Path) -> None:
     assert f"peak act (MB) per stage: [{mem}]" in summary
     rate = float(re.search(r"mean tokens/s: ([\d,]+)", summary).group(1).replace(",", ""))
     assert rate > 0
+
+
+def test_activation_memory_is_measured_and_logged_only_when_asked(megatron_world1, capsys, tmp_path: Path) -> None:
+    """Off by default: no saved-tensor hook runs (the meters saw no byte), no line or record claims
+    a peak; the in-flight micro-batch count is logged either way. On: bytes in both."""
+    workers, out, records = _run(capsys, tmp_path)
+    assert all(w.meter.run_peak_bytes == 0 and w.meter.run_peak_count > 0 for w in workers)
+    assert all("peak_activation_mb" not in r and r["peak_inflight_microbatches"] for r in records if "loss" in r)
+    assert "peak act" not in out
+    workers, out, records = _run(capsys, tmp_path, "--log-activation-memory", log="on.jsonl")
+    assert all(w.meter.run_peak_bytes > 0 for w in workers)
+    assert all(min(r["peak_activation_mb"]) > 0 for r in records if "loss" in r)
+    assert out.count("peak act (MB) per stage: [") == len(records) + 1  # every line and the summary
 
 
 def test_log_json_starts_a_new_file_per_run(megatron_world1, capsys, tmp_path: Path) -> None:

@@ -88,6 +88,7 @@ def _synthetic_worker(t_b: float, t_w: float):
         "--num-attention-heads", "1", "--seq-length", "4", "--micro-batch-size", "1",
         "--global-batch-size", "2", "--train-iters", "1", "--device", "cpu",
         "--synthetic-forward-ms", "0", "--synthetic-backward-ms", str(t_b), "--synthetic-wgrad-ms", str(t_w),
+        "--log-activation-memory",
     ], parser)
     return build_worker(task, args, 0, 0, torch.device("cpu"), isolate_rng=True)
 
@@ -127,6 +128,36 @@ def test_synthetic_wgrad_sleep_lands_in_w_or_in_the_fused_backward() -> None:
     assert w >= t_w, f"W took {w:.1f} ms < T_W = {t_w} ms"
     assert bw >= t_b + t_w, f"fused BW took {bw:.1f} ms < T_B + T_W = {t_b + t_w} ms"
     assert all(torch.equal(a, c) for a, c in zip(split_grads, fused_grads)), "B + W gradients differ from BW's"
+
+
+def test_synthetic_sleep_ends_at_its_deadline_with_a_tight_timer_slack() -> None:
+    """The benchmark model's sleeps: a forward's T_F counts from the forward's start (work before
+    the sleep is inside T_F, not added to it), and on Linux the sleeping thread's timer slack is
+    1 ns (the default 50 us slack let a sleep overshoot into the measured runtime cost)."""
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    from megatron.trainer.tasks.synthetic import sleep_until
+
+    def run() -> None:
+        start = time.perf_counter()
+        sleep_until(start - 1.0)  # a deadline in the past returns at once
+        assert time.perf_counter() - start < 0.5
+        sleep_until(start + 0.02)
+        elapsed.append(time.perf_counter() - start)
+        slack = Path("/proc/thread-self/timerslack_ns")
+        slacks.append(int(slack.read_text()) if slack.exists() else None)
+
+    elapsed: list[float] = []
+    slacks: list[int | None] = []
+    thread = threading.Thread(target=run)  # a thread of its own: the slack stays with it
+    thread.start()
+    thread.join()
+    assert elapsed[0] >= 0.02, f"woke {1000 * (0.02 - elapsed[0]):.3f} ms before the deadline"
+    if sys.platform.startswith("linux") and slacks[0] is not None:
+        assert slacks[0] == 1, slacks
 
 
 def test_synthetic_wgrad_defaults_to_zero() -> None:

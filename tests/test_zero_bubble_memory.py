@@ -40,7 +40,7 @@ class _NoReports:
         pass
 
 
-def _workers(num_microbatches: int):
+def _workers(num_microbatches: int, measure: bool = True):
     from megatron.trainer.config.arguments import parse_args
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import build_worker
@@ -49,6 +49,7 @@ def _workers(num_microbatches: int):
         *TINY_GPT, "--num-layers", str(N), "--pipeline-model-parallel-size", str(N),
         "--global-batch-size", str(num_microbatches), "--train-iters", "3", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--pipeline-executor", "emulator", "--device", "cpu",
+        *(["--log-activation-memory"] if measure else []),
     ])
     assert args.num_microbatches == num_microbatches
     return [build_worker(GPTTask(), args, s, 0, torch.device("cpu"), isolate_rng=True) for s in range(N)]
@@ -91,6 +92,17 @@ def units(megatron_world1):
     # One micro-batch under 1F1B (fused backward) peaks at the same M_B.
     assert [w.meter.run_peak_bytes for w in _run(_build("1f1b", m=1, iterations=1))] == m_b
     return m_b, m_w
+
+
+def test_profiling_measures_m_w_without_the_logging_flag(units) -> None:
+    """The meter's hooks are off without --log-activation-memory, yet a profiled schedule gets
+    the same M_W / M_B: profiling turns byte measuring on around its profiled ops only."""
+    _, m_w = units
+    profiled = _run(_build("zb-h1", m=1, iterations=1), _workers(1, measure=False), profilers=True)
+    assert [w.profiler.bytes_kept / w.profiler.bytes_forward for w in profiled] == m_w
+    plain = _run(_build("zb-h1", m=1, iterations=1), _workers(1, measure=False))
+    assert [w.meter.run_peak_bytes for w in plain] == [0] * N  # no hook ran: nothing measured
+    assert [w.meter.run_peak_count for w in plain] == [1] * N  # in-flight micro-batches still counted
 
 
 def _costs(m_w: list[float], **times) -> list[OpCosts]:

@@ -23,6 +23,8 @@ it to what W still holds (the queued ``x`` and ``dy`` tensors; ``dy`` was not sa
 forward, so it is counted from B on) and W releases it; a micro-batch with nothing queued
 is released at B already. So ``peak_count`` counts micro-batches holding any activation
 memory, including those waiting only for W, and ``peak_bytes`` sees M_W, not M_B, for them.
+Bytes are counted only with ``StageSetup.measure_activations`` (``--log-activation-memory``) or
+around a profiled op; otherwise no saved-tensor hook runs and the byte figures stay 0.
 """
 from __future__ import annotations
 
@@ -104,6 +106,9 @@ class StageSetup:
     # The stage's tensor-parallel group (megatron's); None at TP = 1. Its ranks run the same
     # ops, and the stage's norms are reduced over it (megatron.pipeline.runtime.tensor_parallel).
     tp_group: Any = None
+    # Count activation bytes with saved-tensor hooks (--log-activation-memory); off, the meter
+    # only counts in-flight micro-batches and costs no hook (megatron.pipeline.runtime.memory).
+    measure_activations: bool = False
 
 
 class StageWorker:
@@ -124,7 +129,7 @@ class StageWorker:
         self._fwd_version: dict[tuple[int, int], int] = {}
         self._aux_losses: dict[tuple[int, int], torch.Tensor] = {}  # setup.aux_loss_fn, until reported
         self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # B done, W pending
-        self.meter = ActivationMeter(setup.optimizer.parameters())
+        self.meter = ActivationMeter(setup.optimizer.parameters(), measure_bytes=setup.measure_activations)
         self.weights = setup.weight_policy or WeightPolicy(setup.optimizer.parameters(), setup.optimizer)
         self.drift_histogram: Counter[int] = Counter()
         self.update_log: list[dict[str, Any]] = []  # per update of the interval: lr, norm, skipped
@@ -173,11 +178,12 @@ class StageWorker:
         if self.setup.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.setup.device)
 
+    def _rng_scope(self) -> contextlib.AbstractContextManager[None]:
+        """This stage's RNG inside the block (the emulator's stages share one process)."""
+        return self._isolated_rng() if self._isolate_rng else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def _rng_scope(self) -> Iterator[None]:
-        if not self._isolate_rng:
-            yield
-            return
+    def _isolated_rng(self) -> Iterator[None]:
         outer = torch.get_rng_state()
         torch.set_rng_state(self._rng)
         try:

@@ -1,8 +1,12 @@
-"""Flags of the insight tools: run traces and the profiled layer partition.
+"""Flags of the insight tools: run traces, activation accounting and the profiled layer partition.
 
 * ``--trace-dir DIR``: every stage records its ops (``megatron.pipeline.runtime.tracing``) and writes
   ``DIR/stage{S}_dp{D}.json``; ``tools/merge_traces.py DIR`` turns them into a Chrome/Perfetto
   trace, a timeline PNG and measured bubble fractions.
+* ``--log-activation-memory``: every stage counts the bytes autograd saves per micro-batch
+  (``megatron.pipeline.runtime.memory``, a saved-tensor hook on every saved tensor) and the log
+  reports the per-stage peak (``peak act (MB)``, JSON ``peak_activation_mb``). Off by default, so
+  a run without it pays no hook; the in-flight micro-batch count is logged either way.
 * ``--pipeline-partition balanced|even|profiled`` (``auto``: an alias of ``profiled``).
   ``balanced``, the default wherever it applies, splits the layers by the analytic cost model
   (``megatron.pipeline.cost_model``: FLOPs of the layers, embedding, head and loss) with PACI's
@@ -37,6 +41,9 @@ def add_insight_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-dir", default=None, metavar="DIR",
                    help="record every stage's op spans and write DIR/stage{S}_dp{D}.json "
                         "(merge with tools/merge_traces.py DIR --out trace.json --png timeline.png)")
+    g.add_argument("--log-activation-memory", action="store_true",
+                   help="count the bytes autograd saves per micro-batch (a saved-tensor hook per saved tensor) "
+                        "and log each stage's peak (peak act (MB), JSON peak_activation_mb); off by default")
     g.add_argument("--pipeline-partition", choices=PARTITIONS, default=None, type=_partition_name,
                    help="balanced (default where it applies: one model part per stage, GPT or BERT, no full "
                         "recompute): minimise the slowest stage by the analytic FLOPs of layers, embedding, "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from megatron.pipeline.runtime.report import StageReport
-from megatron.trainer.loop.run_summary import RunSummary
+from megatron.trainer.loop.run_summary import RunSummary, memory_column
 
 
 class ReportCollector:
@@ -57,6 +57,7 @@ class TrainingLogger:
     flops_per_sample: float = 0.0  # --log-throughput: model FLOPs of one sample's training
     num_gpus: int = 1  # ranks the throughput is shared by
     log_params_norm: bool = False
+    log_activation_memory: bool = False  # records carry peak_activation_mb (the meter measured bytes)
     wandb: Any = None  # a wandb run (--wandb-project), rank 0 only
     # Asynchronous schedules: every stage steps on its own clock, so its lr and grad norm are
     # logged per stage (synchronous stages share both).
@@ -138,7 +139,6 @@ class TrainingLogger:
             "iteration_time_ms": 1000.0 * interval / iters,
             "elapsed_s": elapsed,
             "eta_s": eta,
-            "peak_activation_mb": _per_stage(reports, self.num_stages, lambda rs: max(r.act_peak_bytes for r in rs) / 2**20),
             "peak_inflight_microbatches": _per_stage(reports, self.num_stages, lambda rs: max(r.act_peak_count for r in rs)),
             "peak_memory_mb": _per_stage(reports, self.num_stages, lambda rs: max(r.mem_peak_bytes for r in rs) / 2**20),
             "drift_max": _per_stage(reports, self.num_stages, lambda rs: max(r.drift_max for r in rs)),
@@ -147,6 +147,9 @@ class TrainingLogger:
                 lambda rs: sum(r.drift_sum for r in rs) / max(1, sum(r.drift_count for r in rs))),
             "loss_scale": _per_stage(reports, self.num_stages, lambda rs: min(r.loss_scale for r in rs)),
         }
+        if self.log_activation_memory:  # --log-activation-memory: measured bytes (else no hook ran)
+            record["peak_activation_mb"] = _per_stage(reports, self.num_stages,
+                                                      lambda rs: max(r.act_peak_bytes for r in rs) / 2**20)
         if self.flops_per_sample:
             record["tflops_per_gpu"] = self.flops_per_sample * samples / max(interval, 1e-12) / self.num_gpus / 1e12
         if self.log_params_norm:  # replicas hold the same weights: one report per stage
@@ -164,8 +167,7 @@ class TrainingLogger:
             self._tensorboard.add_training(record, iteration, self.per_stage_optimizer, aux_key)
 
     def _print(self, r: dict[str, Any]) -> None:
-        mem = r["peak_memory_mb"] if any(r["peak_memory_mb"]) else r["peak_activation_mb"]
-        mem_kind = "peak mem" if any(r["peak_memory_mb"]) else "peak act"
+        mem_kind, mem = memory_column(r)
         parts = [
             f" iteration {r['iteration']:8d}/{self.train_iters:8d}",
             f"consumed samples: {r['consumed_samples']:10d}",
@@ -179,8 +181,9 @@ class TrainingLogger:
             f"grad norm: {r['grad_norm']:.3f}",
             f"tokens/s: {r['tokens_per_s']:.0f}",
             f"elapsed: {_hms(r['elapsed_s'])} ETA: {_hms(r['eta_s'])}",
-            f"{mem_kind} (MB) per stage: [{', '.join(f'{m:.1f}' for m in mem)}]",
         ]
+        if mem_kind is not None:
+            parts.append(f"{mem_kind} (MB) per stage: [{', '.join(f'{m:.1f}' for m in mem)}]")
         if any(scale != 1.0 for scale in r["loss_scale"]):  # --fp16
             parts.append(f"loss scale per stage: [{', '.join(f'{x:.1f}' for x in r['loss_scale'])}]")
         if "tflops_per_gpu" in r:
@@ -252,7 +255,8 @@ class TensorBoardScalars:
         for stage in range(len(r["drift_max"])):
             scalars[f"drift/max-stage{stage}"] = r["drift_max"][stage]
             scalars[f"drift/mean-stage{stage}"] = r["drift_mean"][stage]
-            scalars[f"memory/peak-activation-mb-stage{stage}"] = r["peak_activation_mb"][stage]
+            if "peak_activation_mb" in r:
+                scalars[f"memory/peak-activation-mb-stage{stage}"] = r["peak_activation_mb"][stage]
             if r["peak_memory_mb"][stage]:
                 scalars[f"memory/peak-mb-stage{stage}"] = r["peak_memory_mb"][stage]
             scalars[f"skipped-updates/stage{stage}"] = r["skipped_updates"][stage]

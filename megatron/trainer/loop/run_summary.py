@@ -8,6 +8,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def memory_column(record: dict[str, Any]) -> tuple[str | None, list[float]]:
+    """What a log line shows as memory: the allocator's peak on GPU, else the measured activation
+    peak (``--log-activation-memory``), else nothing (``None``)."""
+    if any(record["peak_memory_mb"]):
+        return "peak mem", record["peak_memory_mb"]
+    if "peak_activation_mb" in record:
+        return "peak act", record["peak_activation_mb"]
+    return None, []
 
 
 @dataclass
@@ -26,9 +37,10 @@ class RunSummary:
     def add_training(self, record: dict) -> None:
         self.last_iteration = record["iteration"]
         self.train_loss = record["loss"]
-        gpu = any(record["peak_memory_mb"])
-        self.memory_kind = "peak mem" if gpu else "peak act"
-        mem = record["peak_memory_mb"] if gpu else record["peak_activation_mb"]
+        kind, mem = memory_column(record)
+        if kind is None:  # no measure of memory in this run (CPU without --log-activation-memory)
+            return
+        self.memory_kind = kind
         if len(self.peak_memory_mb) != len(mem):
             self.peak_memory_mb = [0.0] * len(mem)
         self.peak_memory_mb = [max(a, b) for a, b in zip(self.peak_memory_mb, mem)]
@@ -55,7 +67,7 @@ class RunSummary:
             f" iterations: {iters} ({self.start_iteration} -> {last}) | tokens: {tokens:,} | "
             f"wall time: {wall_s:.1f} s (training {train_s:.1f} s) | mean tokens/s: {rate:,.0f}",
             f" final train loss: {self.train_loss:.6E} | final validation loss: {valid}",
-            f" {self.memory_kind} (MB) per stage: [{mem}]",
+            *([f" {self.memory_kind} (MB) per stage: [{mem}]"] if self.peak_memory_mb else []),
             "-" * len(bar),
         ]
 

@@ -112,6 +112,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         weight_policy=build_weight_policy(schedule_cls.stage_weight_policy(config, stage), optimizer),
         loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
         report_params_norm=args.log_params_norm,
+        measure_activations=args.log_activation_memory,
         aux_loss_fn=getattr(task, "aux_loss_fn", None),
         tp_group=_tensor_parallel_group(run.tensor_parallel_size),
     )
@@ -147,6 +148,7 @@ def make_logger(args: argparse.Namespace, start_iteration: int = 0, task: Pretra
         flops_per_sample=flops_per_iteration(args, 1) if args.log_throughput else 0.0,
         num_gpus=args.world_size,
         log_params_norm=args.log_params_norm,
+        log_activation_memory=args.log_activation_memory,
         wandb=wandb_run(args),
         per_stage_optimizer=run_config(args).asynchronous,
         aux_loss_name=getattr(task, "aux_loss_name", None),

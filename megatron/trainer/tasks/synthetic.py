@@ -19,12 +19,24 @@ processes on 2 cores behave like N devices with known per-op costs, and the meas
 time of a schedule, run through the real distributed runtime, can be compared with its
 analytic time. The difference is the schedule's and the runtime's overhead.
 
+How a sleep is timed (a property of this benchmark model, not of the runtime): a stage's
+forward sleeps until T_F after the forward began (an absolute deadline, so the tiny linear
+before the sleep is part of T_F, as a device's op includes all its compute), and every sleep
+runs with the calling thread's Linux timer slack set to 1 ns (``prctl(PR_SET_TIMERSLACK)``;
+elsewhere, or if the call fails, the default slack stays). With the default slack of 50 µs a
+20 ms ``time.sleep`` oversleeps 0.1-0.5 ms on the machines this was measured on, which the
+benchmark would otherwise count as runtime overhead of every op. What remains after waking
+(the runtime's own work on a CPU whose caches the sleep let go cold) is the runtime's cost.
+
 Used by ``benchmarks/synthetic_stage_run.py``, ``benchmarks/schedule_efficiency.py``,
 ``benchmarks/zero_bubble_synthetic.py`` and ``benchmarks/async_schedules_synthetic.py``.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,21 +48,46 @@ from megatron.trainer.config.run_config import run_config
 from megatron.trainer.tasks.task import Batch, split_seed
 
 
+_PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
+_slack = threading.local()  # timer slack is per thread: set once in each thread that sleeps
+
+
+def _tight_timer_slack() -> None:
+    """Set this thread's timer slack to 1 ns on Linux (once per thread); elsewhere a no-op."""
+    if getattr(_slack, "done", False):
+        return
+    _slack.done = True
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
+        except (OSError, AttributeError):  # no libc symbol: keep the default slack
+            pass
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``deadline`` (returns at once if it has)."""
+    _tight_timer_slack()
+    remaining = deadline - time.perf_counter()
+    while remaining > 0:
+        time.sleep(remaining)
+        remaining = deadline - time.perf_counter()
+
+
 class SleepCost(torch.autograd.Function):
-    """Identity that sleeps ``forward_s`` in forward and ``backward_s`` in backward."""
+    """Identity that sleeps until ``forward_s`` after ``start`` in forward, ``backward_s`` in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float, start: float) -> torch.Tensor:
         ctx.backward_s = backward_s
         if forward_s > 0:
-            time.sleep(forward_s)
+            sleep_until(start + forward_s)
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.backward_s > 0:
-            time.sleep(ctx.backward_s)
-        return grad, None, None
+            sleep_until(time.perf_counter() + ctx.backward_s)
+        return grad, None, None, None
 
 
 class SleepingWeightGrad:
@@ -82,7 +119,7 @@ class SleepingWeightGrad:
         grad_weight = dy2.t().matmul(self.x.reshape(-1, self.x.shape[-1]))
         grad_bias = dy2.sum(dim=0) if self.bias is not None else None
         if self.sleep_s > 0:
-            time.sleep(self.sleep_s)
+            sleep_until(time.perf_counter() + self.sleep_s)
         return grad_weight, grad_bias
 
     def run(self) -> None:
@@ -154,9 +191,10 @@ class SyntheticCostStage(torch.nn.Module):
             self.linear.bias.zero_()
 
     def forward(self, input_tensor: torch.Tensor | None, batch: Batch) -> torch.Tensor:
+        start = time.perf_counter()  # T_F counts from here: the linear is part of the op's cost
         x = batch["synthetic_input"] if self.is_first else input_tensor
         assert x is not None, f"synthetic stage {self.stage} got no input"
-        return SleepCost.apply(self.linear(x), self.forward_s, self.backward_s)
+        return SleepCost.apply(self.linear(x), self.forward_s, self.backward_s, start)
 
 
 class SyntheticCostTask:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.pipeline.comm import Message, op_recvs, op_sends
+from megatron.pipeline.comm import Message, op_sends
 from megatron.pipeline.ir import Op, OpKind
 from megatron.pipeline.runtime.transport import ReportSink  # noqa: F401 - re-exported for the executors
 from megatron.pipeline.runtime.worker import StageWorker
@@ -46,13 +46,14 @@ def _run_compute_op(
     if profiler is not None:
         worker.profiler = None
         try:
-            with profiler.timed(op, worker.meter):
+            with profiler.timed(op, worker.meter), worker.meter.measuring():  # M_W / M_B needs bytes
                 return _run_compute_op(worker, op, inputs)
         finally:
             worker.profiler = profiler
-    layout = worker.layout
-    received = [inputs[m] for m in op_recvs(op, layout)]
-    received_tensor = received[0] if received else None
+    # ``inputs`` holds exactly op_recvs(op): both executors build it from there, and a compute op
+    # receives one message at most (so it is not derived a second time per op here).
+    assert len(inputs) <= 1, f"{op} got {len(inputs)} inputs"
+    received_tensor = next(iter(inputs.values())) if inputs else None
     if op.kind is OpKind.F:
         out = worker.forward(op, received_tensor)
     elif op.kind is OpKind.BW:
@@ -66,6 +67,6 @@ def _run_compute_op(
         out = None
     else:
         raise NotImplementedError(f"stage {op.stage}: op kind {op.kind.value} is not supported yet ({op})")
-    sends = op_sends(op, layout)
+    sends = op_sends(op, worker.layout)
     return {sends[0]: out} if sends else {}
 
