@@ -257,6 +257,19 @@ def test_cli_json(cli, capsys) -> None:
     assert len(out["stages"]) == 8 and max(s["peak_memory"] for s in out["stages"]) <= 16.0
 
 
+def test_cli_takes_the_calibrated_runtime_terms(cli, capsys) -> None:
+    """--t-send / --t-sync reach the simulator: the CLI's makespan is the library's with them."""
+    def makespan(*flags: str) -> float:
+        assert cli.main(["--schedule", "1f1b", "--stages", "4", "--microbatches", "4", "--iterations", "2",
+                         "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["makespan"]
+
+    config = ScheduleConfig(num_stages=4, num_microbatches=4, num_iterations=2)
+    expected = simulate_schedule(build_schedule("1f1b", config), OpCosts(t_send=0.25, t_sync=3.0)).makespan
+    assert makespan("--t-send", "0.25", "--t-sync", "3") == pytest.approx(expected)
+    assert expected > makespan() + 2 * 3.0  # each of the two synchronous steps pays t_sync
+
+
 def test_cli_table_profile_and_async_drift(cli, capsys, tmp_path) -> None:
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"t_f": 1.0, "t_b": 1.0, "t_w": 1.0, "stages": [{"t_f": 2.0}, {}, {}]}))

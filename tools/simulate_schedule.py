@@ -8,9 +8,11 @@
 Costs: ``--profile FILE.json`` (``{"t_f": .., "t_b": .., "t_w": .., "t_comm": .., "stages": [..]}``,
 see ``megatron.pipeline.simulator.costs_from_profile``), then the ``--t-*`` flags override the
 profile's values for every stage. Defaults: t_f = t_b = t_w = 1, t_comm = 0, t_bw = t_b + t_w,
-t_opt = 0, m_w = M_W / M_B = 0.5. ``--microbatches`` is m per iteration for synchronous
-schedules and the accumulation factor a for asynchronous ones (``--iterations`` then counts
-updates; the stream drains after the last one).
+t_opt = 0, m_w = M_W / M_B = 0.5, and the runtime terms t_send (the sender's time per message)
+and t_sync (a synchronous step's collective) = 0; ``benchmarks/calibrate_runtime.py`` measures
+them. ``--microbatches`` is m per iteration for synchronous schedules and the accumulation
+factor a for asynchronous ones (``--iterations`` then counts updates; the stream drains after
+the last one).
 
 Memory is in units of M_B (one micro-batch's activations on a stage); the bubble rate is Zero
 Bubble's: (largest per-stage span - busy time) / largest per-stage span. ``--png`` needs
@@ -38,7 +40,7 @@ from megatron.pipeline.simulator import (  # noqa: E402
     simulate_schedule,
 )
 
-COST_FLAGS = ("t_f", "t_b", "t_w", "t_bw", "t_comm", "t_opt", "m_w")
+COST_FLAGS = ("t_f", "t_b", "t_w", "t_bw", "t_comm", "t_opt", "t_send", "t_sync", "m_w")
 COLORS = {
     OpKind.F: "#7fa7d9",
     OpKind.B: "#f2b880",
