@@ -28,13 +28,26 @@ import torch
 from megatron.core.pipeline_parallel.schedules import custom_backward
 
 
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_names(fn: object) -> tuple[str, ...]:
+    """The attributes through which a node of ``fn``'s type exposes what it saved; looked up
+    once per node type (``dir`` of an autograd node is too slow for every forward)."""
+    kind = type(fn)
+    names = _SAVED_NAMES.get(kind)
+    if names is None:
+        names = tuple(name for name in dir(fn) if name.startswith("_saved_"))
+        names += ("saved_tensors",) if hasattr(kind, "saved_tensors") else ()  # custom autograd Functions
+        _SAVED_NAMES[kind] = names
+    return names
+
+
 def _saved_by_own_node(out: torch.Tensor) -> bool:
     """Whether ``out.grad_fn`` keeps a tensor sharing ``out``'s storage for backward."""
     fn = out.grad_fn
     ptr = out.untyped_storage().data_ptr()
-    names = [name for name in dir(fn) if name.startswith("_saved_")]
-    names += ["saved_tensors"] if hasattr(type(fn), "saved_tensors") else []  # custom autograd Functions
-    for name in names:
+    for name in _saved_names(fn):
         value = getattr(fn, name)
         for t in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr:
