@@ -39,6 +39,7 @@ from megatron.trainer.config.run_config import run_config
 from megatron.trainer.launch.exit_control import StopControl, launcher_signals, rank_signal_defaults, stop_control
 from megatron.trainer.checkpointing.checkpoint import (
     CheckpointError, ResumePoint, check_resume, load_stage_state, restore_schedule_state)
+from megatron.trainer.launch.host_allocator import apply_host_malloc
 from megatron.trainer.launch.launcher import is_worker_process, launch_local
 from megatron.trainer.loop.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop.segments import Segment, plan_segments, run_segments
@@ -66,9 +67,11 @@ def resolve_device(args: argparse.Namespace, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def set_threads(args: argparse.Namespace, local_processes: int) -> None:
+def prepare_host(args: argparse.Namespace, local_processes: int) -> None:
+    """This process's CPU threads and host allocator policy, before any model is built."""
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_processes))
     torch.set_num_threads(threads)
+    args.host_malloc_effect = apply_host_malloc(args.host_malloc)  # shown in the banner
 
 
 def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
@@ -251,7 +254,7 @@ def _start_banner(args: argparse.Namespace, transport: Transport, workers: list[
 
 def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
     """Train all stages in this process; return the stage workers (weights, statistics)."""
-    set_threads(args, 1)
+    prepare_host(args, 1)
     stop = stop_control(args, decides_time=True)  # --exit-signal-handler: the handler goes in first
     if not dist.is_initialized():
         flight_recorder.disable_unless_requested()
@@ -293,7 +296,7 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     rank_signal_defaults(args)
     stop = stop_control(args, decides_time=rank == 0)  # the handler goes in before the rendezvous
-    set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))
+    prepare_host(args, int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))
     device = resolve_device(args, local_rank)
     backend = args.distributed_backend
     if backend == "auto":
