@@ -9,8 +9,8 @@ zero-filled page at a time, iteration after iteration. With both thresholds pinn
 memory stays in the heap and a re-allocation is a free-list hit.
 
 Measured on the issue-18 workload (2 CPU ranks, docs/benchmarks.md): a third fewer minor page
-faults per run and 2-3 % more tokens/s, at the same peak RSS. The price is RSS that stays at
-its peak instead of shrinking between iterations. GPU ranks allocate little on the host, so the
+faults per run and 1-2.5 % more tokens/s, at the same peak RSS (also after 60 iterations). The
+price is RSS that stays at its peak instead of shrinking between iterations. GPU ranks allocate little on the host, so the
 policy changes nothing there. It needs glibc's ``mallopt``; elsewhere (macOS, musl) it is a
 no-op, reported as such by :func:`apply_host_malloc`.
 """
@@ -26,9 +26,13 @@ HOST_MALLOC_CHOICES: tuple[HostMalloc, ...] = ("retain", "system")
 # glibc's <malloc.h> parameter numbers
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-# mallopt takes an int: the largest threshold it can express (2 GiB - 1). Blocks above it
-# (rare on a host) are still mmap'd and returned on free.
-_RETAIN_THRESHOLD = 2**31 - 1
+# Blocks up to 64 MiB come from the heap (glibc's own adaptive ceiling is 32 MiB); larger ones
+# are still mmap'd and returned on free. Why a ceiling: torch allocates with posix_memalign, and
+# a freed block that the next equal request cannot reuse (its alignment slack does not fit)
+# stays free in the heap; a loop over one huge transient tensor can hold several copies of it
+# (docs/benchmarks.md). Heap top: never trimmed (the largest value mallopt takes, an int).
+_RETAIN_MMAP_THRESHOLD = 64 << 20
+_RETAIN_TRIM_THRESHOLD = 2**31 - 1
 
 
 def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -48,8 +52,8 @@ def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def apply_host_malloc(policy: HostMalloc) -> str:
     """Apply ``policy`` to this process's C allocator; return what took effect, for the log.
 
-    ``retain`` pins glibc's mmap and trim thresholds at their maximum (which also switches off
-    their adaptation); ``system`` leaves the C library's defaults. Called in each rank (and the
+    ``retain`` pins glibc's mmap threshold at 64 MiB and its trim threshold at its maximum
+    (which also switches off their adaptation); ``system`` leaves the C library's defaults. Called in each rank (and the
     emulator) before its model is built, so every training allocation follows the policy.
     """
     if policy == "system":
@@ -57,8 +61,8 @@ def apply_host_malloc(policy: HostMalloc) -> str:
     mallopt = _mallopt()
     if mallopt is None:
         return "system (retain needs glibc's mallopt; not available here)"
-    ok = mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(_RETAIN_THRESHOLD)) == 1
-    ok = mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(_RETAIN_THRESHOLD)) == 1 and ok
+    ok = mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(_RETAIN_MMAP_THRESHOLD)) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(_RETAIN_TRIM_THRESHOLD)) == 1 and ok
     if not ok:
         return "system (glibc refused the thresholds)"
     return "retain (glibc keeps freed memory in the heap)"
