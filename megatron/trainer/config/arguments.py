@@ -20,6 +20,7 @@ from megatron.trainer.config.mixed_precision_args import add_mixed_precision_arg
 from megatron.trainer.config.errors import ArgumentError
 from megatron.trainer.optim.registry import OPTIMIZERS
 from megatron.trainer.launch.host_allocator import HOST_MALLOC_CHOICES
+from megatron.trainer.optim.fused_adamw import fused_adamw_available_in_torch
 from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import FlagError, OneLineParser, check_flag_values
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
@@ -75,6 +76,10 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--adam-kernel", choices=["auto", "fused", "single-tensor"], default="auto",
+                   help="fused: torch's fused AdamW kernel, one pass over the state (the same bits whatever "
+                        "the sharding); single-tensor: torch.optim.AdamW(foreach=False)'s arithmetic, bit for "
+                        "bit; auto: fused for adam/adamw, single-tensor for basis-rotation")
     add_basis_rotation_args(g)
 
 
@@ -190,6 +195,17 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _resolve_adam_kernel(args: argparse.Namespace) -> None:
+    """``--adam-kernel auto`` becomes what runs; ``fused`` where it cannot run is refused."""
+    plain_adam = args.optimizer in ("adam", "adamw")
+    if args.adam_kernel == "auto":
+        args.adam_kernel = "fused" if plain_adam and fused_adamw_available_in_torch() else "single-tensor"
+    elif args.adam_kernel == "fused" and not plain_adam:
+        raise ArgumentError(f"--adam-kernel fused runs plain AdamW; --optimizer {args.optimizer} has its own update")
+    elif args.adam_kernel == "fused" and not fused_adamw_available_in_torch():
+        raise ArgumentError("--adam-kernel fused: this torch has no torch._fused_adamw_ (use single-tensor)")
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Raise :class:`ArgumentError` with one line for the first problem found."""
     pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
@@ -229,6 +245,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--lr-warmup-iters exceeds --lr-decay-iters")
     if args.clip_grad < 0:
         raise ArgumentError("--clip-grad must be >= 0")
+    _resolve_adam_kernel(args)
     _validate_data(args)
     validate_tensor_parallel_args(args)  # emulator, divisibility (padded vocab), unsupported combinations
     if args.device == "cuda" or args.bf16:

@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from megatron.trainer.optim.fused_adamw import FusedGroup, fused_adamw_available, fused_adamw_step
+
 NoDecayFn = Callable[[str, Parameter], bool]
 # Optimizer-state sharding (ZeRO-1 over replicas, AMDP §3.4): parameter name -> the flat
 # element range [start, stop) of that parameter this optimizer owns and steps.
@@ -165,6 +167,10 @@ class StageAdamW:
       so a single ``step_count`` drives bias correction for all parameters.
       ``torch.optim.AdamW`` would skip such a parameter instead.
     * Parameters with ``requires_grad=False`` are not optimised.
+    * ``fused=True`` steps with torch's fused AdamW kernel (one pass over the state instead of
+      six, :mod:`~megatron.trainer.optim.fused_adamw`): the same update to within rounding,
+      the same bits whatever the sharding or thread count (``torch.optim.AdamW(fused=True)``'s
+      bits on tensors of a multiple of 64 elements), but not the single-tensor arithmetic's bits.
     * ``shards`` (name -> flat element range) keeps state for, and steps, only those ranges
       of the named parameters (ZeRO-1 across identical replicas, AMDP §3.4): the other
       elements are left to their owners and arrive by all-gather
@@ -181,6 +187,7 @@ class StageAdamW:
         no_decay_fn: Optional[NoDecayFn] = None,
         exact: bool = False,
         shards: Optional[Shards] = None,
+        fused: bool = False,
     ) -> None:
         betas = (float(betas[0]), float(betas[1]))
         _check_hyperparams(lr, weight_decay, betas, eps)
@@ -197,6 +204,9 @@ class StageAdamW:
         self._named = named
         self.sharded = shards is not None
         self._slots = _make_slots(named, no_decay, shards)
+        self.fused = bool(fused)
+        if self.fused:
+            self._check_fusable()
         # Rollback support (optimizer post-validation): the (lr, grad_scale) of the last
         # step while it can still be rolled back, and in exact mode a backup of every
         # slot's (target, exp_avg, exp_avg_sq) from before that step.
@@ -306,11 +316,42 @@ class StageAdamW:
         if self.exact:
             self._save_backup()
         self.step_count += 1
-        step_size, bias_correction2_sqrt = self._bias_corrections(lr)
         with torch.no_grad():
-            for slot in self._slots:
-                self._update(slot, lr, grad_scale, step_size, bias_correction2_sqrt)
+            if self.fused:
+                self._fused_step(lr, grad_scale)
+            else:
+                step_size, bias_correction2_sqrt = self._bias_corrections(lr)
+                for slot in self._slots:
+                    self._update(slot, lr, grad_scale, step_size, bias_correction2_sqrt)
         self._last_step = (float(lr), float(grad_scale))
+
+    def _check_fusable(self) -> None:
+        """Refuse ``fused`` where the kernel cannot run this optimizer's update."""
+        if type(self)._adam_update is not StageAdamW._adam_update:
+            raise ValueError(f"{type(self).__name__}: fused=True runs plain Adam; this optimizer changes its update")
+        for slot in self._slots:
+            target = slot.target()
+            if not fused_adamw_available(target.device):
+                raise ValueError(f"StageAdamW: no fused AdamW kernel for {target.device} in this torch")
+            if not (target.is_contiguous() and target.is_floating_point()):
+                raise ValueError(f"StageAdamW: fused=True needs contiguous floating-point {slot.name}")
+
+    def _fused_step(self, lr: float, grad_scale: float) -> None:
+        """:meth:`step`'s update through the fused kernel, one call per (device, dtype, decay)."""
+        groups: dict[tuple[torch.device, torch.dtype, bool], FusedGroup] = {}
+        for slot in self._slots:
+            target = slot.target()
+            decay = slot.decay and self.weight_decay != 0
+            grad = self._scaled_grad(slot, target, grad_scale)
+            groups.setdefault((target.device, target.dtype, decay), FusedGroup()).add(
+                target.view(-1), grad.contiguous().view(-1), slot.exp_avg.view(-1), slot.exp_avg_sq.view(-1))
+        steps: dict[torch.device, Tensor] = {}
+        for (device, _dtype, decay), group in groups.items():
+            if device not in steps:
+                steps[device] = torch.tensor(float(self.step_count), dtype=torch.float32, device=device)
+            fused_adamw_step(group, steps[device], lr, self.betas, self.weight_decay if decay else 0.0, self.eps)
+        for slot in self._slots:
+            slot.write_back()
 
     def _bias_corrections(self, lr: float) -> tuple[float, float]:
         """(lr / (1 - beta1^t), sqrt(1 - beta2^t)) exactly as torch computes them.

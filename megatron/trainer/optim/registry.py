@@ -26,7 +26,7 @@ def _hyperparameters(args: argparse.Namespace) -> dict:
 
 def _adamw(args: argparse.Namespace, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
     return StageAdamW(named, exact=getattr(args, "optimizer_post_validation_exact", False), shards=shards,
-                      **_hyperparameters(args))
+                      fused=getattr(args, "adam_kernel", "single-tensor") == "fused", **_hyperparameters(args))
 
 
 def _basis_rotation(args: argparse.Namespace, named: NamedParameters, stage: int,
