@@ -15,7 +15,10 @@ Per contender it also reports:
   ``megatron-rankN``; the peer's ranks are this script's worker processes).
 
 Both sides: gloo, one thread per rank, fp32, AdamW, global-norm clipping at 1.0, ``m``
-micro-batches per iteration, tokens/s from the median iteration time after warm-up.
+micro-batches per iteration, tokens/s from the median iteration time after warm-up. Each side
+runs its defaults: ours the fused AdamW kernel and ``--host-malloc retain``, the peer
+``torch.optim.AdamW(foreach=True)`` and the C library's allocator; ``--peer-adamw fused
+--peer-host-malloc retain`` gives the peer both, so only the pipeline runtime differs.
 
     python benchmarks/peer_pipelining.py                                   # the issue's workload
     python benchmarks/peer_pipelining.py --pairs 5 --microbatches 4 8 --json peer.json
@@ -55,6 +58,8 @@ COMPARISONS: dict[str, tuple[str, ...]] = {
     "interleaved-1f1b": ("ScheduleInterleaved1F1B",),
     "zb-2p": ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"),
 }
+# The peer's optimizer kernel and allocator policy (--peer-adamw, --peer-host-malloc).
+PEER_OPTIONS: dict[str, str] = {"adamw": "foreach", "host_malloc": "system"}
 MULTI_CHUNK = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"}
 
 
@@ -183,7 +188,8 @@ def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         cmd = [sys.executable, __file__, "--worker", schedule, "--worker-out", str(out_file),
                "--worker-m", str(m), "--worker-iters", str(iters), "--worker-workload", json.dumps(w),
-               "--worker-split", json.dumps(split), "--worker-timeline", str(timeline or "")]
+               "--worker-split", json.dumps(split), "--worker-timeline", str(timeline or ""),
+               "--worker-options", json.dumps(PEER_OPTIONS)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     monitors = [PeakRSS(p.pid, "python") for p in procs]
@@ -223,7 +229,7 @@ def _virtual_stages(schedule: str, rank: int, world: int) -> list[int]:
 
 
 def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split: list[int] | None = None,
-                timeline: str = "") -> None:
+                timeline: str = "", options: dict | None = None) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed import pipelining
@@ -278,7 +284,12 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
     sched_cls = getattr(pipelining, schedule)
     sched = sched_cls(stages if schedule in MULTI_CHUNK else stages[0], n_microbatches=m, loss_fn=loss_fn)
     params = [p for c in chunks for p in c.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True)
+    options = options or PEER_OPTIONS
+    if options["host_malloc"] == "retain":  # the allocator policy our ranks run with (--host-malloc)
+        from megatron.trainer.launch.host_allocator import apply_host_malloc
+        apply_host_malloc("retain")
+    kernel = {"foreach": dict(foreach=True), "fused": dict(fused=True)}[options["adamw"]]
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **kernel)
 
     from megatron.trainer.data.mock import MockGPTData
 
@@ -441,12 +452,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker-workload", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-split", default="null", help=argparse.SUPPRESS)
     p.add_argument("--worker-timeline", default="", help=argparse.SUPPRESS)
+    p.add_argument("--worker-options", default="null", help=argparse.SUPPRESS)
+    p.add_argument("--peer-adamw", choices=("foreach", "fused"), default="foreach",
+                   help="the peer's torch.optim.AdamW kernel (foreach: torch's default on GPU; fused: the kernel "
+                        "our --adam-kernel default runs, for a runtime-only comparison)")
+    p.add_argument("--peer-host-malloc", choices=("system", "retain"), default="system",
+                   help="the peer ranks' C allocator policy (retain: what our --host-malloc default applies)")
     a = p.parse_args(argv)
     if a.worker:
         peer_worker(a.worker, a.worker_m, a.worker_iters, json.loads(a.worker_workload), a.worker_out,
-                    json.loads(a.worker_split), a.worker_timeline)
+                    json.loads(a.worker_split), a.worker_timeline, json.loads(a.worker_options))
         return
     w = QUICK if a.quick else WORKLOAD
+    PEER_OPTIONS.update(adamw=a.peer_adamw, host_malloc=a.peer_host_malloc)
     pairs, iters = (1, 4) if a.quick else (a.pairs, a.iters)
     rows = []
     split = layer_split(w, a.stages, a.split)
@@ -458,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
                 for peer in COMPARISONS[ours]:
                     print(f"{ours} vs {peer}, m={m}:", flush=True)
                     rows.append(compare(ours, peer, w, a.stages, m, pairs, iters, Path(tmp), split, timeline))
-    print(f"\nN={a.stages}, workload {w}, layer split {split} ({a.split}), {pairs} interleaved pairs, "
+    print(f"\nN={a.stages}, workload {w}, layer split {split} ({a.split}), peer {PEER_OPTIONS}, {pairs} interleaved pairs, "
           f"{iters} iterations per run, {time.monotonic() - began:.0f} s in all\n")
     print("| ours | peer | m | ratio ours/peer median (min-max) | ours tok/s | peer tok/s | "
           "ours / bound | peer / bound | peak RSS MB ours | peak RSS MB peer |")
