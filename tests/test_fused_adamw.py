@@ -96,7 +96,8 @@ def test_fused_step_does_not_depend_on_the_thread_count(threads: int) -> None:
 
 
 def test_fused_equals_torch_fused_adamw_bitwise_on_aligned_tensors() -> None:
-    """Decay and no-decay groups, clipping (torch: grads scaled in place, then the step)."""
+    """Decay and no-decay groups, clipping (the kernel's own gradient scaling: divided by the
+    float32 reciprocal of the clip coefficient, as ``torch.amp``'s unscaling does)."""
     shapes = [(64, 32), (128,), (256, 4)]
     ours_params, ref_params = make_params(shapes), make_params(shapes)
     ours = StageAdamW(named(ours_params), lr=LR, weight_decay=WD, fused=True)
@@ -110,7 +111,7 @@ def test_fused_equals_torch_fused_adamw_bitwise_on_aligned_tensors() -> None:
         set_grads(ref_params, k)
         ours.step(lr, grad_scale=coef)
         for p in ref_params:
-            p.grad.mul_(coef)
+            p.grad.div_(torch.tensor(1.0 / coef, dtype=torch.float32))
         for g in ref.param_groups:
             g["lr"] = lr
         ref.step()
@@ -182,3 +183,19 @@ def test_adam_kernel_flag_resolves_and_refuses() -> None:
     assert parse_args(["--mock-data", "--optimizer", "basis-rotation"]).adam_kernel == "single-tensor"
     with pytest.raises(SystemExit):
         parse_args(["--mock-data", "--optimizer", "basis-rotation", "--adam-kernel", "fused"])
+
+
+def test_disposable_grads_give_the_same_bits_and_kept_grads_stay_untouched() -> None:
+    """The runtime's OPT lets the kernel scale gradients in place (it zeroes them next); any
+    other caller (post-validation's step, which may roll back) keeps them as they were."""
+    results = []
+    for disposable in (False, True):
+        params = make_params(ODD_SHAPES)
+        opt = StageAdamW(named(params), lr=LR, weight_decay=WD, fused=True)
+        set_grads(params, 0)
+        grads = [p.grad.clone() for p in params]
+        opt.step(LR, grad_scale=0.25, grads_disposable=disposable)
+        kept = all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+        assert kept is not disposable
+        results.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -176,10 +176,14 @@ class DataParallelShardedOptimizer:
         return count_replicated_once(sums, tp_group).sum()
 
     # -- the step and its undo ---------------------------------------------------------
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0, grads_disposable: bool = False) -> None:
         self.wait_params()
-        self.inner.step(lr, grad_scale=grad_scale)
+        self.inner.step(lr, grad_scale=grad_scale, grads_disposable=grads_disposable)
         self._gather_params()
+
+    def step_consuming_grads(self, lr: float, grad_scale: float = 1.0) -> None:
+        """The inner optimizer's :meth:`StageAdamW.step_consuming_grads` (the caller zeroes grads next)."""
+        self.step(lr, grad_scale, grads_disposable=True)
 
     def rollback(self, lr: float, grad_scale: float = 1.0) -> None:
         self.wait_params()

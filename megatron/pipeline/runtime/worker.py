@@ -445,7 +445,9 @@ class StageWorker:
             norm = math.sqrt(total_sq)
             scale = opt.clip_coef(norm, self.setup.clip_grad) if self.setup.clip_grad > 0 else 1.0
             lr = self.setup.lr_schedule.lr(opt.step_count + 1)
-            opt.step(lr, grad_scale=scale * self.inv_loss_scale)
+            # The grads are zeroed below: an optimizer may overwrite them (the fused kernel scales in place).
+            step = getattr(opt, "step_consuming_grads", opt.step)
+            step(lr, grad_scale=scale * self.inv_loss_scale)
             self.record_update(op.update, total_sq, lr)
         self.update_loss_scale(not math.isfinite(total_sq))
         if type(self.weights).after_update is not WeightPolicy.after_update:  # reads the new weights

@@ -124,7 +124,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per process (default: cores / local processes)")
     g.add_argument("--host-malloc", choices=HOST_MALLOC_CHOICES, default="retain",
                    help="retain: glibc keeps freed host memory in the heap, so re-allocating a micro-batch's "
-                        "tensors costs no page faults (2-3%% faster CPU training, same peak RSS); "
+                        "tensors costs no page faults (1-2.5%% faster CPU training, same peak RSS); "
                         "system: the C library's defaults")
 
 

@@ -300,7 +300,7 @@ class StageAdamW:
 
     # ------------------------------------------------------------------- step
 
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0, grads_disposable: bool = False) -> None:
         """Apply one AdamW update with learning rate ``lr``.
 
         Grads are multiplied by ``grad_scale`` (the clip coefficient) out of
@@ -308,6 +308,11 @@ class StageAdamW:
         (``p *= 1 - lr*wd`` before the Adam update), bias correction uses the
         incremented ``step_count``, and the operation order mirrors
         ``torch.optim.adam._single_tensor_adam`` for bitwise parity.
+
+        ``grads_disposable``: the caller zeroes the gradients right after (the runtime's OPT does),
+        so the fused kernel may scale them in place instead of working on a scaled copy; the
+        bits are the same either way. Without it ``p.grad`` is never changed (a rollback
+        re-reads it).
         """
         if not (math.isfinite(lr) and lr >= 0.0):
             raise ValueError(f"StageAdamW.step: lr must be finite and >= 0, got {lr}")
@@ -318,12 +323,17 @@ class StageAdamW:
         self.step_count += 1
         with torch.no_grad():
             if self.fused:
-                self._fused_step(lr, grad_scale)
+                self._fused_step(lr, grad_scale, grads_disposable)
             else:
                 step_size, bias_correction2_sqrt = self._bias_corrections(lr)
                 for slot in self._slots:
                     self._update(slot, lr, grad_scale, step_size, bias_correction2_sqrt)
         self._last_step = (float(lr), float(grad_scale))
+
+    def step_consuming_grads(self, lr: float, grad_scale: float = 1.0) -> None:
+        """:meth:`step` for a caller that zeroes the gradients next (the runtime's OPT): their
+        values afterwards are unspecified, so the fused kernel scales them in place."""
+        self.step(lr, grad_scale, grads_disposable=True)
 
     def _check_fusable(self) -> None:
         """Refuse ``fused`` where the kernel cannot run this optimizer's update."""
@@ -336,20 +346,33 @@ class StageAdamW:
             if not (target.is_contiguous() and target.is_floating_point()):
                 raise ValueError(f"StageAdamW: fused=True needs contiguous floating-point {slot.name}")
 
-    def _fused_step(self, lr: float, grad_scale: float) -> None:
-        """:meth:`step`'s update through the fused kernel, one call per (device, dtype, decay)."""
+    def _fused_step(self, lr: float, grad_scale: float, grads_disposable: bool) -> None:
+        """:meth:`step`'s update through the fused kernel, one call per (device, dtype, decay).
+
+        The kernel applies ``grad_scale`` itself (dividing by its float32 reciprocal, in place
+        in the gradient it is given), so a gradient the caller still needs goes in as a copy.
+        """
+        scaled = grad_scale != 1.0
         groups: dict[tuple[torch.device, torch.dtype, bool], FusedGroup] = {}
         for slot in self._slots:
             target = slot.target()
             decay = slot.decay and self.weight_decay != 0
-            grad = self._scaled_grad(slot, target, grad_scale)
+            grad = slot.grad()
+            if grad is None:
+                grad = torch.zeros_like(target)
+            elif grad.dtype != target.dtype:
+                grad = grad.detach().to(dtype=target.dtype)  # a private copy already
+            elif scaled and not grads_disposable:
+                grad = grad.detach().clone(memory_format=torch.contiguous_format)
             groups.setdefault((target.device, target.dtype, decay), FusedGroup()).add(
-                target.view(-1), grad.contiguous().view(-1), slot.exp_avg.view(-1), slot.exp_avg_sq.view(-1))
-        steps: dict[torch.device, Tensor] = {}
+                target.view(-1), grad.detach().contiguous().view(-1), slot.exp_avg.view(-1), slot.exp_avg_sq.view(-1))
+        steps: dict[torch.device, tuple[Tensor, Tensor | None]] = {}
         for (device, _dtype, decay), group in groups.items():
             if device not in steps:
-                steps[device] = torch.tensor(float(self.step_count), dtype=torch.float32, device=device)
-            fused_adamw_step(group, steps[device], lr, self.betas, self.weight_decay if decay else 0.0, self.eps)
+                steps[device] = (torch.tensor(float(self.step_count), dtype=torch.float32, device=device),
+                                 torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=device) if scaled else None)
+            step, inverse_scale = steps[device]
+            fused_adamw_step(group, step, lr, self.betas, self.weight_decay if decay else 0.0, self.eps, inverse_scale)
         for slot in self._slots:
             slot.write_back()
 

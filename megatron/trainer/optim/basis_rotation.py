@@ -276,9 +276,9 @@ class BasisRotationAdamW(StageAdamW):
 
     # ------------------------------------------------------------------- step
 
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0, grads_disposable: bool = False) -> None:
         """StageAdamW's step, then a basis refresh when this local step calls for one."""
-        super().step(lr, grad_scale)
+        super().step(lr, grad_scale, grads_disposable)
         if self._rotations and refreshes_at(self.rotation, self.step_count):
             with torch.no_grad():
                 for slot in self._slots:

@@ -74,15 +74,17 @@ def _padded_cat(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def fused_adamw_step(group: FusedGroup, step: Tensor, lr: float, betas: tuple[float, float],
-                     weight_decay: float, eps: float) -> None:
-    """Step ``group``'s tensors in place (params, moments; grads are only read).
+                     weight_decay: float, eps: float, inverse_grad_scale: Tensor | None = None) -> None:
+    """Step ``group``'s tensors in place (params, moments).
 
     ``group`` holds flat contiguous tensors (``view(-1)`` of a parameter, or a shard's range);
-    ``step`` is the (already incremented) step count as a float tensor on their device.
+    ``step`` is the (already incremented) step count as a float tensor on their device. With
+    ``inverse_grad_scale`` (a float32 scalar tensor there) the kernel divides each gradient by
+    it first, writing the quotient into the gradient: grads are only read without it.
     """
     bodies, tails = group.split_aligned()
     kwargs = dict(lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps,
-                  amsgrad=False, maximize=False)
+                  amsgrad=False, maximize=False, grad_scale=inverse_grad_scale)
     if bodies.params:
         torch._fused_adamw_(bodies.params, bodies.grads, bodies.exp_avgs, bodies.exp_avg_sqs, [],
                             [step] * len(bodies.params), **kwargs)
