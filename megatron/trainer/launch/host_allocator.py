@@ -42,10 +42,10 @@ def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         return None
     try:
         libc = ctypes.CDLL(name)
-        gnu_version = libc.gnu_get_libc_version  # only glibc has it: musl's mallopt is a stub
-    except (OSError, AttributeError):
+    except OSError:
         return None
-    del gnu_version
+    if not hasattr(libc, "gnu_get_libc_version"):  # only glibc has it: musl's mallopt is a stub
+        return None
     return getattr(libc, "mallopt", None)
 
 

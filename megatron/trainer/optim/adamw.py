@@ -364,8 +364,10 @@ class StageAdamW:
                 grad = grad.detach().to(dtype=target.dtype)  # a private copy already
             elif scaled and not grads_disposable:
                 grad = grad.detach().clone(memory_format=torch.contiguous_format)
+            else:
+                grad = grad.detach()
             groups.setdefault((target.device, target.dtype, decay), FusedGroup()).add(
-                target.view(-1), grad.detach().contiguous().view(-1), slot.exp_avg.view(-1), slot.exp_avg_sq.view(-1))
+                target.view(-1), grad.contiguous().view(-1), slot.exp_avg.view(-1), slot.exp_avg_sq.view(-1))
         steps: dict[torch.device, tuple[Tensor, Tensor | None]] = {}
         for (device, _dtype, decay), group in groups.items():
             if device not in steps:
