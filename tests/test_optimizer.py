@@ -200,17 +200,35 @@ def test_grads_finite(bad: float) -> None:
     assert not opt.grads_finite()
 
 
-def test_zero_grad_keeps_buffers_and_accumulation_works() -> None:
+def test_zero_grad_drops_grads_and_the_next_window_matches_in_place_zeroing() -> None:
+    """zero_grad sets every grad to None (the next backward assigns instead of adding to
+    zeros), and a window accumulated after it has the bits of one accumulated into zeroed
+    buffers."""
     model = make_model()
     opt = stage_opt(model)
     backward(model, 0)
-    buffers = [p.grad for p in opt.parameters()]
     opt.zero_grad()
-    assert all(p.grad is b and not b.any() for p, b in zip(opt.parameters(), buffers))
+    assert all(p.grad is None for p in opt.parameters())
     backward(model, 0)
-    single = [p.grad.clone() for p in opt.parameters()]
+    backward(model, 1)
+    dropped = [p.grad.clone() for p in opt.parameters()]
+    for p in opt.parameters():
+        p.grad.zero_()
     backward(model, 0)
-    assert all(torch.allclose(p.grad, 2 * s) for p, s in zip(opt.parameters(), single))
+    backward(model, 1)
+    assert all(torch.equal(p.grad, d) for p, d in zip(opt.parameters(), dropped))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_sq_norm_matches_a_float64_sum(dtype: torch.dtype) -> None:
+    """The fused per-tensor dot product is as accurate as squaring and summing in fp32, against
+    a float64 reference; bf16 grads are squared in fp32 (their squares would lose bits)."""
+    model = make_model().to(dtype)
+    opt = stage_opt(model)
+    backward(model, 0)
+    exact = sum(float(p.grad.double().square().sum()) for p in opt.parameters())
+    norm = opt.grad_sq_norm()
+    assert norm.dtype == torch.float32 and float(norm) == pytest.approx(exact, rel=1e-6)
 
 
 def test_step_rejects_bad_arguments() -> None:
