@@ -126,6 +126,14 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="retain: glibc keeps freed host memory in the heap, so re-allocating a micro-batch's "
                         "tensors costs no page faults (1-2.5%% faster CPU training, same peak RSS); "
                         "system: the C library's defaults")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector off during training, collecting only every "
+                        "--manual-gc-interval updates and around evaluation (Megatron-LM's flag; start-up "
+                        "objects are frozen out of every collection either way)")
+    g.add_argument("--manual-gc-interval", type=int, default=0, metavar="N",
+                   help="with --manual-gc: collect every N updates (0: never between updates)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc: no collection before and after each evaluation")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -217,6 +225,8 @@ def validate_args(args: argparse.Namespace) -> None:
                  "train_iters", "vocab_size", "log_interval"):
         if getattr(args, flag) < 1:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be >= 1")
+    if not args.manual_gc and (args.manual_gc_interval or not args.manual_gc_eval):
+        raise ArgumentError("--manual-gc-interval/--no-manual-gc-eval need --manual-gc")
     if args.hidden_size % args.num_attention_heads:
         raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
     if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:

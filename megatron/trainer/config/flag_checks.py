@@ -92,6 +92,7 @@ DOMAINS: dict[str, Domain] = {
     "num_layers_per_virtual_pipeline_stage": AT_LEAST_1, "recompute_num_layers": AT_LEAST_1,
     "microbatch_group_size_per_virtual_pipeline_stage": AT_LEAST_1,
     "distributed_timeout_minutes": POSITIVE, "pipeline_timeout_seconds": POSITIVE, "num_threads": AT_LEAST_1,
+    "manual_gc_interval": NON_NEGATIVE,
     # schedules
     "zb_profile_iters": NON_NEGATIVE, "zb_memory_limit": POSITIVE, "inject_nonfinite_loss": NON_NEGATIVE,
     "pipemare_lr_anneal_iters": AT_LEAST_1, "pipemare_discrepancy_decay": OPEN_UNIT,

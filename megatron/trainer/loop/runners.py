@@ -22,6 +22,7 @@ from megatron.pipeline.schedules.evaluation import evaluation_ops
 from megatron.pipeline.runtime.tracing import StageTracer
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing import checkpoint as ckpt
+from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.tasks.task import Batch, PretrainTask
 
 
@@ -77,9 +78,11 @@ class PipelineRunner:
     processes, if any, run the same calls."""
 
     def __init__(self, task: PretrainTask, args: argparse.Namespace, transport: Transport,
-                 workers: list[StageWorker], cadence: ReportCadence, sink: ReportSink):
+                 workers: list[StageWorker], cadence: ReportCadence, sink: ReportSink,
+                 collector: CollectorPolicy | None = None):
         self.task, self.args, self.transport, self.workers = task, args, transport, workers
         self.cadence, self.sink = cadence, sink
+        self.collector = collector or CollectorPolicy()
         self.data = EvaluationData(task, args, transport.dp_rank, workers[0].setup.device)
         self.tracers = [_tracer(args, w, transport.dp_rank, transport.name) for w in workers]
 
@@ -90,7 +93,8 @@ class PipelineRunner:
             self.transport.align_clocks([t for t in self.tracers if t is not None])
         with _tracing(self.workers, self.tracers, self.args, writes=self.transport.tp_rank == 0):
             run_streams(self.transport, self.workers, self.transport.local_streams(schedule), self.cadence,
-                        self.sink, sync_hook=hook, outcomes=getattr(schedule, "validation_outcomes", None))
+                        self.sink, sync_hook=hook, outcomes=getattr(schedule, "validation_outcomes", None),
+                        after_update=self.collector.after_update)
         for w in self.workers:  # a segment ends with whole weights (--overlap-param-gather)
             w.params_ready()
 
@@ -98,12 +102,14 @@ class PipelineRunner:
         batch_fn = self.data.batch_fn(split)
         if batch_fn is None:  # every rank sees the same data, so all skip together
             return None
+        self.collector.evaluation_boundary()
         for w in self.workers:
             w.begin_evaluation(batch_fn)
         layout = self.workers[0].layout
         streams = [evaluation_ops(s, layout, self.data.num_microbatches) for s in self.transport.stages]
         run_streams(self.transport, self.workers, streams, self.cadence, self.sink)
         results = [w.end_evaluation() for w in self.workers]
+        self.collector.evaluation_boundary()
         # Only last stages hold losses; every data-parallel replica evaluated its own share,
         # and the tensor-parallel ranks of a stage the same one (TP rank 0 counts it).
         if self.transport.tp_rank:

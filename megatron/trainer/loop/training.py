@@ -40,6 +40,7 @@ from megatron.trainer.launch.exit_control import StopControl, launcher_signals, 
 from megatron.trainer.checkpointing.checkpoint import (
     CheckpointError, ResumePoint, check_resume, load_stage_state, restore_schedule_state)
 from megatron.trainer.launch.host_allocator import apply_host_malloc
+from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.launch.launcher import is_worker_process, launch_local
 from megatron.trainer.loop.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop.segments import Segment, plan_segments, run_segments
@@ -228,9 +229,12 @@ def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, de
         log_fixed_choice(schedule)
     if stop is not None:
         stop.agree = transport.all_max
-    run_segments(schedule, run_plan(args, start), PipelineRunner(task, args, transport, workers, cadence, sink),
-                 logger, say=lambda line: print(line, flush=True) if coordinator else None, stop=stop,
-                 schedule_for=segment_schedules(args, schedule, workers))
+    gc_policy = CollectorPolicy.from_args(args)
+    with gc_policy.training():
+        run_segments(schedule, run_plan(args, start),
+                     PipelineRunner(task, args, transport, workers, cadence, sink, gc_policy),
+                     logger, say=lambda line: print(line, flush=True) if coordinator else None, stop=stop,
+                     schedule_for=segment_schedules(args, schedule, workers))
     transport.flush()
     if logger:
         logger.log_summary()

@@ -28,6 +28,10 @@ SyncHook = Callable[[list[Op]], None]
 those streams is pulled (profiled Zero Bubble schedules decide their order there)."""
 
 
+UpdateHook = Callable[[int], None]
+"""Called with the update's number after every OPT of a local stage (after its report is
+submitted): the trainer's per-update process work, such as ``--manual-gc``'s collections."""
+
 Send = Callable[[Message, torch.Tensor], None]
 
 
@@ -52,13 +56,15 @@ class OpCore:
     """Runs ops on the local stages' workers over ``transport``."""
 
     def __init__(self, transport: Transport, workers: Workers, cadence: ReportCadence, sink: ReportSink,
-                 sync_hook: SyncHook | None = None, outcomes: ValidationOutcomes | None = None):
+                 sync_hook: SyncHook | None = None, outcomes: ValidationOutcomes | None = None,
+                 after_update: UpdateHook | None = None):
         self.transport = transport
         self.workers = workers
         self.cadence = cadence
         self.sink = sink
         self.sync_hook = sync_hook
         self.outcomes = outcomes  # post-validated streams read what VALIDATE records here
+        self.after_update = after_update
         self.reduction = step_reduction(transport.layout)
 
     def execute(self, op: Op, inputs: dict[Message, torch.Tensor], send: Send) -> None:
@@ -74,6 +80,8 @@ class OpCore:
             send(msg, tensor)
         if op.kind is OpKind.VALIDATE:  # reports of post-validated updates are taken here
             self._maybe_report(worker, op)
+            if self.after_update is not None:
+                self.after_update(op.update)
 
     def step(self, ops: Sequence[Op]) -> None:
         """An OPT: one stage-local step, or the local stages' ops of one synchronous step."""
@@ -92,6 +100,8 @@ class OpCore:
             self._maybe_report(self.workers[op.stage], op)
         if ops[0].sync and self.sync_hook is not None:
             self.sync_hook(list(ops))
+        if self.after_update is not None:
+            self.after_update(ops[0].update)
 
     def _maybe_report(self, worker: StageWorker, op: Op) -> None:
         if self.cadence.due(op.update):

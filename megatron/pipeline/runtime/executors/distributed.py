@@ -18,7 +18,7 @@ from megatron.pipeline.comm import op_recvs
 from megatron.pipeline.ir import Op, OpKind
 from megatron.pipeline.post_validation import ValidationOutcomes
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink
-from megatron.pipeline.runtime.executors.core import OpCore, SyncHook
+from megatron.pipeline.runtime.executors.core import OpCore, SyncHook, UpdateHook
 from megatron.pipeline.runtime.executors.errors import PipelineRuntimeError
 from megatron.pipeline.runtime.transport.distributed import DistributedTransport
 from megatron.pipeline.runtime.worker import StageWorker
@@ -43,11 +43,12 @@ class DistributedExecutor:
         prefetch_ops: int = 4,
         sync_hook: SyncHook | None = None,
         outcomes: ValidationOutcomes | None = None,
+        after_update: UpdateHook | None = None,
     ):
         self.worker = worker
         self.transport = transport
         self.prefetch_ops = prefetch_ops
-        self.core = OpCore(transport, {worker.stage: worker}, cadence, sink, sync_hook, outcomes)
+        self.core = OpCore(transport, {worker.stage: worker}, cadence, sink, sync_hook, outcomes, after_update)
         self.channel = transport.channel(worker)
 
     def run(self, stream: Iterable[Op]) -> None:

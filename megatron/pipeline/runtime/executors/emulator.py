@@ -18,7 +18,7 @@ from megatron.pipeline.ir import Op, OpKind, PipelineLayout
 from megatron.pipeline.post_validation import ValidationOutcomes
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink
-from megatron.pipeline.runtime.executors.core import OpCore, SyncHook
+from megatron.pipeline.runtime.executors.core import OpCore, SyncHook, UpdateHook
 from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 from megatron.pipeline.runtime.worker import StageWorker
 
@@ -33,10 +33,12 @@ class Emulator:
         sync_hook: SyncHook | None = None,
         outcomes: ValidationOutcomes | None = None,
         transport: InProcessTransport | None = None,
+        after_update: UpdateHook | None = None,
     ):
         self.workers = workers
         self.layout = layout
-        self.core = OpCore(transport or InProcessTransport(layout), workers, cadence, sink, sync_hook, outcomes)
+        self.core = OpCore(transport or InProcessTransport(layout), workers, cadence, sink, sync_hook, outcomes,
+                           after_update)
 
     def _execute(self, op: Op, inputs: dict[Message, torch.Tensor]) -> dict[Message, torch.Tensor]:
         if op.kind is OpKind.OPT:  # stage-local step

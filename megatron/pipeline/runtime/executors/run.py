@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from megatron.pipeline.ir import Op
 from megatron.pipeline.post_validation import ValidationOutcomes
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink
-from megatron.pipeline.runtime.executors.core import SyncHook
+from megatron.pipeline.runtime.executors.core import SyncHook, UpdateHook
 from megatron.pipeline.runtime.executors.distributed import DistributedExecutor
 from megatron.pipeline.runtime.executors.emulator import Emulator
 from megatron.pipeline.runtime.transport import Transport
@@ -21,12 +21,14 @@ from megatron.pipeline.runtime.worker import StageWorker
 
 def run_streams(transport: Transport, workers: Sequence[StageWorker], streams: Sequence[Iterable[Op]],
                 cadence: ReportCadence, sink: ReportSink, sync_hook: SyncHook | None = None,
-                outcomes: ValidationOutcomes | None = None) -> None:
+                outcomes: ValidationOutcomes | None = None, after_update: UpdateHook | None = None) -> None:
     """Run ``streams`` (one per local stage, in :attr:`Transport.stages` order) to their ends."""
     if transport.in_process:  # every stage here: replay interleaves them
         assert isinstance(transport, InProcessTransport)
-        Emulator(list(workers), transport.layout, cadence, sink, sync_hook, outcomes, transport).run(list(streams))
+        Emulator(list(workers), transport.layout, cadence, sink, sync_hook, outcomes, transport,
+                 after_update).run(list(streams))
         return
     assert isinstance(transport, DistributedTransport)
     (worker,), (stream,) = workers, streams  # one stage per process
-    DistributedExecutor(worker, transport, cadence, sink, sync_hook=sync_hook, outcomes=outcomes).run(stream)
+    DistributedExecutor(worker, transport, cadence, sink, sync_hook=sync_hook, outcomes=outcomes,
+                        after_update=after_update).run(stream)
