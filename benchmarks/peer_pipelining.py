@@ -16,9 +16,10 @@ Per contender it also reports:
 
 Both sides: gloo, one thread per rank, fp32, AdamW, global-norm clipping at 1.0, ``m``
 micro-batches per iteration, tokens/s from the median iteration time after warm-up. Each side
-runs its defaults: ours the fused AdamW kernel and ``--host-malloc retain``, the peer
-``torch.optim.AdamW(foreach=True)`` and the C library's allocator; ``--peer-adamw fused
---peer-host-malloc retain`` gives the peer both, so only the pipeline runtime differs.
+runs its defaults: ours the fused AdamW kernel, ``--host-malloc retain`` and ``--bind-cores
+auto`` (each rank on its own core), the peer ``torch.optim.AdamW(foreach=True)``, the C
+library's allocator and the scheduler's placement; ``--peer-adamw fused --peer-host-malloc
+retain --peer-bind-cores auto`` gives the peer all three, so only the pipeline runtime differs.
 
     python benchmarks/peer_pipelining.py                                   # the issue's workload
     python benchmarks/peer_pipelining.py --pairs 5 --microbatches 4 8 --json peer.json
@@ -58,8 +59,9 @@ COMPARISONS: dict[str, tuple[str, ...]] = {
     "interleaved-1f1b": ("ScheduleInterleaved1F1B",),
     "zb-2p": ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"),
 }
-# The peer's optimizer kernel and allocator policy (--peer-adamw, --peer-host-malloc).
-PEER_OPTIONS: dict[str, str] = {"adamw": "foreach", "host_malloc": "system"}
+# The peer's optimizer kernel, allocator policy and core binding (--peer-adamw, --peer-host-malloc,
+# --peer-bind-cores).
+PEER_OPTIONS: dict[str, str] = {"adamw": "foreach", "host_malloc": "system", "bind_cores": "none"}
 MULTI_CHUNK = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"}
 
 
@@ -240,8 +242,12 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
     from megatron.trainer.models.stage import split_layers
     from megatron.trainer.loop.training import _init_megatron_parallel_state
 
-    torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    options = options or PEER_OPTIONS
+    if options.get("bind_cores", "none") == "auto":  # our --bind-cores default; before any thread starts
+        from megatron.trainer.launch.core_binding import bind_cores
+        bind_cores("auto", True, rank, world)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     _init_megatron_parallel_state()
     args = parse_args(model_flags(w) + ["--pipeline-model-parallel-size", "1"])
@@ -284,7 +290,6 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
     sched_cls = getattr(pipelining, schedule)
     sched = sched_cls(stages if schedule in MULTI_CHUNK else stages[0], n_microbatches=m, loss_fn=loss_fn)
     params = [p for c in chunks for p in c.parameters()]
-    options = options or PEER_OPTIONS
     if options["host_malloc"] == "retain":  # the allocator policy our ranks run with (--host-malloc)
         from megatron.trainer.launch.host_allocator import apply_host_malloc
         apply_host_malloc("retain")
@@ -458,13 +463,15 @@ def main(argv: list[str] | None = None) -> None:
                         "our --adam-kernel default runs, for a runtime-only comparison)")
     p.add_argument("--peer-host-malloc", choices=("system", "retain"), default="system",
                    help="the peer ranks' C allocator policy (retain: what our --host-malloc default applies)")
+    p.add_argument("--peer-bind-cores", choices=("none", "auto"), default="none",
+                   help="the peer ranks' core binding (auto: what our --bind-cores default applies)")
     a = p.parse_args(argv)
     if a.worker:
         peer_worker(a.worker, a.worker_m, a.worker_iters, json.loads(a.worker_workload), a.worker_out,
                     json.loads(a.worker_split), a.worker_timeline, json.loads(a.worker_options))
         return
     w = QUICK if a.quick else WORKLOAD
-    PEER_OPTIONS.update(adamw=a.peer_adamw, host_malloc=a.peer_host_malloc)
+    PEER_OPTIONS.update(adamw=a.peer_adamw, host_malloc=a.peer_host_malloc, bind_cores=a.peer_bind_cores)
     pairs, iters = (1, 4) if a.quick else (a.pairs, a.iters)
     rows = []
     split = layer_split(w, a.stages, a.split)

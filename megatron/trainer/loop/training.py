@@ -39,6 +39,7 @@ from megatron.trainer.config.run_config import run_config
 from megatron.trainer.launch.exit_control import StopControl, launcher_signals, rank_signal_defaults, stop_control
 from megatron.trainer.checkpointing.checkpoint import (
     CheckpointError, ResumePoint, check_resume, load_stage_state, restore_schedule_state)
+from megatron.trainer.launch.core_binding import bind_cores
 from megatron.trainer.launch.host_allocator import apply_host_malloc
 from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.launch.launcher import is_worker_process, launch_local
@@ -60,16 +61,21 @@ from megatron.trainer.models.tensor_parallel import (
     build_tensor_parallel_stage, full_shape, gather_full, initialize_tensor_parallel, shard_layout)
 
 
+def uses_cuda(args: argparse.Namespace) -> bool:
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
 def resolve_device(args: argparse.Namespace, local_rank: int) -> torch.device:
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
+    if uses_cuda(args):
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def prepare_host(args: argparse.Namespace, local_processes: int) -> None:
-    """This process's CPU threads and host allocator policy, before any model is built."""
+def prepare_host(args: argparse.Namespace, local_processes: int, local_rank: int = 0) -> None:
+    """This process's cores, CPU threads and host allocator policy, before any model is built
+    (and before any thread starts: threads inherit the core binding)."""
+    args.core_binding_effect = bind_cores(args.bind_cores, not uses_cuda(args), local_rank, local_processes)
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_processes))
     torch.set_num_threads(threads)
     args.host_malloc_effect = apply_host_malloc(args.host_malloc)  # shown in the banner
@@ -300,7 +306,7 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     rank_signal_defaults(args)
     stop = stop_control(args, decides_time=rank == 0)  # the handler goes in before the rendezvous
-    prepare_host(args, int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))
+    prepare_host(args, int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)), local_rank)
     device = resolve_device(args, local_rank)
     backend = args.distributed_backend
     if backend == "auto":
