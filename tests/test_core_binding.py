@@ -26,7 +26,17 @@ def test_each_local_rank_gets_its_own_equal_run_of_cores() -> None:
 
 
 @pytest.fixture
-def fake_machine(monkeypatch: pytest.MonkeyPatch):
+def private_claims(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Core claims in a directory of this test's own, given back afterwards (the real ones are
+    machine-wide: a claim held by this test process would keep real ranks from binding)."""
+    monkeypatch.setattr(core_binding, "claim_dir", lambda: tmp_path)
+    yield tmp_path
+    while core_binding._held:
+        core_binding._held.pop().close()
+
+
+@pytest.fixture
+def fake_machine(monkeypatch: pytest.MonkeyPatch, private_claims: Path):
     """A 4-core machine whose affinity calls are recorded instead of made."""
     state = {"allowed": {0, 1, 2, 3}, "set": None}
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
@@ -48,11 +58,45 @@ def test_auto_binds_cpu_ranks_and_leaves_everything_else_alone(fake_machine) -> 
     assert fake_machine["set"] is None
 
 
+def test_a_second_run_leaves_claimed_cores_to_the_first(fake_machine) -> None:
+    assert bind_cores("auto", True, 1, 2).endswith("cores 2-3)")  # this run's local rank 1
+    fake_machine["set"] = None
+    # Another run's local rank 1 wants the same cores; its rank 0 may still bind.
+    assert bind_cores("auto", True, 1, 2) == "none (another run's rank holds core 2-3)"
+    assert fake_machine["set"] is None
+    assert bind_cores("auto", True, 0, 2).endswith("cores 0-1)")
+    assert fake_machine["set"] == [0, 1]
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from megatron.trainer.launch.core_binding import claim_cores
+print(claim_cores([int(sys.argv[2])], Path(sys.argv[1])), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_claim_ends_with_its_process(private_claims: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(private_claims), "5"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        assert not core_binding.claim_cores([4, 5], private_claims)  # 5 is held: 4 is given back
+        assert core_binding.claim_cores([4], private_claims)
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert core_binding.claim_cores([5], private_claims)  # the holder exited: its claim is gone
+
+
 PROBE = """
 import os, sys
+from pathlib import Path
+import megatron.trainer.launch.core_binding as core_binding
 from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.loop.training import prepare_host
-args = parse_args(["--mock-data", "--device", "cpu", *sys.argv[2:]])
+core_binding.claim_dir = lambda: Path(sys.argv[2])  # not the machine's: concurrent tests bind there
+args = parse_args(["--mock-data", "--device", "cpu", *sys.argv[3:]])
 prepare_host(args, 2, int(sys.argv[1]))
 print(sorted(os.sched_getaffinity(0)), args.core_binding_effect)
 """
@@ -61,12 +105,12 @@ print(sorted(os.sched_getaffinity(0)), args.core_binding_effect)
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
                     or len(os.sched_getaffinity(0)) < (os.cpu_count() or 0),
                     reason="needs 2+ cores, all of them usable by this process")
-def test_a_rank_process_ends_up_on_its_share() -> None:
+def test_a_rank_process_ends_up_on_its_share(tmp_path: Path) -> None:
     cores = sorted(os.sched_getaffinity(0))
     half = len(cores) // 2
 
     def affinity(*argv: str) -> str:
-        out = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, check=True,
+        out = subprocess.run([sys.executable, "-c", PROBE, argv[0], str(tmp_path), *argv[1:]], capture_output=True, text=True, check=True,
                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
         return out.stdout.strip().splitlines()[-1]
 

@@ -12,14 +12,53 @@ cores as local ranks. Local rank ``r`` of ``n`` then gets the ``r``-th of ``n`` 
 consecutive cores (``k = cores // n`` each; cores left over stay unused). It must happen before
 the process starts any thread (torch's pool, gloo's), because threads inherit their creator's
 mask and an existing thread keeps its own: ``prepare_host`` runs it first.
+
+Several runs on one machine (a test session, two experiments on a workstation) must not pin
+their ranks onto the same cores while others idle: a binding rank first claims its cores with
+an exclusive ``flock`` on one lock file per core (in ``/dev/shm``, else the temp directory),
+held until the process exits (the kernel drops it then, even after a crash). A rank whose
+cores another live rank holds is not bound, and the scheduler places it as before. (Measured:
+without the claims, a test session whose concurrent tests pinned their rank 0s to the same core
+took 10:09 instead of 8:01.)
 """
 from __future__ import annotations
 
 import os
-from typing import Literal
+import tempfile
+from pathlib import Path
+from typing import IO, Literal
 
 BindCores = Literal["auto", "none"]
 BIND_CORES_CHOICES: tuple[BindCores, ...] = ("auto", "none")
+
+_held: list[IO[bytes]] = []  # this process's core claims, open (and locked) until it exits
+
+
+def claim_dir() -> Path:
+    """Where the per-core lock files live (shared by every run on the machine)."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def claim_cores(cores: list[int], where: Path | None = None) -> bool:
+    """Take an exclusive claim on each of ``cores`` for the life of this process; on the first
+    core another process holds, give back what was taken and return False."""
+    import fcntl
+
+    where = where or claim_dir()
+    taken: list[IO[bytes]] = []
+    for core in cores:
+        handle = open(where / f"megatron-async-core-{core}.lock", "ab")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            for other in taken:
+                other.close()  # closing drops the lock
+            return False
+        taken.append(handle)
+    _held.extend(taken)
+    return True
 
 
 def cores_for_rank(allowed: list[int], local_rank: int, local_processes: int) -> list[int]:
@@ -47,6 +86,8 @@ def bind_cores(policy: BindCores, on_cpu: bool, local_rank: int, local_processes
     if local_processes > len(allowed):
         return f"none ({local_processes} local ranks on {len(allowed)} cores)"
     cores = cores_for_rank(allowed, local_rank, local_processes)
+    if not claim_cores(cores):
+        return f"none (another run's rank holds core {cores[0]}" + (f"-{cores[-1]})" if len(cores) > 1 else ")")
     os.sched_setaffinity(0, cores)
     mine = f"cores {cores[0]}-{cores[-1]}" if len(cores) > 1 else f"core {cores[0]}"
     return f"{len(cores)} of {len(allowed)} cores per local rank (local rank {local_rank}: {mine})"
