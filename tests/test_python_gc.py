@@ -35,6 +35,15 @@ def test_training_collects_then_freezes_and_restores_afterwards(collector_state)
     assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
+def test_the_emulator_neither_collects_nor_freezes_at_the_start(monkeypatch: pytest.MonkeyPatch,
+                                                                collector_state) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or 0)
+    with CollectorPolicy(freeze_startup=False).training():
+        assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert calls == []
+
+
 def test_manual_gc_disables_the_collector_for_training_only(collector_state) -> None:
     with CollectorPolicy(manual=True).training():
         assert not gc.isenabled()

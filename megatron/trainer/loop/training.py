@@ -235,7 +235,7 @@ def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, de
         log_fixed_choice(schedule)
     if stop is not None:
         stop.agree = transport.all_max
-    gc_policy = CollectorPolicy.from_args(args)
+    gc_policy = CollectorPolicy.from_args(args, freeze_startup=not transport.in_process)
     with gc_policy.training():
         run_segments(schedule, run_plan(args, start),
                      PipelineRunner(task, args, transport, workers, cadence, sink, gc_policy),
