@@ -62,7 +62,7 @@ def test_a_second_run_leaves_claimed_cores_to_the_first(fake_machine) -> None:
     assert bind_cores("auto", True, 1, 2).endswith("cores 2-3)")  # this run's local rank 1
     fake_machine["set"] = None
     # Another run's local rank 1 wants the same cores; its rank 0 may still bind.
-    assert bind_cores("auto", True, 1, 2) == "none (another run's rank holds core 2-3)"
+    assert bind_cores("auto", True, 1, 2) == "none (another run's rank holds cores 2-3)"
     assert fake_machine["set"] is None
     assert bind_cores("auto", True, 0, 2).endswith("cores 0-1)")
     assert fake_machine["set"] == [0, 1]

@@ -133,8 +133,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "faster on the speed benchmark); none: the scheduler places threads")
     g.add_argument("--manual-gc", action="store_true",
                    help="Python's garbage collector off during training, collecting only every "
-                        "--manual-gc-interval updates and around evaluation (Megatron-LM's flag; start-up "
-                        "objects are frozen out of every collection either way)")
+                        "--manual-gc-interval updates and around evaluation (Megatron-LM's flag; rank processes "
+                        "freeze their start-up objects out of every collection either way)")
     g.add_argument("--manual-gc-interval", type=int, default=0, metavar="N",
                    help="with --manual-gc: collect every N updates (0: never between updates)")
     g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",

@@ -17,9 +17,8 @@ Several runs on one machine (a test session, two experiments on a workstation) m
 their ranks onto the same cores while others idle: a binding rank first claims its cores with
 an exclusive ``flock`` on one lock file per core (in ``/dev/shm``, else the temp directory),
 held until the process exits (the kernel drops it then, even after a crash). A rank whose
-cores another live rank holds is not bound, and the scheduler places it as before. (Measured:
-without the claims, a test session whose concurrent tests pinned their rank 0s to the same core
-took 10:09 instead of 8:01.)
+cores another live rank holds is not bound, and the scheduler places it as before (without the
+claims, two runs would both pin their local rank 0 to the first core while other cores idle).
 """
 from __future__ import annotations
 
@@ -87,7 +86,11 @@ def bind_cores(policy: BindCores, on_cpu: bool, local_rank: int, local_processes
         return f"none ({local_processes} local ranks on {len(allowed)} cores)"
     cores = cores_for_rank(allowed, local_rank, local_processes)
     if not claim_cores(cores):
-        return f"none (another run's rank holds core {cores[0]}" + (f"-{cores[-1]})" if len(cores) > 1 else ")")
+        return f"none (another run's rank holds {_named(cores)})"
     os.sched_setaffinity(0, cores)
-    mine = f"cores {cores[0]}-{cores[-1]}" if len(cores) > 1 else f"core {cores[0]}"
-    return f"{len(cores)} of {len(allowed)} cores per local rank (local rank {local_rank}: {mine})"
+    return f"{len(cores)} of {len(allowed)} cores per local rank (local rank {local_rank}: {_named(cores)})"
+
+
+def _named(cores: list[int]) -> str:
+    """``core 3`` or ``cores 2-3`` (a run of consecutive cores)."""
+    return f"cores {cores[0]}-{cores[-1]}" if len(cores) > 1 else f"core {cores[0]}"
