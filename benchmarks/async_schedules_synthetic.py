@@ -52,7 +52,7 @@ from megatron.trainer.config.arguments import parse_args  # noqa: E402
 from megatron.trainer.config.run_config import schedule_config  # noqa: E402
 from megatron.trainer.tasks.synthetic import SyntheticCostTask  # noqa: E402
 from schedule_efficiency import (  # noqa: E402
-    Case, Result, best_of, build_parser, markdown_table, plan_cases, run_argv, run_case, sleep_overshoot_ms)
+    Case, Result, best_of, build_parser, markdown_table, plan_cases, run_argv, run_case, host_wake_note)
 
 ASYNC_SCHEDULES = ("1f1b", "paci", "async-1f1b", "pipedream-2bw", "pipemare", "amdp")
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.iterations} iterations (async-1f1b: x N), log interval {args.log_interval}, "
           f"{args.warmup_intervals} warm-up interval(s) skipped, best of {args.repeats}; {os.cpu_count()} CPU cores, "
           f"gloo, 1 torch thread per rank, nice {args.nice}; load average (1/5/15 min) {' '.join(uptime())}; "
-          f"time.sleep({args.forward_ms:g} ms) oversleeps {sleep_overshoot_ms(args.forward_ms / 1000):.2f} ms here",
+          f"{host_wake_note(args.forward_ms / 1000)}",
           flush=True)
     t0 = time.perf_counter()
     runs: list[list[Result]] = [[] for _ in cases]

@@ -45,10 +45,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for path in (REPO, REPO / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError  # noqa: E402
+from wake_cost import linear_costs  # noqa: E402
 
 RUN_SCRIPT = REPO / "benchmarks" / "synthetic_stage_run.py"
 DEFAULT_SCHEDULES = ("1f1b", "gpipe")
@@ -273,6 +275,17 @@ def sleep_overshoot_ms(seconds: float, repeats: int = 20) -> float:
     return 1000.0 * total / repeats
 
 
+def host_wake_note(seconds: float, overshoot_ms: float | None = None) -> str:
+    """The header's line on what waking costs here: the sleep's overshoot, and the synthetic
+    stage's own work back to back vs right after such a sleep (``benchmarks/wake_cost.py``).
+    Every synthetic op runs on a freshly woken core, so the runtime's per-op cost measured by
+    these benchmarks is read against this host's after-sleep factor."""
+    overshoot_ms = sleep_overshoot_ms(seconds) if overshoot_ms is None else overshoot_ms
+    warm, after = linear_costs([0.0, seconds], repeats=30)
+    return (f"time.sleep({1000 * seconds:g} ms) oversleeps {overshoot_ms:.2f} ms here; a tiny "
+            f"linear F+B takes {warm:.0f} us back to back, {after:.0f} us right after that sleep")
+
+
 COLUMNS = ["schedule", "N", "m", "ideal m(tf+tb) ms", "analytic ms", "measured ms", "mean ms", "spread ms",
            "measured eff", "analytic eff", "measured/analytic", "overhead/slot ms", "load1", "all repeats ms"]
 
@@ -441,12 +454,13 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or workdir_ctx.name)  # type: ignore[union-attr]
     workdir.mkdir(parents=True, exist_ok=True)
     overshoot = sleep_overshoot_ms(args.forward_ms / 1000.0)
+    wake = host_wake_note(args.forward_ms / 1000.0, overshoot)
     cores = os.cpu_count()
     print(f"# synthetic-cost schedule efficiency: t_f={args.forward_ms:g} ms, t_b={args.backward_ms:g} ms, "
           f"{args.iterations} iterations, log interval {args.log_interval}, "
           f"{args.warmup_intervals} warm-up interval(s) skipped, best of {args.repeats} repeat(s)", flush=True)
     print(f"# machine: {cores} CPU cores, gloo, 1 torch thread per rank; load average {os.getloadavg()[0]:.1f}; "
-          f"time.sleep({args.forward_ms:g} ms) oversleeps {overshoot:.2f} ms here", flush=True)
+          f"{wake}", flush=True)
     t0 = time.perf_counter()
     runs: list[list[Result]] = [[] for _ in cases]
     for rep in range(args.repeats):  # whole sweeps, so a burst of load hits different cases each time

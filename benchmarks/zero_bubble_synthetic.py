@@ -65,7 +65,7 @@ from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule
 from megatron.pipeline.schedules.profiled import schedule_from_choice  # noqa: E402
 from megatron.pipeline.simulator import OpCosts, simulate_schedule, steady_time_per_update  # noqa: E402
 from megatron.pipeline.schedules.zb_1p import ZeroBubbleAuto  # noqa: E402
-from schedule_efficiency import Case, Result, best_of, build_parser, is_asynchronous, run_case, sleep_overshoot_ms  # noqa: E402
+from schedule_efficiency import Case, Result, best_of, build_parser, host_wake_note, is_asynchronous, run_case  # noqa: E402
 
 ZB_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p")
 # T_F = T_B = T_W, and the Zero Bubble paper's profiled 1.5B-model costs (ms, the Table 6 row used in
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Zero Bubble on synthetic-cost stages: {args.iterations} iterations, log interval {args.log_interval}, "
           f"{args.warmup_intervals} warm-up interval(s) skipped, best of {args.repeats} repeat(s); "
           f"{os.cpu_count()} CPU cores, gloo, 1 torch thread per rank; load average {os.getloadavg()[0]:.1f}; "
-          f"time.sleep(20 ms) oversleeps {sleep_overshoot_ms(0.02):.2f} ms here", flush=True)
+          f"{host_wake_note(0.02)}", flush=True)
     t0 = time.perf_counter()
     runs: list[list[Result]] = [[] for _ in plan]
     calibrations: dict[tuple[CostSet, int], list[Calibration]] = {}

@@ -61,12 +61,33 @@ def test_schedule_efficiency_harness_tiny(tmp_path: Path) -> None:
     assert measured < 2 * analytic + 50, f"measured {measured} ms vs analytic {analytic} ms"
     assert float(row["analytic eff"]) == pytest.approx(M / (M + N - 1), abs=1e-3)
     assert float(row["measured eff"]) == pytest.approx(ideal / measured, abs=2e-3)
+    assert "a tiny linear F+B takes" in proc.stdout, "the header lost the host's after-sleep cost"
 
     payload = json.loads(out_json.read_text())
     (result,) = payload["results"]
     assert result["error"] is None
     assert result["timed_iterations"] == 2  # iterations 2..3; the first interval is warm-up
     assert result["measured_ms"] == pytest.approx(measured, abs=0.05)
+
+
+@pytest.mark.slow
+def test_wake_cost_prints_warm_and_after_sleep_costs_of_both_probes() -> None:
+    """``benchmarks/wake_cost.py`` (the host's after-sleep factor under the synthetic benchmarks):
+    both probes run, across two processes for the gloo send, and each ratio column is its
+    after-sleep median over the warm one."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "wake_cost.py"), "--sleep-ms", "1", "2", "--repeats", "5"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _parse_markdown_table(proc.stdout)
+    assert [r["work"] for r in rows] == ["tiny linear F+B", "gloo isend, 512 B"], rows
+    for row in rows:
+        warm = float(row["warm us"])
+        assert warm > 0
+        for sleep in ("1", "2"):
+            after = float(row[f"after {sleep} ms sleep us"])
+            assert after > 0
+            assert float(row[f"{sleep} ms / warm"].rstrip("x")) == pytest.approx(after / warm, abs=0.051)
 
 
 # --------------------------------------------------------------------------- B/W split sleeps
