@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             "forward_ms": args.forward_ms, "backward_ms": args.backward_ms, "wgrad_ms": args.wgrad_ms,
             "iterations": args.iterations,
             "log_interval": args.log_interval, "warmup_intervals": args.warmup_intervals, "repeats": args.repeats,
-            "cpu_count": cores, "sleep_overshoot_ms": overshoot, "total_wall_s": total,
+            "cpu_count": cores, "sleep_overshoot_ms": overshoot, "host_wake": wake, "total_wall_s": total,
             "results": [asdict(r) | {"slots": r.slots} for r in results], "overhead_fits": fits,
             "baseline_fit": baseline_fit([r for r in results if r.stages == 1 and not r.error]),
         }

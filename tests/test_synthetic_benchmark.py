@@ -1,7 +1,7 @@
 """The synthetic-cost schedule-efficiency benchmark, in a tiny configuration.
 
 Runs ``benchmarks/schedule_efficiency.py`` for 1F1B with N=2 stages, m=2 micro-batches and
-3 iterations through the real distributed runtime (2 gloo processes), then checks that its
+5 iterations through the real distributed runtime (2 gloo processes), then checks that its
 markdown table parses and that the measured time per iteration respects the sleeps: every
 stage sleeps ``m * (t_f + t_b)`` per iteration, and 1F1B's dependency chain sleeps
 ``(m + N - 1) * (t_f + t_b)``, so a smaller measurement means the runtime skipped work. The
@@ -39,7 +39,7 @@ def test_schedule_efficiency_harness_tiny(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(HARNESS),
         "--stages", str(N), "--microbatches", str(M), "--schedules", "1f1b",
-        "--iterations", "3", "--log-interval", "1", "--warmup-intervals", "1",
+        "--iterations", "5", "--log-interval", "1", "--warmup-intervals", "1",
         "--forward-ms", str(T_F), "--backward-ms", str(T_B), "--no-baseline",
         "--json", str(out_json), "--workdir", str(tmp_path / "logs"), "--run-timeout", "100",
     ]
@@ -66,8 +66,9 @@ def test_schedule_efficiency_harness_tiny(tmp_path: Path) -> None:
     payload = json.loads(out_json.read_text())
     (result,) = payload["results"]
     assert result["error"] is None
-    assert result["timed_iterations"] == 2  # iterations 2..3; the first interval is warm-up
+    assert result["timed_iterations"] == 4  # iterations 2..5 (a median of 4: one stalled interval cannot set it)
     assert result["measured_ms"] == pytest.approx(measured, abs=0.05)
+    assert payload["host_wake"] in proc.stdout
 
 
 @pytest.mark.slow
