@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import statistics
 import sys
 import time
@@ -114,13 +115,26 @@ def isend_costs(sleeps_s: list[float], repeats: int) -> list[float]:
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_isend_rank, args=(r, port, sleeps_s, repeats, results)) for r in (0, 1)]
+    procs = [ctx.Process(target=_isend_rank, args=(r, port, sleeps_s, repeats, results), daemon=True)
+             for r in (0, 1)]
     for p in procs:
         p.start()
-    costs = results.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    return costs
+    try:
+        while True:  # until rank 0 reports; a rank that died ends the wait at once
+            try:
+                costs = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"an isend probe process exited with {failed[0]}") from None
+        for p in procs:
+            p.join(timeout=60)
+        return costs
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
 
 
 def table(rows: dict[str, list[float]], sleeps_ms: list[float]) -> str:
