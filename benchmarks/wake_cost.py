@@ -17,7 +17,7 @@ that a schedule's overhead per op in ``schedule_efficiency.py`` can be read agai
 Each is timed back to back ("warm") and right after ``time.sleep`` of each given length, median
 of ``--repeats``; one torch thread, Linux timer slack 1 ns (as in the synthetic stages).
 
-    python benchmarks/wake_cost.py                        # sleeps of 1 and 20 ms, ~20 s
+    python benchmarks/wake_cost.py                        # sleeps of 1 and 20 ms, ~8 s
     python benchmarks/wake_cost.py --sleep-ms 5 20 40 --repeats 200
 """
 from __future__ import annotations
