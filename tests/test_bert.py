@@ -104,10 +104,12 @@ def test_split_matches_unsplit(binary_head: bool):
         assert params.keys() == ref_params.keys()
         assert all(torch.equal(params[n], ref_params[n]) for n in params), counts
         _, loss, grads = run_pipeline(stages, batch)
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        # A split moves layers between modules, not arithmetic: every op sees the same shapes and
+        # inputs in the same order, so the comparison is exact on any CPU's kernels.
+        assert torch.equal(loss, ref_loss), counts
+        assert grads.keys() == ref_grads.keys()
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-6, atol=1e-7,
-                                       msg=lambda m: f"{counts} {name}: {m}")
+            assert torch.equal(grad, ref_grads[name]), f"{counts} {name}"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
