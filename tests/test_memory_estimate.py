@@ -23,7 +23,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import pytest
 
 from async_helpers import REPO
 
