@@ -23,7 +23,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-
 from async_helpers import REPO
 
 from benchmarks.peer_pipelining import PeakRSS
