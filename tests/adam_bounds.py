@@ -96,7 +96,9 @@ class AdamTrace:
     """
 
     def __init__(self) -> None:
-        self.steps: dict[int, _Steps] = {}  # id(parameter) -> its steps
+        # (parameter name, owned range, id(optimizer)) -> its steps. By name: AMDP's replicated
+        # pipelines hold one copy of a parameter each and each replica steps its range of it.
+        self.steps: dict[tuple[str, tuple[int, int] | None, int], _Steps] = {}
         self.betas: tuple[float, float] = (0.9, 0.999)
         self.eps: float = 1e-8
 
@@ -104,32 +106,45 @@ class AdamTrace:
         from megatron.trainer.optim.adamw import StageAdamW
 
         assert type(optimizer) is StageAdamW, f"the bound is derived for plain AdamW, not {type(optimizer).__name__}"
+        # G is the whole tensor's scale, also where this optimizer owns only a range of it (ZeRO, AMDP).
         largest = {}
         for slot in optimizer._slots:
-            grad = slot.grad()
-            largest[id(slot.param)] = 0.0 if grad is None else float(grad.detach().abs().max()) * grad_scale
+            grad = slot.param.grad
+            largest[id(slot)] = 0.0 if grad is None else float(grad.detach().abs().max()) * grad_scale
         run_step()
         self.betas, self.eps = optimizer.betas, optimizer.eps
         t = optimizer.step_count
         correction = math.sqrt(1 - optimizer.betas[1] ** t)
         for slot in optimizer._slots:
-            assert slot.index is None, "the reference must not shard its optimizer state"
-            steps = self.steps.setdefault(id(slot.param), _Steps())
+            steps = self.steps.setdefault((slot.name, slot.index, id(optimizer)), _Steps())
             steps.lrs.append(lr)
             steps.ts.append(t)
             steps.denominators.append(slot.exp_avg_sq.sqrt() / correction + optimizer.eps)
-            steps.largest_grad = max(steps.largest_grad, largest[id(slot.param)])
+            steps.largest_grad = max(steps.largest_grad, largest[id(slot)])
 
-    def bound(self, param: torch.nn.Parameter, rho: float) -> torch.Tensor:
-        """Element-wise ``|ours - reference|`` bound for ``param`` after the recorded steps."""
-        steps = self.steps[id(param)]
+    def bound(self, name: str, param: torch.nn.Parameter, rho: float) -> torch.Tensor:
+        """Element-wise ``|ours - reference|`` bound for parameter ``name`` (value ``param``) after
+        the recorded steps.
+
+        A parameter whose optimizer state is sharded (each owner steps a flat range) gets each
+        range's bound from its owner's steps."""
+        flat = torch.full((param.numel(),), float("nan"), dtype=torch.float64)
+        for (key, index, _), steps in self.steps.items():
+            if key != name:
+                continue
+            lo, hi = index if index is not None else (0, param.numel())
+            flat[lo:hi] = self._bound(steps, param.detach().reshape(-1)[lo:hi], rho)
+        assert not bool(flat.isnan().any()), f"{name}: an element no recorded optimizer stepped"
+        return flat.view(param.shape)
+
+    def _bound(self, steps: _Steps, values: torch.Tensor, rho: float) -> torch.Tensor:
         noise = rho * steps.largest_grad
-        total = torch.zeros_like(param, dtype=torch.float64)
+        total = torch.zeros_like(values, dtype=torch.float64)
         for lr, t, denominator in zip(steps.lrs, steps.ts, steps.denominators):
             r = ratio_bound(self.betas, t)
-            resolved = (1 + r * math.sqrt(t)) * noise / denominator.double()
+            resolved = (1 + r * math.sqrt(t)) * noise / denominator.double().reshape(-1)
             total += lr * torch.clamp(resolved, max=2 * r)
-        return total + 2 * len(steps.lrs) * U32 * param.detach().abs().double()
+        return total + 2 * len(steps.lrs) * U32 * values.abs().double()
 
 
 @contextlib.contextmanager

@@ -71,7 +71,7 @@ def emulated_reference(argv: list[str], log: Path) -> Reference:
                              args.seq_length * args.global_batch_size)
     with trace_adam() as trace:
         workers = emulate(argv)
-    bounds = {name: trace.bound(p, rho) for w in workers for name, p in named_parameters(w)}
+    bounds = {name: trace.bound(name, p, rho) for w in workers for name, p in named_parameters(w)}
     return Reference(read_log(log), final_params(workers), bounds, rho)
 
 

@@ -6,8 +6,6 @@ step fails it; ``R_t`` is the maximum ratio any gradient sequence reaches.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -67,7 +65,7 @@ def test_runs_with_noisy_gradients_stay_within_and_a_moved_element_fails():
     with trace_adam() as trace:
         reference = _train(clean, init, lr)
     ours = _train(noisy, init, lr).detach()
-    bound = trace.bound(reference, rho)
+    bound = trace.bound("w", reference, rho)
     worst = assert_within_bounds({"w": ours}, {"w": reference.detach()}, {"w": bound})
     assert 0.05 < worst <= 1.0
     assert float((ours - reference)[:64].abs().max()) > 0.1 * lr  # the noise really flipped steps
@@ -79,12 +77,26 @@ def test_runs_with_noisy_gradients_stay_within_and_a_moved_element_fails():
         assert_within_bounds({"w": moved}, {"w": reference.detach()}, {"w": bound})
 
 
-def test_the_trace_refuses_a_sharded_reference():
+def test_sharded_reference_bounds_each_range_from_its_owner():
+    """ZeRO-style owners of two halves step the same bits as one whole optimizer (AdamW is
+    element-wise), so the two traces give the same bound; an element no one stepped is refused."""
     from megatron.trainer.optim.adamw import StageAdamW
 
-    p = torch.nn.Parameter(torch.zeros(8))
-    opt = StageAdamW([("w", p)], lr=1e-3, weight_decay=0.0, shards={"w": (0, 4)})
-    p.grad = torch.ones(8)
-    with trace_adam(), pytest.raises(AssertionError, match="must not shard"):
-        opt.step(1e-3)
-    assert math.isfinite(float(p.sum()))
+    gen = torch.Generator().manual_seed(2)
+    init, grads = torch.randn(8, generator=gen), [torch.randn(8, generator=gen) for _ in range(2)]
+    whole, halves = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    one = StageAdamW([("whole", whole)], lr=1e-3, weight_decay=0.0)
+    owners = [StageAdamW([("halves", halves)], lr=1e-3, weight_decay=0.0, shards={"halves": r})
+              for r in ((0, 4), (4, 8))]
+    with trace_adam() as trace:
+        for g in grads:
+            whole.grad, halves.grad = g.clone(), g.clone()
+            one.step(1e-3)
+            for owner in owners:
+                owner.step(1e-3)
+    assert torch.equal(whole, halves)
+    assert torch.equal(trace.bound("whole", whole, 1e-5), trace.bound("halves", halves, 1e-5))
+    with trace_adam() as partial:
+        owners[0].step(1e-3)
+    with pytest.raises(AssertionError, match="no recorded optimizer stepped"):
+        partial.bound("halves", halves, 1e-5)

@@ -158,7 +158,7 @@ def test_balanced_split_trains_like_the_even_split() -> None:
     assert balanced.keys() == even.keys()
     assert any(not torch.equal(even[n], p) for n, p in initial.items()), "no update: the test could not fail"
     rho = gpt_gradient_noise(4, 16, 64, 256, 8 * 2)
-    assert_within_bounds(balanced, even, {n: trace.bound(p, rho) for n, p in named})
+    assert_within_bounds(balanced, even, {n: trace.bound(n, p, rho) for n, p in named})
 
 
 def test_refusals_are_one_line() -> None:

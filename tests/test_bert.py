@@ -246,7 +246,7 @@ def one_stage(tmp_path_factory):
     """The N = 1 run every split and schedule is compared with, and its derived per-element bounds."""
     with trace_adam() as trace:
         workers, losses, params = _train(1, "1f1b", tmp_path_factory.mktemp("bert1"))
-    bounds = {name: trace.bound(p, RHO) for w in workers for name, p in named_parameters(w)}
+    bounds = {name: trace.bound(name, p, RHO) for w in workers for name, p in named_parameters(w)}
     initial = {n: p.detach().clone() for s in build_pipeline(TINY, [4]) for n, p in s.global_named_parameters()}
     moved = [n for n, p in params.items() if not torch.allclose(p, initial[n], rtol=0, atol=1e-4)]
     assert len(moved) > 0.9 * len(params)  # training moved the weights: comparisons are not vacuous

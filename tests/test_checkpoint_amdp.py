@@ -62,7 +62,7 @@ def runs(megatron_world1, tmp_path_factory: pytest.TempPathFactory) -> dict:
     with trace_adam() as trace:
         workers = emulate(_argv(4, "1f1b", root / "ref.jsonl", "--save", str(root / "ref"), "--save-interval", "2"))
     reference = final_params(workers)
-    bounds = {name: trace.bound(p, RHO) for w in workers for name, p in named_parameters(w)}  # see RHO
+    bounds = {name: trace.bound(name, p, RHO) for w in workers for name, p in named_parameters(w)}  # see RHO
     _only(root / "ref", 2, root / "ref2")
     amdp = final_params(emulate(_argv(4, "amdp", root / "amdp.jsonl", "--load", str(root / "ref2"),
                                       "--save", str(root / "amdp"), "--save-interval", "1")))

@@ -126,7 +126,7 @@ def test_pipelined_run_equals_unpipelined_with_options(task, options):
         one, named = run(1)
     two, _ = run(2)
     rho = gpt_gradient_noise(*_DIMS)
-    assert_within_bounds(two, one, {n: trace.bound(p, rho) for n, p in named})
+    assert_within_bounds(two, one, {n: trace.bound(n, p, rho) for n, p in named})
     initial = _build(task, *options)
     moved = 0
     for name, value in one.items():

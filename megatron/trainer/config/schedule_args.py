@@ -11,7 +11,7 @@ import argparse
 
 from megatron.pipeline.schedules import (
     ScheduleConfigError, chunked_schedules, flag_groups, schedule_class)
-from megatron.pipeline.ir import PipelineLayout
+from megatron.pipeline.ir import PipelineLayout, VShapeLayout
 from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.config.errors import ArgumentError
 from megatron.trainer.config.run_config import schedule_config
@@ -60,7 +60,8 @@ def _validate_part_split(args: argparse.Namespace, layout: PipelineLayout) -> No
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     parts = layout.num_model_stages
-    if split is None and args.pipeline_layer_split is None and args.num_layers % parts:
+    if isinstance(layout, VShapeLayout) and split is None and args.pipeline_layer_split is None \
+            and args.num_layers % parts:
         raise ArgumentError(
             f"--num-layers {args.num_layers} does not split evenly into the {parts} model parts of "
             f"--pipeline-schedule {args.pipeline_schedule} (or pass --pipeline-layer-split)")
