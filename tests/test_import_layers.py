@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "megatron" / "pipeline"
-PURE_DIRS = (PIPELINE, PIPELINE / "schedules")
+PURE_DIRS = (PIPELINE, PIPELINE / "schedules", PIPELINE / "planner")
 RUNTIME_DIR = PIPELINE / "runtime"
 
 
