@@ -16,7 +16,7 @@ from megatron.pipeline.planner.memory import StageMemory
 from megatron.pipeline.planner.ranking import pareto_front, rank, split_by_semantics
 from megatron.pipeline.planner.report import CANDIDATE_FIELDS, plan_dict, table
 from megatron.pipeline.planner.stages import Parallelism
-from megatron.pipeline.planner.unit_costs import PassCosts, UnitCosts
+from megatron.pipeline.planner.unit_costs import PassCosts, UnitCosts, from_two_stage_profile
 from megatron.pipeline.schedules import SCHEDULES
 
 # h=4, one head (d=4), ffn 16, seq 2, micro-batch 1, vocab 8, fp32, no position table
@@ -135,3 +135,11 @@ def test_json_schema():
         assert cand["flags"][:4] == ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", cand["schedule"]]
     assert plan["synchronous"] == [0, 1]  # equal time (a flush each), 1F1B needs less memory
     assert "1f1b" in table([results[0]], 4, "t")
+
+
+def test_two_stage_profile_to_unit_costs_by_hand():
+    # 2 layers per stage; stage 0 F = 2 * 3, stage 1 F = 2 * 3 + 5 (the head's 5)
+    s0 = {"t_f": 6.0, "t_b": 8.0, "t_w": 4.0, "t_comm": 0.5}
+    s1 = {"t_f": 11.0, "t_b": 15.0, "t_w": 7.0, "t_comm": 0.5}
+    unit = from_two_stage_profile([s0, s1], (2, 2), micro_batch=2)
+    assert unit.layer == PassCosts(3.0, 4.0, 2.0) and unit.head == PassCosts(5.0, 7.0, 3.0) and unit.p2p == 0.5

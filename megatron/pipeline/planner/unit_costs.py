@@ -100,3 +100,17 @@ def load_unit_costs(path: str) -> UnitCosts:
 def save_unit_costs(costs: UnitCosts, path: str) -> None:
     with open(path, "w") as f:
         json.dump(costs.to_dict(), f, indent=2)
+
+
+def from_two_stage_profile(stage_costs: list[Mapping[str, float]], counts: tuple[int, int], micro_batch: int,
+                           source: str = "profiled") -> UnitCosts:
+    """Unit costs from the runtime's own F/B/W profile of a 2-stage split (``--zb-profile-iters``):
+    stage 0 runs ``counts[0]`` layers and the embedding, stage 1 ``counts[1]`` layers and the head.
+    Two stages give two equations per pass for three unknowns, so the embedding (a table lookup,
+    and a scatter-add in W: no matmul) is folded into the layers: ``layer = stage0 / counts[0]``,
+    ``head = stage1 - counts[1] * layer`` (clipped at 0 where timing noise makes it negative)."""
+    s0, s1 = stage_costs
+    layer = PassCosts(*(s0[k] / counts[0] for k in ("t_f", "t_b", "t_w")))
+    head = PassCosts(*(max(0.0, s1[k] - counts[1] * getattr(layer, k[2:])) for k in ("t_f", "t_b", "t_w")))
+    return UnitCosts(micro_batch=micro_batch, layer=layer, head=head, p2p=float(s0.get("t_comm", 0.0)),
+                     source=source)
