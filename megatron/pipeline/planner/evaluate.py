@@ -1,0 +1,133 @@
+"""Simulate one candidate's steady state and measure what the planner reports about it.
+
+Why steady state: a long run's throughput sees neither the first fill nor the last drain of an
+asynchronous schedule; :func:`steady_span` takes the marginal time of the last half of ``k``
+updates, as :func:`megatron.pipeline.simulator.steady_time_per_update` does (a synchronous
+schedule flushes every iteration, so its marginal iteration is a whole one, fill and drain
+included). The longer run also gives the activation peak and the weight-version drift.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megatron.pipeline.comm_volume import CommShapes, step_comm_volume
+from megatron.pipeline.cost_model import ModelShape
+from megatron.pipeline.planner import stages as st
+from megatron.pipeline.planner.candidates import Candidate
+from megatron.pipeline.planner.memory import StageMemory, fits, stage_memory
+from megatron.pipeline.planner.unit_costs import UnitCosts
+from megatron.pipeline.schedules import build_schedule, schedule_class
+from megatron.pipeline.simulator import OpCosts, SimulationResult, simulate_schedule
+
+
+def update_count(cand: Candidate) -> int:
+    """Updates to simulate, ``k``: a synchronous schedule repeats the same iteration, so 2 give
+    one marginal iteration. An asynchronous one fills over ``N - 1`` micro-batches, i.e.
+    ``ceil((N-1)/a)`` updates, and drains as long; with ``k/2`` at least that plus one, the runs of
+    ``k/2`` and ``k`` updates have the same fill and drain and differ by ``k/2`` steady updates."""
+    if not cand.asynchronous:
+        return 2
+    n, a = cand.pipeline_model_parallel_size, cand.microbatches
+    return 2 * max(2, -(-(n - 1) // a) + 1)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything but the candidate: the model at the user's micro-batch size, the unit costs,
+    the global batch, the sharding and the device's memory (bytes; None: no limit)."""
+
+    shape: ModelShape
+    unit: UnitCosts
+    global_batch: int
+    parallel: st.Parallelism = st.Parallelism()
+    device_bytes: float | None = None
+
+
+@dataclass
+class CandidateResult:
+    """What the planner reports about one candidate (``docs/planning.md`` defines each field)."""
+
+    candidate: Candidate
+    iteration_time_ms: float
+    tokens_per_s: float
+    bubble_fraction: float
+    memory: list[StageMemory]
+    fits: bool
+    max_drift: list[int]
+    semantics: str
+    comm_bytes_per_step: list[float] = field(default_factory=list)
+    stage_costs: list[OpCosts] = field(default_factory=list, repr=False)
+
+    @property
+    def peak_memory_gb(self) -> list[float]:
+        return [m.total_gb for m in self.memory]
+
+
+def semantics(schedule: str) -> str:
+    """``exact`` (synchronous: every stage computes the same numbers as one device),
+    ``bounded-stale`` (asynchronous with a drift bound: every registered one, PACI's
+    ``ceil((N-1-s)/a)``, AMDP's one step, 2BW's stash, PipeMare's PACI bound) or ``unbounded``
+    (an asynchronous schedule that declares no bound: ``drift_bounded = False``)."""
+    cls = schedule_class(schedule)
+    if not cls.asynchronous:
+        return "exact"
+    return "bounded-stale" if getattr(cls, "drift_bounded", True) else "unbounded"
+
+
+def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSizes], list[OpCosts]]:
+    """The candidate's part sizes and the simulator's per-stage (or per-part) costs."""
+    shape = dataclasses.replace(problem.shape, micro_batch=cand.micro_batch_size)
+    unit = problem.unit.at_micro_batch(cand.micro_batch_size)
+    parts = st.part_sizes(shape, cand.counts, problem.parallel.tensor_parallel)
+    per_part = st.part_costs(shape, unit, parts, problem.parallel, cand.recompute)
+    layout = schedule_class(cand.schedule).layout_of(cand.config(1, data_parallel=problem.parallel.data_parallel))
+    return parts, st.simulator_costs(layout, per_part, unit.sync)
+
+
+def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int) -> tuple[float, SimulationResult, object]:
+    """(marginal time of one update, the longer run's result, its schedule)."""
+    k = update_count(cand)
+    runs = []
+    for iterations in (k // 2, k):
+        schedule = build_schedule(cand.schedule, cand.config(iterations, {"costs": tuple(costs)}, data_parallel))
+        runs.append((simulate_schedule(schedule), schedule))
+    return (runs[1][0].makespan - runs[0][0].makespan) / (k - k // 2), runs[1][0], runs[1][1]
+
+
+def evaluate(problem: Problem, cand: Candidate) -> CandidateResult:
+    """Simulate ``cand`` (raises the schedule's ScheduleConfigError or the replay's ScheduleError)."""
+    par = problem.parallel
+    parts, costs = candidate_costs(problem, cand)
+    per_update, result, schedule = steady_span(cand, costs, par.data_parallel)
+    layout = schedule.layout
+    k = update_count(cand)
+    busy = max(result.busy) / k
+    copies = [schedule.weight_copies(schedule.config, s) for s in range(layout.num_stages)]
+    own = layout.num_chunks if st.hosts_replicas(layout) else 1
+    shards = par.data_parallel if par.distributed_optimizer else 1
+    memory = [stage_memory(st.stage_params(layout, parts, s), problem.shape.param_bytes, max(0, copies[s] - own),
+                           shards, result.peak_memory[s], st.stage_activation_unit(layout, parts, s))
+              for s in range(layout.num_stages)]
+    tokens = cand.microbatches * cand.micro_batch_size * problem.shape.seq_length * par.data_parallel
+    return CandidateResult(
+        candidate=cand, iteration_time_ms=per_update, tokens_per_s=tokens / per_update * 1e3,
+        bubble_fraction=max(0.0, 1.0 - busy / per_update) if per_update > 0 else 0.0,
+        memory=memory, fits=fits(memory, problem.device_bytes), max_drift=result.max_drift,
+        semantics=semantics(cand.schedule), comm_bytes_per_step=comm_bytes(problem, cand, parts, schedule),
+        stage_costs=costs)
+
+
+def comm_bytes(problem: Problem, cand: Candidate, parts: list[st.PartSizes], schedule: object) -> list[float]:
+    """Per stage, the payload bytes one rank sends per step (P2P, data-parallel reduction, the
+    step's collectives: :func:`megatron.pipeline.comm_volume.step_comm_volume`)."""
+    layout = schedule.layout  # type: ignore[attr-defined]
+    shape = problem.shape
+    chunk_params = {(s, c): int(parts[layout.model_stage(s, c)].params)
+                    for s in range(layout.num_stages) for c in range(layout.num_chunks)}
+    shapes = CommShapes(activation_elements=shape.seq_length * cand.micro_batch_size * shape.hidden
+                        // problem.parallel.tensor_parallel,
+                        activation_bytes=shape.activation_bytes, chunk_params=chunk_params,
+                        data_parallel_size=problem.parallel.data_parallel)
+    volumes = step_comm_volume(schedule, shapes)  # type: ignore[arg-type]
+    return [sum(v for key, v in vol.items() if key not in ("p2p_messages", "updates")) for vol in volumes]

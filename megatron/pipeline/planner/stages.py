@@ -1,0 +1,143 @@
+"""Per-stage simulator costs and sizes of one candidate, from unit costs and a layer split.
+
+Why per *model part*: a layout splits the model into parts (one per stage; ``v`` per stage when
+interleaved; two per stage in a V; AMDP: one logical stage per pipeline on every device), and a
+part's cost is its layers' plus the embedding (part 0) and the head (the last part). The
+simulator takes one :class:`OpCosts` per stage for every op of that stage, except where the
+layout has as many parts as devices (one chain, AMDP), where it prices each op by its part. For
+chunked layouts (interleaved, V) this module therefore gives each stage the *mean* of its parts:
+exact for the stage's total work per micro-batch, an approximation of the order within it (a V's
+stage 0 runs the embedding chunk and the head chunk; both get the mean).
+
+Recompute goes through :func:`megatron.pipeline.activation_memory.recompute_costs` (Korthikanti
+et al.'s fractions; the recomputed forward is added to B). ``m_w`` (what a split backward keeps
+from B to W) is the same paper's ``32 sbh`` over a layer's ``34 sbh + 5 a s^2 b``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron.pipeline.activation_memory import LayerShape, recompute_costs
+from megatron.pipeline.comm_volume import ring_all_reduce_bytes
+from megatron.pipeline.cost_model import (
+    ModelShape, embedding_parameters, head_parameters, layer_activation_elements, layer_parameters)
+from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
+from megatron.pipeline.planner.unit_costs import UnitCosts
+from megatron.pipeline.simulator import OpCosts
+
+#: recompute choices: the trainer's ``--recompute-granularity`` value (None: no recompute)
+RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """What shards a stage besides the pipeline: tensor parallelism divides every part's
+    parameters, FLOPs and activations; the distributed optimizer divides optimizer state and
+    masters over the data-parallel replicas."""
+
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class PartSizes:
+    """One model part: its layers, parameters and the activation bytes one micro-batch keeps."""
+
+    layers: int
+    params: float
+    activation_bytes: float
+
+
+def part_sizes(shape: ModelShape, counts: Sequence[int], tensor_parallel: int = 1) -> list[PartSizes]:
+    """Sizes of the parts holding ``counts[j]`` layers, embedding on part 0 and head on the last
+    (the runtime's activations, :func:`~megatron.pipeline.cost_model.layer_activation_elements`)."""
+    t, last = tensor_parallel, len(counts) - 1
+    tokens = shape.seq_length * shape.micro_batch
+    out = []
+    for j, k in enumerate(counts):
+        params = k * layer_parameters(shape)
+        act = k * layer_activation_elements(shape) * shape.activation_bytes
+        if j == 0:
+            params += embedding_parameters(shape)
+            act += tokens * shape.hidden * shape.activation_bytes
+        if j == last:
+            params += head_parameters(shape)
+            act += tokens * 2 * shape.vocab * 4  # fp32 logits and their softmax
+        out.append(PartSizes(k, params / t, act / t))
+    return out
+
+
+def _layer_shape(shape: ModelShape) -> LayerShape:
+    return LayerShape(shape.seq_length, shape.micro_batch, shape.hidden, shape.heads)
+
+
+def weight_grad_fraction(shape: ModelShape) -> float:
+    """``m_w = M_W / M_B`` of a layer: ``32 sbh / (34 sbh + 5 a s^2 b)`` (module docstring)."""
+    ls = _layer_shape(shape)
+    return ls.weight_grad_bytes() / ls.layer_bytes()
+
+
+def part_costs(shape: ModelShape, unit: UnitCosts, parts: Sequence[PartSizes], par: Parallelism,
+               recompute: str = "none") -> list[OpCosts]:
+    """One :class:`OpCosts` per part: its F/B/W, the P2P trip, the optimizer step over its
+    (sharded) parameters and the synchronous step's collective plus the data-parallel reduction."""
+    last = len(parts) - 1
+    out = []
+    for j, part in enumerate(parts):
+        p = unit.layer.scaled(part.layers)
+        if j == 0:
+            p = p + unit.embedding
+        if j == last:
+            p = p + unit.head
+        shard = par.data_parallel if par.distributed_optimizer else 1
+        grads = part.params * 4  # fp32 gradients are reduced
+        costs = OpCosts(t_f=p.f, t_b=p.b, t_w=p.w, t_comm=unit.p2p, m_w=weight_grad_fraction(shape),
+                        t_opt=part.params / shard * unit.optimizer_per_param,
+                        t_sync=unit.sync + unit.reduce_ms_per_byte * ring_all_reduce_bytes(grads, par.data_parallel))
+        granularity = RECOMPUTE[recompute]
+        if granularity is not None and part.layers:
+            costs = recompute_costs(costs, _layer_shape(shape), part.layers, granularity,
+                                    "uniform" if granularity == "full" else None, 1 if granularity == "full" else None)
+        out.append(costs)
+    return out
+
+
+def stage_parts(layout: PipelineLayout, stage: int) -> list[int]:
+    """The model parts ``stage`` hosts (one per chunk)."""
+    return sorted({layout.model_stage(stage, c) for c in range(layout.num_chunks)})
+
+
+def _stage_mean(costs: Sequence[OpCosts], collective: float) -> OpCosts:
+    """A stage's costs from its parts': the mean per op; the step and the reduction over all of
+    its parameters (their sums), the collective ``collective`` once."""
+    n = len(costs)
+    mean = {f: sum(getattr(c, f) for c in costs) / n for f in ("t_f", "t_b", "t_w", "t_comm", "m_w", "m_f")}
+    return OpCosts(**mean, t_opt=sum(c.t_opt for c in costs),
+                   t_sync=sum(c.t_sync for c in costs) - (n - 1) * collective)
+
+
+def simulator_costs(layout: PipelineLayout, per_part: Sequence[OpCosts], collective: float = 0.0) -> list[OpCosts]:
+    """What the simulator takes: per part where the layout has one part per device (it prices an
+    op by its part), else per stage the mean of its parts (module docstring); ``collective``:
+    the unit costs' ``sync``, which every part's ``t_sync`` contains."""
+    if layout.num_model_stages == layout.num_stages:
+        return list(per_part)
+    return [_stage_mean([per_part[p] for p in stage_parts(layout, s)], collective) for s in range(layout.num_stages)]
+
+
+def stage_activation_unit(layout: PipelineLayout, parts: Sequence[PartSizes], stage: int) -> float:
+    """Bytes of the simulator's memory unit ``M_B`` on ``stage``: one op's activations, the mean
+    over the stage's parts (exact with one part per stage)."""
+    hosted = stage_parts(layout, stage)
+    return sum(parts[p].activation_bytes for p in hosted) / len(hosted)
+
+
+def stage_params(layout: PipelineLayout, parts: Sequence[PartSizes], stage: int) -> float:
+    return sum(parts[p].params for p in stage_parts(layout, stage))
+
+
+def hosts_replicas(layout: PipelineLayout) -> bool:
+    """Whether the layout's chunks are whole-model replicas' parts (AMDP) rather than a chain."""
+    return isinstance(layout, MultiPipelineLayout)

@@ -1,0 +1,116 @@
+"""The planner's cost inputs: the time of one layer, the embedding and the head, per micro-batch.
+
+Why in these units: every stage's costs are sums of them (a stage of ``k`` layers runs ``k``
+layers' F, B and W, plus the embedding on the first stage and the head on the last), so one
+profile or one datasheet estimate prices every layer split, pipeline depth and schedule. Times
+are milliseconds of one micro-batch of ``micro_batch`` sequences; a profile taken at another
+micro-batch size is scaled linearly (:meth:`UnitCosts.at_micro_batch`), which is what matmul
+time does once the device is saturated and over-estimates small micro-batches on a GPU.
+
+File format (``--costs FILE``, written by ``--profile``): one JSON object with the fields of
+:class:`UnitCosts`; ``layer``, ``embedding`` and ``head`` are ``{"f": ms, "b": ms, "w": ms}``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Forward, input-gradient backward and weight-gradient times (ms) of one part."""
+
+    f: float
+    b: float
+    w: float
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0 or value != value:
+                raise ValueError(f"cost {name} must be a non-negative number, got {value!r}")
+
+    def scaled(self, factor: float) -> "PassCosts":
+        return PassCosts(self.f * factor, self.b * factor, self.w * factor)
+
+    def __add__(self, other: "PassCosts") -> "PassCosts":
+        return PassCosts(self.f + other.f, self.b + other.b, self.w + other.w)
+
+
+ZERO = PassCosts(0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Per-micro-batch times (ms) the planner builds every stage's costs from.
+
+    ``p2p``: from the end of a sending op to the arrival of its activation (or gradient);
+    ``optimizer_per_param``: the optimizer step's time per parameter of a stage (ms), so a stage's
+    ``t_opt`` follows its parameter count; ``sync``: the synchronous step's collective latency
+    (norms, statistics) on top of it; ``source``: where the numbers came from (reported).
+    """
+
+    micro_batch: int
+    layer: PassCosts
+    embedding: PassCosts = ZERO
+    head: PassCosts = ZERO
+    p2p: float = 0.0
+    optimizer_per_param: float = 0.0
+    sync: float = 0.0
+    reduce_ms_per_byte: float = 0.0  # data-parallel gradient all-reduce, per byte one rank sends
+    source: str = "given"
+
+    def at_micro_batch(self, micro_batch: int) -> "UnitCosts":
+        """The costs at another micro-batch size, linear in the sequences of a micro-batch."""
+        factor = micro_batch / self.micro_batch
+        return dataclasses.replace(self, micro_batch=micro_batch, layer=self.layer.scaled(factor),
+                                   embedding=self.embedding.scaled(factor), head=self.head.scaled(factor),
+                                   p2p=self.p2p * factor)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "UnitCosts":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown cost field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "micro_batch" not in values or "layer" not in values:
+            raise ValueError("a cost file needs 'micro_batch' and 'layer'")
+        parts = {k: PassCosts(**values[k]) for k in ("layer", "embedding", "head") if k in values}
+        scalars = {k: float(v) for k, v in values.items() if k in ("p2p", "optimizer_per_param", "sync",
+                                                                      "reduce_ms_per_byte")}
+        return cls(micro_batch=int(values["micro_batch"]), source=str(values.get("source", "file")),
+                   **parts, **scalars)
+
+
+def load_unit_costs(path: str) -> UnitCosts:
+    """Read a cost file (format: module docstring); ValueError with the path on a bad one."""
+    with open(path) as f:
+        try:
+            return UnitCosts.from_dict(json.load(f))
+        except (TypeError, ValueError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def save_unit_costs(costs: UnitCosts, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(costs.to_dict(), f, indent=2)
+
+
+def from_two_stage_profile(stage_costs: list[Mapping[str, float]], counts: tuple[int, int], micro_batch: int,
+                           source: str = "profiled") -> UnitCosts:
+    """Unit costs from the runtime's own F/B/W profile of a 2-stage split (``--zb-profile-iters``):
+    stage 0 runs ``counts[0]`` layers and the embedding, stage 1 ``counts[1]`` layers and the head.
+    Two stages give two equations per pass for three unknowns, so the embedding (a table lookup,
+    and a scatter-add in W: no matmul) is folded into the layers: ``layer = stage0 / counts[0]``,
+    ``head = stage1 - counts[1] * layer`` (clipped at 0 where timing noise makes it negative)."""
+    s0, s1 = stage_costs
+    layer = PassCosts(*(s0[k] / counts[0] for k in ("t_f", "t_b", "t_w")))
+    head = PassCosts(*(max(0.0, s1[k] - counts[1] * getattr(layer, k[2:])) for k in ("t_f", "t_b", "t_w")))
+    return UnitCosts(micro_batch=micro_batch, layer=layer, head=head, p2p=float(s0.get("t_comm", 0.0)),
+                     source=source)

@@ -1,0 +1,70 @@
+"""tools/plan_pipeline.py: the trainer's flags in, the JSON interface out, refusals in one line,
+the pasted flags accepted by the trainer, the saved-costs round trip and the PNG (issue 32)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron.pipeline.planner.report import CANDIDATE_FIELDS
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = importlib.util.spec_from_file_location("plan_pipeline", ROOT / "tools" / "plan_pipeline.py")
+plan = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(plan)
+
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+         "--vocab-size", "64", "--micro-batch-size", "1", "--global-batch-size", "4"]
+SMALL = [*MODEL, "--pipeline-sizes", "2", "--schedules", "1f1b,gpipe,paci,zb-h1", "--recompute", "none,selective"]
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    assert plan.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_interface_and_flags_the_trainer_accepts(capsys):
+    from megatron.trainer.config.arguments import parse_args
+
+    out = _json(capsys, [*SMALL, "--device", "h100"])
+    assert {c["schedule"] for c in out["candidates"]} == {"1f1b", "gpipe", "paci", "zb-h1"}
+    assert set(CANDIDATE_FIELDS) <= set(out["candidates"][0])
+    best = out["candidates"][out["synchronous"][0]]
+    assert best["semantics"] == "exact" and best["fits"]
+    assert all(out["candidates"][i]["semantics"] != "exact" for i in out["asynchronous"])
+    for i in (out["synchronous"][0], out["asynchronous"][0]):  # the flags to paste parse and validate
+        args = parse_args([*MODEL, "--mock-data", *out["candidates"][i]["flags"]])
+        assert args.pipeline_schedule == out["candidates"][i]["schedule"]
+        assert args.num_microbatches == out["candidates"][i]["microbatches"]
+
+
+def test_saved_costs_round_trip(capsys, tmp_path):
+    saved = tmp_path / "costs.json"
+    first = _json(capsys, [*SMALL, "--device", "a100", "--save-costs", str(saved)])
+    again = _json(capsys, [*SMALL, "--costs", str(saved), "--device-memory-gb", "80"])
+    assert [c["tokens_per_s"] for c in again["candidates"]] == [c["tokens_per_s"] for c in first["candidates"]]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "exactly one cost source"),
+    (["--device", "h100", "--costs", "x.json"], "exactly one cost source"),
+    (["--device", "tpu"], "invalid choice"),
+    (["--device", "h100", "--pipeline-sizes", "0"], "positive integers"),
+    (["--device", "h100", "--schedules", "nope"], "choose from"),
+    (["--device", "h100", "--device-memory-gb", "0"], "must be positive"),
+])
+def test_refusals_are_one_line(capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        plan.main([*MODEL, *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    assert plan.main([*SMALL, "--device", "cpu", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "synchronous" in capsys.readouterr().out

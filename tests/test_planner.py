@@ -1,0 +1,145 @@
+"""The planner's pure core against hand-computed cases: FLOPs by pass, per-stage costs and
+memory, the simulated iteration, ranking, the Pareto front and the JSON schema (issue 32)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megatron.pipeline.cost_model import ModelShape, head_flops, layer_flops
+from megatron.pipeline.planner.candidates import (
+    Candidate, enumerate_candidates, micro_batch_sizes, offset_split)
+from megatron.pipeline.planner.devices import Device, analytic_unit_costs, head_pass_flops, layer_pass_flops
+from megatron.pipeline.planner.evaluate import CandidateResult, Problem, evaluate
+from megatron.pipeline.planner.memory import StageMemory
+from megatron.pipeline.planner.ranking import pareto_front, rank, split_by_semantics
+from megatron.pipeline.planner.report import CANDIDATE_FIELDS, plan_dict, table
+from megatron.pipeline.planner.stages import Parallelism
+from megatron.pipeline.planner.unit_costs import PassCosts, UnitCosts, from_two_stage_profile
+from megatron.pipeline.schedules import SCHEDULES
+
+# h=4, one head (d=4), ffn 16, seq 2, micro-batch 1, vocab 8, fp32, no position table
+TINY = ModelShape(num_layers=4, hidden=4, ffn=16, heads=1, query_groups=1, kv_channels=4, seq_length=2,
+                  micro_batch=1, vocab=8)
+UNIT = UnitCosts(micro_batch=1, layer=PassCosts(1.0, 1.0, 1.0))  # ms; no embedding, head, P2P or step
+
+
+def test_pass_flops_by_hand_and_sum_to_the_cost_model():
+    # per token: linears 2*4*12 + 2*4*16 + 2*16*4 + 2*4*4 = 384, attention 4*2*1*4 = 32; 2 tokens
+    assert layer_pass_flops(TINY) == (2 * 416, 2 * (384 + 64), 2 * 384)
+    assert sum(layer_pass_flops(TINY)) == layer_flops(TINY)
+    assert sum(head_pass_flops(TINY)) == head_flops(TINY)
+
+
+def test_analytic_costs_scale_with_the_datasheet():
+    one = Device("unit", peak_tflops=1.0, achieved=1.0, hbm_gbs=1.0, intra_gbs=1.0, inter_gbs=1.0,
+                 memory_gb=1.0, source="test")
+    costs = analytic_unit_costs(TINY, one)
+    assert costs.layer.f == pytest.approx(832 / 1e12 * 1e3, rel=1e-12)  # FLOPs / 1e12 FLOP/s, in ms
+    assert costs.p2p == pytest.approx(2 * 4 * 4 / 1e9 * 1e3, rel=1e-12)  # s*b*h fp32 over 1 GB/s
+
+
+def test_unit_costs_file_round_trip_and_micro_batch_scaling():
+    costs = UnitCosts(2, PassCosts(1, 2, 3), head=PassCosts(4, 5, 6), p2p=0.5, source="x")
+    assert UnitCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
+    assert costs.at_micro_batch(4).layer == PassCosts(2, 4, 6)
+    with pytest.raises(ValueError, match="unknown cost field"):
+        UnitCosts.from_dict({"micro_batch": 1, "layer": {"f": 1, "b": 1, "w": 1}, "t_f": 3})
+
+
+def test_splits_and_micro_batch_sizes():
+    assert offset_split(8, 4) == (1, 3, 3, 1)
+    assert offset_split(8, 2) == (5, 3)
+    assert offset_split(4, 4) is None  # one layer per stage leaves nothing to move
+    assert micro_batch_sizes(16, 1) == [1, 2, 4, 8, 16]
+    assert micro_batch_sizes(24, 2) == [1, 2, 4]
+
+
+def _one_f_one_b(schedule: str = "1f1b", m: int = 4) -> Candidate:
+    return Candidate(schedule, 2, 1, m, 1, "none", "even", (2, 2))
+
+
+def test_one_f_one_b_iteration_and_memory_by_hand():
+    # stage costs F = 2, BW = 4 (two layers of 1 ms each); 1F1B: (m + N - 1)(F + BW) = 5 * 6 = 30 ms
+    result = evaluate(Problem(TINY, UNIT, global_batch=4), _one_f_one_b())
+    assert result.iteration_time_ms == pytest.approx(30.0, rel=1e-12)
+    assert result.tokens_per_s == pytest.approx(4 * 2 / 0.030, rel=1e-12)
+    assert result.bubble_fraction == pytest.approx(1 - 24 / 30, rel=1e-12)
+    # activations per layer per token: 5h + qkv 12 + mlp 2*16 + attention probs 2*1*2 = 68 elements;
+    # 2 tokens, fp32: 544 B per layer. Stage 0 adds the embedding output (2*4*4 = 32 B) and holds
+    # N = 2 micro-batches; stage 1 adds the fp32 logits and softmax (2*2*8*4 = 128 B), holds 1.
+    assert [m.activations for m in result.memory] == [2 * (1088 + 32), 1 * (1088 + 128)]
+    # parameters: layer 244, embedding 8*4 = 32, head 2*4 + 8*4 = 40; fp32: 4 + 4 + 8 B each
+    assert [m.weights + m.gradients + m.optimizer for m in result.memory] == [520 * 16, 528 * 16]
+    assert result.max_drift == [0, 0] and result.semantics == "exact"
+
+
+def test_gpipe_holds_every_micro_batch():
+    result = evaluate(Problem(TINY, UNIT, global_batch=4), _one_f_one_b("gpipe"))
+    assert [m.activations for m in result.memory] == [4 * 1120, 4 * 1216]
+
+
+def test_memory_fit_and_the_distributed_optimizer():
+    need = 520 * 16 + 2240  # stage 0, the larger (previous test)
+    assert not evaluate(Problem(TINY, UNIT, 4, device_bytes=need - 1), _one_f_one_b()).fits
+    assert evaluate(Problem(TINY, UNIT, 4, device_bytes=need), _one_f_one_b()).fits
+    sharded = evaluate(Problem(TINY, UNIT, 8, Parallelism(data_parallel=2, distributed_optimizer=True)),
+                       _one_f_one_b())
+    assert sharded.memory[0].optimizer == 520 * 8 / 2
+
+
+def test_paci_drift_is_the_papers_bound():
+    n, a = 4, 1
+    cand = Candidate("paci", n, 1, a, 1, "none", "even", (1, 1, 1, 1))
+    result = evaluate(Problem(TINY, UNIT, global_batch=1), cand)
+    assert result.max_drift == [math.ceil((n - 1 - s) / a) for s in range(n)]  # PACI eq. 2
+    assert result.semantics == "bounded-stale"
+
+
+def test_every_registered_schedule_is_a_candidate():
+    shape = ModelShape(8, 4, 16, 1, 1, 4, 2, 1, 8)
+    found = {c.schedule for c, _ in enumerate_candidates(shape, [2], 16, 1) if c is not None}
+    assert found == set(SCHEDULES)
+
+
+def _fake(name: str, tps: float, mem: float, fits: bool = True, sem: str = "exact", m: int = 4) -> CandidateResult:
+    cand = Candidate(name, 2, 1, m, 1, "none", "even", (2, 2))
+    return CandidateResult(cand, 1.0, tps, 0.0, [StageMemory(mem * 1e9, 0, 0, 0)], fits, [0], sem)
+
+
+def test_ranking_fits_first_by_throughput_ties_by_memory_and_apart_by_semantics():
+    a, b, c = _fake("a", 10, 5), _fake("b", 20, 5), _fake("c", 30, 5, fits=False)
+    d, e = _fake("d", 20, 4), _fake("e", 25, 9, sem="bounded-stale")
+    ranked = rank([a, b, c, d, e])
+    assert [r.candidate.schedule for r in ranked] == ["e", "d", "b", "a"]  # c does not fit; d ties b, less memory
+    sync, asyn = split_by_semantics(ranked)
+    assert [r.candidate.schedule for r in sync] == ["d", "b", "a"] and asyn == [e]
+
+
+def test_pareto_front_by_hand():
+    pts = {"A": (10, 1), "B": (20, 2), "C": (15, 2), "D": (18, 3), "E": (30, 4), "F": (20, 2)}
+    front = pareto_front([_fake(k, tps, mem) for k, (tps, mem) in pts.items()])
+    assert [r.candidate.schedule for r in front] == ["A", "B", "E"]  # C, D dominated; F equals B
+
+
+def test_json_schema():
+    problem = Problem(TINY, UNIT, global_batch=4, device_bytes=1e12)
+    results = [evaluate(problem, _one_f_one_b(s)) for s in ("1f1b", "gpipe")]
+    plan = json.loads(json.dumps(plan_dict(problem, results)))
+    assert set(plan) >= {"model", "costs", "target", "synchronous", "asynchronous", "pareto", "candidates"}
+    for cand in plan["candidates"]:
+        assert set(CANDIDATE_FIELDS) <= set(cand)
+        assert len(cand["peak_memory_gb"]) == len(cand["max_drift"]) == cand["pipeline_model_parallel_size"]
+        assert cand["semantics"] in ("exact", "bounded-stale", "unbounded")
+        assert cand["flags"][:4] == ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", cand["schedule"]]
+    assert plan["synchronous"] == [0, 1]  # equal time (a flush each), 1F1B needs less memory
+    assert "1f1b" in table([results[0]], 4, "t")
+
+
+def test_two_stage_profile_to_unit_costs_by_hand():
+    # 2 layers per stage; stage 0 F = 2 * 3, stage 1 F = 2 * 3 + 5 (the head's 5)
+    s0 = {"t_f": 6.0, "t_b": 8.0, "t_w": 4.0, "t_comm": 0.5}
+    s1 = {"t_f": 11.0, "t_b": 15.0, "t_w": 7.0, "t_comm": 0.5}
+    unit = from_two_stage_profile([s0, s1], (2, 2), micro_batch=2)
+    assert unit.layer == PassCosts(3.0, 4.0, 2.0) and unit.head == PassCosts(5.0, 7.0, 3.0) and unit.p2p == 0.5

@@ -1,0 +1,195 @@
+"""Which schedule should I run? Rank every schedule x micro-batch size x virtual stages x
+recompute x layer split by simulated tokens/s, per-stage memory and weight-version drift.
+
+    python tools/plan_pipeline.py --num-layers 96 --hidden-size 12288 --num-attention-heads 96 \\
+        --seq-length 2048 --vocab-size 51200 --micro-batch-size 1 --global-batch-size 1536 --bf16 \\
+        --pipeline-sizes 8,16 --tensor-model-parallel-size 8 --data-parallel-size 8 \\
+        --use-distributed-optimizer --device h100 --device-memory-gb 80
+
+Takes pretrain_gpt.py's model, batch and precision flags unchanged (the trainer's own parser),
+plus the target (``--pipeline-sizes``, ``--data-parallel-size``, ``--tensor-model-parallel-size``,
+``--device-memory-gb``) and one cost source: ``--device h100|a100|h200|cpu`` (analytic, from the
+datasheet table in :mod:`megatron.pipeline.planner.devices`), ``--costs FILE`` (a saved profile)
+or ``--profile`` (time one layer, the embedding, the head and a P2P message on this machine;
+``--save-costs FILE`` keeps them). Prints the top 10 synchronous and asynchronous candidates with
+the flags that select them; ``--json`` prints the object of ``docs/planning.md`` instead;
+``--png FILE`` plots tokens/s against peak memory with the Pareto front.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from megatron.pipeline.planner.candidates import RECOMPUTES, SPLITS, enumerate_candidates  # noqa: E402
+from megatron.pipeline.planner.devices import DEVICES, analytic_unit_costs  # noqa: E402
+from megatron.pipeline.planner.evaluate import Problem, evaluate  # noqa: E402
+from megatron.pipeline.planner.ranking import rank, split_by_semantics  # noqa: E402
+from megatron.pipeline.planner.report import plan_dict, table  # noqa: E402
+from megatron.pipeline.planner.stages import Parallelism  # noqa: E402
+from megatron.pipeline.planner.unit_costs import load_unit_costs, save_unit_costs  # noqa: E402
+from megatron.pipeline.replay import ScheduleError  # noqa: E402
+from megatron.pipeline.schedules import SCHEDULES, ScheduleConfigError  # noqa: E402
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(allowed: tuple[str, ...] | list[str]):
+    def parse(text: str) -> list[str]:
+        names = [v for v in text.split(",") if v]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{bad or text!r}: choose from {', '.join(allowed)}")
+        return names
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's parser (model, batch, precision flags unchanged) plus the planner's."""
+    from megatron.trainer.config.arguments import build_parser as trainer_parser
+
+    p = trainer_parser(description="Megatron-Async pipeline planner")
+    p.conflict_handler = "resolve"  # --device: the planner's cost source replaces the trainer's
+    g = p.add_argument_group("planner")
+    g.add_argument("--pipeline-sizes", type=_int_list, default=None, metavar="N1,N2,..",
+                   help="pipeline depths to plan for (default: --pipeline-model-parallel-size)")
+    g.add_argument("--device-memory-gb", type=float, default=None, help="memory per device (default: --device's)")
+    g.add_argument("--device", choices=sorted(DEVICES), default=None,
+                   help="analytic costs on this datasheet device (megatron/pipeline/planner/devices.py)")
+    g.add_argument("--costs", default=None, metavar="FILE", help="unit costs saved by --profile --save-costs")
+    g.add_argument("--profile", action="store_true", help="time one layer, embedding, head and P2P here")
+    g.add_argument("--save-costs", default=None, metavar="FILE", help="write the unit costs used to FILE")
+    g.add_argument("--schedules", type=_names(list(SCHEDULES)), default=None, help="comma-separated subset")
+    g.add_argument("--recompute", type=_names(RECOMPUTES), default=list(RECOMPUTES), dest="plan_recompute",
+                   help="recompute choices to plan (default: none,selective,full)")
+    g.add_argument("--layer-splits", type=_names(SPLITS), default=list(SPLITS), help="splits to plan")
+    g.add_argument("--top", type=int, default=10)
+    g.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    g.add_argument("--png", default=None, metavar="FILE", help="tokens/s against peak memory, Pareto front")
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse and refuse a bad target with one line (exit 2) before anything is simulated."""
+    from megatron.trainer.config.arguments import ArgumentError, finalize_args
+
+    p = build_parser()
+    args = p.parse_args(argv)
+    sources = [s for s in ("device", "costs", "profile") if getattr(args, s)]
+    if len(sources) != 1:
+        p.error("give exactly one cost source: --device NAME, --costs FILE or --profile")
+    if args.device_memory_gb is not None and args.device_memory_gb <= 0:
+        p.error("--device-memory-gb must be positive")
+    if args.top < 1:
+        p.error("--top must be at least 1")
+    args.pipeline_sizes = args.pipeline_sizes or [args.pipeline_model_parallel_size]
+    try:
+        finalize_args(args)
+    except ArgumentError as e:
+        p.error(str(e))
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+        p.error(f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch x data-parallel size")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--png needs matplotlib: pip install 'megatron-async[tools]'")
+    return args
+
+
+def unit_costs(args: argparse.Namespace, shape):
+    if args.costs:
+        return load_unit_costs(args.costs)
+    if args.profile:
+        from megatron.trainer.tasks.plan_profile import profile_unit_costs
+
+        return profile_unit_costs(args)
+    return analytic_unit_costs(shape, DEVICES[args.device], args.tensor_model_parallel_size)
+
+
+def draw(results, path: str, title: str) -> None:
+    """tokens/s against the largest stage's peak memory; marker by semantics; the Pareto front."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron.pipeline.planner.ranking import pareto_front
+
+    markers = {"exact": "o", "bounded-stale": "^", "unbounded": "x"}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for sem, marker in markers.items():
+        pts = [r for r in results if r.semantics == sem]
+        if pts:
+            ax.scatter([max(r.peak_memory_gb) for r in pts], [r.tokens_per_s for r in pts], marker=marker,
+                       s=14, alpha=0.6, label=sem)
+    front = pareto_front(results)
+    ax.plot([max(r.peak_memory_gb) for r in front], [r.tokens_per_s for r in front], "k-", lw=1, label="Pareto front")
+    for r in front:
+        ax.annotate(r.candidate.schedule, (max(r.peak_memory_gb), r.tokens_per_s), fontsize=6)
+    ax.set_xlabel("peak memory of the largest stage (GB)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron.trainer.tasks.balanced_partition import model_shape
+
+    args = parse(argv)
+    shape = model_shape(args)
+    try:
+        unit = unit_costs(args, shape)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.save_costs:
+        save_unit_costs(unit, args.save_costs)
+    memory = args.device_memory_gb or (DEVICES[args.device].memory_gb if args.device else None)
+    problem = Problem(shape, unit, args.global_batch_size,
+                      Parallelism(args.data_parallel_size, args.tensor_model_parallel_size,
+                                  bool(getattr(args, "use_distributed_optimizer", False))),
+                      None if memory is None else memory * 1e9)
+    results, refused = [], []
+    for cand, reason in enumerate_candidates(shape, args.pipeline_sizes, args.global_batch_size,
+                                             args.data_parallel_size, args.schedules, args.plan_recompute,
+                                             args.layer_splits):
+        if cand is None:
+            refused.append(reason)
+            continue
+        try:
+            results.append(evaluate(problem, cand))
+        except (ScheduleConfigError, ScheduleError) as e:
+            refused.append(f"{cand.schedule}: {e}")
+    if args.json:
+        print(json.dumps(plan_dict(problem, results, refused), indent=1))
+    else:
+        sync, asyn = split_by_semantics(rank(results))
+        fitting = sum(r.fits for r in results)
+        print(f"{len(results)} candidates simulated, {fitting} fit {memory} GB; costs: {unit.source}\n")
+        print(table(sync, shape.num_layers, "synchronous (exact semantics), by tokens/s", args.top))
+        print()
+        print(table(asyn, shape.num_layers, "asynchronous (stale weights, drift per stage), by tokens/s", args.top))
+    if args.png:
+        draw(results, args.png, f"{shape.num_layers} layers, h={shape.hidden}; {unit.source}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
