@@ -9,7 +9,7 @@ number by least squares after warm-up (the first half of the run by default) and
 the slopes in bytes per iteration. The live-heap slope is the leak criterion: RSS moves in
 4 KiB pages when the allocator first touches a page, however rarely, so a single page in
 the second half of a 2000-iteration run reads as 4 B/iteration (see the probe's docstring
-and docs/benchmarks.md). ``--leak-bytes N --leak-every K`` injects a deliberate leak of one
+and docs/benchmarks_history.md). ``--leak-bytes N --leak-every K`` injects a deliberate leak of one
 ``bytes(N)`` every K updates into every process, to show what a leak of that size reads as.
 
     python benchmarks/investigations/soak.py                                    # 20k emulator + 2 x 8k distributed iterations
@@ -21,7 +21,7 @@ leaves it on): ``mallinfo2`` counts the freed chunks the caches hold as in use, 
 filling read as a "growth" on the 1F1B ranks decaying from 18 to 0.3 B/iteration over 24k iterations.
 
 The distributed default is 8k iterations, not the issue's 2k: CPython's own heap (pymalloc)
-still settles by 1-2 B/iteration between iterations 1000 and 2000 (see docs/benchmarks.md).
+still settles by 1-2 B/iteration between iterations 1000 and 2000 (see docs/benchmarks_history.md).
 12000 emulator iterations took 374 s and 8000 distributed ones 224-319 s on a 2-core machine
 under a load average of about 40 (other sessions).
 ``run_probed``, ``steady`` and ``slope`` are also used by ``tests/test_memory_flat.py``.

@@ -20,7 +20,7 @@ bins and fastbins count as free). The caches fill slowly -- a size class a threa
 (a chunk another thread allocated, say) gains a chunk now and then, up to 7 x (32 + ... +
 1040) = 240 KB per thread -- which read
 as a growth decaying from 18 to 0.3 B/iteration over the first 24k iterations of a 2-stage 1F1B rank
-(docs/benchmarks.md). With the cache off, a freed chunk goes to a bin and leaves ``uordblks``
+(docs/benchmarks_history.md). With the cache off, a freed chunk goes to a bin and leaves ``uordblks``
 at once: what remains is what the program holds.
 
 Why a full ``gc.collect()`` before each sample: CPython keeps freed tuples, lists, dicts and

@@ -11,7 +11,7 @@ With glibc's per-thread cache on (the default), the same decaying growth appears
 off (``GLIBC_TUNABLES=glibc.malloc.tcache_count=0``, what this script and the soak probe set
 unless ``--keep-tcache``), it does not: the growth was freed chunks parked in the threads'
 caches (gloo's threads free what the main thread allocated), which ``mallinfo2`` counts as in
-use and which are bounded by 7 chunks per size class per thread. See docs/benchmarks.md.
+use and which are bounded by 7 chunks per size class per thread. See docs/benchmarks_history.md.
 
     python benchmarks/investigations/soak_tcache_repro.py --iters 10000                 # thread cache off
     python benchmarks/investigations/soak_tcache_repro.py --iters 10000 --keep-tcache   # glibc's default
