@@ -2,7 +2,7 @@
 
 Why a separate run: a prediction must not be fitted to the runs it is compared with. This runs
 1F1B with a few micro-batches (``--calibration-microbatches``, default 2) through the real
-distributed runtime at depth N on synthetic-cost stages (``benchmarks/synthetic_stage_run.py``,
+distributed runtime at depth N on synthetic-cost stages (``benchmarks/harness/synthetic_stage_run.py``,
 the same runner as the benchmarks), with ``--trace-dir``, and reads the terms off the trace
 (:mod:`megatron.pipeline.calibration`): ``t_send`` (the ``isend`` call on the sender's
 timeline), ``t_comm`` (the message's trip and the receiver's wake-up) and ``t_sync`` (the

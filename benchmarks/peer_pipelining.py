@@ -298,7 +298,7 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
 
     from megatron.trainer.data.mock import MockGPTData
 
-    from benchmarks.peer_timeline import PeerRecorder, cpu_ms, now_ms
+    from benchmarks.harness.peer_timeline import PeerRecorder, cpu_ms, now_ms
 
     recorder = PeerRecorder()
     if timeline:
@@ -422,8 +422,8 @@ def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iter
 
 
 def print_timeline(where: Path, iters: int) -> None:
-    """Both sides' per-rank breakdown of one pair (:mod:`benchmarks.peer_timeline`)."""
-    from benchmarks.peer_timeline import HEADER, ours_iterations, report
+    """Both sides' per-rank breakdown of one pair (:mod:`benchmarks.harness.peer_timeline`)."""
+    from benchmarks.harness.peer_timeline import HEADER, ours_iterations, report
 
     skip = iters // 3
     peer = json.loads((where / "peer.json").read_text())

@@ -38,7 +38,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.comm_volume import Model, part_params  # noqa: E402
-from benchmarks.recompute_memory import MODES as RECOMPUTE_FLAGS  # noqa: E402
+
+#: the recompute configurations, by name (``--modes``)
+RECOMPUTE_FLAGS = {
+    "none": [],
+    "selective": ["--recompute-granularity", "selective"],
+    "full-block-1": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+    "full-uniform-1": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "full-uniform-2": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+}
 
 SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 1, "paci": 1}  # name -> chunks per stage
 MODES = ("none", "selective", "full-uniform-1")

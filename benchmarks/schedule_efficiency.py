@@ -2,7 +2,7 @@
 
 Every stage's forward sleeps ``t_f`` and its backward ``t_b`` (plus ``t_w`` for the weight gradient with
 ``--wgrad-ms``; ``megatron/trainer/tasks/synthetic.py``: sleeps stand in for compute on purpose), so N ranks on a 2-core machine behave like N devices
-with known op costs. For each (schedule, N, m) this launches ``benchmarks/synthetic_stage_run.py``
+with known op costs. For each (schedule, N, m) this launches ``benchmarks/harness/synthetic_stage_run.py``
 (one gloo process per stage, one torch thread each), reads its ``--log-json`` records and compares
 the measured steady-state time per iteration with
 
@@ -50,9 +50,9 @@ for path in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError  # noqa: E402
-from wake_cost import linear_costs  # noqa: E402
+from benchmarks.harness.wake_probe import linear_costs  # noqa: E402
 
-RUN_SCRIPT = REPO / "benchmarks" / "synthetic_stage_run.py"
+RUN_SCRIPT = REPO / "benchmarks" / "harness" / "synthetic_stage_run.py"
 DEFAULT_SCHEDULES = ("1f1b", "gpipe")
 OPTIONAL_SCHEDULES = ("paci", "async-1f1b")  # added by default when registered
 # Synchronous schedules whose iteration time is (m + N - 1)(t_f + t_b); for any other synchronous
@@ -277,7 +277,7 @@ def sleep_overshoot_ms(seconds: float, repeats: int = 20) -> float:
 
 def host_wake_note(seconds: float, overshoot_ms: float | None = None) -> str:
     """The header's line on what waking costs here: the sleep's overshoot, and the synthetic
-    stage's own work back to back vs right after such a sleep (``benchmarks/wake_cost.py``).
+    stage's own work back to back vs right after such a sleep (``benchmarks/investigations/wake_cost.py``).
     Every synthetic op runs on a freshly woken core, so the runtime's per-op cost measured by
     these benchmarks is read against this host's after-sleep factor."""
     overshoot_ms = sleep_overshoot_ms(seconds) if overshoot_ms is None else overshoot_ms

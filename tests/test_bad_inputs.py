@@ -732,3 +732,40 @@ def test_no_memory_check_overrides(refuse) -> None:
     """``--no-memory-check``: the same run gets past every check to the launch (the tripwire)."""
     with pytest.raises(Spawned):
         training.pretrain(GPTTask(), [*TINY, "--hidden-size", "1048576", "--no-memory-check"])
+
+
+# -------------------------------------------------- schedule check (issue 30, item 4)
+
+
+@pytest.fixture
+def broken_schedules():
+    """The broken schedules of ``tests/test_preflight.py``, registered through the public registry."""
+    from megatron.pipeline.schedules import SCHEDULES, register
+    from test_preflight import OmittedSend, SwappedReceives
+
+    for cls in (SwappedReceives, OmittedSend):
+        register(cls)
+    yield
+    for cls in (SwappedReceives, OmittedSend):
+        SCHEDULES.pop(cls.name)
+
+
+BROKEN = [
+    ("broken-swapped-receives", "the schedule cannot run its first iterations: stage 1: F1@s1 expects act(mb1)"),
+    ("broken-omitted-send", "the schedule cannot run its first iterations: deadlock: stage 1: blocked at F1@s1, waiting for act(mb1)"),
+]
+
+
+@pytest.mark.parametrize("executor", ["distributed", "emulator"])
+@pytest.mark.parametrize("name,says", BROKEN, ids=[name for name, _ in BROKEN])
+def test_a_schedule_that_cannot_run_is_refused(refuse, broken_schedules, executor: str, name: str,
+                                               says: str) -> None:
+    """A deadlock or a misordered message: one line naming the stage and the op, no rank started."""
+    line = refuse([*TINY, "--pipeline-schedule", name, "--pipeline-executor", executor])
+    assert f"--pipeline-schedule {name}: {says}" in line, line
+
+
+def test_no_schedule_check_skips_it(refuse, broken_schedules) -> None:
+    """``--no-schedule-check``: the broken schedule gets past every check to the launch (the tripwire)."""
+    with pytest.raises(Spawned):
+        training.pretrain(GPTTask(), [*TINY, "--pipeline-schedule", "broken-omitted-send", "--no-schedule-check"])

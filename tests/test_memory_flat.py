@@ -1,6 +1,6 @@
 """Memory stays flat over a run: no rank and no emulated stage keeps something per iteration.
 
-Memory is sampled inside each process by ``benchmarks/soak_probe.py`` at update boundaries,
+Memory is sampled inside each process by ``benchmarks/investigations/soak_probe.py`` at update boundaries,
 after a full ``gc.collect()`` (which also empties CPython's free lists): the live heap (glibc's
 in-use bytes plus pymalloc's allocated blocks, exact to the byte) and RSS.
 
@@ -37,8 +37,8 @@ import sys
 
 import pytest
 
-from benchmarks.soak import REPO, pretrain_cmd, run_probed, slope, steady
-from benchmarks.soak_probe import NO_TCACHE, Probe, probed, read, tcache_off_env
+from benchmarks.investigations.soak import REPO, pretrain_cmd, run_probed, slope, steady
+from benchmarks.investigations.soak_probe import NO_TCACHE, Probe, probed, read, tcache_off_env
 from tests.async_helpers import emulate, tiny_args
 
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "2", "--seq-length", "64",
@@ -81,7 +81,7 @@ def test_distributed_ranks_memory_does_not_grow_over_100_iterations(tmp_path) ->
 # by how much glibc's in-use bytes stayed above where they were before the mallocs.
 _FREED_CHUNKS = """
 import ctypes
-from benchmarks.soak_probe import c_heap_in_use
+from benchmarks.investigations.soak_probe import c_heap_in_use
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 sizes = [size for size in range(1032, 512, -16) for _ in range(7)]

@@ -73,10 +73,10 @@ def test_schedule_efficiency_harness_tiny(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_wake_cost_prints_warm_and_after_sleep_costs_of_both_probes() -> None:
-    """``benchmarks/wake_cost.py`` (the host's after-sleep factor under the synthetic benchmarks):
+    """``benchmarks/investigations/wake_cost.py`` (the host's after-sleep factor under the synthetic benchmarks):
     both probes run, across two processes for the gloo send, and each ratio column is its
     after-sleep median over the warm one."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "wake_cost.py"), "--sleep-ms", "1", "2", "--repeats", "5"]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "investigations" / "wake_cost.py"), "--sleep-ms", "1", "2", "--repeats", "5"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

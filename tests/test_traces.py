@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-RUN = REPO / "benchmarks" / "synthetic_stage_run.py"
+RUN = REPO / "benchmarks" / "harness" / "synthetic_stage_run.py"
 N, M, ITERS, T_F, T_B = 4, 4, 2, 20.0, 40.0
 TOLERANCE = 0.05
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

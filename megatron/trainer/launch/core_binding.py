@@ -3,7 +3,7 @@
 Why: the ranks of a CPU run each compute on their own threads, and gloo adds a few more per
 rank. Left to the scheduler, a rank's threads move between cores and refill their caches each
 time; pinned, each rank keeps its cores' caches warm. Measured on the speed issue's workload
-(2 CPU ranks on 2 cores, docs/benchmarks.md): 1-3 % more tokens/s.
+(2 CPU ranks on 2 cores, docs/benchmarks_history.md): 1-3 % more tokens/s.
 
 When ``auto`` binds: the device is the CPU, the process may run on every core of the machine
 (nobody bound it already: ``srun --cpu-bind``, ``taskset``, ``numactl`` or a container's

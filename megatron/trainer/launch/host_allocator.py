@@ -8,7 +8,7 @@ stays at twice the mmap threshold, so the heap top is released and faulted back 
 zero-filled page at a time, iteration after iteration. With both thresholds pinned high, freed
 memory stays in the heap and a re-allocation is a free-list hit.
 
-Measured on the issue-18 workload (2 CPU ranks, docs/benchmarks.md): a third fewer minor page
+Measured on the issue-18 workload (2 CPU ranks, docs/benchmarks_history.md): a third fewer minor page
 faults per run and 1-2.5 % more tokens/s, at the same peak RSS (also after 60 iterations). The
 price is RSS that stays at its peak instead of shrinking between iterations. GPU ranks allocate little on the host, so the
 policy changes nothing there. It needs glibc's ``mallopt``; elsewhere (macOS, musl) it is a
@@ -30,7 +30,7 @@ _M_MMAP_THRESHOLD = -3
 # are still mmap'd and returned on free. Why a ceiling: torch allocates with posix_memalign, and
 # a freed block that the next equal request cannot reuse (its alignment slack does not fit)
 # stays free in the heap; a loop over one huge transient tensor can hold several copies of it
-# (docs/benchmarks.md). Heap top: never trimmed (the largest value mallopt takes, an int).
+# (docs/benchmarks_history.md). Heap top: never trimmed (the largest value mallopt takes, an int).
 _RETAIN_MMAP_THRESHOLD = 64 << 20
 _RETAIN_TRIM_THRESHOLD = 2**31 - 1
 

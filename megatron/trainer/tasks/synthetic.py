@@ -28,7 +28,7 @@ elsewhere, or if the call fails, the default slack stays). With the default slac
 benchmark would otherwise count as runtime overhead of every op. What remains after waking
 (the runtime's own work on a CPU whose caches the sleep let go cold) is the runtime's cost.
 
-Used by ``benchmarks/synthetic_stage_run.py``, ``benchmarks/schedule_efficiency.py``,
+Used by ``benchmarks/harness/synthetic_stage_run.py``, ``benchmarks/schedule_efficiency.py``,
 ``benchmarks/zero_bubble_synthetic.py`` and ``benchmarks/async_schedules_synthetic.py``.
 """
 from __future__ import annotations

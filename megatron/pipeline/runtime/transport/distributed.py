@@ -51,7 +51,7 @@ class P2PChannel:
     write by the receiver would fail autograd's version check on either side, as it would on
     a received buffer). Each send and receive is one unbatched ``isend``/``irecv`` on its
     direction's two-rank group: ``batch_isend_irecv`` takes ops of one group only, and gloo
-    runs a batch as the same calls in a loop (docs/gpu.md section 1, docs/benchmarks.md).
+    runs a batch as the same calls in a loop (docs/gpu.md section 1, docs/benchmarks_history.md).
     """
 
     #: Recycle receive buffers (benchmarks switch it off before the ranks fork to compare).

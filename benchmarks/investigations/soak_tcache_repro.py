@@ -11,11 +11,11 @@ With glibc's per-thread cache on (the default), the same decaying growth appears
 off (``GLIBC_TUNABLES=glibc.malloc.tcache_count=0``, what this script and the soak probe set
 unless ``--keep-tcache``), it does not: the growth was freed chunks parked in the threads'
 caches (gloo's threads free what the main thread allocated), which ``mallinfo2`` counts as in
-use and which are bounded by 7 chunks per size class per thread. See docs/benchmarks.md.
+use and which are bounded by 7 chunks per size class per thread. See docs/benchmarks_history.md.
 
-    python benchmarks/soak_tcache_repro.py --iters 10000                 # thread cache off
-    python benchmarks/soak_tcache_repro.py --iters 10000 --keep-tcache   # glibc's default
-    python benchmarks/soak_tcache_repro.py --iters 10000 --op p2p        # isend/irecv + wait instead
+    python benchmarks/investigations/soak_tcache_repro.py --iters 10000                 # thread cache off
+    python benchmarks/investigations/soak_tcache_repro.py --iters 10000 --keep-tcache   # glibc's default
+    python benchmarks/investigations/soak_tcache_repro.py --iters 10000 --op p2p        # isend/irecv + wait instead
 """
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ from datetime import timedelta
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.soak import slope  # noqa: E402
-from benchmarks.soak_probe import c_heap_in_use, restart_without_tcache  # noqa: E402
+from benchmarks.investigations.soak import slope  # noqa: E402
+from benchmarks.investigations.soak_probe import c_heap_in_use, restart_without_tcache  # noqa: E402
 from megatron.trainer.launch.flight_recorder import disable_unless_requested  # noqa: E402
 
 TIMEOUT = timedelta(seconds=120)

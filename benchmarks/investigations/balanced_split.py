@@ -15,8 +15,8 @@ The issue's goal is "of bound >= 0.95" for paci and zb-2p with the balanced spli
 what ``busy`` shows (the even split's bound is its last stage's, which also runs the LM head).
 On a loaded host the fractions are noisy; run it more than once before reading digits.
 
-    python benchmarks/balanced_split.py                        # N = 2 and 4, m = 8, 1f1b paci zb-2p
-    python benchmarks/balanced_split.py --stages 2 --microbatches 4 --iters 5 --json out.json
+    python benchmarks/investigations/balanced_split.py                        # N = 2 and 4, m = 8, 1f1b paci zb-2p
+    python benchmarks/investigations/balanced_split.py --stages 2 --microbatches 4 --iters 5 --json out.json
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from megatron.pipeline.ir import OpKind  # noqa: E402

@@ -4,14 +4,14 @@ Same flags as ``pretrain_gpt.py`` plus ``--synthetic-forward-ms`` / ``--syntheti
 the model flags that matter are ``--seq-length``, ``--micro-batch-size`` and ``--hidden-size``
 (the size of the tensors crossing stages). Not a model: see ``megatron/trainer/tasks/synthetic.py``.
 
-    python benchmarks/synthetic_stage_run.py --pipeline-model-parallel-size 4 --num-layers 4 \\
+    python benchmarks/harness/synthetic_stage_run.py --pipeline-model-parallel-size 4 --num-layers 4 \\
         --global-batch-size 8 --micro-batch-size 1 --num-threads 1 --log-json /tmp/run.jsonl
 """
 import sys
 from pathlib import Path
 
 # Spawned ranks run this file directly, so the repository root is not on sys.path by itself.
-_REPO = str(Path(__file__).resolve().parents[1])
+_REPO = str(Path(__file__).resolve().parents[2])
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 

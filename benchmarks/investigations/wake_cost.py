@@ -17,8 +17,8 @@ that a schedule's overhead per op in ``schedule_efficiency.py`` can be read agai
 Each is timed back to back ("warm") and right after ``time.sleep`` of each given length, median
 of ``--repeats``; one torch thread, Linux timer slack 1 ns (as in the synthetic stages).
 
-    python benchmarks/wake_cost.py                        # sleeps of 1 and 20 ms, ~8 s
-    python benchmarks/wake_cost.py --sleep-ms 5 20 40 --repeats 200
+    python benchmarks/investigations/wake_cost.py                        # sleeps of 1 and 20 ms, ~8 s
+    python benchmarks/investigations/wake_cost.py --sleep-ms 5 20 40 --repeats 200
 """
 from __future__ import annotations
 
@@ -28,55 +28,19 @@ import queue
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron.trainer.launch.launcher import free_port  # noqa: E402
+from benchmarks.harness.wake_probe import SHAPE, linear_costs  # noqa: E402
 from megatron.trainer.tasks.synthetic import sleep_until  # noqa: E402
-
-SHAPE = (8, 1, 16)  # the synthetic stages' default activation [s, b, h]
-
-
-def tiny_linear_step() -> Callable[[], None]:
-    """One forward and backward of a 16-wide linear on a ``SHAPE`` input (the synthetic stage's work)."""
-    linear = torch.nn.Linear(SHAPE[-1], SHAPE[-1])
-    x = torch.randn(SHAPE, requires_grad=True)
-
-    def step() -> None:
-        y = linear(x).clone()
-        (y * y).mean().backward()
-
-    return step
-
-
-def time_after_sleep(work: Callable[[], None], sleep_s: float, repeats: int) -> float:
-    """Median microseconds of ``work()`` run right after sleeping ``sleep_s`` (0: back to back)."""
-    for _ in range(10):
-        work()
-    times = []
-    for _ in range(repeats):
-        if sleep_s > 0:
-            sleep_until(time.perf_counter() + sleep_s)
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
-
-
-def linear_costs(sleeps_s: list[float], repeats: int) -> list[float]:
-    """The tiny linear F+B after each sleep of ``sleeps_s`` (0 first: warm), in this process."""
-    torch.set_num_threads(1)
-    step = tiny_linear_step()
-    return [time_after_sleep(step, s, repeats) for s in sleeps_s]
-
 
 def _isend_rank(rank: int, port: int, sleeps_s: list[float], repeats: int, results: "mp.Queue[list[float]]") -> None:
     """Rank 0 times ``isend`` after each sleep; rank 1 keeps a receive posted and answers each

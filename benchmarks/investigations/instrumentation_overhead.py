@@ -33,8 +33,8 @@ own work is left: ``megatron/trainer/tasks/synthetic.py``) and ``gpt`` (one stag
 issue's workload, ``benchmarks/peer_pipelining.py``'s ``WORKLOAD`` with the layers of one of its
 two stages; ``--quick``: its tiny model).
 
-    python benchmarks/instrumentation_overhead.py                   # paired, both workloads, ~3 min
-    python benchmarks/instrumentation_overhead.py --end-to-end --rounds 3
+    python benchmarks/investigations/instrumentation_overhead.py                   # paired, both workloads, ~3 min
+    python benchmarks/investigations/instrumentation_overhead.py --end-to-end --rounds 3
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

@@ -2,26 +2,26 @@
 
 Runs ``pretrain_gpt.py`` on a tiny model -- the emulator with PACI, then the distributed
 runtime with PACI and 1F1B (one forked process per stage) -- under
-:mod:`benchmarks.soak_probe`, which samples every process at update boundaries after a full
+:mod:`benchmarks.investigations.soak_probe`, which samples every process at update boundaries after a full
 ``gc.collect()``: its *live heap* (bytes malloc and pymalloc have handed out and not had
 back, exact to the byte) and its RSS. For each process it fits both against the update
 number by least squares after warm-up (the first half of the run by default) and prints
 the slopes in bytes per iteration. The live-heap slope is the leak criterion: RSS moves in
 4 KiB pages when the allocator first touches a page, however rarely, so a single page in
 the second half of a 2000-iteration run reads as 4 B/iteration (see the probe's docstring
-and docs/benchmarks.md). ``--leak-bytes N --leak-every K`` injects a deliberate leak of one
+and docs/benchmarks_history.md). ``--leak-bytes N --leak-every K`` injects a deliberate leak of one
 ``bytes(N)`` every K updates into every process, to show what a leak of that size reads as.
 
-    python benchmarks/soak.py                                    # 20k emulator + 2 x 8k distributed iterations
-    python benchmarks/soak.py --emulator-iters 4000 --dist-iters 2000 --json soak.json
-    python benchmarks/soak.py --emulator-iters 0 --dist-iters 1000 --dist-schedules paci --leak-bytes 64 --leak-every 64
+    python benchmarks/investigations/soak.py                                    # 20k emulator + 2 x 8k distributed iterations
+    python benchmarks/investigations/soak.py --emulator-iters 4000 --dist-iters 2000 --json soak.json
+    python benchmarks/investigations/soak.py --emulator-iters 0 --dist-iters 1000 --dist-schedules paci --leak-bytes 64 --leak-every 64
 
 Every process runs with glibc's per-thread cache off (``soak_probe`` sets the tunable; ``--keep-tcache``
 leaves it on): ``mallinfo2`` counts the freed chunks the caches hold as in use, and their slow
 filling read as a "growth" on the 1F1B ranks decaying from 18 to 0.3 B/iteration over 24k iterations.
 
 The distributed default is 8k iterations, not the issue's 2k: CPython's own heap (pymalloc)
-still settles by 1-2 B/iteration between iterations 1000 and 2000 (see docs/benchmarks.md).
+still settles by 1-2 B/iteration between iterations 1000 and 2000 (see docs/benchmarks_history.md).
 12000 emulator iterations took 374 s and 8000 distributed ones 224-319 s on a 2-core machine
 under a load average of about 40 (other sessions).
 ``run_probed``, ``steady`` and ``slope`` are also used by ``tests/test_memory_flat.py``.
@@ -38,11 +38,11 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.soak_probe import Series, read  # noqa: E402
+from benchmarks.investigations.soak_probe import Series, read  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 #: the tiny model every soak run trains (hidden 32, seq 32, 2 layers, vocab 64)
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
@@ -76,9 +76,9 @@ def median_slope(points: list[tuple[int, int]]) -> float:
 
 def run_probed(cmd: list[str], out: Path, probe_args: list[str], timeout_s: float = 3600.0) -> tuple[list[Series], float]:
     """Run the training command ``cmd`` (``[python, script, *args]``) under
-    :mod:`benchmarks.soak_probe` writing to ``out``; return every process's samples and the wall time."""
+    :mod:`benchmarks.investigations.soak_probe` writing to ``out``; return every process's samples and the wall time."""
     out.mkdir(parents=True, exist_ok=True)
-    probed = [cmd[0], str(REPO / "benchmarks" / "soak_probe.py"), "--out", str(out), *probe_args, "--", *cmd[1:]]
+    probed = [cmd[0], str(REPO / "benchmarks" / "investigations" / "soak_probe.py"), "--out", str(out), *probe_args, "--", *cmd[1:]]
     began = time.monotonic()
     err = out / "stderr.txt"
     with open(err, "w") as f:  # a file, not a pipe: a pipe nobody drains would block a chatty run

@@ -13,7 +13,7 @@ waits for), median over the measured iterations. The overlap fraction is
 ``1 - exposed(overlapped) / exposed(at step)``: the share of the reduction hidden behind the
 backward. Run from the repository root::
 
-    OMP_NUM_THREADS=1 python benchmarks/grad_overlap.py
+    OMP_NUM_THREADS=1 python benchmarks/investigations/grad_overlap.py
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.pipeline.runtime.grad_buckets import OverlappedGradReduce  # noqa: E402
 from megatron.trainer.launch.launcher import free_port  # noqa: E402

@@ -18,8 +18,8 @@ both sides alike:
    ``P2PChannel.reuse_receive_buffers`` on vs off; the ranks' CPU time and minor page faults
    (``RUSAGE_CHILDREN`` around each run) and the run's wall time.
 
-    OMP_NUM_THREADS=1 python benchmarks/p2p_comm.py                  # all three, about 3 min loaded
-    OMP_NUM_THREADS=1 python benchmarks/p2p_comm.py --only buffers batch --pairs 9
+    OMP_NUM_THREADS=1 python benchmarks/investigations/p2p_comm.py                  # all three, about 3 min loaded
+    OMP_NUM_THREADS=1 python benchmarks/investigations/p2p_comm.py --only buffers batch --pairs 9
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402

@@ -9,8 +9,8 @@ Modelled: the timing simulator's peak (units of M_B) with ``m_f`` from
 from the same formula, times M_B measured without recompute (1f1b: its stage-0 peak divided by
 the micro-batches it holds; the embedding's and head's few tensors ride along).
 
-    python benchmarks/recompute_memory.py               # 4 stages, 8 layers, h 128, s 256
-    python benchmarks/recompute_memory.py --json out.json
+    python benchmarks/investigations/recompute_memory.py               # 4 stages, 8 layers, h 128, s 256
+    python benchmarks/investigations/recompute_memory.py --json out.json
 """
 from __future__ import annotations
 
@@ -22,16 +22,11 @@ import sys
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-MODES = {
-    "none": [],
-    "selective": ["--recompute-granularity", "selective"],
-    "full-block-1": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
-    "full-uniform-1": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-    "full-uniform-2": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
-}
+from benchmarks.per_rank_memory import RECOMPUTE_FLAGS as MODES  # noqa: E402
+
 SCHEDULES = ("1f1b", "zb-h1")
 
 

@@ -9,7 +9,7 @@ autograd saved, plus what W keeps) from the run's last ``--log-json`` record. Pe
 pages, not timing, so it can be taken on a loaded host; runs are repeated because the allocator's
 fragmentation (and the receive buffers posted ahead) vary a few MB between runs.
 
-    OMP_NUM_THREADS=1 python benchmarks/rank_peak_rss.py --schedules 1f1b paci zb-2p --repeats 3
+    OMP_NUM_THREADS=1 python benchmarks/investigations/rank_peak_rss.py --schedules 1f1b paci zb-2p --repeats 3
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.peer_pipelining import WORKLOAD, train_ours  # noqa: E402

@@ -20,7 +20,7 @@ bins and fastbins count as free). The caches fill slowly -- a size class a threa
 (a chunk another thread allocated, say) gains a chunk now and then, up to 7 x (32 + ... +
 1040) = 240 KB per thread -- which read
 as a growth decaying from 18 to 0.3 B/iteration over the first 24k iterations of a 2-stage 1F1B rank
-(docs/benchmarks.md). With the cache off, a freed chunk goes to a bin and leaves ``uordblks``
+(docs/benchmarks_history.md). With the cache off, a freed chunk goes to a bin and leaves ``uordblks``
 at once: what remains is what the program holds.
 
 Why a full ``gc.collect()`` before each sample: CPython keeps freed tuples, lists, dicts and
@@ -38,9 +38,9 @@ The probe wraps ``StageWorker.record_update`` (called once per optimizer update 
 stage, in the emulator and in each distributed rank, which are forked from the launcher after
 the patch) and samples every ``--every`` updates, at the first stage of the process to reach it.
 
-Usage (``benchmarks/soak.py`` drives this)::
+Usage (``benchmarks/investigations/soak.py`` drives this)::
 
-    python benchmarks/soak_probe.py --out DIR [--every 10] [--trim] [--leak-bytes 64] \\
+    python benchmarks/investigations/soak_probe.py --out DIR [--every 10] [--trim] [--leak-bytes 64] \\
         -- pretrain_gpt.py --pipeline-model-parallel-size 2 ...
 
 Each process appends to ``DIR/probe-<pid>.tsv`` a ``#name`` and a ``#glibc_tunables`` line
@@ -52,7 +52,7 @@ show that the metric catches one (``tests/test_memory_flat.py``, ``soak.py --lea
 
 Attributing growth to Python code: ``--trace-from U --snapshots A B`` starts ``tracemalloc``
 at update U and dumps a snapshot at updates A and B (after the sample's collection);
-``python benchmarks/soak_probe.py --compare SNAP_A SNAP_B`` prints what was allocated and is
+``python benchmarks/investigations/soak_probe.py --compare SNAP_A SNAP_B`` prints what was allocated and is
 still held, grouped by traceback. C++ allocations (torch, gloo) are not traced: growth of the
 ``heap_c`` column with nothing in the comparison is the C/C++ side. While tracing, ``heap_py``
 reads 0 (CPython prints no pymalloc statistics once tracemalloc hooks the allocator).
@@ -294,7 +294,7 @@ def main() -> None:
     if not ns.keep_tcache:
         restart_without_tcache()
     ns.out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `megatron`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for `megatron`
     install(Probe(ns.out, ns.every, ns.collect, ns.trim, ns.leak_bytes, ns.leak_every,
                   trace_from=ns.trace_from, trace_frames=ns.trace_frames, snapshots=tuple(ns.snapshots)))
     sys.argv = [ns.script, *ns.args]

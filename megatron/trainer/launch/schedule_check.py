@@ -1,0 +1,48 @@
+"""``--no-schedule-check`` and the up-front refusal of a schedule that cannot run.
+
+Why: a schedule whose streams deadlock or send a message its peer does not expect next hangs
+every rank of a live run until ``--pipeline-timeout-seconds`` (300 s by default) and then names
+no op. :func:`megatron.pipeline.preflight.replay_first_iterations` replays the run's first
+iterations, across a segment boundary, through the schedule validator in this process before
+any rank starts (the local launcher, the emulator, a single-rank run, and under torchrun or
+Slurm each rank before its process group exists), and the fault is refused with one ``error:``
+line naming the stage and the op.
+
+The replay is bounded (``N (N + m)`` ops), about a second for 32 stages and 64 micro-batches
+(``docs/benchmarks.md``); ``--no-schedule-check`` skips it for configurations where even that
+is too slow. Ranks our own launcher started skip it: the launcher checked before starting them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron.pipeline.preflight import PreflightReplay, replay_first_iterations
+from megatron.pipeline.replay import ScheduleError
+from megatron.pipeline.schedules import build_schedule
+from megatron.trainer.config.run_config import run_config
+from megatron.trainer.launch.launcher import LAUNCHED_ENV
+
+
+class ScheduleCheckError(ValueError):
+    """The run's schedule cannot run; one line for the user."""
+
+
+def add_schedule_check_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("schedule check")
+    g.add_argument("--no-schedule-check", dest="schedule_check", action="store_false",
+                   help="start without replaying the schedule's first iterations through the schedule "
+                        "validator (a deadlock or a mismatched message then shows as a pipeline timeout)")
+
+
+def check_schedule(args: argparse.Namespace) -> PreflightReplay | None:
+    """Replay the run's schedule (module docstring); None where this process does not check.
+    Raises :class:`ScheduleCheckError`."""
+    if not args.schedule_check or os.environ.get(LAUNCHED_ENV):
+        return None
+    schedule = build_schedule(args.pipeline_schedule, run_config(args).schedule)
+    try:
+        return replay_first_iterations(schedule)
+    except ScheduleError as exc:
+        raise ScheduleCheckError(f"--pipeline-schedule {args.pipeline_schedule}: the schedule cannot run "
+                                 f"its first iterations: {exc}") from None
