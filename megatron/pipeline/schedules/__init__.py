@@ -39,6 +39,8 @@ SCHEDULES[PipeMare.name] = PipeMare  # T1 lr rescheduling, T2 discrepancy correc
 SCHEDULES[AMDP.name] = AMDP  # D/2 replicated pipelines in alternating directions
 SCHEDULES.update({cls.name: cls for cls in (ZBV, VHalf, VMin, DualPipeV)})  # V placement (Qi et al. 2024; DualPipe)
 
+from megatron.pipeline.schedules.auto import SELECTORS  # noqa: E402  (auto, auto-async: choose one of the above)
+
 #: ``--pipeline-schedule``'s default
 DEFAULT_SCHEDULE = OneFOneBFlush.name
 
@@ -50,11 +52,13 @@ def register(cls: type[Schedule]) -> type[Schedule]:
 
 
 def schedule_class(name: str) -> type[Schedule]:
+    """A registered schedule or a selector (``auto``, ``auto-async``: not in :data:`SCHEDULES`,
+    which lists what they choose from)."""
     try:
-        return SCHEDULES[name]
+        return SCHEDULES[name] if name in SCHEDULES else SELECTORS[name]
     except KeyError:
         raise ScheduleConfigError(
-            f"unknown pipeline schedule {name!r}; choose from {', '.join(sorted(SCHEDULES))}"
+            f"unknown pipeline schedule {name!r}; choose from {', '.join(sorted([*SCHEDULES, *SELECTORS]))}"
         ) from None
 
 
@@ -63,7 +67,7 @@ def build_schedule(name: str, config: ScheduleConfig) -> Schedule:
     zb-2p) a :class:`~.profiled.ProfiledSchedule` that decides its order from costs profiled
     during the first K iterations."""
     cls = schedule_class(name)
-    if config.options.get(PROFILE_OPTION):
+    if config.options.get(PROFILE_OPTION) and name not in SELECTORS:  # a selector profiles by itself
         return ProfiledSchedule(cls, config)
     return cls(config)
 

@@ -110,7 +110,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="replicas per stage; default: WORLD_SIZE / (PP x TP) under torchrun, else 1")
     g.add_argument("--pipeline-schedule", default=DEFAULT_SCHEDULE,
-                   help=f"one of {', '.join(SCHEDULES)} (see docs/schedules); each takes its own flags below")
+                   help=f"one of {', '.join(SCHEDULES)} (see docs/schedules); each takes its own flags below; "
+                        "auto / auto-async: profile, then the fastest synchronous (auto-async: or "
+                        "asynchronous) one that fits (docs/planning.md)")
     g.add_argument("--pipeline-executor", choices=["distributed", "emulator"], default="distributed",
                    help="emulator: all stages in this one process, bitwise the same numbers")
     g.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
