@@ -28,6 +28,7 @@ differently.
 from __future__ import annotations
 
 import dataclasses
+import json
 import zlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -125,7 +126,8 @@ class AutoSchedule(ProfiledSchedule):
                   f"peak {max(best.peak):.2f} M_B, {limit}")
         first = self.profile_end
         return [f"{CHOICE_PREFIX}{best.schedule} from iteration {first}; order {self.order_text()}; "
-                f"reason: {reason}", *choice_table(ranked), *(f"auto: not run: {r}" for r in self.choice["refused"])]
+                f"reason: {reason}", *choice_table(ranked), *(f"auto: not run: {r}" for r in self.choice["refused"]),
+                f"auto-schedule {json.dumps(self.describe())}"]  # as a file, --zb-costs reads its costs
 
     def order_text(self) -> str:
         """One iteration's op order of the first and the last stage (micro-batches 0..m-1)."""

@@ -70,6 +70,8 @@ class StageMemory:
     activations: float  # peak in flight plus the backward's working set
     logits: float  # the loss backward's transient logits copies (last stage)
     baseline: float
+    in_flight: float = 0.0  # the schedule's peak micro-batches in flight on the stage
+    per_microbatch: float = 0.0  # the activation bytes of one more micro-batch in flight
 
     @property
     def total(self) -> float:
@@ -177,14 +179,15 @@ def estimate_memory(args: argparse.Namespace, baseline_bytes: float = 0.0, devic
         copies = schedule_class(args.pipeline_schedule).weight_copies(run.schedule, stage)
         shards = _optimizer_shards(args, run.shards_optimizer_state, layout.num_chunks)
         last = (parts - 1) in held
+        one = factor * per_mb / layout.num_chunks
         stages.append(StageMemory(
             stage=stage, parameters=int(params),
             weights=params * shape.param_bytes * copies,
             gradients=params * shape.param_bytes,
             optimizer=params * (_ADAM_MOMENT_BYTES + (_MASTER_BYTES if half else 0)) / shards,
-            activations=factor * (in_flight[stage] * per_mb / layout.num_chunks + working),
+            activations=in_flight[stage] * one + factor * working,
             logits=tokens * shape.vocab * (4 + shape.param_bytes) / tp if last else 0.0,
-            baseline=baseline_bytes))
+            baseline=baseline_bytes, in_flight=in_flight[stage], per_microbatch=one))
     return MemoryEstimate(tuple(stages), device)
 
 

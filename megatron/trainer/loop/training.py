@@ -44,6 +44,8 @@ from megatron.trainer.launch.host_allocator import apply_host_malloc
 from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.launch.launcher import is_worker_process, launch_local
 from megatron.trainer.launch.memory_check import MemoryCheckError, check_memory
+from megatron.trainer.launch.auto_memory import apply_auto_memory_limit
+from megatron.trainer.config.errors import ArgumentError
 from megatron.trainer.loop.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop.segments import Segment, plan_segments, run_segments
 from megatron.trainer.loop.run_banner import print_banner
@@ -380,7 +382,8 @@ def preflight(task: PretrainTask, argv: list[str]) -> argparse.Namespace:
         check_resume_or_exit(task, args)
     try:  # a run that cannot fit memory: refused here, not by an allocator inside a rank
         check_memory(args, is_worker_process(), not _runs_on_cpu(args))
-    except MemoryCheckError as exc:
+        apply_auto_memory_limit(args)  # auto: the memory left after the check bounds its choice
+    except (MemoryCheckError, ArgumentError) as exc:
         parser.exit(2, f"error: {exc}\n")
     return args
 
