@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+import megatron.pipeline.planner.auto_schedule  # noqa: F401  registers auto, auto-async
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.planner.runtime_choice import rank_choices, switchable
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
@@ -124,7 +125,7 @@ def _run(argv: list[str], log) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def test_auto_trains_bitwise_like_the_chosen_schedule_from_the_start(tmp_path, capsys) -> None:
     """Every synchronous candidate computes 1F1B's numbers (module docstring of
-    megatron/pipeline/schedules/auto.py), so equality is exact, not within a bound."""
+    megatron/pipeline/planner/auto_schedule.py), so equality is exact, not within a bound."""
     losses, params = _run(_gpt("auto", "--zb-profile-iters", "2"), tmp_path / "auto.jsonl")
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "auto: chose " in ln)
     chosen = re.search(r"auto: chose (\S+) from iteration 2; order s0: ", line).group(1)

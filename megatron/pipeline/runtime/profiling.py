@@ -194,11 +194,11 @@ def schedule_profiling(schedule: "Schedule", transport: "Transport",
 def log_fixed_choice(schedule: "Schedule") -> None:
     """Log the simulated bubble of an order decided from fixed costs (zb-1p / zb-2p, no profiling),
     or the choice ``auto`` made from them."""
-    from megatron.pipeline.schedules.auto import AutoSchedule
     from megatron.pipeline.schedules.profiled import describe_choice
 
-    if isinstance(schedule, AutoSchedule) and schedule.decided and not schedule.profile_iters:
-        _print_lines(schedule.decision_lines())
+    start_lines = getattr(schedule, "start_lines", None)  # auto: decided from fixed costs
+    if start_lines is not None:
+        _print_lines(start_lines())
         return
     costs = schedule.fixed_costs()
     if costs is None:

@@ -39,7 +39,9 @@ SCHEDULES[PipeMare.name] = PipeMare  # T1 lr rescheduling, T2 discrepancy correc
 SCHEDULES[AMDP.name] = AMDP  # D/2 replicated pipelines in alternating directions
 SCHEDULES.update({cls.name: cls for cls in (ZBV, VHalf, VMin, DualPipeV)})  # V placement (Qi et al. 2024; DualPipe)
 
-from megatron.pipeline.schedules.auto import SELECTORS  # noqa: E402  (auto, auto-async: choose one of the above)
+#: schedules that choose one of :data:`SCHEDULES` while running (``auto``, ``auto-async``:
+#: :mod:`megatron.pipeline.planner.auto_schedule` registers them; not candidates themselves)
+SELECTORS: dict[str, type[Schedule]] = {}
 
 #: ``--pipeline-schedule``'s default
 DEFAULT_SCHEDULE = OneFOneBFlush.name
@@ -48,6 +50,12 @@ DEFAULT_SCHEDULE = OneFOneBFlush.name
 def register(cls: type[Schedule]) -> type[Schedule]:
     """Add a schedule class to the registry (usable as a decorator)."""
     SCHEDULES[cls.name] = cls
+    return cls
+
+
+def register_selector(cls: type[Schedule]) -> type[Schedule]:
+    """Add a selector (see :data:`SELECTORS`)."""
+    SELECTORS[cls.name] = cls
     return cls
 
 

@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 
 from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError, build_schedule
+import megatron.pipeline.planner.auto_schedule  # noqa: F401,E402  registers --pipeline-schedule auto, auto-async
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
 from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, validate_basis_rotation_args
 from megatron.trainer.config.schedule_args import add_schedule_args, validate_schedule_args

@@ -36,7 +36,7 @@ def device_memory_limit(estimate: object, room: float, stages: list[int]) -> flo
 def apply_auto_memory_limit(args: argparse.Namespace) -> float | None:
     """Give an ``auto`` run without ``--zb-memory-limit`` the device's limit (after the memory
     check ran; one-line :class:`ArgumentError` when no micro-batch fits). Returns the limit."""
-    from megatron.pipeline.schedules.auto import SELECTORS
+    from megatron.pipeline.schedules import SELECTORS
 
     run = getattr(args, "run", None)
     room = getattr(args, "_memory_room", None)

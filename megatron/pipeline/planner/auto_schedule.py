@@ -1,5 +1,9 @@
 """``--pipeline-schedule auto`` / ``auto-async``: profile, then run the schedule the planner ranks first.
 
+Registered as selectors (:func:`megatron.pipeline.schedules.register_selector`) when this module
+is imported (the trainer's argument parser does): the schedules package cannot import the
+planner, which ranks with the schedules.
+
 Why it is a profiled schedule: the run's first ``K = --zb-profile-iters`` iterations run ZB-H1
 while the executors time every F, B and W exactly as for zb-1p / zb-2p
 (:class:`~megatron.pipeline.schedules.profiled.ProfiledSchedule`, whose machinery this reuses:
@@ -34,6 +38,8 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from megatron.pipeline.ir import OPT, Op
+from megatron.pipeline.planner.runtime_choice import choice_table, rank_choices
+from megatron.pipeline.schedules import register_selector, schedule_class
 from megatron.pipeline.schedules.base import Schedule, ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.profiled import PLACEHOLDER_COSTS, CostsNotProfiled, ProfiledSchedule
 from megatron.pipeline.schedules.zb_1p import ZB1P
@@ -45,8 +51,6 @@ CHOICE_PREFIX = "auto: chose "
 
 
 def _build(name: str, config: ScheduleConfig) -> Schedule:
-    from megatron.pipeline.schedules import schedule_class
-
     return schedule_class(name)(config)
 
 
@@ -90,8 +94,6 @@ class AutoSchedule(ProfiledSchedule):
     def set_costs(self, costs: CostsLike, chosen: str | None = None) -> None:
         """Rank the switchable schedules with ``costs`` and take the best (or ``chosen``, a
         checkpoint's decision)."""
-        from megatron.pipeline.planner.runtime_choice import rank_choices
-
         if self.target is not None:
             raise RuntimeError(f"{self.name}: costs were already set")
         per_stage = stage_costs(costs, self.config.num_stages)
@@ -110,8 +112,6 @@ class AutoSchedule(ProfiledSchedule):
 
     def decision_lines(self) -> list[str]:
         """``auto: chose SCHEDULE`` with the micro-batch order and the reason, then the table."""
-        from megatron.pipeline.planner.runtime_choice import choice_table
-
         if self.choice is None or self.target is None:
             raise CostsNotProfiled(f"{self.name}: no schedule chosen yet")
         best, ranked = self.choice["best"], self.choice["ranked"]
@@ -160,7 +160,11 @@ class AutoSchedule(ProfiledSchedule):
                                 for s in range(self.config.num_stages)]).encode())
 
     def fixed_costs(self) -> tuple[OpCosts, ...] | None:
-        return None  # the start logs :meth:`decision_lines` instead (profiling.log_fixed_choice)
+        return None  # the start logs :meth:`start_lines` instead (profiling.log_fixed_choice)
+
+    def start_lines(self) -> list[str]:
+        """What the start logs: the decision when it was made from fixed costs, else nothing."""
+        return self.decision_lines() if self.decided and not self.profile_iters else []
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any] | None:
@@ -208,4 +212,5 @@ class AutoAsyncSchedule(AutoSchedule):
                                       "every iteration; use auto")
 
 
-SELECTORS: dict[str, type[AutoSchedule]] = {cls.name: cls for cls in (AutoSchedule, AutoAsyncSchedule)}
+for _selector in (AutoSchedule, AutoAsyncSchedule):
+    register_selector(_selector)
