@@ -85,12 +85,15 @@ def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSize
     return parts, st.simulator_costs(layout, per_part, unit.sync)
 
 
-def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int) -> tuple[float, SimulationResult, object]:
-    """(marginal time of one update, the longer run's result, its schedule)."""
+def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int,
+                options: dict | None = None) -> tuple[float, SimulationResult, object]:
+    """(marginal time of one update, the longer run's result, its schedule); ``options``: the
+    schedule's other options (a Zero Bubble greedy's ``memory_limit``)."""
     k = update_count(cand)
     runs = []
     for iterations in (k // 2, k):
-        schedule = build_schedule(cand.schedule, cand.config(iterations, {"costs": tuple(costs)}, data_parallel))
+        config = cand.config(iterations, {**(options or {}), "costs": tuple(costs)}, data_parallel)
+        schedule = build_schedule(cand.schedule, config)
         runs.append((simulate_schedule(schedule), schedule))
     return (runs[1][0].makespan - runs[0][0].makespan) / (k - k // 2), runs[1][0], runs[1][1]
 

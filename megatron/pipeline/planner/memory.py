@@ -1,8 +1,13 @@
 """Per-stage peak memory of a candidate: static state plus the schedule's activation peak.
 
-One job, and the planner's own for now: an up-front per-rank estimate is being written for the
-launcher's banner; the two should become one (this one takes the schedule's simulated
-activation peak, the part that depends on the order).
+One model of the static bytes for the planner and the launcher's up-front per-rank estimate
+(:mod:`megatron.trainer.launch.memory_estimate` builds its weights, gradients and optimizer
+state with :func:`stage_memory`, and its part sizes with the planner's
+:func:`~megatron.pipeline.planner.stages.part_parameters` /
+:func:`~megatron.pipeline.planner.stages.part_activation_bytes`). They differ where their jobs
+do: the planner takes the schedule's activation peak simulated with the candidate's costs; the
+estimate takes unit-cost in-flight counts, adds the backward's working set, the loss's logits
+copies and the process baseline, and scales CPU activations by the host heap factor.
 
 Static bytes per parameter (the runtime's accounting, :mod:`megatron.pipeline.cost_model`):
 the parameter and its gradient (``2 x param_bytes``: fp32, or 16-bit with ``--bf16``), the two

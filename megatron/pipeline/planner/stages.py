@@ -54,19 +54,28 @@ def part_sizes(shape: ModelShape, counts: Sequence[int], tensor_parallel: int = 
     """Sizes of the parts holding ``counts[j]`` layers, embedding on part 0 and head on the last
     (the runtime's activations, :func:`~megatron.pipeline.cost_model.layer_activation_elements`)."""
     t, last = tensor_parallel, len(counts) - 1
-    tokens = shape.seq_length * shape.micro_batch
-    out = []
-    for j, k in enumerate(counts):
-        params = k * layer_parameters(shape)
-        act = k * layer_activation_elements(shape) * shape.activation_bytes
-        if j == 0:
-            params += embedding_parameters(shape)
-            act += tokens * shape.hidden * shape.activation_bytes
-        if j == last:
-            params += head_parameters(shape)
-            act += tokens * 2 * shape.vocab * 4  # fp32 logits and their softmax
-        out.append(PartSizes(k, params / t, act / t))
-    return out
+    return [PartSizes(k, part_parameters(shape, k, j == 0, j == last) / t,
+                      part_activation_bytes(shape, k, j == 0, j == last) / t) for j, k in enumerate(counts)]
+
+
+def part_parameters(shape: ModelShape, layers: int, first: bool, last: bool) -> float:
+    """Parameters of a part of ``layers`` layers, the embedding on the first, the head on the
+    last (the planner's and the launcher's memory estimate's one count)."""
+    return (layers * layer_parameters(shape) + (embedding_parameters(shape) if first else 0.0)
+            + (head_parameters(shape) if last else 0.0))
+
+
+def part_activation_bytes(shape: ModelShape, layers: int, first: bool, last: bool, kept: float = 1.0) -> float:
+    """Bytes one micro-batch keeps on a part: its layers' saved activations (``kept``: the
+    fraction recompute keeps), the embedding's output on the first, the fp32 logits and their
+    softmax on the last."""
+    tokens, act = shape.seq_length * shape.micro_batch, shape.activation_bytes
+    total = layers * layer_activation_elements(shape) * act * kept
+    if first:
+        total += tokens * shape.hidden * act
+    if last:
+        total += tokens * 2 * shape.vocab * 4
+    return total
 
 
 def _layer_shape(shape: ModelShape) -> LayerShape:

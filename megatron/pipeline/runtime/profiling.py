@@ -37,7 +37,6 @@ it is all-gathered).
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -129,14 +128,18 @@ def decide(schedule: "ProfiledSchedule", costs: tuple[OpCosts, ...], log: bool) 
     """Hand the costs to the schedule and, on the logging rank, print the choice once."""
     schedule.set_costs(costs)
     if log:
-        log_choice(schedule.describe())
+        _print_lines(schedule.decision_lines())
+
+
+def _print_lines(lines: Sequence[str]) -> None:
+    for line in lines:
+        print(f"[megatron-async] {line}", flush=True)
 
 
 def log_choice(description: dict) -> None:
-    from megatron.pipeline.schedules.profiled import format_choice
+    from megatron.pipeline.schedules.profiled import choice_lines
 
-    print(f"[megatron-async] {format_choice(description)}", flush=True)
-    print(f"[megatron-async] zero-bubble-schedule {json.dumps(description)}", flush=True)
+    _print_lines(choice_lines(description))
 
 
 def _note_short_run(schedule: "ProfiledSchedule", log: bool) -> None:
@@ -189,9 +192,14 @@ def schedule_profiling(schedule: "Schedule", transport: "Transport",
 
 
 def log_fixed_choice(schedule: "Schedule") -> None:
-    """Log the simulated bubble of an order decided from fixed costs (zb-1p / zb-2p, no profiling)."""
+    """Log the simulated bubble of an order decided from fixed costs (zb-1p / zb-2p, no profiling),
+    or the choice ``auto`` made from them."""
     from megatron.pipeline.schedules.profiled import describe_choice
 
+    start_lines = getattr(schedule, "start_lines", None)  # auto: decided from fixed costs
+    if start_lines is not None:
+        _print_lines(start_lines())
+        return
     costs = schedule.fixed_costs()
     if costs is None:
         return

@@ -39,6 +39,10 @@ SCHEDULES[PipeMare.name] = PipeMare  # T1 lr rescheduling, T2 discrepancy correc
 SCHEDULES[AMDP.name] = AMDP  # D/2 replicated pipelines in alternating directions
 SCHEDULES.update({cls.name: cls for cls in (ZBV, VHalf, VMin, DualPipeV)})  # V placement (Qi et al. 2024; DualPipe)
 
+#: schedules that choose one of :data:`SCHEDULES` while running (``auto``, ``auto-async``:
+#: :mod:`megatron.pipeline.planner.auto_schedule` registers them; not candidates themselves)
+SELECTORS: dict[str, type[Schedule]] = {}
+
 #: ``--pipeline-schedule``'s default
 DEFAULT_SCHEDULE = OneFOneBFlush.name
 
@@ -49,12 +53,20 @@ def register(cls: type[Schedule]) -> type[Schedule]:
     return cls
 
 
+def register_selector(cls: type[Schedule]) -> type[Schedule]:
+    """Add a selector (see :data:`SELECTORS`)."""
+    SELECTORS[cls.name] = cls
+    return cls
+
+
 def schedule_class(name: str) -> type[Schedule]:
+    """A registered schedule or a selector (``auto``, ``auto-async``: not in :data:`SCHEDULES`,
+    which lists what they choose from)."""
     try:
-        return SCHEDULES[name]
+        return SCHEDULES[name] if name in SCHEDULES else SELECTORS[name]
     except KeyError:
         raise ScheduleConfigError(
-            f"unknown pipeline schedule {name!r}; choose from {', '.join(sorted(SCHEDULES))}"
+            f"unknown pipeline schedule {name!r}; choose from {', '.join(sorted([*SCHEDULES, *SELECTORS]))}"
         ) from None
 
 
@@ -63,7 +75,7 @@ def build_schedule(name: str, config: ScheduleConfig) -> Schedule:
     zb-2p) a :class:`~.profiled.ProfiledSchedule` that decides its order from costs profiled
     during the first K iterations."""
     cls = schedule_class(name)
-    if config.options.get(PROFILE_OPTION):
+    if config.options.get(PROFILE_OPTION) and name not in SELECTORS:  # a selector profiles by itself
         return ProfiledSchedule(cls, config)
     return cls(config)
 

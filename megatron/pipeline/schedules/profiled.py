@@ -28,6 +28,7 @@ changes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -137,6 +138,10 @@ class ProfiledSchedule(SynchronousSchedule):
             raise CostsNotProfiled(f"{self.name}: no order decided yet")
         return describe_choice(self.target_class, self.config, self.costs, self.profile_iters)
 
+    def decision_lines(self) -> list[str]:
+        """What the logging rank prints once the order is decided."""
+        return choice_lines(self.describe())
+
     # -- stream --------------------------------------------------------------------------
     def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
         iteration = microbatches.start // self.config.num_microbatches
@@ -193,6 +198,12 @@ def format_choice(d: dict[str, Any], unit: str = "ms") -> str:
         f"(zb-h1: {h1['makespan']:.3f} {unit}, bubble rate {h1['bubble_rate']:.4f}; "
         f"1f1b: bubble rate {d['1f1b']['bubble_rate']:.4f})"
     )
+
+
+def choice_lines(description: dict[str, Any]) -> list[str]:
+    """The log lines of a decided order: readable, then the ``zero-bubble-schedule {...}`` object
+    (``--zb-costs`` reads it back)."""
+    return [format_choice(description), f"zero-bubble-schedule {json.dumps(description)}"]
 
 
 def schedule_from_choice(description: dict[str, Any], num_iterations: int = 1) -> ZeroBubbleAuto:

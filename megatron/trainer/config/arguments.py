@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 
 from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError, build_schedule
+import megatron.pipeline.planner.auto_schedule  # noqa: F401,E402  registers --pipeline-schedule auto, auto-async
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
 from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, validate_basis_rotation_args
 from megatron.trainer.config.schedule_args import add_schedule_args, validate_schedule_args
@@ -111,7 +112,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="replicas per stage; default: WORLD_SIZE / (PP x TP) under torchrun, else 1")
     g.add_argument("--pipeline-schedule", default=DEFAULT_SCHEDULE,
-                   help=f"one of {', '.join(SCHEDULES)} (see docs/schedules); each takes its own flags below")
+                   help=f"one of {', '.join(SCHEDULES)} (see docs/schedules); each takes its own flags below; "
+                        "auto / auto-async: profile, then the fastest synchronous (auto-async: or "
+                        "asynchronous) one that fits (docs/planning.md)")
     g.add_argument("--pipeline-executor", choices=["distributed", "emulator"], default="distributed",
                    help="emulator: all stages in this one process, bitwise the same numbers")
     g.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,

@@ -39,10 +39,23 @@ def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
                         "precision); not bitwise, and the drift grows through the half-precision casts")
 
 
+def _may_turn_asynchronous(name: str) -> bool:
+    from megatron.pipeline.schedules import ScheduleConfigError, schedule_class
+
+    try:
+        return bool(getattr(schedule_class(name), "include_async", False))
+    except ScheduleConfigError:
+        return False  # an unknown name is refused with the schedule's checks
+
+
 def validate_mixed_precision_args(args: argparse.Namespace) -> None:
     """One-line :class:`ArgumentError` for a bad combination; fills the dynamic defaults."""
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
+    if args.fp16 and _may_turn_asynchronous(args.pipeline_schedule):
+        raise ArgumentError(f"--fp16 with --pipeline-schedule {args.pipeline_schedule}: the loss scaler is "
+                            "pipeline-wide or stage-local from the start, and the choice may switch from one "
+                            "to the other; use --bf16 or --pipeline-schedule auto")
     given = [name for name in ("loss_scale", *_DYNAMIC_DEFAULTS) if getattr(args, name) is not None]
     if given and not args.fp16:
         raise ArgumentError(f"--{given[0].replace('_', '-')} needs --fp16 (loss scaling is for fp16 only)")

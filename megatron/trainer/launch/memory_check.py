@@ -84,6 +84,7 @@ def check_host_memory(args: argparse.Namespace, in_worker: bool, available: floa
     elif in_worker:
         need -= baseline * len(stages)  # the node's ranks are running: their baselines are resident
     have = host_available_bytes() if available is None else available
+    args._memory_room = (have - need, stages)
     if args.memory_check and need > have:
         what = ("the emulator's one process holding every stage" if args.pipeline_executor == "emulator"
                 else f"{len(stages)} rank(s) on this host")
@@ -104,6 +105,7 @@ def check_gpu_memory(args: argparse.Namespace, in_worker: bool) -> MemoryEstimat
         stages = [s for i, s in enumerate(stages) if i % count == local % count]
     need = estimate.ranks_total(stages)
     free, _total = torch.cuda.mem_get_info(local % count)
+    args._memory_room = (free - need, stages)
     if args.memory_check and need > free:
         raise _refusal(f"{len(stages)} rank(s) on GPU {local % count}", need, free, estimate,
                        f"GPU {local % count}")

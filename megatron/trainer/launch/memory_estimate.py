@@ -9,8 +9,9 @@ check (``benchmarks/gpu_check.py``) can call :func:`estimate_memory` with the sa
 One job: add up what a rank holds at its peak, from the project's existing accounting, per
 pipeline stage (a rank is one stage of one data-parallel, tensor-parallel replica):
 
-* **weights, gradients, optimizer state**: the analytic parameter counts of
-  :mod:`megatron.pipeline.cost_model` for the stage's model parts, divided by the tensor-parallel
+* **weights, gradients, optimizer state**: the planner's static model
+  (:func:`megatron.pipeline.planner.memory.stage_memory`, one source for both) over the analytic
+  parameter counts of :mod:`megatron.pipeline.cost_model` for the stage's model parts, divided by the tensor-parallel
   size; weights ``param_bytes`` each (2 in bf16/fp16) times the schedule's weight copies
   (``Schedule.weight_copies``: 2BW's stash, PipeMare's delta), gradients ``param_bytes`` each,
   AdamW's two fp32 moments plus an fp32 master in bf16/fp16, divided over the data-parallel
@@ -47,13 +48,12 @@ import argparse
 from dataclasses import dataclass
 
 from megatron.pipeline.activation_memory import LayerShape, recompute_fraction
-from megatron.pipeline.cost_model import (
-    ModelShape, embedding_parameters, head_parameters, layer_activation_elements, layer_parameters)
+from megatron.pipeline.cost_model import ModelShape, layer_activation_elements
+from megatron.pipeline.planner.memory import stage_memory
+from megatron.pipeline.planner.stages import part_activation_bytes, part_parameters
 
 #: CPU: peak RSS per in-flight micro-batch / the cost model's activation bytes (module docstring)
 HOST_HEAP_FACTOR = 1.8
-_ADAM_MOMENT_BYTES = 8  # two fp32 moments per parameter
-_MASTER_BYTES = 4  # an fp32 master per bf16/fp16 parameter
 GIB = 2 ** 30
 MIB = 2 ** 20
 
@@ -70,6 +70,8 @@ class StageMemory:
     activations: float  # peak in flight plus the backward's working set
     logits: float  # the loss backward's transient logits copies (last stage)
     baseline: float
+    in_flight: float = 0.0  # the schedule's peak micro-batches in flight on the stage
+    per_microbatch: float = 0.0  # the activation bytes of one more micro-batch in flight
 
     @property
     def total(self) -> float:
@@ -120,23 +122,6 @@ def part_layer_counts(args: argparse.Namespace, parts: int) -> list[int]:
     return [base + (1 if p < extra else 0) for p in range(parts)]
 
 
-def _part_parameters(shape: ModelShape, layers: int, first: bool, last: bool) -> float:
-    return (layers * layer_parameters(shape) + (embedding_parameters(shape) if first else 0.0)
-            + (head_parameters(shape) if last else 0.0))
-
-
-def _part_activation_bytes(shape: ModelShape, layers: int, first: bool, last: bool, kept: float) -> float:
-    """Bytes one micro-batch keeps on a model part (the cost model's accounting; ``kept`` is the
-    recompute fraction of its layers)."""
-    tokens, act = shape.seq_length * shape.micro_batch, shape.activation_bytes
-    total = layers * layer_activation_elements(shape) * act * kept
-    if first:
-        total += tokens * shape.hidden * act  # the embedding's output
-    if last:
-        total += tokens * 2 * shape.vocab * 4  # logits and their softmax, fp32 for the loss
-    return total
-
-
 def _recompute_kept(args: argparse.Namespace, shape: ModelShape, layers: int) -> float:
     granularity = getattr(args, "recompute_granularity", None)
     if granularity is None or layers == 0:
@@ -162,29 +147,28 @@ def estimate_memory(args: argparse.Namespace, baseline_bytes: float = 0.0, devic
     layout, tp = run.layout, max(1, args.tensor_model_parallel_size)
     parts = layout.num_model_stages
     counts = part_layer_counts(args, parts)
-    half = shape.param_bytes < 4
     in_flight = schedule_in_flight(args)
     factor = HOST_HEAP_FACTOR if device == "cpu" else 1.0
     tokens = shape.seq_length * shape.micro_batch
     stages = []
     for stage in range(layout.num_stages):
         held = [layout.model_stage(stage, c) for c in range(layout.num_chunks)]
-        params = sum(_part_parameters(shape, counts[p], p == 0, p == parts - 1) for p in held) / tp
-        per_mb = sum(_part_activation_bytes(shape, counts[p], p == 0, p == parts - 1,
-                                            _recompute_kept(args, shape, counts[p])) for p in held) / tp
+        params = sum(part_parameters(shape, counts[p], p == 0, p == parts - 1) for p in held) / tp
+        per_mb = sum(part_activation_bytes(shape, counts[p], p == 0, p == parts - 1,
+                                           _recompute_kept(args, shape, counts[p])) for p in held) / tp
         has_layers = any(counts[p] for p in held)
         working = layer_activation_elements(shape) * shape.activation_bytes / tp if has_layers else 0.0
         copies = schedule_class(args.pipeline_schedule).weight_copies(run.schedule, stage)
         shards = _optimizer_shards(args, run.shards_optimizer_state, layout.num_chunks)
         last = (parts - 1) in held
+        one = factor * per_mb / layout.num_chunks
+        static = stage_memory(params, shape.param_bytes, copies - 1, shards, 0.0, 0.0)  # the planner's model
         stages.append(StageMemory(
             stage=stage, parameters=int(params),
-            weights=params * shape.param_bytes * copies,
-            gradients=params * shape.param_bytes,
-            optimizer=params * (_ADAM_MOMENT_BYTES + (_MASTER_BYTES if half else 0)) / shards,
-            activations=factor * (in_flight[stage] * per_mb / layout.num_chunks + working),
+            weights=static.weights, gradients=static.gradients, optimizer=static.optimizer,
+            activations=in_flight[stage] * one + factor * working,
             logits=tokens * shape.vocab * (4 + shape.param_bytes) / tp if last else 0.0,
-            baseline=baseline_bytes))
+            baseline=baseline_bytes, in_flight=in_flight[stage], per_microbatch=one))
     return MemoryEstimate(tuple(stages), device)
 
 

@@ -45,6 +45,8 @@ from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.launch.launcher import is_worker_process, launch_local
 from megatron.trainer.launch.memory_check import MemoryCheckError, check_memory
 from megatron.trainer.launch.schedule_check import ScheduleCheckError, check_schedule
+from megatron.trainer.launch.auto_memory import apply_auto_memory_limit
+from megatron.trainer.config.errors import ArgumentError
 from megatron.trainer.loop.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop.segments import Segment, plan_segments, run_segments
 from megatron.trainer.loop.run_banner import print_banner
@@ -382,8 +384,9 @@ def preflight(task: PretrainTask, argv: list[str]) -> argparse.Namespace:
         check_resume_or_exit(task, args)
     try:  # a run that cannot fit memory, or whose schedule deadlocks: refused here, not inside a rank
         check_memory(args, is_worker_process(), not _runs_on_cpu(args))
+        apply_auto_memory_limit(args)  # auto: the memory left after the check bounds its choice
         check_schedule(args)
-    except (MemoryCheckError, ScheduleCheckError) as exc:
+    except (MemoryCheckError, ScheduleCheckError, ArgumentError) as exc:
         parser.exit(2, f"error: {exc}\n")
     return args
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from megatron.pipeline.planner.unit_costs import UnitCosts, from_two_stage_profile
+from megatron.pipeline.schedules.zb_1p import ZB1P
 
 PROFILE_ITERS = 2
 MARKER = "zero-bubble-schedule "
@@ -39,7 +40,7 @@ def profile_command(args: argparse.Namespace) -> list[str]:
             cmd.append("--" + flag)
     m = max(2, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size))
     return cmd + ["--global-batch-size", str(m * args.micro_batch_size), "--data-parallel-size", "1",
-                  "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-1p",
+                  "--pipeline-model-parallel-size", "2", "--pipeline-schedule", ZB1P.name,
                   "--zb-profile-iters", str(PROFILE_ITERS), "--pipeline-executor", "emulator",
                   "--train-iters", str(PROFILE_ITERS + 1), "--mock-data", "--pipeline-partition", "even",
                   "--log-interval", "1"]

@@ -1,0 +1,216 @@
+"""``--pipeline-schedule auto`` / ``auto-async``: profile, then run the schedule the planner ranks first.
+
+Registered as selectors (:func:`megatron.pipeline.schedules.register_selector`) when this module
+is imported (the trainer's argument parser does): the schedules package cannot import the
+planner, which ranks with the schedules.
+
+Why it is a profiled schedule: the run's first ``K = --zb-profile-iters`` iterations run ZB-H1
+while the executors time every F, B and W exactly as for zb-1p / zb-2p
+(:class:`~megatron.pipeline.schedules.profiled.ProfiledSchedule`, whose machinery this reuses:
+the sync hook of :mod:`megatron.pipeline.runtime.profiling`, the cost aggregation, the
+every-rank fingerprint check, the checkpointed decision). At the synchronous step ending
+iteration ``K - 1`` (a drained boundary: every stage has stepped, nothing is in flight) the
+planner ranks every schedule the built stages can switch to
+(:mod:`megatron.pipeline.planner.runtime_choice`) by simulated time with those costs, within
+the activation-memory limit (``--zb-memory-limit`` in ``M_B``, else the limit the trainer
+derived from the device's memory, else none), and iterations ``K ..`` run the winner. With
+``--zb-costs`` the decision is made at construction, from those costs, and no iteration
+profiles.
+
+Losses unchanged: ``auto`` chooses among synchronous schedules only, and every one of them
+computes each iteration exactly as 1F1B (each stage's backward passes in micro-batch order, B
++ W exact per micro-batch; ``tests/test_zero_bubble_runtime.py``), so the run's numbers equal
+those of the chosen schedule run from the start, bit for bit (``tests/test_auto_schedule.py``).
+``auto-async`` may choose an asynchronous schedule (PACI); its iterations ``K ..`` are then that
+schedule's stream from iteration ``K``, a synchronous warm-up of ``K`` iterations followed by
+stale updates, which is not the asynchronous schedule run from the start.
+
+The decision is stored in checkpoints (costs, where profiling ended, the chosen name), so a
+resumed run keeps the schedule it chose, even if a later version of the planner would rank
+differently.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from megatron.pipeline.ir import OPT, Op
+from megatron.pipeline.planner.runtime_choice import choice_table, rank_choices
+from megatron.pipeline.schedules import register_selector, schedule_class
+from megatron.pipeline.schedules.base import Schedule, ScheduleConfig, ScheduleConfigError
+from megatron.pipeline.schedules.profiled import PLACEHOLDER_COSTS, CostsNotProfiled, ProfiledSchedule
+from megatron.pipeline.schedules.zb_1p import ZB1P
+from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION, ZERO_BUBBLE_FLAGS
+from megatron.pipeline.simulator import CostsLike, OpCosts, stage_costs
+
+#: the line every decision starts with (scripts look for it)
+CHOICE_PREFIX = "auto: chose "
+
+
+def _build(name: str, config: ScheduleConfig) -> Schedule:
+    return schedule_class(name)(config)
+
+
+class AutoSchedule(ProfiledSchedule):
+    """Profiled ZB-H1 iterations, then the fastest fitting synchronous schedule (module docstring)."""
+
+    name = "auto"
+    include_async: ClassVar[bool] = False
+    flag_groups = (*ProfiledSchedule.flag_groups, ZERO_BUBBLE_FLAGS)
+
+    def __init__(self, config: ScheduleConfig):
+        self.limit: float | None = config.options.get("memory_limit")
+        fixed = None if config.options.get(PROFILE_OPTION) else config.options.get("costs", PLACEHOLDER_COSTS)
+        if fixed is None:
+            self._init_profiled(config)
+        else:  # --zb-costs (or --zb-profile-iters 0): decide now, profile nothing
+            Schedule.__init__(self, config)
+            self.target_class, self.profile_iters, self.costs, self.target = ZB1P, 0, None, None
+            self._restored_profile_end = None
+        self.name = type(self).name  # type: ignore[misc]
+        self.choice: dict[str, Any] | None = None
+        if fixed is not None:
+            self.set_costs(fixed)
+
+    def _init_profiled(self, config: ScheduleConfig) -> None:
+        """ProfiledSchedule's set-up with zb-1p as the warm-up's fallback: ZB-H1, or below its
+        ``N M_B`` the greedy's order for placeholder costs (which stays within the limit)."""
+        options = dict(config.options)
+        options.setdefault("memory_limit", float(config.num_stages))
+        super().__init__(ZB1P, dataclasses.replace(config, options=options))
+        self.config = config
+
+    @classmethod
+    def check_config(cls, config: ScheduleConfig) -> None:
+        super(ProfiledSchedule, cls).check_config(config)
+        if config.num_chunks != 1:
+            raise ScheduleConfigError(f"{cls.name}: chooses among one-chunk schedules; drop "
+                                      "--num-layers-per-virtual-pipeline-stage")
+
+    # -- the decision ----------------------------------------------------------------------
+    def set_costs(self, costs: CostsLike, chosen: str | None = None) -> None:
+        """Rank the switchable schedules with ``costs`` and take the best (or ``chosen``, a
+        checkpoint's decision)."""
+        if self.target is not None:
+            raise RuntimeError(f"{self.name}: costs were already set")
+        per_stage = stage_costs(costs, self.config.num_stages)
+        base = dataclasses.replace(self.config, first_iteration=self.run_start, options={})
+        ranked, refused = rank_choices(base, per_stage, self.limit, self.include_async)
+        if not ranked:
+            raise ScheduleConfigError(f"{self.name}: no schedule fits the memory limit {self.limit} M_B: "
+                                      + "; ".join(refused))
+        best = ranked[0] if chosen is None else next((c for c in ranked if c.schedule == chosen), None)
+        if best is None:
+            raise ScheduleConfigError(f"{self.name}: the checkpoint's choice {chosen} cannot run here")
+        options = {"costs": per_stage, **({} if self.limit is None else {"memory_limit": float(self.limit)})}
+        self.target = _build(best.schedule, dataclasses.replace(base, options=options))  # type: ignore[assignment]
+        self.costs = per_stage
+        self.choice = {"best": best, "ranked": ranked, "refused": refused}
+
+    def decision_lines(self) -> list[str]:
+        """``auto: chose SCHEDULE`` with the micro-batch order and the reason, then the table."""
+        if self.choice is None or self.target is None:
+            raise CostsNotProfiled(f"{self.name}: no schedule chosen yet")
+        best, ranked = self.choice["best"], self.choice["ranked"]
+        where = (f"profiled over iterations 1-{self.profile_iters}" if self.profile_iters
+                 else "fixed by --zb-costs")
+        runner_up = next((c for c in ranked[1:] if c.iteration_time > best.iteration_time), None)
+        margin = (f"{runner_up.schedule} {runner_up.iteration_time:.3f}" if runner_up is not None
+                  else "no slower candidate")
+        limit = "no memory limit" if self.limit is None else f"memory limit {self.limit:g} M_B"
+        reason = (f"fastest of {len(ranked)} fitting {'' if self.include_async else 'synchronous '}schedules "
+                  f"with costs {where}: simulated iteration {best.iteration_time:.3f} (next: {margin}), "
+                  f"peak {max(best.peak):.2f} M_B, {limit}")
+        first = self.profile_end
+        return [f"{CHOICE_PREFIX}{best.schedule} from iteration {first}; order {self.order_text()}; "
+                f"reason: {reason}", *choice_table(ranked), *(f"auto: not run: {r}" for r in self.choice["refused"]),
+                f"auto-schedule {json.dumps(self.describe())}"]  # as a file, --zb-costs reads its costs
+
+    def order_text(self) -> str:
+        """One iteration's op order of the first and the last stage (micro-batches 0..m-1)."""
+        m, n = self.config.num_microbatches, self.config.num_stages
+        target = self.target
+        assert target is not None
+        if target.asynchronous:
+            return f"{target.name}'s steady stream (stage-local steps every {m} micro-batches)"
+        stages = sorted({0, n - 1})
+        return " | ".join(f"s{s}: " + " ".join(f"{op.kind.value}{op.microbatch}"
+                                               for op in target.iteration_ops(s, range(m))) for s in stages)
+
+    def describe(self) -> dict[str, Any]:
+        if self.choice is None or self.costs is None:
+            raise CostsNotProfiled(f"{self.name}: no schedule chosen yet")
+        best = self.choice["best"]
+        return {"schedule": best.schedule, "iteration_time": best.iteration_time, "peak": list(best.peak),
+                "memory_limit": self.limit, "profile_iters": self.profile_iters,
+                "costs": [dataclasses.asdict(c) for c in self.costs],
+                "ranked": [c.schedule for c in self.choice["ranked"]]}
+
+    def fingerprint(self) -> int:
+        """CRC32 of the chosen schedule's first iteration on every stage."""
+        if self.target is None:
+            raise CostsNotProfiled(f"{self.name}: no schedule chosen yet")
+        m = self.config.num_microbatches
+        if self.target.asynchronous:
+            return zlib.crc32(self.target.name.encode())
+        return zlib.crc32(repr([list(self.target.iteration_ops(s, range(m)))  # type: ignore[attr-defined]
+                                for s in range(self.config.num_stages)]).encode())
+
+    def fixed_costs(self) -> tuple[OpCosts, ...] | None:
+        return None  # the start logs :meth:`start_lines` instead (profiling.log_fixed_choice)
+
+    def start_lines(self) -> list[str]:
+        """What the start logs: the decision when it was made from fixed costs, else nothing."""
+        return self.decision_lines() if self.decided and not self.profile_iters else []
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        state = super().checkpoint_state()
+        if state is not None and self.choice is not None:
+            state["schedule"] = self.choice["best"].schedule
+        return state
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Keep the checkpoint's choice (an ``auto`` run resumed with ``--zb-costs`` too: the
+        run chose once)."""
+        self.target, self.choice = None, None
+        self.set_costs(tuple(OpCosts.from_dict(c) for c in state["costs"]), chosen=state.get("schedule"))
+        self._restored_profile_end = int(state["profile_end"])
+
+    # -- stream --------------------------------------------------------------------------
+    def stage_ops(self, stage: int) -> Iterator[Op]:
+        if self.post_validated:
+            return super().stage_ops(stage)
+        return self._switching_ops(stage)
+
+    def _switching_ops(self, stage: int) -> Iterator[Op]:
+        """Synchronous iterations up to the decision, then the chosen schedule's stream (an
+        asynchronous one from there on, as its own segment)."""
+        m, its = self.config.num_microbatches, self.config.iterations
+        for it in its:
+            if it >= self.profile_end and self.target is not None and self.target.asynchronous:
+                yield from self.target.segment(it, its.stop - it).stage_ops(stage)
+                return
+            yield from self.iteration_ops(stage, range(it * m, (it + 1) * m))
+            yield OPT(stage, it, sync=True)
+
+
+class AutoAsyncSchedule(AutoSchedule):
+    """``auto`` that may also choose an asynchronous schedule (stale weights, no flush)."""
+
+    name = "auto-async"
+    include_async = True
+
+    @classmethod
+    def check_config(cls, config: ScheduleConfig) -> None:
+        super().check_config(config)
+        if config.options.get("post_validation"):
+            raise ScheduleConfigError(f"{cls.name}: optimizer post-validation needs a synchronous step in "
+                                      "every iteration; use auto")
+
+
+for _selector in (AutoSchedule, AutoAsyncSchedule):
+    register_selector(_selector)

@@ -1,0 +1,111 @@
+"""``--pipeline-schedule auto``'s decision: the planner's ranking over the schedules a running
+job can switch to, from per-stage costs the run profiled (or was given).
+
+Why a subset of the planner's grid: a run has built its stages already, so only what runs on
+the same stages can be chosen: the same layout (one chain of ``N`` model parts, the run's layer
+split), the same micro-batch count, and, for an asynchronous schedule (``auto-async``), no state
+of its own in the stage workers (no weight stash or delta: ``weight_copies == 1``, no weight
+policy) and the run's learning-rate schedule. Everything else (interleaving, V placement, AMDP's
+replicas, recompute, another split) needs another model build and stays with
+``tools/plan_pipeline.py``.
+
+Each candidate is simulated as the planner does (:func:`~megatron.pipeline.planner.evaluate.steady_span`:
+a synchronous iteration, an asynchronous schedule's steady update) with the per-stage costs, a
+Zero Bubble greedy searched under the memory limit; a candidate fits when its simulated peak
+activations (in the profiler's units of one micro-batch's activations ``M_B``) stay within the
+limit on every stage. The fitting ones are ranked by :func:`~megatron.pipeline.planner.ranking.rank`
+(throughput, ties by peak memory, then fewer micro-batches, then registry order).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron.pipeline.planner.candidates import Candidate
+from megatron.pipeline.planner.evaluate import CandidateResult, semantics, steady_span
+from megatron.pipeline.planner.memory import StageMemory
+from megatron.pipeline.planner.ranking import rank
+from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, schedule_class
+from megatron.pipeline.simulator import OpCosts
+
+_BASE_LR = object()  # a stand-in learning-rate schedule: a schedule returning it keeps the run's
+
+
+def switchable(name: str, config: ScheduleConfig, include_async: bool) -> bool:
+    """Whether a run built for ``config``'s one-chain layout can switch to schedule ``name``
+    at a drained iteration boundary (module docstring)."""
+    cls = schedule_class(name)
+    if cls.asynchronous and not include_async:
+        return False
+    probe = ScheduleConfig(config.num_stages, config.num_microbatches, 1 if not cls.asynchronous else None,
+                           data_parallel_size=config.data_parallel_size)
+    try:
+        cls.check_config(probe)
+        if cls.layout_of(probe) != config.layout or config.num_chunks != 1:
+            return False
+    except ScheduleConfigError:
+        return False
+    stages = range(config.num_stages)
+    return all(cls.weight_copies(probe, s) == 1 and cls.stage_weight_policy(probe, s) is None
+               and cls.stage_lr_schedule(probe, s, _BASE_LR) is _BASE_LR for s in stages)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One simulated candidate: its marginal time per update (the costs' unit, ms when
+    profiled), its peak activations per stage (``M_B``) and whether they fit the limit."""
+
+    schedule: str
+    iteration_time: float
+    peak: tuple[float, ...]
+    fits: bool
+    semantics: str
+
+
+def _result(choice: Choice, cand: Candidate) -> CandidateResult:
+    """The planner's result record of ``choice`` (activations in ``M_B`` units: the ranking only
+    compares them), so the ranking is the planner's own."""
+    return CandidateResult(candidate=cand, iteration_time_ms=choice.iteration_time,
+                           tokens_per_s=cand.microbatches / choice.iteration_time if choice.iteration_time else 0.0,
+                           bubble_fraction=0.0, memory=[StageMemory(0.0, 0.0, 0.0, p) for p in choice.peak],
+                           fits=choice.fits, max_drift=[], semantics=choice.semantics)
+
+
+def simulate_choice(name: str, config: ScheduleConfig, costs: Sequence[OpCosts], memory_limit: float | None) -> Choice:
+    """Simulate schedule ``name`` on ``config``'s stages with ``costs`` (ScheduleConfigError when
+    it cannot run, e.g. a greedy with no order under the limit)."""
+    cand = Candidate(name, config.num_stages, 1, config.num_microbatches, 1, "none", "even")
+    options = {} if memory_limit is None else {"memory_limit": float(memory_limit)}
+    per_update, result, _ = steady_span(cand, list(costs), config.data_parallel_size, options)
+    peak = tuple(float(p) for p in result.peak_memory)
+    fits = memory_limit is None or max(peak) <= memory_limit * (1 + 1e-9)  # the limit itself fits
+    return Choice(name, per_update, peak, fits, semantics(name))
+
+
+def rank_choices(config: ScheduleConfig, costs: Sequence[OpCosts], memory_limit: float | None,
+                 include_async: bool = False) -> tuple[list[Choice], list[str]]:
+    """(every switchable candidate that fits, best first; one line per candidate that cannot run
+    or does not fit)."""
+    choices, refused = {}, []
+    for name in SCHEDULES:
+        if not switchable(name, config, include_async):
+            continue
+        try:
+            choices[name] = simulate_choice(name, config, costs, memory_limit)
+        except ScheduleConfigError as e:
+            refused.append(str(e))
+            continue
+        if not choices[name].fits:
+            refused.append(f"{name}: peak {max(choices[name].peak):g} M_B over the limit {memory_limit:g} M_B")
+    cands = {name: Candidate(name, config.num_stages, 1, config.num_microbatches, 1, "none", "even")
+             for name in choices}
+    ranked = rank([_result(c, cands[name]) for name, c in choices.items()])
+    return [choices[r.candidate.schedule] for r in ranked], refused
+
+
+def choice_table(ranked: Sequence[Choice], unit: str = "ms") -> list[str]:
+    """The candidates as log lines (best first)."""
+    lines = [f"auto: {'#':>2} {'schedule':<14} {'semantics':<13} {'iteration ' + unit:>13} {'peak M_B':>9}"]
+    for i, c in enumerate(ranked, 1):
+        lines.append(f"auto: {i:>2} {c.schedule:<14} {c.semantics:<13} {c.iteration_time:>13.3f} {max(c.peak):>9.2f}")
+    return lines

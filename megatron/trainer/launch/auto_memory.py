@@ -1,0 +1,56 @@
+"""The activation-memory limit ``--pipeline-schedule auto`` chooses within, from the device's memory.
+
+Why here, before any rank starts: ``auto`` only knows which schedule it runs after profiling,
+but the up-front memory check (:mod:`.memory_check`) needs a schedule. The decision made for
+it: the check validates what runs first (the ZB-H1 profiling iterations, whose in-flight
+micro-batches per stage are 1F1B's ``N - s`` within the estimate's accuracy), and the memory
+left over becomes the limit the choice must respect. Converting it into the profiler's unit
+(one micro-batch's activations on a stage, ``M_B``): every local rank may hold ``L`` micro-batches
+in flight instead of its current peak ``k_s``, which costs ``(L - k_s) * a_s`` more bytes
+(``a_s``: :attr:`~.memory_estimate.StageMemory.per_microbatch`), so the largest ``L`` with
+``sum_s (L - k_s) a_s <= room`` is ``L = (room + sum_s k_s a_s) / sum_s a_s``, floored to whole
+micro-batches. ``--zb-memory-limit`` replaces it; ``--no-memory-check`` drops it (no limit).
+
+Where ranks check for themselves (GPU ranks under torchrun or the local launcher) each derives
+its own ``L`` from its own free memory; ranks that disagree choose differently, which the
+profiling hook's every-rank fingerprint check reports as an error: pass ``--zb-memory-limit``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from megatron.trainer.config.errors import ArgumentError
+
+
+def device_memory_limit(estimate: object, room: float, stages: list[int]) -> float:
+    """``L`` of the module docstring (may be below 1: not even one micro-batch fits)."""
+    per = [estimate.stages[s] for s in stages]  # type: ignore[attr-defined]
+    unit = sum(s.per_microbatch for s in per)
+    if unit <= 0:
+        return math.inf
+    return math.floor((room + sum(s.in_flight * s.per_microbatch for s in per)) / unit)
+
+
+def apply_auto_memory_limit(args: argparse.Namespace) -> float | None:
+    """Give an ``auto`` run without ``--zb-memory-limit`` the device's limit (after the memory
+    check ran; one-line :class:`ArgumentError` when no micro-batch fits). Returns the limit."""
+    from megatron.pipeline.schedules import SELECTORS
+
+    run = getattr(args, "run", None)
+    room = getattr(args, "_memory_room", None)
+    estimate = getattr(args, "_memory_estimate", None)
+    if args.pipeline_schedule not in SELECTORS or run is None or room is None or estimate is None \
+            or not args.memory_check or run.schedule.options.get("memory_limit") is not None:
+        return None
+    limit = device_memory_limit(estimate, *room)
+    if math.isinf(limit):
+        return None
+    if limit < 1:
+        raise ArgumentError(f"--pipeline-schedule {args.pipeline_schedule}: the device memory left after "
+                            f"weights and optimizer state holds {limit:g} micro-batches of activations; "
+                            "at least 1 is needed")
+    options = {**run.schedule.options, "memory_limit": float(limit)}
+    args.run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, options=options))
+    return float(limit)
