@@ -29,6 +29,7 @@ from megatron.trainer.config.recompute_args import add_recompute_args, validate_
 from megatron.trainer.config.ddp_args import add_ddp_args, validate_ddp_args
 from megatron.trainer.config.tensor_parallel_args import validate_tensor_parallel_args
 from megatron.trainer.optim.lr_schedule import DECAY_STYLES
+from megatron.trainer.config.megatron_split_args import add_megatron_split_args, resolve_megatron_split
 from megatron.trainer.config.megatron_compat_args import (
     CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
 
@@ -169,6 +170,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_ddp_args(p)  # --overlap-grad-reduce, --ddp-bucket-size
     _add_logging_args(p)
     add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
+    add_megatron_split_args(p)  # --decoder-first/last-pipeline-num-layers, --account-for-*, layout
     return p
 
 
@@ -197,6 +199,7 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.data_path is None:
         args.mock_data = True
     args.world_size = pp * tp * dp
+    resolve_megatron_split(args)  # Megatron-LM's split flags -> --pipeline-layer-split or chunk size
     # Model chunks per stage (Megatron's virtual pipeline size); checked in validate_args.
     per_chunk = args.num_layers_per_virtual_pipeline_stage
     args.num_model_chunks = max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1
