@@ -492,6 +492,11 @@ def test_checkpoint_of_another_model(refuse, inputs) -> None:
     assert "--hidden-size 16, this run has 32" in refuse([*TINY, "--hidden-size", "32", "--load", str(inputs["ckpt"])])
 
 
+def test_tied_checkpoint_into_an_untied_model(refuse, inputs) -> None:
+    line = refuse([*TINY, "--untie-embeddings-and-output-weights", "--load", str(inputs["ckpt"])])
+    assert "was saved with --untie-embeddings-and-output-weights False, this run has True" in line
+
+
 def test_checkpoint_at_the_end(refuse, inputs) -> None:
     assert "nothing left to train" in refuse([*TINY, "--train-iters", "2", "--load", str(inputs["ckpt"])])
 
@@ -721,7 +726,8 @@ def test_resharding_optimizer_state_saved_sharded_is_refused(refuse, inputs, tmp
         (directory / ckpt.METADATA).write_text(json.dumps(metadata))
     root = _damaged(inputs, tmp_path, sharded)
     says = "optimizer state is sharded over replicas (saved before checkpoints gathered the shards)"
-    assert says in refuse([*TINY, "--pipeline-schedule", "amdp", "--load", str(root)])
+    # (the fixture's checkpoint is tied: AMDP, asynchronous, is untied; another layout of 1f1b)
+    assert says in refuse([*TINY, "--pipeline-model-parallel-size", "1", "--load", str(root)])
 
 
 # ------------------------------------------------------- overlapped gradient reduction (ddp_args)

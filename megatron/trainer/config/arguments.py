@@ -29,6 +29,7 @@ from megatron.trainer.config.recompute_args import add_recompute_args, validate_
 from megatron.trainer.config.ddp_args import add_ddp_args, validate_ddp_args
 from megatron.trainer.config.tensor_parallel_args import validate_tensor_parallel_args
 from megatron.trainer.optim.lr_schedule import DECAY_STYLES
+from megatron.trainer.config.tied_args import resolve_tied_embeddings
 from megatron.trainer.config.megatron_split_args import add_megatron_split_args, resolve_megatron_split
 from megatron.trainer.config.megatron_compat_args import (
     CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
@@ -283,6 +284,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
         args.nonfinite_injections.setdefault(stage, set()).add(update)
     validate_schedule_args(args)  # the schedule's own flags, chunks per stage
+    resolve_tied_embeddings(args)  # tied by default (sync schedules); --untie-embeddings-and-output-weights
     validate_mixed_precision_args(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
     validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
     validate_recompute_args(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)

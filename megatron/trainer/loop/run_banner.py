@@ -54,6 +54,8 @@ def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int], exec
     lines.append(f"{args.pipeline_schedule} on {args.pipeline_model_parallel_size} stages "
                  f"({executor}) | {parameter_line(params_per_stage)}")
     lines.append(layer_split_line(args))
+    if getattr(args, "embeddings_line", None):
+        lines.append(args.embeddings_line)
     lines.append(data_source_line(args))
     optional = optional_packages_line()
     if optional:
