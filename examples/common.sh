@@ -202,9 +202,9 @@ schedule_flags() {
     esac
 }
 
-# --enable-optimizer-post-validation into SCHEDULE_ARGS unless POST_VALIDATION=0.
+# --enable-optimizer-post-validation into SCHEDULE_ARGS unless POST_VALIDATION=0. (untied: post-validation has no synchronous step to sum tied embeddings at)
 post_validation_flag() {
-    if [[ "${POST_VALIDATION:-1}" == "1" ]]; then SCHEDULE_ARGS+=(--enable-optimizer-post-validation); fi
+    if [[ "${POST_VALIDATION:-1}" == "1" ]]; then SCHEDULE_ARGS+=(--enable-optimizer-post-validation --untie-embeddings-and-output-weights); fi
 }
 
 # The whole example for MODEL (gpt | bert) and SCHEDULE: defaults, flags, launch.

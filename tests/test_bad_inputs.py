@@ -196,6 +196,39 @@ NUMERIC = [
     (["--inject-nonfinite-grad", "x:y"], "--inject-nonfinite-grad expects STAGE:UPDATE"),
 ]
 
+# Megatron-LM's split flags (megatron_split_args): TINY has 2 layers on 2 stages
+SPLIT_FLAGS = [
+    (["--decoder-first-pipeline-num-layers", "0"], "--decoder-first-pipeline-num-layers must be >= 1, got 0"),
+    (["--num-layers", "5", "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "2"],
+     "leave 2 layers of --num-layers 5 for 0 middle stages"),
+    (["--num-layers", "3", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
+     "--num-layers 3 + 2 (--account-for-embedding-in-pipeline-split/--account-for-loss-in-pipeline-split) is not divisible"),
+    (["--account-for-embedding-in-pipeline-split", "--decoder-last-pipeline-num-layers", "1"],
+     "cannot be combined with --account-for-embedding-in-pipeline-split/--account-for-loss-in-pipeline-split"),
+    (["--decoder-first-pipeline-num-layers", "1", "--pipeline-layer-split", "1", "1"],
+     "--decoder-first-pipeline-num-layers sets the layer split; drop --pipeline-layer-split"),
+    (["--pipeline-model-parallel-layout", "Et|tL", "--decoder-first-pipeline-num-layers", "1"],
+     "--pipeline-model-parallel-layout cannot be combined with --decoder-first-pipeline-num-layers"),
+    (["--pipeline-model-parallel-layout", "Et|tL", "--pipeline-partition", "even"],
+     "--pipeline-model-parallel-layout sets the layer split; drop --pipeline-partition"),
+    (["--pipeline-model-parallel-layout", "Et|t|tL"], "has 3 stages, not a multiple of --pipeline-model-parallel-size 2"),
+    (["--pipeline-model-parallel-layout", "Et|tmL"], "MTP layers (m) are not supported here"),
+    (["--pipeline-model-parallel-layout", "Et|tx"], "unknown layer 'x'"),
+    (["--pipeline-model-parallel-layout", "tE|tL"], "E must open the first stage and L close the last"),
+    (["--pipeline-model-parallel-layout", "Et|t"], "needs exactly one E and one L"),
+    (["--pipeline-model-parallel-layout", "Et|ttL"], "has 3 transformer layers, --num-layers is 2"),
+    (["--pipeline-model-parallel-layout", "E|ttL"], "a stage without transformer layers is not supported here"),
+    (["--num-layers", "6", "--pipeline-model-parallel-layout", "Et|t|tt|ttL", "--pipeline-schedule", "interleaved-1f1b"],
+     "only the same number of layers in every virtual stage maps onto the interleaved chunks"),
+    (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1", "--decoder-first-pipeline-num-layers", "2"],
+     "Megatron-LM needs --num-virtual-stages-per-pipeline-rank for uneven virtual stages"),
+]
+
+
+@pytest.mark.parametrize("flags,says", SPLIT_FLAGS, ids=[" ".join(f) for f, _ in SPLIT_FLAGS])
+def test_megatron_split_flags_are_refused_up_front(refuse, flags: list[str], says: str) -> None:
+    assert says in refuse([*TINY, *flags])
+
 
 @pytest.mark.parametrize("flags,says", NUMERIC, ids=[" ".join(f) for f, _ in NUMERIC])
 def test_flag_values_are_refused_up_front(refuse, flags: list[str], says: str) -> None:
@@ -468,6 +501,11 @@ def test_checkpoint_of_another_model(refuse, inputs) -> None:
     assert "--hidden-size 16, this run has 32" in refuse([*TINY, "--hidden-size", "32", "--load", str(inputs["ckpt"])])
 
 
+def test_tied_checkpoint_into_an_untied_model(refuse, inputs) -> None:
+    line = refuse([*TINY, "--untie-embeddings-and-output-weights", "--load", str(inputs["ckpt"])])
+    assert "was saved with --untie-embeddings-and-output-weights False, this run has True" in line
+
+
 def test_checkpoint_at_the_end(refuse, inputs) -> None:
     assert "nothing left to train" in refuse([*TINY, "--train-iters", "2", "--load", str(inputs["ckpt"])])
 
@@ -697,7 +735,8 @@ def test_resharding_optimizer_state_saved_sharded_is_refused(refuse, inputs, tmp
         (directory / ckpt.METADATA).write_text(json.dumps(metadata))
     root = _damaged(inputs, tmp_path, sharded)
     says = "optimizer state is sharded over replicas (saved before checkpoints gathered the shards)"
-    assert says in refuse([*TINY, "--pipeline-schedule", "amdp", "--load", str(root)])
+    # (the fixture's checkpoint is tied: AMDP, asynchronous, is untied; another layout of 1f1b)
+    assert says in refuse([*TINY, "--pipeline-model-parallel-size", "1", "--load", str(root)])
 
 
 # ------------------------------------------------------- overlapped gradient reduction (ddp_args)

@@ -28,7 +28,8 @@ SAVED, TOTAL = 3, 5
 def _argv(pp: int, schedule: str, log: Path, *more: str) -> list[str]:
     return [*TINY_GPT, "--num-layers", "4", "--pipeline-model-parallel-size", str(pp), "--pipeline-schedule", schedule,
             "--global-batch-size", "4", "--train-iters", str(TOTAL), "--log-interval", "1",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-json", str(log), *more]
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-json", str(log),
+            "--untie-embeddings-and-output-weights", *more]  # one model for sync and async schedules
 
 
 def _losses(log: Path) -> dict[int, float]:

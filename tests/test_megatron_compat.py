@@ -320,7 +320,8 @@ def test_params_norm_and_throughput_are_logged(tmp_path):
             "--log-throughput", "--log-json", str(log)]
     workers = emulate(argv)
     last = [json.loads(line) for line in log.read_text().splitlines()][-1]
-    final = [p for w in workers for _, p in GPTTask().named_parameters(w.setup.chunks)]
+    # by global name: a tied embedding's copy on the last stage is the same weight, counted once
+    final = {n: p for w in workers for n, p in GPTTask().named_parameters(w.setup.chunks)}.values()
     assert last["params_norm"] == pytest.approx(math.sqrt(sum(float(p.double().pow(2).sum()) for p in final)))
     assert last["tflops_per_gpu"] > 0
     # 6 x matrix parameters x tokens is the usual estimate; ours also counts attention scores
@@ -328,6 +329,8 @@ def test_params_norm_and_throughput_are_logged(tmp_path):
     args = parse_args(argv)
     matrices = {n: p for w in workers for n, p in GPTTask().named_parameters(w.setup.chunks)
                 if p.dim() == 2 and "embedding" not in n}
+    matrices["output_layer"] = matrices.get("embedding.word_embeddings.weight", workers[0].setup.chunks[0].model
+                                            .embedding.word_embeddings.weight)  # tied: the output multiplies it
     assert flops_per_iteration(args, 1) == pytest.approx(6 * sum(p.numel() for p in matrices.values())
                                                          * args.seq_length, rel=0.3)
 

@@ -96,8 +96,16 @@ def test_untied_output_layer_is_its_own_weight():
     params = _build(GPTTask(), "--untie-embeddings-and-output-weights")
     out, emb = params["output_layer.weight"], params["embedding.word_embeddings.weight"]
     assert out.shape == emb.shape and out.data_ptr() != emb.data_ptr() and not torch.equal(out, emb)
-    default = _build(GPTTask())  # what every run does (DEFAULT_BEHAVIOUR_FLAGS): the same model
-    assert default.keys() == params.keys() and torch.equal(default["output_layer.weight"], out)
+
+
+@pytest.mark.parametrize("task", [GPTTask(), BertTask()], ids=["gpt", "bert"])
+def test_tied_by_default_one_stage_has_one_weight(task):
+    """Megatron-LM's default: the output layer reads the embedding's weight (no parameter of its own)."""
+    tied = _build(task)
+    assert "output_layer.weight" not in tied and tied["model"].output_layer.weight is None
+    assert tied["model"].shared_embedding_or_output_weight() is tied["embedding.word_embeddings.weight"]
+    untied = _build(task, "--untie-embeddings-and-output-weights")
+    assert set(untied) - set(tied) == {"output_layer.weight"}
 
 
 ALL_OPTIONS = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--group-query-attention",

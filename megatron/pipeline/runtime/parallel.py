@@ -56,6 +56,9 @@ class StageGroups:
     # one group per direction keeps each stream one-way and in the FIFO order the validator
     # checks. gloo does not need it, but uses it too, so the CPU tests exercise the same path.
     p2p: dict[tuple[int, int, Lane], dist.ProcessGroup] = field(default_factory=dict)
+    # Tied embeddings: the two stages holding the embedding and the output layer, same dp/tp
+    # index (None: untied, or both ends on one stage, or this rank holds neither).
+    embedding: dist.ProcessGroup | None = None
 
     @property
     def stage(self) -> int:
@@ -83,7 +86,7 @@ class StageGroups:
 
     @classmethod
     def create(cls, layout: RankLayout, timeout: timedelta,
-               stage_layout: PipelineLayout | None = None) -> "StageGroups":
+               stage_layout: PipelineLayout | None = None, tied_embeddings: bool = False) -> "StageGroups":
         rank = dist.get_rank()
         if dist.get_world_size() != layout.world_size:
             raise ValueError(
@@ -105,7 +108,22 @@ class StageGroups:
         groups._create_p2p_groups(stage_layout, timeout)
         if isinstance(stage_layout, MultiPipelineLayout):
             groups._create_replica_groups(stage_layout, timeout)
+        if tied_embeddings:
+            groups._create_embedding_group(stage_layout, timeout)
         return groups
+
+    def _create_embedding_group(self, stage_layout: PipelineLayout, timeout: timedelta) -> None:
+        """The stages hosting the first and the last model part (embedding, output layer), when
+        they differ: Megatron's embedding group, at every dp/tp index."""
+        def host(part: int) -> int:
+            return next(s for s in range(stage_layout.num_stages) for c in range(stage_layout.num_chunks)
+                        if stage_layout.model_stage(s, c) == part)
+
+        ends = sorted({host(0), host(stage_layout.num_model_stages - 1)})
+        if len(ends) == 2:
+            group = self._create_over_stages(ends, timeout)
+            if self.stage in ends:
+                self.embedding = group
 
     def _create_p2p_groups(self, stage_layout: PipelineLayout, timeout: timedelta) -> None:
         """Both directions (each lane) of every hop of the layout's chains, at every dp/tp index."""

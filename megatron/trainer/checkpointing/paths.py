@@ -28,8 +28,9 @@ class CheckpointPathError(ValueError):
 
 
 def estimate_parameters(args: argparse.Namespace) -> int:
-    """Parameters of the whole model (all stages) from the flags: embeddings, untied output
-    layer, per layer attention (QKV with query groups, projection), MLP and two norms."""
+    """Parameters of the whole model (all stages) from the flags: embeddings, the output layer
+    unless tied to the embedding, per layer attention (QKV with query groups, projection), MLP
+    and two norms."""
     h, layers, vocab = args.hidden_size, args.num_layers, args.vocab_size
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * h
     heads = args.num_attention_heads
@@ -39,7 +40,8 @@ def estimate_parameters(args: argparse.Namespace) -> int:
     mlp = 2 * h * ffn + ffn + h
     norms = 4 * h
     positions = args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute" else 0
-    return 2 * vocab * h + positions + layers * (attention + mlp + norms) + 2 * h
+    output = 0 if getattr(args, "tie_embeddings", False) else vocab * h
+    return vocab * h + output + positions + layers * (attention + mlp + norms) + 2 * h
 
 
 def estimate_checkpoint_bytes(args: argparse.Namespace) -> int:
@@ -48,7 +50,10 @@ def estimate_checkpoint_bytes(args: argparse.Namespace) -> int:
     writes its own files."""
     half = args.bf16 or getattr(args, "fp16", False)
     per_parameter = (2 + 8 + 4) if half else (4 + 8)
-    return estimate_parameters(args) * per_parameter * args.data_parallel_size
+    # tied over several stages: the output layer's stage saves its copy of the embedding too
+    copy = args.vocab_size * args.hidden_size if getattr(args, "tie_embeddings", False) and \
+        args.pipeline_model_parallel_size > 1 else 0
+    return (estimate_parameters(args) + copy) * per_parameter * args.data_parallel_size
 
 
 def _gb(n: float) -> str:

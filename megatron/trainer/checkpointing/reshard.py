@@ -65,7 +65,7 @@ LAYOUT_FLAGS = ("pipeline_model_parallel_size", "num_model_chunks", "pipeline_la
 # may change with the TP size, the tokenizer may not).
 VOCAB_FLAGS = ("vocab_size", "tokenizer_vocab_size")
 # Signature entries of checkpoints saved before the flag was recorded.
-SIGNATURE_DEFAULTS = {"tensor_model_parallel_size": 1}
+SIGNATURE_DEFAULTS = {"tensor_model_parallel_size": 1, "untie_embeddings_and_output_weights": True}
 
 
 class ReshardError(ValueError):

@@ -32,6 +32,8 @@ from megatron.trainer.launch.memory_check import add_memory_check_args
 from megatron.trainer.launch.schedule_check import add_schedule_check_args
 from megatron.trainer.config.tensor_parallel_args import validate_tensor_parallel_args
 from megatron.trainer.optim.lr_schedule import DECAY_STYLES
+from megatron.trainer.config.tied_args import resolve_tied_embeddings
+from megatron.trainer.config.megatron_split_args import add_megatron_split_args, resolve_megatron_split
 from megatron.trainer.config.megatron_compat_args import (
     CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
 
@@ -176,6 +178,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_schedule_check_args(p)  # --no-schedule-check (likewise)
     _add_logging_args(p)
     add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
+    add_megatron_split_args(p)  # --decoder-first/last-pipeline-num-layers, --account-for-*, layout
     return p
 
 
@@ -204,6 +207,7 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.data_path is None:
         args.mock_data = True
     args.world_size = pp * tp * dp
+    resolve_megatron_split(args)  # Megatron-LM's split flags -> --pipeline-layer-split or chunk size
     # Model chunks per stage (Megatron's virtual pipeline size); checked in validate_args.
     per_chunk = args.num_layers_per_virtual_pipeline_stage
     args.num_model_chunks = max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1
@@ -287,6 +291,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
         args.nonfinite_injections.setdefault(stage, set()).add(update)
     validate_schedule_args(args)  # the schedule's own flags, chunks per stage
+    resolve_tied_embeddings(args)  # tied by default (sync schedules); --untie-embeddings-and-output-weights
     validate_mixed_precision_args(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
     validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
     validate_recompute_args(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)

@@ -91,6 +91,7 @@ DOMAINS: dict[str, Domain] = {
     "data_parallel_size": AT_LEAST_1, "pipeline_layer_split": AT_LEAST_1, "ddp_bucket_size": AT_LEAST_1,
     "num_layers_per_virtual_pipeline_stage": AT_LEAST_1, "recompute_num_layers": AT_LEAST_1,
     "microbatch_group_size_per_virtual_pipeline_stage": AT_LEAST_1,
+    "decoder_first_pipeline_num_layers": AT_LEAST_1, "decoder_last_pipeline_num_layers": AT_LEAST_1,
     "distributed_timeout_minutes": POSITIVE, "pipeline_timeout_seconds": POSITIVE, "num_threads": AT_LEAST_1,
     "manual_gc_interval": NON_NEGATIVE,
     # schedules

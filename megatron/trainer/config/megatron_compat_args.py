@@ -5,7 +5,7 @@ Each flag here either works or is refused with one line before any rank starts:
 * model options that map onto megatron-core's ``TransformerConfig`` / ``GPTModel``
   (``--swiglu``, ``--disable-bias-linear``, ``--norm-epsilon``, ``--kv-channels``,
   ``--rotary-base``, ``--rotary-percent``, ``--group-query-attention``, ``--attention-backend``,
-  ``--untie-embeddings-and-output-weights``);
+  ``--untie-embeddings-and-output-weights``, see :mod:`.tied_args`);
 * sample-based training lengths (``--train-samples``, ``--lr-warmup-samples``,
   ``--lr-decay-samples``, ``--lr-warmup-fraction``), the WSD learning-rate schedule and
   ``--rampup-batch-size`` (the plan comes from megatron-core's micro-batch calculator, see
@@ -47,14 +47,12 @@ REFUSED_FLAGS: dict[str, str] = {
 
 
 # dest -> why setting it changes nothing: flags that ask for what every run here does anyway.
-DEFAULT_BEHAVIOUR_FLAGS: dict[str, str] = {
-    "untie_embeddings_and_output_weights": "the output layer always has its own weight (tied weights would need "
-                                           "a first/last-stage gradient sync, which is not implemented)",
-}
+DEFAULT_BEHAVIOUR_FLAGS: dict[str, str] = {}
 
 
 # Model flags of this module a checkpoint must have been saved with (checked on --load).
-COMPAT_SIGNATURE_FLAGS = ("swiglu", "add_bias_linear", "kv_channels", "norm_epsilon", "rotary_base", "rotary_percent")
+COMPAT_SIGNATURE_FLAGS = ("swiglu", "add_bias_linear", "kv_channels", "norm_epsilon", "rotary_base", "rotary_percent",
+                          "untie_embeddings_and_output_weights")
 
 
 def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
@@ -64,8 +62,8 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                    help="no biases in the linear layers")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="separate output-layer weights (what every run here does: tied weights need a "
-                        "first/last-stage gradient sync that is not implemented)")
+                   help="separate output-layer weights (default: tied, as in Megatron-LM; asynchronous "
+                        "schedules are always untied)")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of LayerNorm / RMSNorm")
     g.add_argument("--kv-channels", type=int, default=None, help="head dimension (default: hidden / heads)")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period")
@@ -235,7 +233,8 @@ def compat_model_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The :class:`~megatron.trainer.models.stage.TransformerArgs` fields of these flags."""
     return dict(swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, norm_epsilon=args.norm_epsilon,
                 kv_channels=args.kv_channels, rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
-                attention_backend=args.attention_backend, sequence_parallel=args.sequence_parallel)
+                attention_backend=args.attention_backend, sequence_parallel=args.sequence_parallel,
+                tie_embeddings=getattr(args, "tie_embeddings", False))
 
 
 def flops_per_iteration(args: argparse.Namespace, global_batch: int) -> float:

@@ -59,6 +59,8 @@ def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int], exec
     memory = memory_banner_line(args)
     if memory:
         lines.append(memory)
+    if getattr(args, "embeddings_line", None):
+        lines.append(args.embeddings_line)
     lines.append(data_source_line(args))
     optional = optional_packages_line()
     if optional:

@@ -22,6 +22,7 @@ from megatron.pipeline.runtime.executors.common import ReportCadence
 from megatron.pipeline.runtime.executors.errors import PipelineRuntimeError
 from megatron.pipeline.ir import MultiPipelineLayout
 from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
+from megatron.pipeline.runtime.tied_embeddings import counted
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.transport.distributed import DistributedTransport
 from megatron.pipeline.runtime.transport.in_process import InProcessTransport
@@ -173,7 +174,7 @@ def stage_parameter_count(worker: StageWorker, tp_size: int = 1) -> int:
     """Parameters of one stage (all its model chunks), for the start banner: of the whole
     stage, a TP shard counted at its full (unsharded) size."""
     return sum(full_shape(p.shape, shard_layout(p), tp_size).numel()
-               for chunk in worker.setup.chunks for p in chunk.parameters())
+               for chunk in worker.setup.chunks for p in counted(chunk.parameters()))  # a tied embedding once
 
 
 def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | None = None) -> Schedule:
@@ -296,7 +297,7 @@ def rank_transport(task: PretrainTask, args: argparse.Namespace,
     # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
     p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
     stage_layout = run_config(args).layout  # P2P groups per link direction; AMDP's replica groups
-    groups = StageGroups.create(layout, p2p_timeout, stage_layout)
+    groups = StageGroups.create(layout, p2p_timeout, stage_layout, tied_embeddings=args.tie_embeddings)
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         # megatron's TP groups (T consecutive ranks, its pipeline size 1) are this layout's.
         initialize_tensor_parallel(args.tensor_model_parallel_size)

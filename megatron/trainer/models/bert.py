@@ -92,7 +92,9 @@ class BertStage(PipelineStage):
         binary_logits = None
         if model.binary_head is not None:
             binary_logits = model.binary_head(model.pooler(hidden, 0)).float()
-        logits, _ = model.output_layer(model.lm_head(hidden_states=hidden))
+        # Tied: the embedding's weight (PP = 1) or its copy; untied: None, the layer's own.
+        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        logits, _ = model.output_layer(model.lm_head(hidden_states=hidden), weight=weight)
         lm_loss = model.compute_language_model_loss(batch["labels"], logits)
         return BertOutput(lm_loss.float(), binary_logits)
 
@@ -142,7 +144,7 @@ def build_bert_stage(
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
-            share_embeddings_and_output_weights=False,  # as for GPT: no tied first/last sync
+            share_embeddings_and_output_weights=args.tie_embeddings,  # as GPT
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,  # BertModel has no rotary base (10000)
             add_binary_head=args.add_binary_head,

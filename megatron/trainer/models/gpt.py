@@ -95,8 +95,9 @@ def build_gpt_stage(
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
-            # Tied embeddings with PP > 1 need a first/last-stage sync megatron does on CUDA.
-            share_embeddings_and_output_weights=False,
+            # Tied: megatron's own sharing within a chunk; across stages our runtime sums the
+            # copies' gradients (megatron.pipeline.runtime.tied_embeddings).
+            share_embeddings_and_output_weights=args.tie_embeddings,
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,

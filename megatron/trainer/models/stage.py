@@ -24,6 +24,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
+from megatron.pipeline.runtime.tied_embeddings import mark_tied
 from megatron.trainer.models.recompute import RecomputeSettings, install_recompute
 from megatron.trainer.models.rope import make_rotary_device_agnostic
 from megatron.trainer.models.sdpa_attention import SDPAAttention
@@ -81,6 +82,8 @@ class TransformerArgs:
     recompute_stash_weights: bool = False
     # Megatron-LM's --sequence-parallel (TP > 1): norms and dropouts on s / T positions.
     sequence_parallel: bool = False
+    # Tied input embedding and output layer (Megatron's default; see runtime/tied_embeddings.py).
+    tie_embeddings: bool = False
 
     @property
     def recompute(self) -> RecomputeSettings:
@@ -215,6 +218,7 @@ def transformer_config(args: TransformerArgs, num_stage_layers: int) -> Transfor
     )
 
 
+TIED_EMBEDDING, TIED_OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 _NORM_WEIGHTS = re.compile(r"(layernorm\.weight|layer_norm_weight|norm\.weight)$")
 
@@ -270,6 +274,9 @@ class PipelineStage(torch.nn.Module):
         self.model = model
         self.middle_batch_keys: tuple[str, ...] = ()
         self._local_layer = re.compile(rf"^{self.block}\.layers\.(\d+)\.")
+        if args.tie_embeddings:  # the copy exists only where the output layer lacks the embedding
+            mark_tied(model.embedding.word_embeddings.weight if self.is_first else None,
+                      model.output_layer.weight if self.is_last and not self.is_first else None)
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -283,8 +290,8 @@ class PipelineStage(torch.nn.Module):
     def global_name(self, local_name: str) -> str:
         """Map a local parameter name to its name in the unsplit model."""
         match = self._local_layer.match(local_name)
-        if match is None:
-            return local_name
+        if match is None:  # a tied output layer's copy is the embedding: initialised, saved, loaded as it
+            return TIED_EMBEDDING if self.args.tie_embeddings and local_name == TIED_OUTPUT else local_name
         index = self.layers.start + int(match.group(1))
         return f"{self.block}.layers.{index}." + local_name[match.end():]
 

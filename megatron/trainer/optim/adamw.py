@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from megatron.trainer.optim.fused_adamw import FusedGroup, fused_adamw_available, fused_adamw_step
+from megatron.pipeline.runtime.tied_embeddings import is_tied_copy
 
 NoDecayFn = Callable[[str, Parameter], bool]
 # Optimizer-state sharding (ZeRO-1 over replicas, AMDP §3.4): parameter name -> the flat
@@ -257,7 +258,8 @@ class StageAdamW:
         can all-reduce it across stages before taking the square root.  Low-precision
         grads are cast to fp32 before squaring because fp16 squares overflow.
         """
-        return _sum_of_squares((p.grad for _, p in self._named), self._device())
+        # A tied embedding's copy on the output layer's stage is the same weight: counted once.
+        return _sum_of_squares((p.grad for _, p in self._named if not is_tied_copy(p)), self._device())
 
     def owned_grad_sq_norm(self) -> Tensor:
         """Sum of squares of the gradient elements this optimizer steps (all of them unsharded;

@@ -144,8 +144,10 @@ def layer_split_line(args: argparse.Namespace) -> str:
     if counts is None and getattr(args, "num_model_chunks", 1) == 1 and args.num_layers % pp == 0:
         counts = even_counts(args.num_layers, pp)
     mode = getattr(args, "pipeline_partition", "even")
-    how = {"explicit": "--pipeline-layer-split", "checkpoint": "the --load checkpoint's"}.get(
-        mode, f"--pipeline-partition {mode}")
+    how = {"explicit": getattr(args, "layer_split_source", None) or "--pipeline-layer-split",
+           "checkpoint": "the --load checkpoint's"}.get(mode, f"--pipeline-partition {mode}")
+    if counts is None and getattr(args, "layer_split_source", None):  # an even virtual layout
+        how = args.layer_split_source
     line = f"layer split: {counts if counts is not None else 'even over the model chunks'} ({how})"
     if getattr(args, "pipeline_partition_feasible", True) is False:
         line += " WARNING: no split fits --pipeline-partition-memory-gb; least overshoot"

@@ -88,6 +88,7 @@ class OpCore:
         for op in ops:
             self.transport.reduce_data_parallel(self.workers[op.stage])
         if ops[0].sync:
+            self.transport.sum_tied_gradients(self.workers, ops)  # Megatron's embedding group
             norms = self.reduction.norms(self.transport, self.workers, ops)
         else:
             (op,) = ops

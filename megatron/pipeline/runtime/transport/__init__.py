@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     import torch
 
@@ -91,6 +91,19 @@ class Transport(abc.ABC):
     def sync_gather(self, values: Sequence[float], device: "torch.device") -> list[float]:
         """The local stages' ``values`` (one per op of a synchronous step) and those of the rest
         of their sync group, in the group's stage order (float64; ``device``: NCCL's)."""
+
+    def sum_tied_gradients(self, workers: Workers, ops: "Sequence[Op]") -> None:
+        """Before a synchronous step: every tied end (embedding, output-layer copy) of the
+        local stages of ``ops``, and of the other holders, gets the sum of their gradients
+        (:mod:`~megatron.pipeline.runtime.tied_embeddings`). Here: every holder is local."""
+        from megatron.pipeline.runtime.tied_embeddings import sum_tied_gradients, tied_parameters
+
+        sum_tied_gradients([p for op in ops for p in tied_parameters(workers[op.stage].setup.chunks)],
+                           self.tied_all_reduce())
+
+    def tied_all_reduce(self) -> "Callable[[torch.Tensor], None] | None":
+        """The sum over the other processes holding a tied end (None: all are in this one)."""
+        return None
 
     @abc.abstractmethod
     def replica_gather(self, stage: int, local: Mapping[tuple[int, int], "torch.Tensor"]) -> list["torch.Tensor"]:

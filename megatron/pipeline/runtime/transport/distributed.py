@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -261,6 +261,12 @@ class DistributedTransport(Transport):
         gathered = [torch.empty_like(mine) for _ in range(size)]
         dist.all_gather(gathered, mine, group=group)
         return [float(t) for t in gathered]  # a group orders its ranks by stage: stage order
+
+    def tied_all_reduce(self) -> Callable[[torch.Tensor], None] | None:
+        group = self.groups.embedding
+        if group is None:  # this rank holds both ends (or neither): nothing to exchange
+            return None
+        return lambda total: dist.all_reduce(total, group=group)
 
     def replica_gather(self, stage: int, local: Mapping[tuple[int, int], torch.Tensor]) -> list[torch.Tensor]:
         assert isinstance(self.layout, MultiPipelineLayout)

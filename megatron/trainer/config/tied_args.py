@@ -1,0 +1,53 @@
+"""Tied input embedding and output layer: Megatron-LM's default, ``--untie-embeddings-and-output-weights``
+the opt-out.
+
+Synchronous schedules tie: one parameter when a chunk holds both ends, else a copy on the output
+layer's stage whose gradient is summed with the embedding's before every synchronous step
+(:mod:`megatron.pipeline.runtime.tied_embeddings`). Asynchronous schedules step each stage on
+its own clock; an exact tie would need the first and the last stage to meet at every update,
+the synchronisation they exist to avoid. Their default is untied and the banner says why
+(Megatron-LM has no flag that asks for tying, so there is no request to refuse).
+
+Where the two ends live on different stages, two synchronous setups cannot keep the copies tied
+yet, and default to untied the same way, with the reason in the banner: Zero Bubble's
+post-validation (its optimistic per-stage step has no synchronous point to sum at) and
+``--use-distributed-optimizer`` (each replica steps only its own range of a stage's flat
+gradients, which differ between the two stages). Megatron-LM's flag set with either flag keeps
+running unchanged; the checkpoint records the untied model.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron.pipeline.schedules import schedule_class
+
+UNTIE = "--untie-embeddings-and-output-weights"
+
+
+def _untied_because(args: argparse.Namespace) -> str | None:
+    """Why this run cannot tie (None: it can)."""
+    if schedule_class(args.pipeline_schedule).asynchronous or args.pipeline_schedule == "auto-async":
+        return (f"as every asynchronous schedule ({args.pipeline_schedule}): each stage steps on its own clock, "
+                f"and tying would make the first and last stage meet at every update")
+    if args.pipeline_model_parallel_size == 1:
+        return None
+    if getattr(args, "enable_optimizer_post_validation", False):
+        return "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
+    if getattr(args, "use_distributed_optimizer", False):
+        return ("--use-distributed-optimizer at --pipeline-model-parallel-size > 1 steps each replica's own range "
+                "of the two copies' gradients")
+    return None
+
+
+def resolve_tied_embeddings(args: argparse.Namespace) -> None:
+    """Set ``args.tie_embeddings`` and ``args.embeddings_line`` (the banner's words)."""
+    if args.untie_embeddings_and_output_weights:
+        args.tie_embeddings, args.embeddings_line = False, f"embeddings: untied ({UNTIE})"
+        return
+    reason = _untied_because(args)
+    if reason is None:
+        args.tie_embeddings, args.embeddings_line = True, "embeddings: tied to the output layer (Megatron-LM's default)"
+    else:
+        args.tie_embeddings = False
+        args.untie_embeddings_and_output_weights = True  # what runs, and what a checkpoint records
+        args.embeddings_line = f"embeddings: untied, {reason}"

@@ -1,0 +1,1 @@
+"""Hugging Face ``transformers`` interop (the ``[hf]`` extra): export a checkpoint's model."""
