@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from megatron.pipeline.ir import Op, PipelineLayout, VShapeLayout
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
+from megatron.pipeline.schedules.v_blocks import Block, block_plan
 from megatron.pipeline.schedules.v_greedy import InfeasibleVMemory, VGreedyPlanner
 from megatron.pipeline.simulator import stage_costs
 
@@ -60,6 +61,38 @@ class PlannedVSchedule(VShapeSchedule):
     @classmethod
     def default_memory_limit(cls, num_stages: int) -> float:
         """The limit in chunk activations (``M_B`` of one chunk); two make a whole stage's."""
+        raise NotImplementedError
+
+    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
+        for kind, index, chunk in self.plan[stage]:
+            yield Op(kind, stage, microbatches[index], chunk)
+
+    def fixed_costs(self) -> tuple[Any, ...]:
+        return self.costs
+
+
+class BlockVSchedule(VShapeSchedule):
+    """A V schedule built from a building block (:mod:`.v_blocks`): the block's repeats,
+    squeezed and reordered in unit slots once, then every iteration runs that order, split
+    B/W, then the synchronous step. The order does not depend on costs (the paper builds it
+    with ``T_F = T_B = T_W``); ``costs`` only feed the simulated bubble the start logs."""
+
+    def __init__(self, config: ScheduleConfig):
+        super().__init__(config)
+        try:
+            self.costs = stage_costs(config.options.get("costs"), config.num_stages)
+        except (TypeError, ValueError) as e:
+            raise ScheduleConfigError(f"{self.name}: bad costs option: {e}") from None
+        self.plan = block_plan(self.block(config.num_stages), config.num_microbatches)
+
+    @classmethod
+    def block(cls, p: int) -> Block:
+        """Per stage, the block's slots of (F chunk 0, F chunk 1, B chunk 1, B chunk 0)."""
+        raise NotImplementedError
+
+    @classmethod
+    def peak_activations(cls, p: int) -> int:
+        """The paper's peak, in whole-stage activations (two chunk activations each)."""
         raise NotImplementedError
 
     def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
