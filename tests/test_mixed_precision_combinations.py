@@ -56,6 +56,7 @@ SCHEDULE_FLAGS: dict[str, tuple[str, ...]] = {
     "amdp": ("--num-layers", "4", "--pipeline-model-parallel-size", "4"),
     "zb-1p": ZB_FIXED_PLAN, "zb-2p": ZB_FIXED_PLAN,
     "pipemare": ("--pipemare-lr-anneal-iters", "2", "--pipemare-sync-warmup-iters", "1"),
+    **{v: ("--num-layers", "4") for v in ("zb-v", "v-half", "v-min", "dualpipev")},  # 2 V chunks per stage
 }
 
 
