@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from megatron.pipeline.ir import Op, PipelineLayout, VShapeLayout
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
 from megatron.pipeline.schedules.v_blocks import Block, block_plan
-from megatron.pipeline.schedules.v_greedy import InfeasibleVMemory, VGreedyPlanner
+from megatron.pipeline.schedules.v_greedy import InfeasibleVMemory, best_v_plan
 from megatron.pipeline.simulator import stage_costs
 
 
@@ -41,7 +41,7 @@ class VShapeSchedule(SynchronousSchedule):
 
 
 class PlannedVSchedule(VShapeSchedule):
-    """A V schedule whose order the greedy planner (:mod:`.v_greedy`) decides once, from
+    """A V schedule whose order the greedy planner (:mod:`.v_greedy`, best of its variants) decides once, from
     per-stage costs and an activation-memory limit in chunk units of ``M_B``; every iteration
     runs that order, split B/W, then the synchronous step."""
 
@@ -54,7 +54,7 @@ class PlannedVSchedule(VShapeSchedule):
         limit = config.options.get("memory_limit")
         self.memory_limit = float(self.default_memory_limit(config.num_stages) if limit is None else limit)
         try:
-            self.plan = VGreedyPlanner(self.costs, config.num_microbatches, self.memory_limit).plan()
+            self.plan = best_v_plan(self.costs, config.num_microbatches, self.memory_limit)
         except InfeasibleVMemory as e:
             raise ScheduleConfigError(f"{self.name}: {e}") from None
 
