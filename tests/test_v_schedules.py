@@ -228,15 +228,40 @@ def test_emulator_trains_like_1f1b(name: str, n: int, k: int, tmp_path_factory) 
 
 
 @pytest.mark.usefixtures("megatron_world1")
-@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+@pytest.mark.parametrize("name", V_SCHEDULES)
 def test_distributed_runtime_equals_emulator(name: str, tmp_path: Path) -> None:
     records, _ = assert_runtime_equals_emulator(_argv(name, 2, 4), tmp_path)
     assert len(records) == ITERS
 
 
+@pytest.mark.usefixtures("megatron_world1")
+def test_zbv_profiles_on_the_v_and_trains_bitwise_like_the_emulator(tmp_path: Path, capsys) -> None:
+    """--zb-profile-iters 1: the first iteration runs V-Half's block (the V layout, B/W split)
+    while F, B and W are timed; zb-v's order then comes from those costs (the decision line
+    names zb-v with measured, non-placeholder times). Any zb-v order accumulates each chunk's
+    micro-batches in order, so the runtime (its own timings, maybe another order) equals the
+    emulator bitwise, and both train like 1F1B (the tolerance above)."""
+    import json
+
+    from megatron.pipeline.schedules import ScheduleConfig, build_schedule
+
+    schedule = build_schedule("zb-v", ScheduleConfig(2, 4, num_iterations=ITERS, options={"profile_iters": 1}))
+    assert isinstance(schedule.layout, VShapeLayout) and schedule.warmup.name == "v-half"
+    capsys.readouterr()
+    records, workers = assert_runtime_equals_emulator(_argv("zb-v", 2, 4, "--zb-profile-iters", "1"), tmp_path)
+    decisions = [json.loads(line.split("zero-bubble-schedule ", 1)[1])
+                 for line in capsys.readouterr().out.splitlines() if "zero-bubble-schedule " in line]
+    assert decisions and all(d["schedule"] == "zb-v" and d["profile_iters"] == 1 for d in decisions)
+    assert all(c["t_f"] != 1.0 and c["t_b"] > 0 and c["t_w"] > 0 for d in decisions for c in d["costs"])
+    ref_losses, _ = _emulated(tmp_path, "1f1b", 2, 4)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == ITERS and all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(losses, ref_losses))
+
+
 # ------------------------------------------------------------------------------ flags
 def test_flags_refused_with_one_line(capsys) -> None:
-    assert_flag_error(capsys, ["--pipeline-schedule", "zb-v", "--zb-profile-iters", "2"], "--zb-costs")
+    assert_flag_error(capsys, ["--pipeline-schedule", "zb-v", "--zb-profile-iters", "2", "--zb-costs", "1,1,1,0"],
+                      "--zb-costs fixes the costs; it excludes profiling")
     assert_flag_error(capsys, ["--pipeline-schedule", "v-min", "--global-batch-size", "1", "--micro-batch-size", "1", "--num-layers", "4"], "at least 2 micro-batches")
     assert_flag_error(capsys, ["--pipeline-schedule", "dualpipev", "--global-batch-size", "2", "--micro-batch-size", "1", "--num-layers", "4"], "at least 4 micro-batches")
     assert_flag_error(capsys, ["--pipeline-schedule", "zb-v", "--global-batch-size", "4", "--micro-batch-size", "1", "--num-layers", "6"],

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron.pipeline.ir import OpKind
+from megatron.pipeline.schedules.v_greedy import PlannedOp
 
 #: one lane of ops per (kind, chunk); a stage's slots are ``slots[lane][microbatch]``
 LANES: tuple[tuple[OpKind, int], ...] = (
@@ -41,8 +42,6 @@ PERIOD = 6
 Block = Sequence[tuple[int, int, int, int]]
 #: per stage, per lane, the slot of every micro-batch
 Slots = list[list[list[int]]]
-#: one planned op of a stage: (kind, micro-batch index in the iteration, chunk)
-PlannedOp = tuple[OpKind, int, int]
 
 
 def _peak(stage: list[list[int]]) -> int:
@@ -163,8 +162,3 @@ def block_plan(block: Block, num_microbatches: int) -> list[list[PlannedOp]]:
         plan.append([(LANES[lane][0], j, LANES[lane][1]) for _, lane, j in ops])
     return plan
 
-
-def block_peak(block: Block, num_microbatches: int) -> int:
-    """The repeated block's peak chunk activations over stages, before squeezing (step 2 keeps it)."""
-    repeated = [[[t + PERIOD * j for j in range(num_microbatches)] for t in stage] for stage in block]
-    return max(_peak(_put_w(stage, per_chunk=False)) for stage in repeated)

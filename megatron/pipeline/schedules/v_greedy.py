@@ -25,6 +25,7 @@ adds ``m_f``, B keeps ``m_w`` of it until W frees it (the simulator's accounting
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -35,6 +36,10 @@ from megatron.pipeline.simulator import OpCosts
 
 #: one planned op of a stage: (kind, micro-batch index in the iteration, chunk)
 PlannedOp = tuple[OpKind, int, int]
+
+
+#: warm-up leads tried by :func:`best_v_plan` beyond ``2(p - s) - 1`` (None: only the memory limit)
+LEAD_SLACKS: tuple[int | None, ...] = (None, -1, 0, 1, 2, 3)
 
 
 class InfeasibleVMemory(ValueError):
@@ -56,9 +61,13 @@ class VGreedyPlanner:
     """Plans one iteration of ``m`` micro-batches on ``p`` stages (module docstring)."""
 
     def __init__(self, costs: Sequence[OpCosts], num_microbatches: int, memory_limit: float,
-                 fill_b: bool = True, fill_f: bool = True, approved: Sequence[float] | None = None):
+                 fill_b: bool = True, fill_f: bool = True, approved: Sequence[float] | None = None,
+                 lead_slack: int | None = None):
         self.p, self.m, self.costs, self.limit = len(costs), num_microbatches, tuple(costs), memory_limit
         self.fill_b, self.fill_f = fill_b, fill_f
+        # chunk-0 forwards a stage may run ahead of its chunk-1 ones: 2(p - s) - 1 is what
+        # reaches the turn and back just in time with equal costs (PyTorch's ZBV warm-up)
+        self.lead = [math.inf if lead_slack is None else max(1, 2 * (self.p - s) - 1 + lead_slack) for s in range(self.p)]
         self.approved = list(approved) if approved is not None else [-math.inf] * self.p
         self.layout = VShapeLayout(self.p)
         least = max(c.m_f for c in costs) * 2
@@ -91,6 +100,9 @@ class VGreedyPlanner:
         return self.f_end[(v, mb)] if last else self._arrival(self.b_end, v + 1, s, mb)
 
     def _fits(self, s: int, chunk: int) -> bool:
+        st = self.stages[s]
+        if chunk == 0 and st.next_f[0] - st.next_f[1] >= self.lead[s]:
+            return False  # the warm-up's lead of chunk 0 over chunk 1 is used up
         reserve = self.costs[s].m_f if chunk == 0 else 0.0
         return self.stages[s].memory + self.costs[s].m_f + reserve <= self.limit + 1e-9
 
@@ -168,21 +180,30 @@ class VGreedyPlanner:
 
 
 def best_v_plan(costs: Sequence[OpCosts], num_microbatches: int, memory_limit: float) -> list[list[PlannedOp]]:
-    """The smallest-makespan order over the four fill variants, each re-run with its last
-    pass's per-stage bubbles approved while the worst stage's bubble drops (module docstring)."""
+    """The smallest-makespan order over the fill variants and warm-up leads, each re-run with
+    its last pass's per-stage bubbles approved while the worst stage's bubble drops (module
+    docstring); the first order without any bubble ends the search. Raises
+    :class:`InfeasibleVMemory` when no variant fits the memory limit."""
     best: tuple[float, list[list[PlannedOp]]] | None = None
-    for fill_b in (True, False):
-        for fill_f in (True, False):
-            approved = None
-            previous = math.inf
-            while True:
-                planner = VGreedyPlanner(costs, num_microbatches, memory_limit, fill_b, fill_f, approved)
+    error: InfeasibleVMemory | None = None
+    for fill_b, fill_f, lead in itertools.product((True, False), (True, False), LEAD_SLACKS):
+        approved, previous = None, math.inf
+        while True:
+            planner = VGreedyPlanner(costs, num_microbatches, memory_limit, fill_b, fill_f, approved, lead)
+            try:
                 plan = planner.plan()
-                worst = max(st.bubble for st in planner.stages)
-                if best is None or planner.makespan() < best[0]:
-                    best = planner.makespan(), plan
-                if worst >= previous:
-                    break
-                previous, approved = worst, [st.bubble for st in planner.stages]
-    assert best is not None
+            except InfeasibleVMemory as e:
+                error = error or e
+                break
+            if best is None or planner.makespan() < best[0]:
+                best = planner.makespan(), plan
+            worst = max(st.bubble for st in planner.stages)
+            if worst <= 0.0:  # no stage idles after its first op: nothing left to search for
+                return plan
+            if worst >= previous:
+                break
+            previous, approved = worst, [st.bubble for st in planner.stages]
+    if best is None:
+        assert error is not None
+        raise error
     return best[1]

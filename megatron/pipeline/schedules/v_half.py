@@ -20,7 +20,3 @@ class VHalf(BlockVSchedule):
     def block(cls, p: int) -> Block:
         g = 3 if p % 2 == 0 else 0
         return [(2 * i, 3 * p - i - 2, 3 * p + g + 2 * i - 1, 6 * p + g - i - 2) for i in range(p)]
-
-    @classmethod
-    def peak_activations(cls, p: int) -> int:
-        return (p + 2) // 2

@@ -20,7 +20,3 @@ class VMin(BlockVSchedule):
     def block(cls, p: int) -> Block:
         g = 2 if p % 3 == 0 else 0
         return [(i, 2 * p - 1 - i, 2 * p + g + i, 4 * p + g - 1 - i) for i in range(p)]
-
-    @classmethod
-    def peak_activations(cls, p: int) -> int:
-        return (p + 4) // 3

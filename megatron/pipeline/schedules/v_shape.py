@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from megatron.pipeline.ir import Op, PipelineLayout, VShapeLayout
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
 from megatron.pipeline.schedules.v_blocks import Block, block_plan
-from megatron.pipeline.schedules.v_greedy import InfeasibleVMemory, best_v_plan
+from megatron.pipeline.schedules.v_greedy import InfeasibleVMemory, PlannedOp, best_v_plan
 from megatron.pipeline.simulator import stage_costs
 
 
@@ -22,6 +22,13 @@ class VShapeSchedule(SynchronousSchedule):
 
     #: fewest micro-batches per iteration, as a multiple of the stage count
     min_microbatches_per_stage: ClassVar[int] = 1
+    #: every stage's order of one iteration, decided once: (kind, micro-batch index, chunk)
+    plan: list[list[PlannedOp]]
+
+    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
+        """The planned order over this iteration's micro-batches (then the synchronous step)."""
+        for kind, index, chunk in self.plan[stage]:
+            yield Op(kind, stage, microbatches[index], chunk)
 
     @classmethod
     def layout_of(cls, config: ScheduleConfig) -> PipelineLayout:
@@ -63,10 +70,6 @@ class PlannedVSchedule(VShapeSchedule):
         """The limit in chunk activations (``M_B`` of one chunk); two make a whole stage's."""
         raise NotImplementedError
 
-    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
-        for kind, index, chunk in self.plan[stage]:
-            yield Op(kind, stage, microbatches[index], chunk)
-
     def fixed_costs(self) -> tuple[Any, ...]:
         return self.costs
 
@@ -75,14 +78,10 @@ class BlockVSchedule(VShapeSchedule):
     """A V schedule built from a building block (:mod:`.v_blocks`): the block's repeats,
     squeezed and reordered in unit slots once, then every iteration runs that order, split
     B/W, then the synchronous step. The order does not depend on costs (the paper builds it
-    with ``T_F = T_B = T_W``); ``costs`` only feed the simulated bubble the start logs."""
+    with ``T_F = T_B = T_W``), so it needs no profiling and serves as zb-v's profiling warm-up."""
 
     def __init__(self, config: ScheduleConfig):
         super().__init__(config)
-        try:
-            self.costs = stage_costs(config.options.get("costs"), config.num_stages)
-        except (TypeError, ValueError) as e:
-            raise ScheduleConfigError(f"{self.name}: bad costs option: {e}") from None
         self.plan = block_plan(self.block(config.num_stages), config.num_microbatches)
 
     @classmethod
@@ -94,10 +93,3 @@ class BlockVSchedule(VShapeSchedule):
     def peak_activations(cls, p: int) -> int:
         """The paper's peak, in whole-stage activations (two chunk activations each)."""
         raise NotImplementedError
-
-    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
-        for kind, index, chunk in self.plan[stage]:
-            yield Op(kind, stage, microbatches[index], chunk)
-
-    def fixed_costs(self) -> tuple[Any, ...]:
-        return self.costs
