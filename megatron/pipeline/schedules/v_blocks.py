@@ -156,7 +156,7 @@ def block_plan(block: Block, num_microbatches: int) -> list[list[PlannedOp]]:
     squeezed = _reorder([_put_w(stage, per_chunk=False) for stage in repeated], move_warm_up=True)
     reordered = _reorder([stage[:B0 + 1] for stage in squeezed], move_warm_up=False)
     final = [_put_w(stage[:B0 + 1], per_chunk=True) for stage in reordered]
-    plan = []
+    plan: list[list[PlannedOp]] = []
     for stage in final:
         ops = sorted((t, lane, j) for lane, ts in enumerate(stage) for j, t in enumerate(ts))
         plan.append([(LANES[lane][0], j, LANES[lane][1]) for _, lane, j in ops])
