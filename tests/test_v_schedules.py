@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron.pipeline.comm import op_recvs
-from megatron.pipeline.ir import OpKind, VShapeLayout
+from megatron.pipeline.ir import VShapeLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.simulator import OpCosts, simulate_schedule
 from megatron.pipeline.validate import validate_schedule

@@ -67,7 +67,8 @@ class VGreedyPlanner:
         self.fill_b, self.fill_f = fill_b, fill_f
         # chunk-0 forwards a stage may run ahead of its chunk-1 ones: 2(p - s) - 1 is what
         # reaches the turn and back just in time with equal costs (PyTorch's ZBV warm-up)
-        self.lead = [math.inf if lead_slack is None else max(1, 2 * (self.p - s) - 1 + lead_slack) for s in range(self.p)]
+        self.lead = [math.inf if lead_slack is None else max(1, 2 * (self.p - s) - 1 + lead_slack)
+                     for s in range(self.p)]
         self.approved = list(approved) if approved is not None else [-math.inf] * self.p
         self.layout = VShapeLayout(self.p)
         least = max(c.m_f for c in costs) * 2

@@ -48,9 +48,9 @@ class VShapeSchedule(SynchronousSchedule):
 
 
 class PlannedVSchedule(VShapeSchedule):
-    """A V schedule whose order the greedy planner (:mod:`.v_greedy`, best of its variants) decides once, from
-    per-stage costs and an activation-memory limit in chunk units of ``M_B``; every iteration
-    runs that order, split B/W, then the synchronous step."""
+    """A V schedule whose order the greedy planner (:mod:`.v_greedy`, best of its variants)
+    decides once, from per-stage costs and an activation-memory limit in chunk units of
+    ``M_B``; every iteration runs that order, split B/W, then the synchronous step."""
 
     def __init__(self, config: ScheduleConfig):
         super().__init__(config)
