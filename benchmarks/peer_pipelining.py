@@ -27,7 +27,9 @@ retain --peer-bind-cores auto`` gives the peer all three, so only the pipeline r
 
 Peer schedules: ``Schedule1F1B`` (vs our 1f1b and paci), ``ScheduleGPipe`` (vs gpipe),
 ``ScheduleInterleaved1F1B`` (vs interleaved-1f1b), ``ScheduleInterleavedZeroBubble`` and
-``ScheduleZBVZeroBubble`` (vs zb-2p; both hold two chunks per rank).
+``ScheduleZBVZeroBubble`` (vs zb-2p; both hold two chunks per rank), ``ScheduleZBVZeroBubble``
+vs zb-v and ``ScheduleDualPipeV`` vs dualpipev: the same V placement on both sides (rank r holds
+parts r and 2N - 1 - r) and the same even split into 2N parts.
 """
 from __future__ import annotations
 
@@ -58,11 +60,16 @@ COMPARISONS: dict[str, tuple[str, ...]] = {
     "paci": ("Schedule1F1B",),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B",),
     "zb-2p": ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"),
+    "zb-v": ("ScheduleZBVZeroBubble",),
+    "dualpipev": ("ScheduleDualPipeV",),
 }
 # The peer's optimizer kernel, allocator policy and core binding (--peer-adamw, --peer-host-malloc,
 # --peer-bind-cores).
 PEER_OPTIONS: dict[str, str] = {"adamw": "foreach", "host_malloc": "system", "bind_cores": "none"}
-MULTI_CHUNK = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"}
+MULTI_CHUNK = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+V_SHAPE = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}  # the peer's V placement
+#: ours that split layers evenly over their own parts (several per stage), like the peer's
+OURS_MULTI_CHUNK = {"interleaved-1f1b", "zb-v", "dualpipev"}
 
 
 def model_flags(w: dict) -> list[str]:
@@ -146,7 +153,7 @@ def train_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Pat
                flags: tuple[str, ...] = ()) -> tuple[PeakRSS, list[dict]]:
     """Train our runtime on ``w``; return its ranks' peak RSS poller (stopped) and the iteration
     records. ``split``: per-stage layer counts (the peer's), None for a multi-chunk schedule (even
-    split); ``timeline``: trace into this directory; ``flags``: more trainer flags."""
+    split; a V schedule's 2N parts as the peer's V); ``timeline``: trace into this directory; ``flags``: more trainer flags."""
     log = tmp / f"ours-{schedule}-{m}-{time.monotonic_ns()}.jsonl"
     extra: list[str] = [*flags]
     if schedule == "interleaved-1f1b":
@@ -222,10 +229,11 @@ def _free_port() -> int:
 
 def _virtual_stages(schedule: str, rank: int, world: int) -> list[int]:
     """The model parts this rank holds: one for single-chunk schedules, rank and rank + world
-    for the interleaved ones (loop placement), rank and 2·world − 1 − rank for ZBV (V shape)."""
+    for the interleaved ones (loop placement), rank and 2·world − 1 − rank for ZBV and
+    DualPipeV (V shape)."""
     if schedule not in MULTI_CHUNK:
         return [rank]
-    if schedule == "ScheduleZBVZeroBubble":
+    if schedule in V_SHAPE:
         return [rank, 2 * world - 1 - rank]
     return [rank, rank + world]
 
@@ -389,7 +397,7 @@ def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iter
     """``split``: the per-stage layer counts of both sides when both hold one part per stage
     (ours gets it for zb-2p too; the peer's two-chunk schedules split evenly over 2N parts)."""
     ratios, ours_runs, peer_runs = [], [], []
-    ours_split = None if ours == "interleaved-1f1b" else split
+    ours_split = None if ours in OURS_MULTI_CHUNK else split
     peer_split = None if peer in MULTI_CHUNK else split
     for pair in range(pairs):
         order = [("ours", ours), ("peer", peer)] if pair % 2 == 0 else [("peer", peer), ("ours", ours)]

@@ -1,5 +1,5 @@
 #!/bin/bash
-# BERT with ZB-V: zero bubble on the V placement at 1F1B's activation memory (greedy over --zb-costs).
+# BERT with ZB-V: zero bubble on the V placement at 1F1B's activation memory (greedy over --zb-costs, or over costs profiled with --zb-profile-iters K).
 # Two model chunks per stage (stage s holds virtual stages s and 2N-1-s); layers split evenly
 # into 2N parts. An 8-GPU node by default, a tiny model on CPU without a GPU; overrides: examples/common.sh.
 set -euo pipefail

@@ -691,6 +691,32 @@ def test_bad_recompute_flags_are_refused_up_front(refuse, flags: list[str], says
     assert says in refuse([*TINY, *flags])
 
 
+# ------------------------------------------------------------- V-shape schedules (issue 31)
+
+V4 = ["--num-layers", "4", "--global-batch-size", "4"]  # 2 stages x 2 V chunks, one layer each
+V_SHAPE = [
+    (["--num-layers", "6", "--pipeline-schedule", "zb-v"], "6 does not split evenly into the 4 model parts"),
+    (["--num-layers", "6", "--pipeline-schedule", "v-half", "--pipeline-layer-split", "3", "3"],
+     "do not halve into its two V chunks"),
+    ([*V4, "--pipeline-schedule", "v-min", "--global-batch-size", "1"], "v-min: needs at least 2 micro-batches"),
+    ([*V4, "--pipeline-schedule", "dualpipev", "--global-batch-size", "2"], "dualpipev: needs at least 4 micro-batches"),
+    ([*V4, "--pipeline-schedule", "v-quarter"], "unknown pipeline schedule 'v-quarter'"),
+    ([*V4, "--pipeline-schedule", "zb-v", "--zb-memory-limit", "1"], "memory limit 1 M_B is below 2"),
+    ([*V4, "--pipeline-schedule", "v-half", "--zb-costs", "1,1,1,0"], "--zb-costs"),
+    ([*V4, "--pipeline-schedule", "dualpipev", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layers-per-virtual-pipeline-stage"),
+    ([*V4, "--pipeline-schedule", "v-min", "--pipeline-model-parallel-size", "1"], "at least 2 pipeline stages"),
+    # recompute counts layers per V chunk: 4 layers on 2 stages are 1 per chunk
+    ([*V4, "--pipeline-schedule", "zb-v", *FULL, "--recompute-method", "block", "--recompute-num-layers", "2"],
+     "--recompute-num-layers 2 exceeds the 1 layers per model chunk"),
+]
+
+
+@pytest.mark.parametrize("flags,says", V_SHAPE, ids=[" ".join(f) for f, _ in V_SHAPE])
+def test_bad_v_shape_flags_are_refused_up_front(refuse, flags: list[str], says: str) -> None:
+    assert says in refuse([*TINY, *flags])
+
+
 # ------------------------------------------------------- resharded checkpoints (another layout)
 
 RESHARD_REFUSALS = {

@@ -61,8 +61,13 @@ LAYOUTS = {
     "pp2-interleaved": (2, "interleaved-1f1b", ("--num-layers-per-virtual-pipeline-stage", "1")),
     "pp2-2bw": (2, "pipedream-2bw", ()),
     "pp3-auto": (3, "1f1b", ("--pipeline-partition", "auto")),  # profiles, then splits 4 layers over 3
+    # V placement: stage 0 holds layers 0 and 3, stage 1 layers 1 and 2 (each stage reads two old files)
+    "pp2-zb-v": (2, "zb-v", ()),
+    "pp2-v-half": (2, "v-half", ()),
+    "pp2-v-min": (2, "v-min", ()),
+    "pp2-dualpipev": (2, "dualpipev", ()),
 }
-SYNCHRONOUS = ("1f1b", "zb-h1", "interleaved-1f1b")
+SYNCHRONOUS = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "v-half", "v-min", "dualpipev")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -81,6 +86,20 @@ def test_resharded_resume_continues_the_saved_run(saved, tmp_path: Path, layout:
         assert _close(losses[SAVED + 2], reference[SAVED + 2]), (losses, reference)
     if schedule == "pipedream-2bw":
         assert "weight-version state of pipedream-2bw reset" in out
+
+
+@pytest.mark.parametrize("into", [(4, "1f1b"), (1, "1f1b"), (2, "v-min")], ids=["pp4-1f1b", "pp1-1f1b", "pp2-v-min"])
+def test_a_v_checkpoint_reshards_into_other_schedules(megatron_world1, tmp_path: Path, into: tuple[int, str]) -> None:
+    """Saved from dualpipev (V placement, PP2: a stage holds two non-adjacent layers), loaded
+    into a chain and into another V schedule: the same next two losses as the saving run."""
+    emulate(_argv(2, "dualpipev", tmp_path / "ref.jsonl", "--save", str(tmp_path / "v"), "--save-interval", str(SAVED)))
+    reference = _losses(tmp_path / "ref.jsonl")
+    (tmp_path / "v" / ckpt.POINTER).write_text(f"{SAVED}\n")
+    pp, schedule = into
+    emulate(_argv(pp, schedule, tmp_path / "log.jsonl", "--load", str(tmp_path / "v")))
+    losses = _losses(tmp_path / "log.jsonl")
+    assert sorted(losses) == [SAVED + 1, SAVED + 2]
+    assert all(_close(losses[i], reference[i]) for i in losses), (losses, reference)
 
 
 def test_a_rank_reads_only_the_files_holding_its_parameters(saved, tmp_path: Path,

@@ -37,6 +37,9 @@ SCHEDULE_FLAGS: dict[str, tuple[str, ...]] = {
     "pipedream-2bw": (),  # the stash crosses the checkpoint (window 10 computes on version 9)
     "pipemare": ("--pipemare-lr-anneal-iters", "8", "--pipemare-discrepancy-decay", "0.1",
                  "--pipemare-sync-warmup-iters", "3"),  # delta crosses the checkpoint
+    # V placement: 2 stages x 2 chunks of one layer each
+    "zb-v": ("--num-layers", "4"), "v-half": ("--num-layers", "4"), "v-min": ("--num-layers", "4"),
+    "dualpipev": ("--num-layers", "4"),
 }
 CASES = [(name, flags) for name, flags in SCHEDULE_FLAGS.items()] + [
     ("1f1b", ("--enable-optimizer-post-validation",)),

@@ -56,6 +56,7 @@ SCHEDULE_FLAGS: dict[str, tuple[str, ...]] = {
     "amdp": ("--num-layers", "4", "--pipeline-model-parallel-size", "4"),
     "zb-1p": ZB_FIXED_PLAN, "zb-2p": ZB_FIXED_PLAN,
     "pipemare": ("--pipemare-lr-anneal-iters", "2", "--pipemare-sync-warmup-iters", "1"),
+    **{v: ("--num-layers", "4") for v in ("zb-v", "v-half", "v-min", "dualpipev")},  # 2 V chunks per stage
 }
 
 
@@ -175,12 +176,22 @@ LOSS_TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}
 GRAD_NORM_TOLERANCE = {"fp16": 0.03, "bf16": 0.3}  # relative
 
 
+# Known and measured (issue 31): v-min's fp32 run of this test (dropout on; masks follow the op
+# order) spikes to a grad norm of 1.94 at iteration 4 (1f1b: 1.04), and bf16's rounding, carried
+# through that clipped step, leaves iteration 6 at 0.99 against fp32's 0.75 (33 %, over the 30 %
+# bound); losses stay within bound and fp32 v-min trains like 1f1b to 1e-6 without dropout.
+KNOWN_DIVERGENT = {("bf16", "v-min"): "bf16 grad norm 33 % off fp32 after v-min's fp32 spike at iteration 4"}
+
+
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_every_schedule_trains_in_half_precision(tmp_path: Path, precision: str, schedule: str) -> None:
+def test_every_schedule_trains_in_half_precision(tmp_path: Path, precision: str, schedule: str,
+                                                request: pytest.FixtureRequest) -> None:
     """Against fp32 with every update the fp16 run skipped on a stage injected non-finite on
     that stage: the same skips everywhere, losses and unscaled grad norms within half-precision
     tolerance."""
+    if (precision, schedule) in KNOWN_DIVERGENT:  # runs, and must fail as described (strict)
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_DIVERGENT[(precision, schedule)]))
     flags = (*SCHEDULE_FLAGS.get(schedule, ()), "--log-params-norm", "--lr-decay-style", "constant")
     workers, records = _emulate(tmp_path, schedule, *PRECISIONS[precision], *flags, iters=6)
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16

@@ -35,6 +35,8 @@ SCHEDULE_FLAGS = {
     "1f1b": [], "gpipe": [], "zb-h1": [],
     # 2 stages x 2 chunks of 2 layers: uniform units of 2 layers still fit every chunk
     "interleaved-1f1b": ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"],
+    # V placement: 2 stages x 2 V chunks of 2 layers (a split B/W schedule and a fused-BW one)
+    "v-half": ["--num-layers", "8"], "dualpipev": ["--num-layers", "8"],
 }
 
 

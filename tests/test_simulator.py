@@ -304,6 +304,23 @@ def test_cli_png(cli, capsys, tmp_path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("name,whole_stage_peak", [("zb-v", 4), ("v-half", 3), ("v-min", 2), ("dualpipev", 4.5)])
+def test_cli_v_schedules_json_chunks_and_png(cli, capsys, tmp_path, name: str, whole_stage_peak: float) -> None:
+    """The V names, a ``chunks`` field of 2 (the layout's, whatever --chunks says), so the
+    paper's whole-stage peak is ``peak_memory / chunks`` (N = 4: 4, 3, 2; DualPipeV 2N + 1 chunk
+    activations); the PNG marks chunk 1 (labels ``mb.1``)."""
+    assert cli.main(["--schedule", name, "--stages", "4", "--microbatches", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chunks"] == 2
+    assert max(s["peak_memory"] for s in out["stages"]) / out["chunks"] == whole_stage_peak
+    assert cli.main(["--schedule", name, "--stages", "4", "--microbatches", "8"]) == 0
+    assert f"{whole_stage_peak:.3f} whole-stage activations (2 chunks per stage)" in capsys.readouterr().out
+    if importlib.util.find_spec("matplotlib") is not None:
+        png = tmp_path / f"{name}.png"
+        assert cli.main(["--schedule", name, "--stages", "4", "--microbatches", "8", "--png", str(png)]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_png_without_matplotlib(cli, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     png = tmp_path / "timeline.png"

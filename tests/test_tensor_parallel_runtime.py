@@ -106,6 +106,21 @@ def test_amdp_replicas_at_tp2_train_like_tp1(tmp_path):
     _assert_same_training(result, *runs[0], tmp_path)
 
 
+# V placement at TP = 2 (issue 31): 2 stages x 2 V chunks of one layer each.
+V_RUNS = [("zb-v", ["--num-layers", "4", "--zb-costs", "1,1,1,0"]), ("dualpipev", ["--num-layers", "4"])]
+
+
+def test_v_schedules_at_tp2_train_like_tp1_and_like_1f1b(tmp_path):
+    """zb-v and dualpipev at TP = 2 through the distributed runtime: like their own TP = 1
+    emulator run (the TP-matched pairs of a V include the local turn on stage 1 and stage 0's
+    embedding + head), and like 1F1B's TP = 1 run (another order of the same sums: the
+    tolerances tests/adam_bounds.py derives for any reduction order)."""
+    one_f_one_b = emulated_reference(_argv("1f1b", ["--num-layers", "4"]), tmp_path / "tp1-1f1b.jsonl")
+    for (schedule, flags), result in zip(V_RUNS, _launch_tp2(V_RUNS, tmp_path)):
+        _assert_same_training(result, schedule, flags, tmp_path)
+        assert_trains_like(*result, one_f_one_b, context=f"{schedule} vs 1f1b: ")
+
+
 # TP 2 x DP 2 x PP 1: the distributed optimizer against the replicated one, each pair in one launch.
 DP2 = ["--num-layers", "2", "--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
        "--log-params-norm"]

@@ -40,13 +40,13 @@ class _NoReports:
         pass
 
 
-def _workers(num_microbatches: int, measure: bool = True):
+def _workers(num_microbatches: int, measure: bool = True, schedule: str = "1f1b", num_layers: int = N):
     from megatron.trainer.config.arguments import parse_args
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import build_worker
 
     args = parse_args([
-        *TINY_GPT, "--num-layers", str(N), "--pipeline-model-parallel-size", str(N),
+        *TINY_GPT, "--num-layers", str(num_layers), "--pipeline-model-parallel-size", str(N), "--pipeline-schedule", schedule,
         "--global-batch-size", str(num_microbatches), "--train-iters", "3", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--pipeline-executor", "emulator", "--device", "cpu",
         *(["--log-activation-memory"] if measure else []),
@@ -62,7 +62,8 @@ def _run(schedule, workers=None, profilers: bool = False):
     from megatron.pipeline.runtime.profiling import OpProfiler, schedule_profiling
     from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 
-    workers = workers or _workers(schedule.config.num_microbatches)
+    workers = workers or _workers(schedule.config.num_microbatches, schedule=getattr(schedule, "name", "1f1b"),
+                                  num_layers=schedule.layout.num_model_stages)
     hook = schedule_profiling(schedule, InProcessTransport(schedule.layout), workers)
     if profilers:
         for w in workers:

@@ -122,8 +122,8 @@ def test_small_memory_limit_profiles_within_the_limit() -> None:
     assert isinstance(profiled("zb-1p").warmup, ZBH1)  # N M_B: ZB-H1 fits
 
 
-def test_profiling_applies_to_zb_1p_and_zb_2p_only() -> None:
-    with pytest.raises(ScheduleConfigError, match="zb-1p and zb-2p only"):
+def test_profiling_applies_to_zb_1p_zb_2p_and_zb_v_only() -> None:
+    with pytest.raises(ScheduleConfigError, match="zb-1p, zb-2p and zb-v only"):
         build_schedule("zb-h1", ScheduleConfig(4, 8, 2, options={"profile_iters": 1}))
     with pytest.raises(ScheduleConfigError, match="memory limit"):
         profiled(memory_limit=0.5)

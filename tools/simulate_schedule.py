@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stages", type=int, required=True)
     ap.add_argument("--microbatches", type=int, required=True, help="m per iteration (a for async schedules)")
     ap.add_argument("--iterations", type=int, default=1, help="iterations (async: optimizer updates)")
-    ap.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedules)")
+    ap.add_argument("--chunks", type=int, default=1,
+                    help="model chunks per stage (interleaved schedules; a V schedule always has 2)")
     for name in COST_FLAGS:
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=None, dest=name)
     ap.add_argument("--profile", help="JSON file with (per-stage) costs")
@@ -77,7 +78,8 @@ def build_costs(args: argparse.Namespace) -> dict[str, Any]:
     return {**profile, **flags}
 
 
-def format_table(name: str, args: argparse.Namespace, result: SimulationResult, asynchronous: bool) -> str:
+def format_table(name: str, args: argparse.Namespace, result: SimulationResult, asynchronous: bool,
+                 chunks: int = 1) -> str:
     unit = "updates" if asynchronous else "iterations"
     lines = [
         f"{name}: {args.stages} stages, {args.microbatches} micro-batches, {args.iterations} {unit}",
@@ -102,13 +104,18 @@ def format_table(name: str, args: argparse.Namespace, result: SimulationResult, 
         f"bubble rate  {result.bubble_rate:.4f}",
         f"peak memory  {max(result.peak_memory, default=0.0):.3f} M_B",
     ]
+    if chunks > 1:  # costs and M_B are per chunk: a whole stage's activations are `chunks` of them
+        lines.append(f"             {max(result.peak_memory, default=0.0) / chunks:.3f} whole-stage activations "
+                     f"({chunks} chunks per stage)")
     if asynchronous:
         lines.append(f"max drift    {max(result.max_drift, default=0)}")
     return "\n".join(lines)
 
 
 def draw_timeline(result: SimulationResult, path: str, title: str) -> None:
-    """Paper-style timeline: one row per stage, one colored box per op, micro-batch inside."""
+    """Paper-style timeline: one row per stage, one colored box per op, micro-batch inside;
+    with several chunks per stage (interleaved, the V's two) the label is ``mb.chunk`` and a
+    chunk > 0 box is hatched, so a V's way down (chunk 0) and back up (chunk 1) read apart."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,6 +123,7 @@ def draw_timeline(result: SimulationResult, path: str, title: str) -> None:
     from matplotlib.patches import Patch
 
     n = result.num_stages
+    chunked = any(sp.op.chunk for spans in result.spans for sp in spans)
     makespan = result.makespan or 1.0
     ops = sum(len(s) for s in result.spans)
     width = min(60.0, max(8.0, ops / n * 0.35))
@@ -130,8 +138,10 @@ def draw_timeline(result: SimulationResult, path: str, title: str) -> None:
                 ax.plot([sp.start, sp.start], [y + 0.05, y + 0.95], color="black", linewidth=1.5)
                 continue
             ax.add_patch(plt.Rectangle((sp.start, y + 0.05), w, 0.9, facecolor=COLORS[kind],
-                                       edgecolor="black", linewidth=0.4))
+                                       edgecolor="black", linewidth=0.4, hatch="///" if sp.op.chunk else None))
             label = f"#{sp.op.update}" if kind is OpKind.OPT else str(sp.op.microbatch)
+            if chunked and kind is not OpKind.OPT:
+                label += f".{sp.op.chunk}"
             if w * px_per_unit >= 6 * len(label):
                 ax.text(sp.start + w / 2, y + 0.5, label, ha="center", va="center", fontsize=6)
     ax.set_xlim(0, makespan)
@@ -171,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     asynchronous = schedule.asynchronous
+    chunks = schedule.layout.num_chunks
     if args.json:
         out = {
             "schedule": args.schedule,
             "microbatches": args.microbatches,
             "iterations": args.iterations,
-            "chunks": args.chunks,
+            "chunks": chunks,  # whole-stage memory: peak_memory / chunks
             "asynchronous": asynchronous,
             **result.to_dict(),
         }
@@ -184,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             out["memory_limit"] = getattr(schedule, "memory_limit", args.memory_limit)
         print(json.dumps(out, indent=2))
     else:
-        print(format_table(args.schedule, args, result, asynchronous))
+        print(format_table(args.schedule, args, result, asynchronous, chunks))
     if args.png:
         title = (f"{args.schedule}: N={args.stages}, m={args.microbatches}, "
                  f"bubble rate {result.bubble_rate:.4f}")

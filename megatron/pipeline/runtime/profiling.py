@@ -147,7 +147,7 @@ def _note_short_run(schedule: "ProfiledSchedule", log: bool) -> None:
     if log and schedule.run_start == schedule.config.first_iteration and total is not None \
             and schedule.profile_iters >= total:
         print(f"[megatron-async] {schedule.name}: the {schedule.profile_iters} profiling iterations cover the "
-              f"whole run ({total} iterations): every iteration runs zb-h1", flush=True)
+              f"whole run ({total} iterations): every iteration runs {schedule.warmup.name}", flush=True)
 
 
 def _due(schedule: "ProfiledSchedule", op: Op) -> bool:

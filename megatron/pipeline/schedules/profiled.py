@@ -33,13 +33,15 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-from megatron.pipeline.ir import Op
+from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.zb_1p import ZB1P, ZeroBubbleAuto
 from megatron.pipeline.schedules.zb_2p import ZB2P
 from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
 from megatron.pipeline.schedules.zb_h1 import ZBH1
+from megatron.pipeline.schedules.v_half import VHalf
+from megatron.pipeline.schedules.zb_v import ZBV
 from megatron.pipeline.simulator import CostsLike, OpCosts, simulate_schedule, stage_costs
 
 # Before profiling: all times 1, no communication, and W keeping a micro-batch's activations
@@ -53,16 +55,22 @@ class CostsNotProfiled(RuntimeError):
     """A profiled schedule's stream was advanced past the profiling iterations without costs."""
 
 
+#: what the profiling iterations run for each target: a schedule of the target's layout that
+#: splits B/W and needs no costs (ZB-H1 on a chain; on a V, V-Half's building block)
+WARMUP: dict[type[SynchronousSchedule], type[SynchronousSchedule]] = {ZB1P: ZBH1, ZB2P: ZBH1, ZBV: VHalf}
+Target = ZeroBubbleAuto | ZBV
+
+
 class ProfiledSchedule(SynchronousSchedule):
-    """``K`` ZB-H1 iterations, then ``target`` (a :class:`ZeroBubbleAuto`) from profiled costs."""
+    """``K`` warm-up iterations (:data:`WARMUP`), then ``target`` (zb-1p, zb-2p or zb-v) from
+    profiled costs."""
 
     name = "profiled"  # replaced per instance by the target's name
-    warmup_class = ZBH1
 
-    def __init__(self, target: type[ZeroBubbleAuto], config: ScheduleConfig):
-        if not (isinstance(target, type) and issubclass(target, ZeroBubbleAuto)):
+    def __init__(self, target: type[Target], config: ScheduleConfig):
+        if target not in WARMUP:
             raise ScheduleConfigError(
-                f"{getattr(target, 'name', target)}: profiled costs apply to zb-1p and zb-2p only")
+                f"{getattr(target, 'name', target)}: profiled costs apply to zb-1p, zb-2p and zb-v only")
         self.name = target.name  # type: ignore[misc]  # instance attribute: messages, logs
         target.check_config(config)
         super().__init__(config)
@@ -71,19 +79,24 @@ class ProfiledSchedule(SynchronousSchedule):
         if self.profile_iters < 1:
             raise ScheduleConfigError(f"{self.name}: profiling needs at least one iteration, got {self.profile_iters}")
         self.costs: tuple[OpCosts, ...] | None = None
-        self.target: ZeroBubbleAuto | None = None
+        self.target: Target | None = None
         self._restored_profile_end: int | None = None  # set when a checkpoint hands back the decision
         # Fails now, not at iteration K, if the memory limit cannot hold any order.
         placeholder = self._build_target(PLACEHOLDER_COSTS)
         self.memory_limit = placeholder.memory_limit
-        # ZB-H1 holds at most N M_B on any stage ((N - s) M_B + s M_W); below that limit the
-        # profiling iterations run the target's order for the placeholder costs instead, which
-        # respects the limit whatever the real M_W / M_B (see PLACEHOLDER_COSTS).
-        fits = self.memory_limit >= config.num_stages
-        self.warmup: SynchronousSchedule = self.warmup_class(config) if fits else placeholder
+        # The warm-up's peak at M_W = M_B (ZB-H1: N M_B; V-Half: (N+2)//2 whole stages) bounds it
+        # for any real ratio; below the limit the profiling iterations run the target's order
+        # for the placeholder costs instead, which respects it (see PLACEHOLDER_COSTS).
+        warmup = WARMUP[target](config)
+        peak = max(simulate_schedule(warmup.segment(config.first_iteration, 1), PLACEHOLDER_COSTS).peak_memory)
+        self.warmup: SynchronousSchedule = warmup if peak <= self.memory_limit + 1e-9 else placeholder
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return self.target_class.layout_of(self.config)
 
     # -- costs ---------------------------------------------------------------------------
-    def _build_target(self, costs: CostsLike) -> ZeroBubbleAuto:
+    def _build_target(self, costs: CostsLike) -> Target:
         options = {k: v for k, v in self.config.options.items() if k != PROFILE_OPTION}
         options["costs"] = costs
         return self.target_class(dataclasses.replace(self.config, options=options))
@@ -130,7 +143,7 @@ class ProfiledSchedule(SynchronousSchedule):
         """CRC32 of the decided order, to check that every rank derived the same one."""
         if self.target is None:
             raise CostsNotProfiled(f"{self.name}: no order decided yet")
-        return zlib.crc32(repr(self.target.plan.order).encode())
+        return zlib.crc32(repr(getattr(self.target.plan, "order", self.target.plan)).encode())
 
     def describe(self) -> dict[str, Any]:
         """Costs and the simulated iteration of the decided order next to ZB-H1's (one iteration)."""
@@ -159,7 +172,7 @@ def one_iteration(config: ScheduleConfig, options: dict[str, Any]) -> ScheduleCo
 
 
 def describe_choice(
-    target: type[ZeroBubbleAuto], config: ScheduleConfig, costs: tuple[OpCosts, ...], profile_iters: int = 0
+    target: type[Target], config: ScheduleConfig, costs: tuple[OpCosts, ...], profile_iters: int = 0
 ) -> dict[str, Any]:
     """What the log line reports: per-stage costs, the memory limit and one simulated iteration
     of the chosen order and of ZB-H1 and 1F1B (makespan, bubble rate, peak memory in M_B)."""
@@ -172,7 +185,7 @@ def describe_choice(
         "profile_iters": profile_iters,
         "costs": [dataclasses.asdict(c) for c in costs],
         "memory_limit": chosen.memory_limit,
-        "greedy_options": list(chosen.plan.options),
+        "greedy_options": list(getattr(chosen.plan, "options", ())),
     }
     for key, schedule in (("chosen", chosen),
                           (ZBH1.name, ZBH1(one_iteration(config, {}))),
@@ -206,14 +219,14 @@ def choice_lines(description: dict[str, Any]) -> list[str]:
     return [format_choice(description), f"zero-bubble-schedule {json.dumps(description)}"]
 
 
-def schedule_from_choice(description: dict[str, Any], num_iterations: int = 1) -> ZeroBubbleAuto:
+def schedule_from_choice(description: dict[str, Any], num_iterations: int = 1) -> Target:
     """The order a profiled run decided, rebuilt from what it logged (:func:`describe_choice`,
     the ``zero-bubble-schedule {...}`` line): the same costs and memory limit give the same
     greedy order, so benchmarks can simulate exactly the schedule that ran."""
-    target = {cls.name: cls for cls in (ZB1P, ZB2P)}[description["schedule"]]
+    target = {cls.name: cls for cls in WARMUP}[description["schedule"]]
     costs = tuple(OpCosts.from_dict(c) for c in description["costs"])
     config = ScheduleConfig(description["num_stages"], description["num_microbatches"], num_iterations,
                             options={"costs": costs, "memory_limit": description["memory_limit"]})
     schedule = target(config)
-    assert isinstance(schedule, ZeroBubbleAuto), description["schedule"]
+    assert isinstance(schedule, (ZeroBubbleAuto, ZBV)), description["schedule"]
     return schedule

@@ -9,14 +9,23 @@ and nothing on the local turn). Its choice, in order of preference:
 2. a ready F that fits under the memory limit (chunk 1 first: it brings the loss closer); a
    chunk-0 F leaves room for one more chunk activation, so a stage full of chunk-0
    activations can still run the chunk-1 forward that starts their backward (no deadlock);
-3. a pending W (oldest first), which fills time the stage would otherwise idle;
+3. a pending W (oldest first), which fills time the stage would otherwise idle -- always when
+   it ends before the next input arrives; when it would delay that input's op, only if the
+   variant fills there (a chunk-1 B always; a chunk-0 B with ``fill_b``, an F with
+   ``fill_f``) and the wait exceeds the stage's *room*: how much more it may idle before it
+   idles more than the worst stage of an earlier pass (its "approved bubble");
 4. otherwise it waits for the next arrival.
+
+:func:`best_v_plan` runs the four (fill_b, fill_f) variants, each re-run with the per-stage
+bubbles of its last pass approved while that lowers the worst stage's bubble, and keeps the
+order with the smallest makespan (the ZB fork's ZB-V search; our own code).
 
 Memory counts chunk activations in units of ``M_B`` (one micro-batch through one chunk): F
 adds ``m_f``, B keeps ``m_w`` of it until W frees it (the simulator's accounting).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -27,6 +36,10 @@ from megatron.pipeline.simulator import OpCosts
 
 #: one planned op of a stage: (kind, micro-batch index in the iteration, chunk)
 PlannedOp = tuple[OpKind, int, int]
+
+
+#: warm-up leads tried by :func:`best_v_plan` beyond ``2(p - s) - 1`` (None: only the memory limit)
+LEAD_SLACKS: tuple[int | None, ...] = (None, -1, 0, 1, 2, 3)
 
 
 class InfeasibleVMemory(ValueError):
@@ -41,13 +54,22 @@ class _Stage:
     next_b: list[int] = field(default_factory=lambda: [0, 0])
     pending_w: deque[tuple[int, int]] = field(default_factory=deque)
     order: list[PlannedOp] = field(default_factory=list)
+    bubble: float = 0.0  # idle time after the stage's first op
 
 
 class VGreedyPlanner:
     """Plans one iteration of ``m`` micro-batches on ``p`` stages (module docstring)."""
 
-    def __init__(self, costs: Sequence[OpCosts], num_microbatches: int, memory_limit: float):
+    def __init__(self, costs: Sequence[OpCosts], num_microbatches: int, memory_limit: float,
+                 fill_b: bool = True, fill_f: bool = True, approved: Sequence[float] | None = None,
+                 lead_slack: int | None = None):
         self.p, self.m, self.costs, self.limit = len(costs), num_microbatches, tuple(costs), memory_limit
+        self.fill_b, self.fill_f = fill_b, fill_f
+        # chunk-0 forwards a stage may run ahead of its chunk-1 ones: 2(p - s) - 1 is what
+        # reaches the turn and back just in time with equal costs (PyTorch's ZBV warm-up)
+        self.lead = [math.inf if lead_slack is None else max(1, 2 * (self.p - s) - 1 + lead_slack)
+                     for s in range(self.p)]
+        self.approved = list(approved) if approved is not None else [-math.inf] * self.p
         self.layout = VShapeLayout(self.p)
         least = max(c.m_f for c in costs) * 2
         if memory_limit < least:
@@ -79,6 +101,9 @@ class VGreedyPlanner:
         return self.f_end[(v, mb)] if last else self._arrival(self.b_end, v + 1, s, mb)
 
     def _fits(self, s: int, chunk: int) -> bool:
+        st = self.stages[s]
+        if chunk == 0 and st.next_f[0] - st.next_f[1] >= self.lead[s]:
+            return False  # the warm-up's lead of chunk 0 over chunk 1 is used up
         reserve = self.costs[s].m_f if chunk == 0 else 0.0
         return self.stages[s].memory + self.costs[s].m_f + reserve <= self.limit + 1e-9
 
@@ -91,12 +116,23 @@ class VGreedyPlanner:
         for chunk in (1, 0):
             if self._f_ready(s, chunk) <= now and self._fits(s, chunk):
                 return (OpKind.F, st.next_f[chunk], chunk), now
-        if st.pending_w:
-            mb, chunk = st.pending_w[0]
-            return (OpKind.W, mb, chunk), now
-        arrivals = [self._b_ready(s, c) for c in (0, 1)]
-        arrivals += [self._f_ready(s, c) for c in (0, 1) if self._fits(s, c)]
-        return None, min(arrivals)
+        arrivals = [(self._b_ready(s, c), OpKind.B, c) for c in (1, 0)]
+        arrivals += [(self._f_ready(s, c), OpKind.F, c) for c in (1, 0) if self._fits(s, c)]
+        when, kind, chunk = min(arrivals, key=lambda a: a[0])
+        if st.pending_w and self._fill(s, when, kind, chunk):
+            mb, w_chunk = st.pending_w[0]
+            return (OpKind.W, mb, w_chunk), now
+        return None, when
+
+    def _fill(self, s: int, arrival: float, kind: OpKind, chunk: int) -> bool:
+        """Whether stage ``s`` runs a pending W now rather than wait for ``arrival`` (step 3)."""
+        now = self.stages[s].free
+        if now + self.costs[s].t_w <= arrival or not math.isfinite(arrival):
+            return True  # fits in the gap, or nothing else can run (memory full)
+        if not (kind is OpKind.B and (chunk == 1 or self.fill_b)) and not (kind is OpKind.F and self.fill_f):
+            return False
+        worst = max(max(st.bubble for st in self.stages), max(self.approved) - self.approved[s])
+        return arrival - now > worst - self.stages[s].bubble
 
     def _run(self, s: int, op: PlannedOp) -> None:
         kind, mb, chunk = op
@@ -129,10 +165,46 @@ class VGreedyPlanner:
                     self._run(s, op)
                     break
                 if math.isfinite(when):  # idle until its next input arrives
-                    self.stages[s].free = when
+                    st = self.stages[s]
+                    st.bubble += (when - st.free) if st.order else 0.0
+                    st.free = when
                     break
             else:  # nothing runs and nothing is on its way
                 s = waiting[0]
                 raise InfeasibleVMemory(
                     f"memory limit {self.limit:g} M_B leaves every V stage waiting (stage {s} after "
                     f"{self.stages[s].order[-1:] or 'nothing'})")
+
+    def makespan(self) -> float:
+        """End of the last op of any stage (after :meth:`plan`)."""
+        return max(st.free for st in self.stages)
+
+
+def best_v_plan(costs: Sequence[OpCosts], num_microbatches: int, memory_limit: float) -> list[list[PlannedOp]]:
+    """The smallest-makespan order over the fill variants and warm-up leads, each re-run with
+    its last pass's per-stage bubbles approved while the worst stage's bubble drops (module
+    docstring); the first order without any bubble ends the search. Raises
+    :class:`InfeasibleVMemory` when no variant fits the memory limit."""
+    best: tuple[float, list[list[PlannedOp]]] | None = None
+    error: InfeasibleVMemory | None = None
+    for fill_b, fill_f, lead in itertools.product((True, False), (True, False), LEAD_SLACKS):
+        approved, previous = None, math.inf
+        while True:
+            planner = VGreedyPlanner(costs, num_microbatches, memory_limit, fill_b, fill_f, approved, lead)
+            try:
+                plan = planner.plan()
+            except InfeasibleVMemory as e:
+                error = error or e
+                break
+            if best is None or planner.makespan() < best[0]:
+                best = planner.makespan(), plan
+            worst = max(st.bubble for st in planner.stages)
+            if worst <= 0.0:  # no stage idles after its first op: nothing left to search for
+                return plan
+            if worst >= previous:
+                break
+            previous, approved = worst, [st.bubble for st in planner.stages]
+    if best is None:
+        assert error is not None
+        raise error
+    return best[1]

@@ -1,19 +1,22 @@
 """V-Half (Qi et al., "Pipeline Parallelism with Controllable Memory"): about half of 1F1B's
-activation memory on the V placement, ``(p + 2) // 2`` whole-stage activations.
+activation memory on the V placement, ``(p + 2) // 2`` whole-stage activations, bubble about
+``p / 2m`` with ``T_F = T_B = T_W``.
 
-The order is the greedy V planner's (:mod:`.v_greedy`) under that limit, with equal costs
-``T_F = T_B = T_W`` and ``M_W = M_B / 2`` (the paper's setting); not yet the paper's building
-block with squeeze and reorder, so its bubble differs from the paper's ``~ p / 2m``
-(docs/schedules.md lists both).
+Its building block (:mod:`.v_blocks`, in unit slots, period 6) spaces the chunk-0 forwards two
+slots apart down the V (stage ``i`` at ``2i``), turns straight into chunk 1 (``3p - i - 2``),
+starts the backward after a gap (``3p + g + 2i - 1``) and returns through chunk 0
+(``6p + g - i - 2``); ``g = 3`` for even ``p`` keeps the four passes in distinct slots mod 6.
 """
 from __future__ import annotations
 
-from megatron.pipeline.schedules.v_shape import PlannedVSchedule
+from megatron.pipeline.schedules.v_blocks import Block
+from megatron.pipeline.schedules.v_shape import BlockVSchedule
 
 
-class VHalf(PlannedVSchedule):
+class VHalf(BlockVSchedule):
     name = "v-half"
 
     @classmethod
-    def default_memory_limit(cls, num_stages: int) -> float:
-        return 2.0 * ((num_stages + 2) // 2)
+    def block(cls, p: int) -> Block:
+        g = 3 if p % 2 == 0 else 0
+        return [(2 * i, 3 * p - i - 2, 3 * p + g + 2 * i - 1, 6 * p + g - i - 2) for i in range(p)]

@@ -1,18 +1,22 @@
 """V-Min (Qi et al., "Pipeline Parallelism with Controllable Memory"): about a third of 1F1B's
-activation memory on the V placement, ``(p + 4) // 3`` whole-stage activations.
+activation memory on the V placement, ``(p + 4) // 3`` whole-stage activations, bubble about
+``2p / 3m`` with ``T_F = T_B = T_W``.
 
-The order is the greedy V planner's (:mod:`.v_greedy`) under that limit, with equal costs and
-``M_W = M_B / 2``; not yet the paper's building block with squeeze and reorder, so its bubble
-differs from the paper's ``~ 2p / 3m`` (docs/schedules.md lists both).
+Its building block (:mod:`.v_blocks`, in unit slots, period 6) is the tightest V: forwards one
+slot apart down and back up (stage ``i`` at ``i`` and ``2p - 1 - i``), the backward right
+after (``2p + g + i``, then ``4p + g - 1 - i``); ``g = 2`` when ``3 | p`` keeps the four
+passes in distinct slots mod 6.
 """
 from __future__ import annotations
 
-from megatron.pipeline.schedules.v_shape import PlannedVSchedule
+from megatron.pipeline.schedules.v_blocks import Block
+from megatron.pipeline.schedules.v_shape import BlockVSchedule
 
 
-class VMin(PlannedVSchedule):
+class VMin(BlockVSchedule):
     name = "v-min"
 
     @classmethod
-    def default_memory_limit(cls, num_stages: int) -> float:
-        return 2.0 * ((num_stages + 4) // 3)
+    def block(cls, p: int) -> Block:
+        g = 2 if p % 3 == 0 else 0
+        return [(i, 2 * p - 1 - i, 2 * p + g + i, 4 * p + g - 1 - i) for i in range(p)]

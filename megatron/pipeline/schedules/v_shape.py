@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 
 from megatron.pipeline.ir import Op, PipelineLayout, VShapeLayout
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
-from megatron.pipeline.schedules.v_greedy import InfeasibleVMemory, VGreedyPlanner
+from megatron.pipeline.schedules.v_blocks import Block, block_plan
+from megatron.pipeline.schedules.v_greedy import InfeasibleVMemory, PlannedOp, best_v_plan
 from megatron.pipeline.simulator import stage_costs
 
 
@@ -21,6 +22,13 @@ class VShapeSchedule(SynchronousSchedule):
 
     #: fewest micro-batches per iteration, as a multiple of the stage count
     min_microbatches_per_stage: ClassVar[int] = 1
+    #: every stage's order of one iteration, decided once: (kind, micro-batch index, chunk)
+    plan: list[list[PlannedOp]]
+
+    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
+        """The planned order over this iteration's micro-batches (then the synchronous step)."""
+        for kind, index, chunk in self.plan[stage]:
+            yield Op(kind, stage, microbatches[index], chunk)
 
     @classmethod
     def layout_of(cls, config: ScheduleConfig) -> PipelineLayout:
@@ -40,9 +48,9 @@ class VShapeSchedule(SynchronousSchedule):
 
 
 class PlannedVSchedule(VShapeSchedule):
-    """A V schedule whose order the greedy planner (:mod:`.v_greedy`) decides once, from
-    per-stage costs and an activation-memory limit in chunk units of ``M_B``; every iteration
-    runs that order, split B/W, then the synchronous step."""
+    """A V schedule whose order the greedy planner (:mod:`.v_greedy`, best of its variants)
+    decides once, from per-stage costs and an activation-memory limit in chunk units of
+    ``M_B``; every iteration runs that order, split B/W, then the synchronous step."""
 
     def __init__(self, config: ScheduleConfig):
         super().__init__(config)
@@ -53,7 +61,7 @@ class PlannedVSchedule(VShapeSchedule):
         limit = config.options.get("memory_limit")
         self.memory_limit = float(self.default_memory_limit(config.num_stages) if limit is None else limit)
         try:
-            self.plan = VGreedyPlanner(self.costs, config.num_microbatches, self.memory_limit).plan()
+            self.plan = best_v_plan(self.costs, config.num_microbatches, self.memory_limit)
         except InfeasibleVMemory as e:
             raise ScheduleConfigError(f"{self.name}: {e}") from None
 
@@ -62,9 +70,26 @@ class PlannedVSchedule(VShapeSchedule):
         """The limit in chunk activations (``M_B`` of one chunk); two make a whole stage's."""
         raise NotImplementedError
 
-    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
-        for kind, index, chunk in self.plan[stage]:
-            yield Op(kind, stage, microbatches[index], chunk)
-
     def fixed_costs(self) -> tuple[Any, ...]:
         return self.costs
+
+
+class BlockVSchedule(VShapeSchedule):
+    """A V schedule built from a building block (:mod:`.v_blocks`): the block's repeats,
+    squeezed and reordered in unit slots once, then every iteration runs that order, split
+    B/W, then the synchronous step. The order does not depend on costs (the paper builds it
+    with ``T_F = T_B = T_W``), so it needs no profiling and serves as zb-v's profiling warm-up."""
+
+    def __init__(self, config: ScheduleConfig):
+        super().__init__(config)
+        self.plan = block_plan(self.block(config.num_stages), config.num_microbatches)
+
+    @classmethod
+    def block(cls, p: int) -> Block:
+        """Per stage, the block's slots of (F chunk 0, F chunk 1, B chunk 1, B chunk 0)."""
+        raise NotImplementedError
+
+    @classmethod
+    def peak_activations(cls, p: int) -> int:
+        """The paper's peak, in whole-stage activations (two chunk activations each)."""
+        raise NotImplementedError

@@ -2,18 +2,21 @@
 placement at 1F1B's activation memory, ordered by the greedy V planner (:mod:`.v_greedy`).
 
 Costs come from ``--zb-costs`` (the zero-bubble flags, :mod:`.zb_flags`; placeholder costs
-``T_F = T_B = T_W = 1`` without it); ``--zb-memory-limit X`` is in chunk activations (``M_B``
-of one chunk), default ``2p``: ``p`` whole-stage activations, 1F1B's peak. Profiling
-(``--zb-profile-iters K > 0``) is refused: its warm-up runs ZB-H1, another layout.
+``T_F = T_B = T_W = 1`` without it) or from profiling: ``--zb-profile-iters K`` runs V-Half's
+building block (same V layout, B/W split, no costs needed) for the first K iterations while
+the executors time every F, B and W per chunk (:mod:`.profiled`), then this order from those
+costs. Unlike zb-1p / zb-2p, zb-v does not profile by default (K = 0 unless given): its order
+for equal placeholder costs is already zero-bubble. ``--zb-memory-limit X`` is in chunk
+activations (``M_B`` of one chunk), default ``2p``: ``p`` whole-stage activations, 1F1B's peak.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
+from megatron.pipeline.schedules.base import ScheduleConfig
 from megatron.pipeline.schedules.v_shape import PlannedVSchedule
-from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION, ZERO_BUBBLE_FLAGS
+from megatron.pipeline.schedules.zb_flags import ZERO_BUBBLE_FLAGS
 
 
 class ZBV(PlannedVSchedule):
@@ -22,13 +25,8 @@ class ZBV(PlannedVSchedule):
 
     @classmethod
     def options_from_flags(cls, values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
-        if values.get("zb_profile_iters"):
-            raise ScheduleConfigError(
-                f"{cls.name}: --zb-profile-iters is not supported (profiling runs ZB-H1 on another layout); "
-                f"pass --zb-costs T_F,T_B,T_W,T_COMM")
-        options = super().options_from_flags({**values, "zb_profile_iters": 0}, config)
-        options.pop(PROFILE_OPTION, None)
-        return options
+        iters = values.get("zb_profile_iters")
+        return super().options_from_flags({**values, "zb_profile_iters": 0 if iters is None else iters}, config)
 
     @classmethod
     def default_memory_limit(cls, num_stages: int) -> float:

@@ -20,6 +20,8 @@ import argparse
 from typing import Any
 
 from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.run_config import schedule_config
+from megatron.trainer.config.schedule_args import chosen_schedule
 from megatron.trainer.models.recompute import GRANULARITIES, METHODS, SELECTIVE_MODULES
 
 
@@ -42,11 +44,14 @@ def add_recompute_args(p: argparse.ArgumentParser) -> None:
 
 
 def _chunk_layer_counts(args: argparse.Namespace) -> list[int]:
-    """Layers of every model chunk (the unit megatron-core's blocks recompute over)."""
-    pp, chunks = args.pipeline_model_parallel_size, getattr(args, "num_model_chunks", 1)
-    if args.pipeline_layer_split is not None and chunks == 1:
-        return [int(c) for c in args.pipeline_layer_split]
-    parts = pp * chunks
+    """Layers of every model part of the schedule's layout (the unit megatron-core's blocks
+    recompute over): one part per stage, one per virtual stage with interleaving, two per stage
+    on a V (each stage's ``--pipeline-layer-split`` count halved between them)."""
+    layout = chosen_schedule(args).layout_of(schedule_config(args))
+    split = layout.part_layer_split(args.pipeline_layer_split)
+    if split is not None:
+        return split
+    parts = layout.num_model_stages
     return [args.num_layers // parts] * parts
 
 
