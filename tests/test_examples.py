@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron.pipeline.schedules import schedule_class
+from megatron.pipeline.schedules.v_shape import VShapeSchedule
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -163,7 +166,10 @@ def test_example_command_lines(name):
     assert _flag(cpu, "--pipeline-model-parallel-size") == "4" and "--num-threads" in cpu and "--mock-data" in cpu
     gpu = _dry_run(name, GPUS_PER_NODE="8")  # an 8-GPU node: one stage per GPU, bf16, the full-size model
     assert _flag(gpu, "--nproc-per-node") == "8" and _flag(gpu, "--pipeline-model-parallel-size") == "8"
-    assert "--bf16" in gpu and _flag(gpu, "--num-layers") == "24" and _flag(gpu, "--hidden-size") == "1024"
+    # GPT-2 medium's 24 layers; a V schedule splits them into 2 x 8 parts, so its example takes the
+    # next multiple of 16 (32).
+    layers = "32" if issubclass(schedule_class(schedule), VShapeSchedule) else "24"
+    assert "--bf16" in gpu and _flag(gpu, "--num-layers") == layers and _flag(gpu, "--hidden-size") == "1024"
     assert _flag(gpu, "--pipeline-schedule") == schedule
     emulated = _dry_run(name, FORCE_CPU="1", EXECUTOR="emulator", CHECKPOINT_DIR="ck", EXTRA_ARGS="--seed 7")
     assert emulated[:3] == ["python", str(REPO / f"pretrain_{model}.py"), "--pipeline-executor"]

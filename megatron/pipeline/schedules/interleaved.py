@@ -101,8 +101,8 @@ class Interleaved1F1B(SynchronousSchedule):
                 f"so m must be a multiple of {n})")
         if n == 2 and g != n:
             raise ScheduleConfigError(
-                f"{cls.name}: with 2 stages the micro-batch group size must be 2, got {g} (a larger "
-                f"group reorders activations and gradients between the two stages)")
+                f"{cls.name}: with 2 stages the micro-batch group size must be 2, got {g} (Megatron-LM's "
+                f"rule: on one FIFO per stage pair a larger group reorders activations and gradients)")
         if 0 < m % g < n:
             raise ScheduleConfigError(
                 f"{cls.name}: {m} micro-batches per iteration leave a last group of {m % g} < {n} "
