@@ -51,6 +51,7 @@ from megatron.trainer.config.mixed_precision_args import loss_scale_config
 from megatron.pipeline.runtime.loss_scaling import StageLossScaler
 from megatron.trainer.optim.registry import build_optimizer
 from megatron.trainer.launch.process_guard import guard_rank_process
+from megatron.trainer.launch.rendezvous import rank_store
 from megatron.trainer.launch.slurm_env import SlurmEnvironmentError, adopt_slurm_task_environment
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
 from megatron.trainer.loop.rampup import segment_boundaries, segment_schedules
@@ -317,8 +318,10 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     if int(os.environ["WORLD_SIZE"]) == 1:  # one rank: an in-memory store, no port to collide on
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
                                 device_id=device_id)
-    else:
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+    else:  # a store namespace of this restart attempt's own (megatron.trainer.launch.rendezvous)
+        dist.init_process_group(backend, store=rank_store(rank, int(os.environ["WORLD_SIZE"]), timeout),
+                                rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                                device_id=device_id)
     groups, transport = rank_transport(task, args, device)
     try:
         drive(task, args, transport, device, stop)
