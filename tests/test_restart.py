@@ -119,24 +119,28 @@ class Job:
         self.proc.wait()
 
 
-def _check_recovered(job: Job, reference: dict[int, float], restarts: list[tuple[int, int]]) -> None:
-    """Status 0, the restart lines (restart k resumes from iteration I, a saved one), every
-    logged loss -- this log's and the dead attempts' (moved to log.jsonl.N) -- bitwise the
-    reference's, and no process of the job left."""
+def _check_recovered(job: Job, reference: dict[int, float], restarts: int) -> list[tuple[int, int, int]]:
+    """Status 0; ``restarts`` restart lines, restart k resuming from a saved iteration I within
+    one save interval of where the dead attempt got (its log, set aside as log.jsonl.k, ends
+    there) and saying it lost exactly the difference J; every logged loss -- this log's and
+    the dead attempts' -- bitwise the reference's; no process of the job left. Returns the
+    restarts' (k, I, J)."""
     code = job.finish()
     assert code == 0, job.tail()
-    said = [(int(m[1]), int(m[3])) for m in RESTART_LINE.finditer(job.out.read_text())]
-    assert said == restarts, (said, job.tail())
+    said = [(int(m[1]), int(m[3]), int(m[4])) for m in RESTART_LINE.finditer(job.out.read_text())]
+    assert [k for k, _, _ in said] == list(range(1, restarts + 1)), (said, job.tail())
     records = [r for r in read_log(job.log) if "eval_split" not in r]
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
     assert {r["iteration"]: r["loss"] for r in records} == reference
-    moved = sorted(job.dir.glob("log.jsonl.*"))
-    assert len(moved) == len(restarts), moved  # each restart set the dead attempt's log aside
-    for path in moved:
-        for r in read_log(path):
-            if "eval_split" not in r:
-                assert r["loss"] == reference[r["iteration"]], (path.name, r["iteration"])
+    for k, start, lost in said:
+        dead = [r for r in read_log(job.dir / f"log.jsonl.{k}") if "eval_split" not in r]
+        for r in dead:
+            assert r["loss"] == reference[r["iteration"]], (k, r["iteration"])
+        reached = dead[-1]["iteration"]
+        assert start % SAVE_INTERVAL == 0 and reached - SAVE_INTERVAL <= start <= reached, (k, start, reached)
+        assert lost == reached - start, (k, lost, reached, start)  # --log-interval 1: exact
     assert session_members(job.proc.pid) == [], "a process of the job is still running"
+    return said
 
 
 def _torchrun(stages: int, rendezvous: list[str], flags: list[str], ckpt: Path) -> list[str]:
@@ -160,7 +164,7 @@ def test_torchrun_restarts_after_a_killed_rank_and_matches_the_uninterrupted_run
         pid = job.rank_pid(victim)
         job.wait_for_iteration(KILL_AT)
         os.kill(pid, signal.SIGKILL)
-        _check_recovered(job, reference, [(1, KILL_AT // SAVE_INTERVAL * SAVE_INTERVAL)])
+        _check_recovered(job, reference, restarts=1)
         assert ERROR_LINE.search(job.err.read_text()), "no survivor named its stage and op"
     finally:
         job.kill()
@@ -192,7 +196,7 @@ def test_local_launcher_restarts_after_a_hung_rank(megatron_world1, tmp_path: Pa
         line = ERROR_LINE.search(job.err.read_text())
         assert line and (line[1], line[2]) == ("0", "0"), job.tail()
         print(f"peer exited {peer_exit_s:.1f} s after SIGSTOP (timeout {PIPELINE_TIMEOUT_S} s)")
-        _check_recovered(job, reference, [(1, KILL_AT // SAVE_INTERVAL * SAVE_INTERVAL)])
+        _check_recovered(job, reference, restarts=1)
     finally:
         job.kill()
 
@@ -213,7 +217,8 @@ def test_kill_during_saves_resumes_from_the_previous_complete_checkpoint(megatro
                "--save", str(ckpt), "--load", str(ckpt)], tmp_path,
               env={KILL_DURING_SAVE_ENV: "0:20:1:written,1:30:0:renamed"})
     try:
-        _check_recovered(job, reference, [(1, 10), (2, 20)])
+        said = _check_recovered(job, reference, restarts=2)
+        assert [(k, start) for k, start, _ in said] == [(1, 10), (2, 20)], said
         saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_"))
         assert saved == [f"iter_{i:07d}" for i in range(SAVE_INTERVAL, ITERS + 1, SAVE_INTERVAL)], saved
         assert all((ckpt / name / METADATA).is_file() for name in saved)
