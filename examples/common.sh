@@ -150,8 +150,9 @@ launch() {
         fi
         local endpoint="${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}"
         cmd=(torchrun --nproc-per-node "$nproc" --nnodes "$NNODES" --node-rank "${NODE_RANK:-0}"
+             --max-restarts "${MAX_RESTARTS:-0}"
              --rdzv-backend "${RDZV_BACKEND:-static}" --rdzv-endpoint "$endpoint"
-             --rdzv-id "${RDZV_ID:-megatron-async}" --max-restarts "${MAX_RESTARTS:-0}"
+             --rdzv-id "${RDZV_ID:-megatron-async}"
              "$REPO_DIR/$script" "$@" "${extra[@]}")
     fi
     if [[ "${DRY_RUN:-0}" == "1" ]]; then

@@ -27,6 +27,9 @@ from pathlib import Path
 import pytest
 
 from async_helpers import REPO, emulate, read_log, tiny_args
+from megatron.trainer.launch.launcher import supervise
+from megatron.trainer.launch.rendezvous import attempt_prefix, rank_store
+from megatron.trainer.loop.restart_report import ProgressRecord, read_progress, restart_line
 from process_tree import alive, descendants, rank_of, session_members
 
 ITERS, SAVE_INTERVAL, KILL_AT = 60, 10, 25
@@ -36,8 +39,7 @@ ERROR_LINE = re.compile(r"\[megatron-async\] error: stage (\d+) \(rank (\d+)\) a
 RESTART_LINE = re.compile(r"\[megatron-async\] restart (\d+) of (\d+): resuming from iteration (\d+) "
                           r"\(lost (\d+) iterations?\)")
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the job's ranks in /proc")]
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the job's ranks in /proc")
 
 
 def _flags(stages: int, schedule: str) -> list[str]:
@@ -148,6 +150,7 @@ def _torchrun(stages: int, rendezvous: list[str], flags: list[str], ckpt: Path) 
             *rendezvous, str(REPO / "pretrain_gpt.py"), *flags, "--save", str(ckpt), "--load", str(ckpt)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages,schedule,rendezvous,victim", [
     (2, "paci", "static", 1),
     (4, "1f1b", "c10d", 2),
@@ -170,6 +173,7 @@ def test_torchrun_restarts_after_a_killed_rank_and_matches_the_uninterrupted_run
         job.kill()
 
 
+@pytest.mark.slow
 def test_local_launcher_restarts_after_a_hung_rank(megatron_world1, tmp_path: Path) -> None:
     """SIGSTOP: the peer exits within the pipeline timeout naming stage and op, the launcher
     ends the stopped rank (no grace for a process that cannot fail) and restarts."""
@@ -201,6 +205,7 @@ def test_local_launcher_restarts_after_a_hung_rank(megatron_world1, tmp_path: Pa
         job.kill()
 
 
+@pytest.mark.slow
 def test_kill_during_saves_resumes_from_the_previous_complete_checkpoint(megatron_world1, tmp_path: Path) -> None:
     """Two kills mid-save in one job (local launcher, --max-restarts 2):
     attempt 0, rank 1 right after writing its file of iteration 20 (``iter_0000020.tmp`` holds
@@ -225,3 +230,58 @@ def test_kill_during_saves_resumes_from_the_previous_complete_checkpoint(megatro
         assert (ckpt / POINTER).read_text().strip() == str(ITERS)
     finally:
         job.kill()
+
+
+# ---------------------------------------------------------------- the parts, without a job
+
+
+def test_each_restart_attempt_rendezvous_in_a_namespace_of_its_own() -> None:
+    """The root cause of the restarted workers' "Connection refused": torchrun's agent keeps
+    its store across restarts, so an unprefixed key (what ``env://`` gives every group) still
+    holds the dead attempt's value. Through :func:`rank_store` attempt 1 sees none of attempt 0's."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    agent = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30))  # as torchrun's
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0"}
+    first = rank_store(0, 1, timedelta(seconds=30), env)
+    first.set("default_pg/0//cpu/rank_1", "address of a process that died")
+    restarted = rank_store(0, 1, timedelta(seconds=30), {**env, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert not restarted.check(["default_pg/0//cpu/rank_1"])
+    assert agent.check([attempt_prefix(env) + "/default_pg/0//cpu/rank_1"])  # the agent's store is the one used
+    assert attempt_prefix(env) != attempt_prefix({**env, "TORCHELASTIC_RESTART_COUNT": "1"})
+
+
+def test_a_stopped_rank_is_ended_without_waiting_out_the_grace(tmp_path: Path) -> None:
+    """One rank failed, the other is SIGSTOPped: it can never fail by itself, so the launcher
+    ends it at once (SIGTERM, then SIGCONT so that it acts) instead of after the grace."""
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        os.kill(stuck.pid, signal.SIGSTOP)
+        failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        began = time.monotonic()
+        code = supervise([failed, stuck], grace_seconds=600)
+        # Bound: the launcher polls every 0.2 s; 60 s is for a loaded host. Without the stopped
+        # check it would wait the 600 s grace (and the test's own timeout would fire first).
+        assert time.monotonic() - began < 60
+        assert code == 3 and stuck.returncode == -signal.SIGTERM
+    finally:
+        if stuck.poll() is None:
+            stuck.kill()
+            stuck.wait()
+
+
+def test_the_restart_line_says_which_restart_where_from_and_what_was_lost(tmp_path: Path) -> None:
+    progress = ProgressRecord(tmp_path / "ck")
+    assert read_progress(tmp_path / "ck") is None
+    progress(41, [])  # the logger's callback: update 41 is iteration 42
+    assert read_progress(tmp_path / "ck") == 42
+    env = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    assert restart_line(40, 42, env) == "[megatron-async] restart 1 of 2: resuming from iteration 40 (lost 2 iterations)"
+    assert restart_line(40, 41, env).endswith("(lost 1 iteration)")
+    assert restart_line(0, None, env).endswith("resuming from iteration 0 (lost an unknown number of iterations)")
+    assert restart_line(40, 42, {}) is None  # a first start says nothing
+    assert restart_line(40, 45, {"SLURM_RESTART_COUNT": "3"}) == \
+        "[megatron-async] restart 3 (Slurm requeue): resuming from iteration 40 (lost 5 iterations)"

@@ -39,7 +39,7 @@ def restart_attempt(env: Mapping[str, str] | None = None) -> int:
 def attempt_prefix(env: Mapping[str, str] | None = None) -> str:
     """The namespace of this attempt's keys (the run id too: one agent store, several runs)."""
     env = os.environ if env is None else env
-    return f"megatron-async/{env.get('TORCHELASTIC_RUN_ID', 'local')}/attempt{restart_attempt(env)}/"
+    return f"megatron-async/{env.get('TORCHELASTIC_RUN_ID', 'local')}/attempt{restart_attempt(env)}"
 
 
 def rank_store(rank: int, world_size: int, timeout: timedelta,
