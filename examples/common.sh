@@ -171,6 +171,9 @@ schedule_presets() {
         interleaved-1f1b) if [[ "$ON_GPU" == "0" ]]; then NUM_LAYERS="${NUM_LAYERS:-8}"; fi ;;  # 2 chunks per stage
         zb-h2)  # its bubble vanishes once m >= 2N - 1 (stage 0 warms up with 2N - 1 forwards): m = 2N
             PP="${PP:-$(default_pp)}"; MICRO_BATCHES="${MICRO_BATCHES:-$((2 * PP))}" ;;
+        zb-v|v-half|v-min|dualpipev)  # V placement: 2N model parts; DualPipeV needs m >= 2N
+            PP="${PP:-$(default_pp)}"; MICRO_BATCHES="${MICRO_BATCHES:-$((2 * PP))}"
+            if [[ "$ON_GPU" == "1" ]]; then NUM_LAYERS="${NUM_LAYERS:-$((4 * PP))}"; else NUM_LAYERS="${NUM_LAYERS:-$((2 * PP))}"; fi ;;
         amdp)  # D/2 replicated pipelines are its data parallelism: all GPUs of all nodes, DP = 1
             DP="${DP:-1}"
             if [[ "$ON_GPU" == "1" ]]; then PP="${PP:-$((NUM_GPUS * NNODES))}"; MICRO_BATCHES="${MICRO_BATCHES:-$PP}"; fi ;;

@@ -5,9 +5,13 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
+
+from tests.adam_bounds import assert_within_bounds, gpt_gradient_noise, trace_adam
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,29 +30,73 @@ def tiny_args(num_stages: int, schedule: str, accumulation: int, iters: int, *ex
     ]
 
 
+def _parse(argv: list[str], task):
+    from megatron.trainer.config.arguments import build_parser, parse_args
+
+    parser = build_parser()
+    task.add_arguments(parser)
+    return parse_args(argv, parser)
+
+
 def emulate(argv: list[str], task=None):
     """Run the emulator in this process (needs the ``megatron_world1`` fixture); return workers.
 
     ``task`` defaults to GPT; a task with its own flags (BERT) gets them on the parser."""
-    from megatron.trainer.config.arguments import build_parser, parse_args
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import emulate as run
 
     task = task or GPTTask()
-    parser = build_parser()
-    task.add_arguments(parser)
-    return run(task, parse_args(argv, parser))
+    return run(task, _parse(argv, task))
+
+
+@dataclass
+class Reference:
+    """An in-process emulator run with the tolerances derived from its own Adam steps
+    (tests/adam_bounds.py): ``rho`` for losses and norms, ``bounds`` per parameter element."""
+
+    records: list[dict]
+    params: dict[str, torch.Tensor]
+    bounds: dict[str, torch.Tensor]
+    rho: float
+
+
+def emulated_reference(argv: list[str], log: Path) -> Reference:
+    """Train a GPT ``argv`` in the emulator (needs ``megatron_world1``), tracing its AdamW steps."""
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    argv = [*argv, "--pipeline-executor", "emulator", "--log-json", str(log)]
+    args = _parse(argv, GPTTask())
+    rho = gpt_gradient_noise(args.num_layers, args.hidden_size, args.ffn_hidden_size or 4 * args.hidden_size,
+                             args.padded_vocab_size,
+                             args.seq_length * args.global_batch_size)
+    with trace_adam() as trace:
+        workers = emulate(argv)
+    bounds = {name: trace.bound(p, rho) for w in workers for name, p in named_parameters(w)}
+    return Reference(read_log(log), final_params(workers), bounds, rho)
+
+
+def assert_trains_like(records: list[dict], params: dict[str, torch.Tensor], ref: Reference,
+                       keys: tuple[str, ...] = ("loss", "grad_norm", "params_norm"), context: str = "") -> None:
+    """Another reduction order's run against ``ref``: the same iterations, every logged ``key``
+    within ``rho`` relative, every parameter element within its derived bound."""
+    assert [r.get("iteration") for r in records] == [r.get("iteration") for r in ref.records], context
+    for ours, want in zip(records, ref.records):
+        for key in keys:
+            if key in want:
+                assert ours[key] == pytest.approx(want[key], rel=ref.rho), (context, key, ours, want)
+    assert_within_bounds(params, ref.params, ref.bounds, context=context)
 
 
 def final_params(workers) -> dict[str, torch.Tensor]:
     out = {}
     for w in workers:
-        for name, p in _named(w):
+        for name, p in named_parameters(w):
             out[name] = p.detach().clone()
     return out
 
 
-def _named(worker):
+def named_parameters(worker):
+    """A GPT worker's parameters under their global names (the names of ``--dump-final-params``)."""
     from megatron.trainer.tasks.gpt import GPTTask
 
     return GPTTask().named_parameters(worker.setup.chunks)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -730,3 +731,30 @@ def test_max_restarts_is_refused_under_torchrun(refuse, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     says = refuse([*TINY, "--max-restarts", "1", "--save", "ck", "--load", "ck"])
     assert "--max-restarts is the local launcher's: under torchrun pass torchrun --max-restarts" in says
+
+
+# ------------------------------------------------------------ memory check (issue 28, item 5)
+
+
+@pytest.mark.parametrize("executor", ["distributed", "emulator"])
+def test_run_that_cannot_fit_memory_is_refused(refuse, executor: str) -> None:
+    """The issue's 4.4 TB layer: one line naming the estimate and what the host has."""
+    line = refuse([*TINY, "--hidden-size", "1048576", "--pipeline-executor", executor])
+    assert "memory:" in line and "GiB available" in line and "--no-memory-check" in line, line
+
+
+def test_run_twice_the_host_memory_is_refused(refuse) -> None:
+    """Sized from this host's MemAvailable: two layers of ~192 h^2 parameter bytes each (fp32
+    weight, gradient, two AdamW moments; 12 h^2 parameters a layer) hold twice of it."""
+    from megatron.trainer.launch.memory_check import host_available_bytes
+
+    h = int((2 * host_available_bytes() / (2 * 12 * 16)) ** 0.5) // 2 * 2
+    line = refuse([*TINY, "--hidden-size", str(h)])
+    need, have = (float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) GiB", line)[:2])
+    assert 1.8 < need / have < 2.6, line  # the layers' 2x, plus embeddings, activations and the baseline
+
+
+def test_no_memory_check_overrides(refuse) -> None:
+    """``--no-memory-check``: the same run gets past every check to the launch (the tripwire)."""
+    with pytest.raises(Spawned):
+        training.pretrain(GPTTask(), [*TINY, "--hidden-size", "1048576", "--no-memory-check"])

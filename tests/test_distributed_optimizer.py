@@ -33,6 +33,8 @@ import torch
 from tests.async_helpers import assert_flag_error, run_pretrain, tiny_args
 from tests.gloo_ranks import run_on_two_gloo_ranks
 
+pytestmark = pytest.mark.numerics  # re-run by .ci/run under a second ATEN_CPU_CAPABILITY
+
 TIMEOUT = datetime.timedelta(seconds=60)
 
 

@@ -190,8 +190,9 @@ def _emulator_argv(name: str, log: Path) -> list[str]:
     small = dict(FORCE_CPU="1", EXECUTOR="emulator", PP=str(CI_STAGES), TRAIN_ITERS="2", LOG_INTERVAL="1",
                  ZB_PROFILE_ITERS="1", LOG_JSON=str(log))
     argv = _dry_run(name, **small)
-    if _microbatches(argv) > 2:
-        argv = _dry_run(name, MICRO_BATCHES="2", **small)
+    least = max(2, getattr(_registry()[_schedule(name)], "min_microbatches_per_stage", 1) * CI_STAGES)
+    if _microbatches(argv) > least:  # not below what the schedule needs (DualPipeV: 2N)
+        argv = _dry_run(name, MICRO_BATCHES=str(least), **small)
     return argv
 
 

@@ -184,12 +184,12 @@ def test_split_matches_unsplit(args):
         for name, value in params.items():
             assert torch.equal(value, ref_params[name]), f"{counts}: init differs for {name}"
         loss, grads = run_pipeline(stages, batch)
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        # A split moves layers between modules, not arithmetic: every op sees the same shapes and
+        # inputs in the same order, so the comparison is exact on any CPU's kernels.
+        assert torch.equal(loss, ref_loss), counts
         assert grads.keys() == ref_grads.keys()
         for name, grad in grads.items():
-            torch.testing.assert_close(
-                grad, ref_grads[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{counts} {name}: {m}"
-            )
+            assert torch.equal(grad, ref_grads[name]), f"{counts} {name}"
 
 
 def test_seed_changes_init():

@@ -23,8 +23,7 @@ from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, bui
 from megatron.pipeline.schedules.interleaved import Interleaved1F1B, forward_slots, warmup_forwards
 from megatron.pipeline.validate import validate_schedule, validate_streams
 from megatron.trainer.config.arguments import parse_args
-from tests.async_helpers import emulate, final_params, run_pretrain, tiny_args
-from tests.test_reference import _qkv_bias_mask
+from tests.async_helpers import Reference, assert_trains_like, emulate, emulated_reference, final_params, run_pretrain, tiny_args
 
 NAME = "interleaved-1f1b"
 ITERATIONS = 2
@@ -250,31 +249,24 @@ RUNS = {
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], dict[str, torch.Tensor]]]:
     root = tmp_path_factory.mktemp("interleaved")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run_pretrain, argv, root / name, 600) for name, (_, argv) in RUNS.items()}
+        futures = {name: pool.submit(run_pretrain, argv, root / name, 600) for name, (_, argv) in RUNS.items()
+                   if name.startswith("interleaved")}  # the 1f1b references run in the emulator, traced
         return {name: f.result() for name, f in futures.items()}
 
 
-def assert_same_training(got: tuple[list[dict], dict], want: tuple[list[dict], dict]) -> None:
-    (records, params), (ref_records, ref_params) = got, want
+def assert_same_training(got: tuple[list[dict], dict], want: Reference) -> None:
+    """Interleaving changes where each layer's gradient sums happen, not what they sum: losses and
+    parameters within the tolerances tests/adam_bounds.py derives from the reference's Adam steps."""
+    records, params = got
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
-    for r, e in zip(records, ref_records):
-        assert r["loss"] == pytest.approx(e["loss"], rel=1e-5)
-        assert r["consumed_samples"] == e["consumed_samples"]
-    assert sorted(params) == sorted(ref_params)
-    for name, value in ref_params.items():
-        if name.endswith("linear_qkv.bias"):
-            # The key slice's true gradient is exactly zero (see test_reference.py).
-            keys = _qkv_bias_mask(value.shape, 1, heads=2, groups=2, hidden=16)  # tiny_args' model
-            torch.testing.assert_close(params[name][keys], value[keys], rtol=0, atol=5e-5)
-            torch.testing.assert_close(params[name][~keys], value[~keys], rtol=1e-5, atol=1e-6)
-        else:
-            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)
-    assert ref_records[-1]["loss"] < ref_records[0]["loss"]  # training moved something
+    assert [r["consumed_samples"] for r in records] == [r["consumed_samples"] for r in want.records]
+    assert_trains_like(records, params, want, keys=("loss",))
+    assert want.records[-1]["loss"] < want.records[0]["loss"]  # training moved something
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_distributed_interleaved_trains_like_1f1b(n: int, runs) -> None:
-    assert_same_training(runs[f"interleaved-N{n}"], runs[f"1f1b-N{n}"])
+def test_distributed_interleaved_trains_like_1f1b(n: int, runs, megatron_world1, tmp_path) -> None:
+    assert_same_training(runs[f"interleaved-N{n}"], emulated_reference(RUNS[f"1f1b-N{n}"][1], tmp_path / "1f1b.jsonl"))
     m, v = 2 * n, 2
     records = runs[f"interleaved-N{n}"][0]
     assert all(r["peak_inflight_microbatches"] == expected_peaks(n, m, v) for r in records), records[0]

@@ -24,7 +24,7 @@ import torch
 from tests.async_helpers import assert_flag_error, assert_runtime_equals_emulator, emulate, final_params, tiny_args
 
 # the tests read whole runs' update_log and post-validation log (by default one logging interval)
-pytestmark = pytest.mark.usefixtures("megatron_world1", "keep_update_history")
+pytestmark = [pytest.mark.usefixtures("megatron_world1", "keep_update_history"), pytest.mark.numerics]
 
 
 def reference_scales(found_inf: list[bool], initial: float, minimum: float, window: int,

@@ -36,7 +36,7 @@ from megatron.pipeline.schedules import SCHEDULES
 from tests.async_helpers import emulate, final_params, run_pretrain, tiny_args
 from tests.test_mixed_precision import assert_bitwise, assert_scales_follow_rule
 
-pytestmark = pytest.mark.usefixtures("megatron_world1", "keep_update_history")
+pytestmark = [pytest.mark.usefixtures("megatron_world1", "keep_update_history"), pytest.mark.numerics]
 
 # 2**18 overflows the tiny GPT's first gradients; hysteresis 1 halves at once, window 2 grows
 # the scale back quickly, so a short run skips, steps, grows and (usually) overflows again.

@@ -94,7 +94,7 @@ def _channel(monkeypatch: pytest.MonkeyPatch, sent: list[torch.Tensor], payloads
     """A stage-1 channel whose isend records the tensor it is handed and whose irecv
     'receives' the next of ``payloads``: the channel's own logic, no peer needed."""
     worker = SimpleNamespace(setup=SimpleNamespace(device=CPU), recv_spec=lambda msg: (SHAPE, torch.float32))
-    groups = SimpleNamespace(peer=lambda stage: stage, p2p_group=lambda src, dst: None)
+    groups = SimpleNamespace(peer=lambda stage: stage, p2p_group=lambda src, dst, lane: None)
 
     def isend(tensor: torch.Tensor, dst: int, group: object = None) -> _DoneWork:
         sent.append(tensor)
@@ -230,7 +230,7 @@ def _nccl_rank(rank: int, store: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=60), device_id=device)
     try:
         worker = SimpleNamespace(setup=SimpleNamespace(device=device), recv_spec=lambda msg: ((1024, 1024), torch.float32))
-        groups = SimpleNamespace(peer=lambda stage: stage, p2p_group=lambda src, dst: None)
+        groups = SimpleNamespace(peer=lambda stage: stage, p2p_group=lambda src, dst, lane: None)
         channel = P2PChannel(worker, groups, timedelta(seconds=60))  # type: ignore[arg-type]
         msgs = [_act(mb, 0, 1) for mb in range(6)]
         if rank == 0:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.test_tensor_parallel_runtime import _assert_same_training, _launch_tp2
 
-pytestmark = pytest.mark.usefixtures("megatron_world1")
+pytestmark = [pytest.mark.usefixtures("megatron_world1"), pytest.mark.numerics]
 
 SP = ["--sequence-parallel"]
 RUNS = [

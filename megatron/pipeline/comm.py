@@ -6,6 +6,7 @@ communication from here, so they cannot disagree about it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from megatron.pipeline.ir import BACKWARD_KINDS, Hop, Op, OpKind, PipelineLayout
@@ -21,6 +22,23 @@ class MsgKind(str, enum.Enum):
     GLOBAL_STATE = "global_state"  # VALIDATE: stage s + 1 -> s
 
 
+class Lane(str, enum.Enum):
+    """The FIFO channel a message travels in between two stages.
+
+    Messages of one lane from one stage to another arrive in the order they were sent (NCCL
+    and gloo match untagged point-to-point calls in order); the two lanes are independent (the
+    runtime gives each its own two-rank group, one direction each). Activations (and the
+    partial state that follows them down) and gradients (and the global state that follows
+    them up) never wait for each other: on a one-chain layout each lane is one direction of a
+    link, and on a V (both chunks crossing every link, in opposite directions) a link carries
+    chunk 0's activations and chunk 1's gradients the same way, whose relative order the two
+    stages need not share.
+    """
+
+    FORWARD = "forward"  # ACT, PARTIAL_STATE
+    BACKWARD = "backward"  # GRAD, GLOBAL_STATE
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     kind: MsgKind
@@ -30,6 +48,15 @@ class Message:
     src_chunk: int
     dst_chunk: int
 
+    @property
+    def lane(self) -> Lane:
+        return Lane.FORWARD if self.kind in (MsgKind.ACT, MsgKind.PARTIAL_STATE) else Lane.BACKWARD
+
+    @property
+    def local(self) -> bool:
+        """A stage sending to itself (a V's turn): handed over in memory, no transfer."""
+        return self.src_stage == self.dst_stage
+
     def __str__(self) -> str:
         if self.kind in (MsgKind.PARTIAL_STATE, MsgKind.GLOBAL_STATE):
             return f"{self.kind.value}(update {self.microbatch}) s{self.src_stage}->s{self.dst_stage}"
@@ -37,6 +64,25 @@ class Message:
             f"{self.kind.value}(mb{self.microbatch}) s{self.src_stage}.c{self.src_chunk}"
             f"->s{self.dst_stage}.c{self.dst_chunk}"
         )
+
+
+def fifo_channel(msg: Message) -> Hashable:
+    """The queue ``msg`` is delivered in order within: its (src, dst, lane); a local message is
+    its own queue (the runtime hands it over by name, P2PChannel)."""
+    return msg if msg.local else (msg.src_stage, msg.dst_stage, msg.lane)
+
+
+def directed_lanes(layout: PipelineLayout) -> list[tuple[int, int, Lane]]:
+    """Every (src stage, dst stage, lane) a message travels, sorted: activations along each
+    chunk's next hop, gradients back (evaluation, replays and post-validation's states use the
+    same lanes of a chain's links); local hops need none."""
+    lanes = set()
+    for stage in range(layout.num_stages):
+        for chunk in range(layout.num_chunks):
+            hop = layout.next_hop(stage, chunk)
+            if hop is not None and hop[0] != stage:
+                lanes.update({(stage, hop[0], Lane.FORWARD), (hop[0], stage, Lane.BACKWARD)})
+    return sorted(lanes)
 
 
 def _message(kind: MsgKind, mb: int, src: Hop, dst: Hop) -> Message:

@@ -7,6 +7,7 @@ keeps schedules short and makes it impossible for a schedule to name an inconsis
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -164,6 +165,14 @@ class PipelineLayout:
         """The stages a ``sync`` OPT of ``stage`` is a collective with: here all of them."""
         return tuple(range(self.num_stages))
 
+    def part_layer_split(self, stage_split: Sequence[int] | None) -> list[int] | None:
+        """Layers per model part (:meth:`model_stage` order) from a per-stage split
+        (``--pipeline-layer-split``); None: the even split. One part per stage: the split as it
+        is; several chunks per stage: only the even split (the flag is refused for them)."""
+        if stage_split is None or self.num_model_stages != self.num_stages:
+            return None
+        return [int(c) for c in stage_split]
+
     def is_first(self, stage: int, chunk: int) -> bool:
         return self.model_stage(stage, chunk) == 0
 
@@ -259,3 +268,42 @@ class MultiPipelineLayout(PipelineLayout):
                         group.add(device)
                         frontier.append(device)
         return tuple(sorted(group))
+
+
+@dataclass(frozen=True, slots=True)
+class VShapeLayout(PipelineLayout):
+    """Two chunks per device in a V (Qi et al., "Pipeline Parallelism with Controllable Memory"):
+    device ``i`` holds virtual stages ``i`` (chunk 0) and ``2p - 1 - i`` (chunk 1).
+
+    A micro-batch runs down the devices through chunk 0 and back up through chunk 1, so the hop
+    from virtual stage ``p - 1`` to ``p`` stays on device ``p - 1`` (a message from a stage to
+    itself, handed over without a transfer, :mod:`megatron.pipeline.comm`) and device 0 holds
+    both the first and the last virtual stage (embedding and head on one rank: it carries more
+    memory, the ZB fork's issue #36). Only :meth:`virtual` and :meth:`physical` differ from
+    the interleaved placement; chains, hops, model split and communication derive from them.
+
+    ``--pipeline-layer-split`` gives layers per device; each device's count is halved between
+    its two chunks (:meth:`part_layer_split`), so it must be even.
+    """
+
+    num_chunks: int = 2
+
+    def __post_init__(self) -> None:
+        if self.num_chunks != 2:
+            raise ValueError(f"a V-shape layout has 2 chunks per stage, got {self.num_chunks}")
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        return stage if chunk == 0 else 2 * self.num_stages - 1 - stage
+
+    def physical(self, virtual_stage: int) -> tuple[int, int]:
+        p = self.num_stages
+        return (virtual_stage, 0) if virtual_stage < p else (2 * p - 1 - virtual_stage, 1)
+
+    def part_layer_split(self, stage_split: Sequence[int] | None) -> list[int] | None:
+        if stage_split is None:
+            return None
+        odd = [(s, c) for s, c in enumerate(stage_split) if c % 2]
+        if odd:
+            raise ValueError(f"--pipeline-layer-split gives stage {odd[0][0]} {odd[0][1]} layers, which do not "
+                             f"halve into its two V chunks (give every stage an even count)")
+        return [int(stage_split[self.physical(v)[0]]) // 2 for v in range(self.num_virtual_stages)]

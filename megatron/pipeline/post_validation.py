@@ -139,13 +139,12 @@ def stale_activations(
     prefixes: Sequence[Sequence[Op]],
     layout: PipelineLayout,
 ) -> list[Message]:
-    """Activations sent to ``stage`` by other stages' pre-validation forwards that ``stage``'s
-    own pre-validation forwards did not receive, in the order each sender sent them."""
+    """Activations sent to ``stage`` by pre-validation forwards (of other stages, or its own on a
+    V's local turn, which it re-sends on the replay as well) that ``stage``'s own pre-validation
+    forwards did not receive, in the order each sender sent them."""
     received: set[Message] = {m for op in prefixes[stage] for m in op_recvs(op, layout)}
     stale = []
     for sender in range(layout.num_stages):
-        if sender == stage:
-            continue
         sent = [m for op in prefixes[sender] for m in op_sends(op, layout) if m.dst_stage == stage]
         sent_set = set(sent)
         for m in received:

@@ -1,8 +1,9 @@
 """Replays per-stage op streams under the runtime's communication model.
 
 The model: a send never blocks (the runtime uses ``isend``), a receive blocks until the
-message arrives, and messages between an ordered pair of stages are delivered in the order
-they were sent (NCCL ignores tags, so FIFO per pair is the only safe assumption). A
+message arrives, and messages of one lane between an ordered pair of stages are delivered in
+the order they were sent (NCCL ignores tags, so FIFO per group is the only safe assumption;
+:func:`~megatron.pipeline.comm.fifo_channel`); a stage's message to itself is taken by name. A
 ``sync`` optimizer op is a collective over the stage's ``layout.sync_group`` (all stages, or
 the replicas of the same logical stages for AMDP): it runs once every stage of the group has
 reached its own ``sync`` op for the same update.
@@ -13,10 +14,10 @@ the timing simulator with timestamps. What travels in a message is opaque to the
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
-from megatron.pipeline.comm import Message, op_recvs, op_sends
+from megatron.pipeline.comm import Message, fifo_channel, op_recvs, op_sends
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
 
 ExecuteFn = Callable[[Op, dict[Message, Any]], dict[Message, Any]]
@@ -64,14 +65,14 @@ class ReplayEngine:
         self._streams = [_Peekable(s) for s in streams]
         self._execute = execute
         self._execute_sync = execute_sync
-        self._in_flight: dict[tuple[int, int], deque[tuple[Message, Any, Op]]] = {}
+        self._in_flight: dict[Hashable, deque[tuple[Message, Any, Op]]] = {}
         self.ops_executed = [0] * layout.num_stages
 
     # -- one stage -------------------------------------------------------------------
     def _blocking_reason(self, op: Op) -> str | None:
         """Why ``op`` cannot run now, or None if all its inputs are at the head of their queues."""
         for msg in op_recvs(op, self.layout):
-            queue = self._in_flight.get((msg.src_stage, msg.dst_stage))
+            queue = self._in_flight.get(fifo_channel(msg))
             if not queue:
                 return f"waiting for {msg} (nothing in flight from stage {msg.src_stage})"
             head, _, sender = queue[0]
@@ -79,20 +80,20 @@ class ReplayEngine:
                 raise ScheduleError(
                     f"stage {op.stage}: {op} expects {msg} but the next message from stage "
                     f"{msg.src_stage} is {head} (sent by {sender}); point-to-point messages "
-                    f"between two stages must be received in the order they are sent"
+                    f"of one lane between two stages must be received in the order they are sent"
                 )
         return None
 
     def _run_one(self, op: Op) -> None:
         inputs = {}
         for msg in op_recvs(op, self.layout):
-            got, payload, _ = self._in_flight[(msg.src_stage, msg.dst_stage)].popleft()
+            got, payload, _ = self._in_flight[fifo_channel(msg)].popleft()
             inputs[got] = payload
         outputs = self._execute(op, inputs)
         for msg in op_sends(op, self.layout):
             if msg not in outputs:
                 raise ScheduleError(f"stage {op.stage}: {op} did not produce {msg}")
-            self._in_flight.setdefault((msg.src_stage, msg.dst_stage), deque()).append(
+            self._in_flight.setdefault(fifo_channel(msg), deque()).append(
                 (msg, outputs[msg], op)
             )
         self.ops_executed[op.stage] += 1

@@ -340,18 +340,20 @@ def _limit_ops(stream: Iterable[Op], max_ops: int) -> Iterator[Op]:
 
 
 class _SameForEvery:
-    """Outputs of a simulated op: every message it sends arrives at the same time."""
+    """Outputs of a simulated op: every message it sends to another stage arrives ``t_comm``
+    after the op ends; one to its own stage (a V's turn) at the end, no transfer."""
 
-    __slots__ = ("arrival",)
+    __slots__ = ("end", "arrival")
 
-    def __init__(self, arrival: float):
+    def __init__(self, end: float, arrival: float):
+        self.end = end
         self.arrival = arrival
 
     def __contains__(self, msg: object) -> bool:
         return True
 
-    def __getitem__(self, msg: object) -> float:
-        return self.arrival
+    def __getitem__(self, msg: Message) -> float:
+        return self.end if msg.local else self.arrival
 
 
 def simulate_streams(
@@ -419,7 +421,7 @@ def simulate_streams(
                     d = 0  # the backward reads the stashed version its forward read
                 if d > drift[s].get(op.microbatch, -1):
                     drift[s][op.microbatch] = d
-        return _SameForEvery(end + comm[part])
+        return _SameForEvery(end, end + comm[part])
 
     def execute_sync(ops: list[Op]) -> None:
         start = max(free[op.stage] for op in ops)

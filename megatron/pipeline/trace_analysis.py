@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.pipeline.comm import Message, op_recvs, op_sends
-from megatron.pipeline.ir import MultiPipelineLayout, Op, OpKind, PipelineLayout
+from megatron.pipeline.ir import MultiPipelineLayout, Op, OpKind, PipelineLayout, VShapeLayout
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.simulator import OpCosts, OpSpan, SimulationResult, simulate_streams
 from megatron.pipeline.trace_format import TRACE_FILE_GLOB, TRACE_FORMAT
@@ -81,7 +81,8 @@ def load_traces(directory: str | Path) -> list[StageTrace]:
 
 def layout_of(traces: Sequence[StageTrace]) -> PipelineLayout:
     meta = traces[0].meta
-    cls = MultiPipelineLayout if meta.get("layout") == "MultiPipelineLayout" else PipelineLayout
+    layouts = {cls.__name__: cls for cls in (MultiPipelineLayout, VShapeLayout)}
+    cls = layouts.get(meta.get("layout", ""), PipelineLayout)
     return cls(int(meta["num_stages"]), int(meta["num_chunks"]))
 
 

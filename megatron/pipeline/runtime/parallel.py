@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megatron.pipeline.comm import Lane, directed_lanes
 from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
 
 
@@ -47,13 +48,14 @@ class StageGroups:
     replicas: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     sync: dist.ProcessGroup | None = None
     sync_size: int = 0
-    # Point-to-point: one two-rank group per *direction* of every stage link this rank uses,
-    # keyed (src stage, dst stage). NCCL runs a communicator's sends and receives in order on
+    # Point-to-point: one two-rank group per *direction* and lane of every stage link this rank
+    # uses, keyed (src stage, dst stage, lane) (comm.Lane: on a one-chain layout one lane per
+    # direction, on a V both). NCCL runs a communicator's sends and receives in order on
     # one stream, so with a shared group a receive posted ahead (or a backward's receive
     # queued behind a forward's send) blocks the other direction and the pipeline deadlocks;
     # one group per direction keeps each stream one-way and in the FIFO order the validator
     # checks. gloo does not need it, but uses it too, so the CPU tests exercise the same path.
-    p2p: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    p2p: dict[tuple[int, int, Lane], dist.ProcessGroup] = field(default_factory=dict)
 
     @property
     def stage(self) -> int:
@@ -74,9 +76,10 @@ class StageGroups:
         _, dp, tp = self.layout.coords(self.rank)
         return self.layout.rank(stage, dp, tp)
 
-    def p2p_group(self, src_stage: int, dst_stage: int) -> dist.ProcessGroup:
-        """The group of messages from ``src_stage`` to ``dst_stage`` (this rank's dp/tp index)."""
-        return self.p2p[(src_stage, dst_stage)]
+    def p2p_group(self, src_stage: int, dst_stage: int, lane: Lane = Lane.FORWARD) -> dist.ProcessGroup:
+        """The group of ``lane``'s messages from ``src_stage`` to ``dst_stage`` (this rank's dp/tp
+        index)."""
+        return self.p2p[(src_stage, dst_stage, lane)]
 
     @classmethod
     def create(cls, layout: RankLayout, timeout: timedelta,
@@ -105,12 +108,12 @@ class StageGroups:
         return groups
 
     def _create_p2p_groups(self, stage_layout: PipelineLayout, timeout: timedelta) -> None:
-        """Both directions of every hop of the layout's chains, at every dp/tp index."""
+        """Both directions (each lane) of every hop of the layout's chains, at every dp/tp index."""
         stage = self.stage
-        for src, dst in directed_links(stage_layout):
+        for src, dst, lane in directed_lanes(stage_layout):
             group = self._create_over_stages([src, dst], timeout)
             if stage in (src, dst):
-                self.p2p[(src, dst)] = group
+                self.p2p[(src, dst, lane)] = group
 
     def _create_replica_groups(self, stage_layout: MultiPipelineLayout, timeout: timedelta) -> None:
         """One group per logical stage (its replicas) and per sync group, for every dp/tp index."""
@@ -140,13 +143,7 @@ class StageGroups:
 def directed_links(stage_layout: PipelineLayout) -> list[tuple[int, int]]:
     """Every (src stage, dst stage) pair a message travels between, sorted: activations along
     each chunk's next hop and gradients back (evaluation and replays use the same hops)."""
-    links = set()
-    for stage in range(stage_layout.num_stages):
-        for chunk in range(stage_layout.num_chunks):
-            hop = stage_layout.next_hop(stage, chunk)
-            if hop is not None and hop[0] != stage:
-                links.update({(stage, hop[0]), (hop[0], stage)})
-    return sorted(links)
+    return sorted({(src, dst) for src, dst, _ in directed_lanes(stage_layout)})
 
 
 def _create_and_pick(

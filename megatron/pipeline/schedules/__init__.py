@@ -15,6 +15,10 @@ from megatron.pipeline.schedules.base import (
 from megatron.pipeline.schedules.gpipe import GPipe
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.amdp import AMDP
+from megatron.pipeline.schedules.dualpipev import DualPipeV
+from megatron.pipeline.schedules.v_half import VHalf
+from megatron.pipeline.schedules.v_min import VMin
+from megatron.pipeline.schedules.zb_v import ZBV
 from megatron.pipeline.schedules.options import Flag, FlagGroup
 from megatron.pipeline.schedules.profiled import ProfiledSchedule
 from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
@@ -33,6 +37,7 @@ SCHEDULES.update({cls.name: cls for cls in (ZBH1, ZBH2, ZB1P, ZB2P)})  # Zero Bu
 SCHEDULES[PipeDream2BW.name] = PipeDream2BW  # double-buffered weights (Narayanan et al.)
 SCHEDULES[PipeMare.name] = PipeMare  # T1 lr rescheduling, T2 discrepancy correction (Yang et al.)
 SCHEDULES[AMDP.name] = AMDP  # D/2 replicated pipelines in alternating directions
+SCHEDULES.update({cls.name: cls for cls in (ZBV, VHalf, VMin, DualPipeV)})  # V placement (Qi et al. 2024; DualPipe)
 
 #: ``--pipeline-schedule``'s default
 DEFAULT_SCHEDULE = OneFOneBFlush.name

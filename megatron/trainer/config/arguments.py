@@ -28,6 +28,7 @@ from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
 from megatron.trainer.config.restart_args import add_restart_args, validate_restart_args
 from megatron.trainer.config.recompute_args import add_recompute_args, validate_recompute_args
 from megatron.trainer.config.ddp_args import add_ddp_args, validate_ddp_args
+from megatron.trainer.launch.memory_check import add_memory_check_args
 from megatron.trainer.config.tensor_parallel_args import validate_tensor_parallel_args
 from megatron.trainer.optim.lr_schedule import DECAY_STYLES
 from megatron.trainer.config.megatron_compat_args import (
@@ -169,6 +170,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
     add_recompute_args(p)  # --recompute-granularity/-method/-num-layers, --recompute-activations
     add_ddp_args(p)  # --overlap-grad-reduce, --ddp-bucket-size
+    add_memory_check_args(p)  # --no-memory-check (the check runs in training.preflight)
     _add_logging_args(p)
     add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
     return p

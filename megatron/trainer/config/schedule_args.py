@@ -11,6 +11,7 @@ import argparse
 
 from megatron.pipeline.schedules import (
     ScheduleConfigError, chunked_schedules, flag_groups, schedule_class)
+from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.config.errors import ArgumentError
 from megatron.trainer.config.run_config import schedule_config
@@ -44,9 +45,25 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"{given[0].name} needs {which}; got {name}")
     _validate_model_chunks(args, cls)
     try:
-        schedule_config(args)  # the options from the flags: their values are checked here
+        config = schedule_config(args)  # the options from the flags: their values are checked here
     except ScheduleConfigError as exc:
         raise ArgumentError(str(exc)) from None
+    _validate_part_split(args, cls.layout_of(config))
+
+
+def _validate_part_split(args: argparse.Namespace, layout: PipelineLayout) -> None:
+    """The layers of every model part of the schedule's layout: a V halves each stage's
+    ``--pipeline-layer-split`` count between its two chunks, and splits evenly into 2 PP parts
+    without one (other layouts are checked with the flags they take)."""
+    try:
+        split = layout.part_layer_split(args.pipeline_layer_split)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    parts = layout.num_model_stages
+    if split is None and args.pipeline_layer_split is None and args.num_layers % parts:
+        raise ArgumentError(
+            f"--num-layers {args.num_layers} does not split evenly into the {parts} model parts of "
+            f"--pipeline-schedule {args.pipeline_schedule} (or pass --pipeline-layer-split)")
 
 
 def _validate_model_chunks(args: argparse.Namespace, cls: type[Schedule]) -> None:

@@ -1,4 +1,5 @@
-"""The start banner the logging rank prints once: flags, parameters per stage, data source.
+"""The start banner the logging rank prints once: flags, parameters and memory estimate per stage,
+data source.
 
 Why: a log read days later (or a Slurm job's output) must say what ran without the command
 line: every flag like Megatron-LM's ``------ arguments ------`` block, how the model was cut
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from megatron.trainer.launch.optional_packages import optional_packages_line
+from megatron.trainer.launch.memory_estimate import memory_banner_line
 from megatron.trainer.tasks.balanced_partition import layer_split_line
 
 MOCK_DATA_WARNING = "WARNING: training on MOCK data (no --data-path): synthetic tokens, not text"
@@ -54,6 +56,9 @@ def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int], exec
     lines.append(f"{args.pipeline_schedule} on {args.pipeline_model_parallel_size} stages "
                  f"({executor}) | {parameter_line(params_per_stage)}")
     lines.append(layer_split_line(args))
+    memory = memory_banner_line(args)
+    if memory:
+        lines.append(memory)
     lines.append(data_source_line(args))
     optional = optional_packages_line()
     if optional:

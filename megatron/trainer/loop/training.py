@@ -45,6 +45,7 @@ from megatron.trainer.launch.core_binding import bind_cores
 from megatron.trainer.launch.host_allocator import apply_host_malloc
 from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.launch.launcher import grace_for, is_worker_process, launch_local
+from megatron.trainer.launch.memory_check import MemoryCheckError, check_memory
 from megatron.trainer.loop.logger import ReportCollector, TrainingLogger
 from megatron.trainer.loop.restart_report import ProgressRecord, read_progress, restart_line
 from megatron.trainer.loop.segments import Segment, plan_segments, run_segments
@@ -394,13 +395,17 @@ def _fail(message: str) -> None:
 
 
 def preflight(task: PretrainTask, argv: list[str]) -> argparse.Namespace:
-    """Every up-front check of a launch: flags, data, tokenizer, paths and (outside a rank) the
-    checkpoint's files; exits with status 2 and one ``error:`` line on the first problem."""
+    """Every up-front check of a launch: flags, data, tokenizer, paths, (outside a rank) the
+    checkpoint's files and the memory estimate; exits with status 2 and one ``error:`` line on the first problem."""
     parser = build_parser(f"Megatron-Async {task.name} pretraining")
     task.add_arguments(parser)
     args = parse_args(argv, parser)
     if not is_worker_process():  # a bad checkpoint fails here, before any rank starts
         check_resume_or_exit(task, args)
+    try:  # a run that cannot fit memory: refused here, not by an allocator inside a rank
+        check_memory(args, is_worker_process(), not _runs_on_cpu(args))
+    except MemoryCheckError as exc:
+        parser.exit(2, f"error: {exc}\n")
     return args
 
 

@@ -63,7 +63,7 @@ def build_chunks(
     """
     layout = run_config(args).layout
     parts = layout.num_model_stages
-    split = args.pipeline_layer_split if parts == args.pipeline_model_parallel_size else None
+    split = layout.part_layer_split(args.pipeline_layer_split)  # per part (a V halves each stage's)
     part_layers = split_layers(args.num_layers, parts, split)
     model_stages = [layout.model_stage(stage, c) for c in range(layout.num_chunks)]
     return [build(part_layers[j], j == 0, j == parts - 1) for j in model_stages]

@@ -76,7 +76,7 @@ class P2PChannel:
             return
         shape, dtype = self.worker.recv_spec(msg)
         buf = self.buffers.take(shape, dtype, self.worker.setup.device)
-        group = self.groups.p2p_group(msg.src_stage, msg.dst_stage)
+        group = self.groups.p2p_group(msg.src_stage, msg.dst_stage, msg.lane)
         self._posted.setdefault(msg, deque()).append((dist.irecv(buf, src=self._peer(msg.src_stage), group=group), buf))
 
     def wait(self, msg: Message) -> torch.Tensor:
@@ -97,7 +97,7 @@ class P2PChannel:
             return
         tensor = tensor.contiguous()  # a no-op (no copy) for the contiguous tensors stages produce
         peer = self._peer(msg.dst_stage)
-        group = self.groups.p2p_group(msg.src_stage, msg.dst_stage)
+        group = self.groups.p2p_group(msg.src_stage, msg.dst_stage, msg.lane)
         self._sends.add(peer, dist.isend(tensor, dst=peer, group=group), tensor, msg)
 
     def flush(self) -> None:
