@@ -26,6 +26,10 @@
 #                   EXIT_CHECK_INTERVAL=N  --exit-check-interval N: an asynchronous schedule stops only
 #                                      where it drains (SAVE_INTERVAL, or every N iterations); keep
 #                                      N iterations under the Slurm signal's 120 s lead
+#                   MAX_RESTARTS=N     torchrun --max-restarts N: a failed or hung rank restarts every rank
+#                                      of the job in place, resuming from CHECKPOINT_DIR (default 0)
+#                   MAX_REQUEUES=N     Slurm scripts: a failed step requeues the job (#SBATCH --requeue)
+#                                      while SLURM_RESTART_COUNT < N; it resumes from CHECKPOINT_DIR (default 0)
 #                   FORCE_CPU=1        the CPU fallback even with GPUs
 #                   EXECUTOR=emulator  all stages in one python process, no torchrun (DP = 1)
 #                   DRY_RUN=1          print the command line (one line, shell-quoted) and exit
@@ -146,6 +150,7 @@ launch() {
         fi
         local endpoint="${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}"
         cmd=(torchrun --nproc-per-node "$nproc" --nnodes "$NNODES" --node-rank "${NODE_RANK:-0}"
+             --max-restarts "${MAX_RESTARTS:-0}"
              --rdzv-backend "${RDZV_BACKEND:-static}" --rdzv-endpoint "$endpoint"
              --rdzv-id "${RDZV_ID:-megatron-async}"
              "$REPO_DIR/$script" "$@" "${extra[@]}")
@@ -299,7 +304,9 @@ slurm_env() {
 # Run the job's step "$@" in the background and wait for it. The batch shell's USR1
 # (#SBATCH --signal=B:USR1@T, T seconds before the time limit) is passed on to the step, whose
 # ranks save a checkpoint and exit; then the job is requeued (REQUEUE=0: not) and resumes from
-# CHECKPOINT_DIR. TERM (scancel) is passed on without a requeue.
+# CHECKPOINT_DIR. TERM (scancel) is passed on without a requeue. A step that fails by itself (a
+# rank killed, a node lost, torchrun's restarts spent) requeues the job while SLURM_RESTART_COUNT
+# < MAX_REQUEUES (default 0: the job fails); the requeued job resumes from CHECKPOINT_DIR.
 slurm_run_step() {
     local step_pid="" signalled="" rc=0
     trap 'signalled=USR1; if [[ -n "$step_pid" ]]; then kill -USR1 "$step_pid" || true; fi' USR1
@@ -315,6 +322,13 @@ slurm_run_step() {
     trap - USR1 TERM
     if [[ "$signalled" == "USR1" && "${REQUEUE:-1}" == "1" ]]; then
         echo "[slurm] USR1 before the time limit: the step saved and exited ($rc); requeueing job $SLURM_JOB_ID" >&2
+        scontrol requeue "$SLURM_JOB_ID"
+        return 0
+    fi
+    local requeues="${SLURM_RESTART_COUNT:-0}"
+    if [[ -z "$signalled" ]] && (( rc != 0 && requeues < ${MAX_REQUEUES:-0} )); then
+        echo "[slurm] the step failed ($rc): requeueing job $SLURM_JOB_ID (requeue $((requeues + 1)) of" \
+             "$MAX_REQUEUES); it resumes from the last checkpoint in ${CHECKPOINT_DIR:-its --load}" >&2
         scontrol requeue "$SLURM_JOB_ID"
         return 0
     fi

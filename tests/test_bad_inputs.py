@@ -780,6 +780,32 @@ def test_bad_ddp_flags_are_refused_up_front(refuse, flags: list[str], says: str)
     assert says in refuse([*TINY, *flags])
 
 
+# ------------------------------------------------------------- restarts (restart_args: --max-restarts)
+
+RESTARTS = [
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    (["--max-restarts", "2"], "--max-restarts needs --save DIR --load DIR with the same DIR"),
+    (["--max-restarts", "2", "--save", "ck"], "--max-restarts needs --save DIR --load DIR with the same DIR"),
+    (["--max-restarts", "2", "--save", "ck", "--load", "."],
+     "--max-restarts needs --save DIR --load DIR with the same DIR"),
+    (["--max-restarts", "2", "--save", "ck", "--load", "ck", "--pipeline-executor", "emulator"],
+     "--max-restarts restarts the local launcher's ranks; the emulator runs in one process"),
+]
+
+
+@pytest.mark.parametrize("flags,says", RESTARTS, ids=[" ".join(f) for f, _ in RESTARTS])
+def test_bad_restart_flags_are_refused_up_front(refuse, flags: list[str], says: str) -> None:
+    assert says in refuse([*TINY, *flags])
+
+
+def test_max_restarts_is_refused_under_torchrun(refuse, monkeypatch) -> None:
+    """torchrun's workers are torchrun's to restart (its own --max-restarts)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    says = refuse([*TINY, "--max-restarts", "1", "--save", "ck", "--load", "ck"])
+    assert "--max-restarts is the local launcher's: under torchrun pass torchrun --max-restarts" in says
+
+
 # ------------------------------------------------------------ memory check (issue 28, item 5)
 
 

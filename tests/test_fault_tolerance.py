@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from process_tree import alive as _alive, children as _children, rank_of as _rank_of
+
 REPO = Path(__file__).resolve().parents[1]
 STAGES = 3  # the victim has a live neighbour on each side
 VICTIM = 1  # stage (= rank: one data-parallel replica) whose process is killed
@@ -142,50 +144,6 @@ def test_survivors_time_out_when_a_rank_hangs(tmp_path: Path) -> None:
         assert any("timed out" in line.lower() for line in lines.values()), lines
     finally:
         _stop(procs)  # SIGKILL ends a stopped process too
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, timeout=10).stdout
-        return [int(x) for x in out.split()]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    found = []  # fall back to /proc: field 4 of /proc/PID/stat is the parent pid
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _rank_of(pid: int) -> int | None:
-    """The rank a launcher child runs: forked ranks name themselves, exec'd ones carry RANK."""
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return None
-    if comm.startswith("megatron-rank"):
-        return int(comm.removeprefix("megatron-rank"))
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in environ:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_local_launcher_exits_nonzero_when_a_rank_is_killed(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from async_helpers import REPO, emulate, final_params, tiny_args
+from process_tree import children
 
 from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.loop.segments import plan_segments
@@ -47,19 +48,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return "\nState:\tZ" not in status and "\nState:\tX" not in status
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
-            if f"\nPPid:\t{pid}\n" in status:
-                out.append(int(entry.name))
-    return sorted(out)
 
 
 def _comm(pid: int) -> str:
@@ -107,7 +95,7 @@ def test_killing_the_local_launcher_leaves_no_rank(tmp_path, sig):
     ranks: list[int] = []
     try:
         _first_logged_iteration(log, proc)
-        ranks = _children(proc.pid)
+        ranks = children(proc.pid)
         assert sorted(_comm(p) for p in ranks) == ["megatron-rank0", "megatron-rank1", "megatron-rank2"]
         killed_at = time.monotonic()
         os.kill(proc.pid, sig)  # the launcher only, as `kill PID` or a container stop does

@@ -80,7 +80,8 @@ if os.environ.get("FAKE_SRUN_WAIT_SIGNAL"):
 def _fakes(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("torchrun", FAKE_RECORDER),
+    torchrun = FAKE_RECORDER + "sys.exit(int(os.environ.get('FAKE_TORCHRUN_EXIT', '0')))\n"  # a failed step
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("torchrun", torchrun),
                        ("python", FAKE_RECORDER)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -98,7 +99,8 @@ def start_batch(tmp_path: Path, script: str, hosts: list[str], **env_overrides: 
                "NODES", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "PP", "DP",
                "SCHEDULE", "MODEL", "EXAMPLE", "CHECKPOINT_DIR", "TRAIN_ITERS", "MICRO_BATCHES", "DATA_PATH",
                "FORCE_CPU", "EXECUTOR", "DRY_RUN", "EXTRA_ARGS", "REPO_DIR", "LOG_JSON", "MOCK_DATA", "LAUNCHER",
-               "LAUNCH_EXEC", "EXIT_SIGNAL", "EXIT_CHECK_INTERVAL", "REQUEUE", "SAVE_INTERVAL")}
+               "LAUNCH_EXEC", "EXIT_SIGNAL", "EXIT_CHECK_INTERVAL", "REQUEUE", "SAVE_INTERVAL",
+               "MAX_RESTARTS", "MAX_REQUEUES", "RDZV_BACKEND")}
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_LOG=str(tmp_path / "calls.jsonl"),
         FAKE_HOSTS=" ".join(hosts), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=f"gpu[{hosts[0][3:]}-{hosts[-1][3:]}]",
@@ -444,3 +446,27 @@ def test_two_srun_tasks_train_as_two_ranks(tmp_path):
     assert "iteration        2/       2" in outs[0][0]
     assert not any("forwarding" in e or "megatron-rank" in e for _, e in outs)
     assert [r["argv"][:2] for r in records_of(tmp_path)["scontrol"]] == [["show", "hostnames"]] * 2
+
+
+@pytest.mark.parametrize("restart_count,requeued", [("0", True), ("1", True), ("2", False)])
+def test_a_failed_step_requeues_the_job_up_to_max_requeues(tmp_path, restart_count, requeued):
+    """A rank killed (the step exits non-zero by itself): requeued while SLURM_RESTART_COUNT <
+    MAX_REQUEUES, and the requeued job runs the same --load; torchrun gets MAX_RESTARTS."""
+    ckpt = tmp_path / "ckpt"
+    proc, rec = run_batch(tmp_path, "pretrain.sbatch", HOSTS4[:1], CHECKPOINT_DIR=str(ckpt), FAKE_TORCHRUN_EXIT="1",
+                          MAX_REQUEUES="2", MAX_RESTARTS="3", SLURM_RESTART_COUNT=restart_count)
+    requeues = [r["argv"] for r in rec["scontrol"] if r["argv"][:1] == ["requeue"]]
+    assert requeues == ([["requeue", "4242"]] if requeued else []), proc.stderr[-3000:]
+    assert proc.returncode == (0 if requeued else 1), proc.stderr[-3000:]
+    if requeued:
+        assert f"requeueing job 4242 (requeue {int(restart_count) + 1} of 2)" in proc.stderr
+    (run,) = rec["torchrun"]
+    assert flag(run["argv"], "--max-restarts") == "3"
+    train = trainer_args(run["argv"])
+    assert flag(train, "--load") == flag(train, "--save") == str(ckpt)
+
+
+def test_a_failed_step_fails_the_job_by_default(tmp_path):
+    proc, rec = run_batch(tmp_path, "pretrain.sbatch", HOSTS4[:1], FAKE_TORCHRUN_EXIT="1")
+    assert proc.returncode == 1 and not [r for r in rec["scontrol"] if r["argv"][:1] == ["requeue"]]
+    assert flag(rec["torchrun"][0]["argv"], "--max-restarts") == "0"

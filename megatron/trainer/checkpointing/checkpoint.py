@@ -57,6 +57,7 @@ import torch
 from megatron.pipeline.runtime.replicas import owned_optimizer_state, whole_optimizer_states
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
+from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
 from megatron.trainer.checkpointing.paths import rank_file_name
 from megatron.trainer.checkpointing.reshard import (
     LAYOUT_FLAGS, VOCAB_FLAGS, ReshardError, ReshardPlan, check_vocab, file_index, merge_optimizer_states, plan,
@@ -294,6 +295,7 @@ def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_sta
     else:
         os.replace(staging, final)
         fsync_directory(root)
+    kill_here_if_asked("renamed", iteration)  # tests only (fault_injection)
     write_durable_text(Path(root) / POINTER, f"{iteration}\n")
     return final
 

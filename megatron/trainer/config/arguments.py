@@ -26,6 +26,7 @@ from megatron.trainer.optim.fused_adamw import fused_adamw_available_in_torch
 from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import FlagError, OneLineParser, check_flag_values
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
+from megatron.trainer.config.restart_args import add_restart_args, validate_restart_args
 from megatron.trainer.config.recompute_args import add_recompute_args, validate_recompute_args
 from megatron.trainer.config.ddp_args import add_ddp_args, validate_ddp_args
 from megatron.trainer.launch.memory_check import add_memory_check_args
@@ -170,6 +171,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_schedule_args(p)  # every registered schedule's own flags (--zb-*, --pipemare-*, ...)
     add_run_control_args(p)
     add_exit_args(p)  # --exit-signal-handler, --exit-signal, --exit-duration-in-mins
+    add_restart_args(p)  # --max-restarts (the local launcher's)
     add_insight_args(p)  # --trace-dir, --pipeline-partition
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
     add_recompute_args(p)  # --recompute-granularity/-method/-num-layers, --recompute-activations
@@ -307,6 +309,7 @@ def validate_args(args: argparse.Namespace) -> None:
     try:
         validate_run_control_args(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
         validate_exit_args(args)  # --exit-signal-handler, --exit-duration-in-mins (ExitArgumentError)
+        validate_restart_args(args)  # --max-restarts: the local launcher's, with --save = --load
     except RunControlError as exc:
         raise ArgumentError(str(exc)) from None
     for check in getattr(args, "task_checks", ()):  # a task's own flags (parser.set_defaults)

@@ -101,7 +101,7 @@ DOMAINS: dict[str, Domain] = {
     # evaluation, checkpoints, logging, partitioning
     "eval_interval": AT_LEAST_1, "eval_iters": NON_NEGATIVE, "save_interval": AT_LEAST_1,
     "exit_interval": AT_LEAST_1, "log_interval": AT_LEAST_1,
-    "exit_duration_in_mins": POSITIVE, "exit_check_interval": AT_LEAST_1,
+    "exit_duration_in_mins": POSITIVE, "exit_check_interval": AT_LEAST_1, "max_restarts": NON_NEGATIVE,
     "pipeline_partition_memory_gb": POSITIVE, "pipeline_partition_profile_iters": AT_LEAST_1,
     # BERT
     "mask_prob": OPEN_UNIT, "short_seq_prob": UNIT,

@@ -15,6 +15,13 @@ The launcher owns its ranks: each one dies with it (:mod:`megatron.trainer.launc
 the kernel's parent-death signal), and SIGTERM, SIGINT and the run's ``--exit-signal`` sent
 to the launcher are forwarded to every rank, so ``kill``, Ctrl-C or a container stop reach
 them (with ``--exit-signal-handler`` they save a checkpoint first and exit 0).
+
+With ``--max-restarts N`` a failed attempt (a rank died, or hung and its peers timed out) is
+followed by a fresh start of every rank, up to N times, as ``torchrun --max-restarts`` does:
+the ranks get torchrun's ``TORCHELASTIC_RESTART_COUNT`` / ``TORCHELASTIC_MAX_RESTARTS``, so
+they rendezvous in a new store namespace (:mod:`megatron.trainer.launch.rendezvous`) and say
+which restart they are. A rank stopped by SIGSTOP cannot fail by itself: the launcher does not
+wait out the grace period for it, and continues it after SIGTERM so that the SIGTERM acts.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from megatron.trainer.launch.process_guard import LAUNCHER_PID_ENV, die_with_parent, exit_code_of
+from megatron.trainer.launch.rendezvous import MAX_RESTARTS_ENV, RESTART_COUNT_ENV
 
 LAUNCHED_ENV = "MEGATRON_ASYNC_LAUNCHED"
 
@@ -45,19 +53,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The torchrun-style variables one local rank runs under."""
+def rank_environment(rank: int, world_size: int, port: int, attempt: int = 0,
+                     max_restarts: int = 0) -> dict[str, str]:
+    """The torchrun-style variables one local rank runs under (restart count included)."""
     return dict(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        **{LAUNCHED_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())},
+        **{LAUNCHED_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid()),
+           RESTART_COUNT_ENV: str(attempt), MAX_RESTARTS_ENV: str(max_restarts)},
     )
+
+
+def grace_for(pipeline_timeout_seconds: float) -> float:
+    """How long the other ranks get to fail on their own once one failed: a survivor notices a
+    dead or hung peer within one pipeline timeout; 30 s more to print and exit. At most the
+    150 s the launcher always allowed (the default timeout, 300 s, is for a hung peer only:
+    a dead one closes its connections and is noticed at once)."""
+    return min(150.0, pipeline_timeout_seconds + 30.0)
+
+
+def is_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, a debugger): state T or t in /proc (Linux; else False)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
 
 
 class RankProcess(Protocol):
     """What the supervision loop needs of a rank (``subprocess.Popen`` has it)."""
 
     returncode: int | None
+    pid: int
 
     def poll(self) -> int | None: ...
     def send_signal(self, sig: int) -> None: ...
@@ -178,26 +207,33 @@ class SignalForwarder:
 
 def launch_local(world_size: int, argv: Sequence[str], grace_seconds: float = 150.0,
                  target: Callable[[], int] | None = None,
-                 forward_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> int:
+                 forward_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+                 max_restarts: int = 0) -> int:
     """Run ``world_size`` ranks on this machine; return the launch's exit code.
 
     With ``target`` (and :func:`fork_is_safe`), ranks are forked and call ``target()``;
     otherwise each rank runs ``python *argv``. ``forward_signals`` received by the launcher
     go to every rank. When one of them stopped the ranks (any rank failed), the launcher then
     dies of that signal itself, as a program without a handler would: promptly (no interpreter
-    teardown of torch) and with the status a shell expects (128 + N).
+    teardown of torch) and with the status a shell expects (128 + N). Otherwise a failed
+    attempt is followed by a new one while ``max_restarts`` allows.
     """
-    port = free_port()
-    procs: list[RankProcess] = []
     fork = target is not None and fork_is_safe()
     with SignalForwarder(forward_signals) as forwarder:
-        for rank in range(world_size):
-            env = rank_environment(rank, world_size, port)
-            if fork:
-                procs.append(ForkedRank(target, env, forwarder.signals))  # type: ignore[arg-type]
-            else:
-                procs.append(subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}))
-        code = supervise(procs, grace_seconds, forwarder)
+        for attempt in range(max_restarts + 1):
+            port = free_port()  # the dead attempt's store went with its rank 0
+            procs: list[RankProcess] = []
+            for rank in range(world_size):
+                env = rank_environment(rank, world_size, port, attempt, max_restarts)
+                if fork:
+                    procs.append(ForkedRank(target, env, forwarder.signals))  # type: ignore[arg-type]
+                else:
+                    procs.append(subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}))
+            code = supervise(procs, grace_seconds, forwarder)
+            if code == 0 or forwarder.received or attempt == max_restarts:
+                break
+            print(f"[megatron-async] launcher: a rank failed (exit code {code}); every rank ended; "
+                  f"starting them again (restart {attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)
     if code != 0 and forwarder.received:
         die_of(forwarder.received[0])
     return code
@@ -212,6 +248,11 @@ def die_of(sig: int) -> None:
     os._exit(128 + sig)  # a signal whose default action is not to terminate
 
 
+def _only_stopped_left(procs: Sequence[RankProcess]) -> bool:
+    """Every rank still running is stopped: none of them can fail by itself, waiting is useless."""
+    return all(is_stopped(p.pid) for p in procs if p.poll() is None)
+
+
 def supervise(procs: Sequence[RankProcess], grace_seconds: float,
               forwarder: SignalForwarder | None = None) -> int:
     """Wait for every rank; once one fails, give the others ``grace_seconds`` to follow."""
@@ -224,10 +265,11 @@ def supervise(procs: Sequence[RankProcess], grace_seconds: float,
             rc = p.poll()
             if rc not in (None, 0) and failed_at is None:
                 failed_at, code = time.monotonic(), rc
-        if failed_at is not None and time.monotonic() - failed_at > grace_seconds:
+        if failed_at is not None and (time.monotonic() - failed_at > grace_seconds or _only_stopped_left(procs)):
             for p in procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
+                    p.send_signal(signal.SIGCONT)  # a stopped rank acts on SIGTERM once continued
             break
         time.sleep(0.2)
     for p in procs:

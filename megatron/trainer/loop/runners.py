@@ -22,6 +22,7 @@ from megatron.pipeline.schedules.evaluation import evaluation_ops
 from megatron.pipeline.runtime.tracing import StageTracer
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing import checkpoint as ckpt
+from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
 from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.tasks.task import Batch, PretrainTask
 
@@ -125,6 +126,7 @@ class PipelineRunner:
         transport.barrier()
         for w, state in zip(self.workers, ckpt.stage_states(self.task, transport, self.workers)):
             ckpt.write_rank_file(root, iteration, w.stage, transport.dp_rank, state)
+        kill_here_if_asked("written", iteration)  # tests only (fault_injection)
         transport.barrier()
         if transport.is_coordinator:
             ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.args),

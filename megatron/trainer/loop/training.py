@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from megatron.pipeline.runtime.executors.common import ReportCadence
 from megatron.pipeline.runtime.executors.errors import PipelineRuntimeError
+from megatron.pipeline.runtime.report import StageReport
 from megatron.pipeline.ir import MultiPipelineLayout
 from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
 from megatron.pipeline.runtime.tied_embeddings import counted
@@ -43,12 +45,13 @@ from megatron.trainer.checkpointing.checkpoint import (
 from megatron.trainer.launch.core_binding import bind_cores
 from megatron.trainer.launch.host_allocator import apply_host_malloc
 from megatron.trainer.launch.python_gc import CollectorPolicy
-from megatron.trainer.launch.launcher import is_worker_process, launch_local
+from megatron.trainer.launch.launcher import grace_for, is_worker_process, launch_local
 from megatron.trainer.launch.memory_check import MemoryCheckError, check_memory
 from megatron.trainer.launch.schedule_check import ScheduleCheckError, check_schedule
 from megatron.trainer.launch.auto_memory import apply_auto_memory_limit
 from megatron.trainer.config.errors import ArgumentError
 from megatron.trainer.loop.logger import ReportCollector, TrainingLogger
+from megatron.trainer.loop.restart_report import ProgressRecord, read_progress, restart_line
 from megatron.trainer.loop.segments import Segment, plan_segments, run_segments
 from megatron.trainer.loop.run_banner import print_banner
 from megatron.trainer.optim.lr_schedule import LRSchedule
@@ -56,6 +59,7 @@ from megatron.trainer.config.mixed_precision_args import loss_scale_config
 from megatron.pipeline.runtime.loss_scaling import StageLossScaler
 from megatron.trainer.optim.registry import build_optimizer
 from megatron.trainer.launch.process_guard import guard_rank_process
+from megatron.trainer.launch.rendezvous import rank_store
 from megatron.trainer.launch.slurm_env import SlurmEnvironmentError, adopt_slurm_task_environment
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
 from megatron.trainer.loop.rampup import segment_boundaries, segment_schedules
@@ -232,7 +236,7 @@ def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, de
     _start_banner(args, transport, workers)
     coordinator = transport.is_coordinator
     logger = make_logger(args, start, task) if coordinator else None
-    collector = ReportCollector(transport.num_reporters, logger.log_update) if logger else None
+    collector = ReportCollector(transport.num_reporters, _on_logged(args, start, logger)) if logger else None
     sink = transport.report_sink(collector)
     schedule = run_schedule(args, start, resume)
     cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
@@ -256,6 +260,24 @@ def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, de
         for w in workers:
             dump_parameters(task, w, args.dump_final_params, transport.tp_rank)
     return workers
+
+
+def _on_logged(args: argparse.Namespace, start: int,
+               logger: TrainingLogger) -> Callable[[int, list[StageReport]], None]:
+    """The logging rank's per-update callback: the logger, and with ``--save`` the progress
+    record a restart reads to say how many iterations it lost (after saying it, if this is one)."""
+    if args.save is None:
+        return logger.log_update
+    line = restart_line(start, read_progress(args.save))
+    if line is not None:
+        print(line, flush=True)
+    progress = ProgressRecord(args.save)
+    progress.record(start)  # a dead attempt that logged nothing lost nothing after `start`
+
+    def log_and_record(update: int, reports: list[StageReport]) -> None:
+        logger.log_update(update, reports)
+        progress(update, reports)
+    return log_and_record
 
 
 def _start_banner(args: argparse.Namespace, transport: Transport, workers: list[StageWorker]) -> None:
@@ -322,8 +344,10 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
     if int(os.environ["WORLD_SIZE"]) == 1:  # one rank: an in-memory store, no port to collide on
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
                                 device_id=device_id)
-    else:
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+    else:  # a store namespace of this restart attempt's own (megatron.trainer.launch.rendezvous)
+        dist.init_process_group(backend, store=rank_store(rank, int(os.environ["WORLD_SIZE"]), timeout),
+                                rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                                device_id=device_id)
     groups, transport = rank_transport(task, args, device)
     try:
         drive(task, args, transport, device, stop)
@@ -408,13 +432,13 @@ def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | No
         return 0
     if is_worker_process():
         return run_distributed(task, args)
-    if args.world_size == 1:
+    if args.world_size == 1 and not args.max_restarts:  # one rank, nothing to restart: run it here
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         return run_distributed(task, args)
     # CPU ranks are forked from here (imports already paid); GPU ranks start fresh processes.
     target = (lambda: run_distributed(task, args)) if _runs_on_cpu(args) else None
-    return launch_local(args.world_size, [script or sys.argv[0], *argv], target=target,
-                        forward_signals=launcher_signals(args))
+    return launch_local(args.world_size, [script or sys.argv[0], *argv], grace_for(args.pipeline_timeout_seconds),
+                        target=target, forward_signals=launcher_signals(args), max_restarts=args.max_restarts)
 
 
 def _runs_on_cpu(args: argparse.Namespace) -> bool:
