@@ -16,6 +16,8 @@ import torch
 
 from async_helpers import (
     TINY_GPT, assert_trains_like, emulate, emulated_reference, final_params, read_log, run_pretrain)
+
+TIED_GPT = [flag for flag in TINY_GPT if flag != "--untie-embeddings-and-output-weights"]  # the default, tied
 from megatron.pipeline.runtime.executors.core import OpCore
 from megatron.pipeline.runtime.tied_embeddings import is_tied_copy, tied_parameters
 
@@ -24,7 +26,7 @@ TIED = "embedding.word_embeddings.weight"
 
 
 def _argv(pp: int, schedule: str) -> list[str]:
-    return [*TINY_GPT, *FP32_NO_DROPOUT, "--num-layers", "4", "--pipeline-model-parallel-size", str(pp),
+    return [*TIED_GPT, *FP32_NO_DROPOUT, "--num-layers", "4", "--pipeline-model-parallel-size", str(pp),
             "--pipeline-schedule", schedule, "--global-batch-size", "4", "--train-iters", "3", "--log-interval", "1"]
 
 

@@ -19,18 +19,24 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.pipeline.planner.auto_schedule import AutoAsyncSchedule
 from megatron.pipeline.schedules import schedule_class
+from megatron.pipeline.schedules.v_shape import VShapeSchedule
 
 UNTIE = "--untie-embeddings-and-output-weights"
 
 
 def _untied_because(args: argparse.Namespace) -> str | None:
     """Why this run cannot tie (None: it can)."""
-    if schedule_class(args.pipeline_schedule).asynchronous or args.pipeline_schedule == "auto-async":
+    cls = schedule_class(args.pipeline_schedule)
+    if cls.asynchronous or issubclass(cls, AutoAsyncSchedule):  # auto-async may switch to one
         return (f"as every asynchronous schedule ({args.pipeline_schedule}): each stage steps on its own clock, "
                 f"and tying would make the first and last stage meet at every update")
     if args.pipeline_model_parallel_size == 1:
         return None
+    if issubclass(cls, VShapeSchedule):
+        return ("the V layout (its first and last parts share device 0) does not sum the two copies yet; "
+                "see docs/schedules.md")
     if getattr(args, "enable_optimizer_post_validation", False):
         return "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
     if getattr(args, "use_distributed_optimizer", False):
