@@ -25,6 +25,7 @@ from megatron.pipeline.schedules import SCHEDULES
 from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.tasks.gpt import GPTTask
+from megatron.trainer.loop.restart_report import PROGRESS_FILE  # the restart report's progress, beside the checkpoints
 
 TOTAL, STOP = 20, 10
 
@@ -118,7 +119,7 @@ def test_a_save_removes_stale_staging_and_syncs_before_moving_the_pointer(
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(f"replace {Path(b).name}"), real_replace(a, b))[1])
     emulate(_argv("1f1b", (), tmp_path / "log.jsonl", "--save", str(root), "--train-iters", "2"))
-    assert sorted(p.name for p in root.iterdir()) == sorted([ckpt.POINTER, "iter_0000002"])
+    assert sorted(p.name for p in root.iterdir()) == sorted([ckpt.POINTER, PROGRESS_FILE, "iter_0000002"])
     assert events[-3:] == ["fsync", f"replace {ckpt.POINTER}", "fsync"]  # file, rename, directory
     renamed = events.index("replace iter_0000002")
     assert events[renamed + 1] == "fsync"  # the directory, before the pointer
@@ -200,7 +201,8 @@ def test_a_crash_while_saving_leaves_the_last_checkpoint_loadable(megatron_world
     # The next save of that iteration starts from a clean staging directory.
     emulate(_argv("1f1b", (), tmp_path / "log2.jsonl", "--load", str(root), "--save", str(root),
                   "--exit-interval", "10"))
-    assert sorted(p.name for p in root.iterdir()) == sorted([ckpt.POINTER, "iter_0000005", "iter_0000010"])
+    assert sorted(p.name for p in root.iterdir()) == sorted([ckpt.POINTER, PROGRESS_FILE, "iter_0000005",
+                                                             "iter_0000010"])
     assert sorted(p.name for p in (root / "iter_0000010").iterdir()) == sorted(
         [ckpt.METADATA, ckpt.rank_file_name(0, 0), ckpt.rank_file_name(1, 0)])
 

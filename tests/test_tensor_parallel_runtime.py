@@ -36,7 +36,8 @@ MODEL = ["--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS), "--s
          "--vocab-size", "64", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3",
          "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-threads", "1",
          "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--pipeline-model-parallel-size", "2",
-         "--device", "cpu", "--pipeline-timeout-seconds", "120"]
+         "--device", "cpu", "--pipeline-timeout-seconds", "120",
+         "--untie-embeddings-and-output-weights"]  # the runs compare layouts; tying: tests/test_tied_embeddings.py
 # (name, flags): what each schedule needs beyond MODEL.
 DONE_WHEN = [
     ("1f1b", ["--num-layers", "2"]),
