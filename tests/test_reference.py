@@ -58,6 +58,7 @@ COMMON = [
     "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
     "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
     "--seed", "4321", "--mock-data", "--device", "cpu", "--num-threads", "1", "--log-interval", "1",
+    "--untie-embeddings-and-output-weights",  # the reference loop's model; tying: tests/test_tied_embeddings.py
 ]
 
 # name -> extra flags of a distributed run
