@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
 
 from benchmarks.gpucheck.flops import GPTShape, flops_per_token, mfu  # noqa: E402
 from benchmarks.gpucheck.wheels import wheels_to_install  # noqa: E402
-from wheelhouse import Target, project_requirements, second_phase  # noqa: E402
+from tools.wheelhouse import Target, project_requirements, second_phase  # noqa: E402
 
 STEPS = ["environment", "gpu_tests", "schedules", "throughput", "memory", "distributed"]
 # The dry run needs about 62 s of CPU (its steps' child processes); alone on 2 cores it ends within

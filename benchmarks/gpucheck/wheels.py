@@ -11,10 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.gpucheck.proc import REPO, Result, run
-
-sys.path.insert(0, str(REPO / "tools"))
-from wheelhouse import canonicalize_name, project_requirements, wheel_name  # noqa: E402
+from benchmarks.gpucheck.proc import Result, run
+from tools.wheelhouse import canonicalize_name, project_requirements, wheel_name
 
 
 def installed_version(name: str) -> str | None:
