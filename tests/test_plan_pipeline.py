@@ -68,3 +68,21 @@ def test_png(tmp_path, capsys):
     assert plan.main([*SMALL, "--device", "cpu", "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "synchronous" in capsys.readouterr().out
+
+
+def test_profile_activation_bytes_from_the_measured_peaks() -> None:
+    """The profile divides each stage's measured peak by ZB-H1's simulated peak (in M_B, with
+    the profiled m_w): stage 0 holds N = 2 micro-batches' activations at its peak, stage 1 one
+    plus what its W's are still owed (m_w = 0.5)."""
+    from megatron.trainer.tasks.plan_profile import measured_activations
+
+    layer, head, layers = 3.0e6, 5.0e6, 4
+    cost = {"t_f": 1.0, "t_b": 1.0, "t_w": 1.0, "m_w": 0.5}
+    decision = {"num_microbatches": 4, "costs": [cost, cost]}
+    stage0, stage1 = layers * layer, layers * layer + head
+    mib = 2.0 ** 20
+    records = [{"peak_activation_mb": [2 * stage0 / mib, 1.5 * stage1 / mib]}] * 2
+    got = measured_activations(decision, records, layers)
+    assert got is not None
+    assert got.layer == pytest.approx(layer, rel=1e-12) and got.head == pytest.approx(head, rel=1e-12)
+    assert measured_activations(decision, [], layers) is None

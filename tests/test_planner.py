@@ -2,6 +2,7 @@
 memory, the simulated iteration, ranking, the Pareto front and the JSON schema (issue 32)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -16,7 +17,7 @@ from megatron.pipeline.planner.memory import StageMemory
 from megatron.pipeline.planner.ranking import pareto_front, rank, split_by_semantics
 from megatron.pipeline.planner.report import CANDIDATE_FIELDS, plan_dict, table
 from megatron.pipeline.planner.stages import Parallelism
-from megatron.pipeline.planner.unit_costs import PassCosts, UnitCosts, from_two_stage_profile
+from megatron.pipeline.planner.unit_costs import ActivationBytes, PassCosts, UnitCosts, from_two_stage_profile
 from megatron.pipeline.schedules import SCHEDULES
 
 # h=4, one head (d=4), ffn 16, seq 2, micro-batch 1, vocab 8, fp32, no position table
@@ -143,3 +144,30 @@ def test_two_stage_profile_to_unit_costs_by_hand():
     s1 = {"t_f": 11.0, "t_b": 15.0, "t_w": 7.0, "t_comm": 0.5}
     unit = from_two_stage_profile([s0, s1], (2, 2), micro_batch=2)
     assert unit.layer == PassCosts(3.0, 4.0, 2.0) and unit.head == PassCosts(5.0, 7.0, 3.0) and unit.p2p == 0.5
+
+
+def test_cost_file_round_trip_with_host_cores_and_measured_activations():
+    costs = UnitCosts(2, PassCosts(1, 2, 3), host_cores=2.0, activations=ActivationBytes(10.0, 1.0, 7.0))
+    assert UnitCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
+    assert costs.at_micro_batch(4).activations == ActivationBytes(20.0, 2.0, 14.0)
+
+
+def test_measured_activations_set_the_activation_unit():
+    """A profile's per-micro-batch bytes replace the analytic count: 1F1B at N = 2 holds 2
+    micro-batches on stage 0 (2 layers, the embedding) and 1 on stage 1 (2 layers, the head)."""
+    unit = dataclasses.replace(UNIT, activations=ActivationBytes(layer=100.0, embedding=10.0, head=50.0))
+    result = evaluate(Problem(TINY, unit, global_batch=4), _one_f_one_b())
+    assert [m.activations for m in result.memory] == [2 * (2 * 100.0 + 10.0), 1 * (2 * 100.0 + 50.0)]
+
+
+def test_stages_sharing_cores_take_the_processor_sharing_time():
+    """4 stages of 1F1B, m = 8, F = B = W = 1: a device each gives (m + N - 1) * 3 = 33; on 2
+    cores all 4 * 8 * 3 = 96 units of work need at least 48; one core per stage is unchanged."""
+    cand = Candidate("1f1b", 4, 1, 8, 1, "none", "even", (1, 1, 1, 1))
+    own = evaluate(Problem(TINY, UNIT, global_batch=8), cand).iteration_time_ms
+    assert own == pytest.approx(33.0)
+    assert evaluate(Problem(TINY, UNIT, 8, host_cores=4), cand).iteration_time_ms == pytest.approx(own)
+    shared = evaluate(Problem(TINY, UNIT, 8, host_cores=2), cand).iteration_time_ms
+    assert 48.0 <= shared <= 48.0 + 3 * 3  # + at most the fill and drain of one op per hop
+    by_file = evaluate(Problem(TINY, dataclasses.replace(UNIT, host_cores=2.0), 8), cand).iteration_time_ms
+    assert by_file == shared

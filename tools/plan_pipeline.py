@@ -18,6 +18,7 @@ the flags that select them; ``--json`` prints the object of ``docs/planning.md``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--costs", default=None, metavar="FILE", help="unit costs saved by --profile --save-costs")
     g.add_argument("--profile", action="store_true", help="time one layer, embedding, head and P2P here")
     g.add_argument("--save-costs", default=None, metavar="FILE", help="write the unit costs used to FILE")
+    g.add_argument("--host-cores", type=float, default=None, metavar="C",
+                   help="cores a node's ranks share when they outnumber them (a CPU host; 0: a device per "
+                        "rank); default: the cost source's (a CPU --profile records this host's)")
     g.add_argument("--schedules", type=_names(list(SCHEDULES)), default=None, help="comma-separated subset")
     g.add_argument("--recompute", type=_names(RECOMPUTES), default=list(RECOMPUTES), dest="plan_recompute",
                    help="recompute choices to plan (default: none,selective,full)")
@@ -95,6 +99,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device-memory-gb must be positive")
     if args.top < 1:
         p.error("--top must be at least 1")
+    if args.host_cores is not None and args.host_cores < 0:
+        p.error("--host-cores must be non-negative (0: a device per rank)")
     args.pipeline_sizes = args.pipeline_sizes or [args.pipeline_model_parallel_size]
     try:
         finalize_args(args)
@@ -159,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.host_cores is not None:
+        unit = dataclasses.replace(unit, host_cores=args.host_cores or None)
     if args.save_costs:
         save_unit_costs(unit, args.save_costs)
     memory = args.device_memory_gb or (DEVICES[args.device].memory_gb if args.device else None)

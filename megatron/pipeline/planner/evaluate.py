@@ -16,6 +16,7 @@ from megatron.pipeline.cost_model import ModelShape
 from megatron.pipeline.planner import stages as st
 from megatron.pipeline.planner.candidates import Candidate
 from megatron.pipeline.planner.memory import StageMemory, fits, stage_memory
+from megatron.pipeline.planner.shared_cores import cores_per_pipeline, is_shared, shared_core_makespan
 from megatron.pipeline.planner.unit_costs import UnitCosts
 from megatron.pipeline.schedules import build_schedule, schedule_class
 from megatron.pipeline.simulator import OpCosts, SimulationResult, simulate_schedule
@@ -42,6 +43,15 @@ class Problem:
     global_batch: int
     parallel: st.Parallelism = st.Parallelism()
     device_bytes: float | None = None
+    host_cores: float | None = None  # cores a node's ranks share (a CPU host); None: the unit costs' own
+
+    def pipeline_cores(self) -> float | None:
+        """The cores one pipeline's stages share (every replica's ranks run on the host), or None
+        where each has a device: ``host_cores``, else the host the unit costs were profiled on."""
+        cores = self.host_cores if self.host_cores is not None else self.unit.host_cores
+        if cores is None:
+            return None
+        return cores_per_pipeline(cores, self.parallel.data_parallel, self.parallel.tensor_parallel)
 
 
 @dataclass
@@ -79,30 +89,36 @@ def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSize
     """The candidate's part sizes and the simulator's per-stage (or per-part) costs."""
     shape = dataclasses.replace(problem.shape, micro_batch=cand.micro_batch_size)
     unit = problem.unit.at_micro_batch(cand.micro_batch_size)
-    parts = st.part_sizes(shape, cand.counts, problem.parallel.tensor_parallel)
+    parts = st.part_sizes(shape, cand.counts, problem.parallel.tensor_parallel, unit.activations)
     per_part = st.part_costs(shape, unit, parts, problem.parallel, cand.recompute)
     layout = schedule_class(cand.schedule).layout_of(cand.config(1, data_parallel=problem.parallel.data_parallel))
     return parts, st.simulator_costs(layout, per_part, unit.sync)
 
 
 def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int,
-                options: dict | None = None) -> tuple[float, SimulationResult, object]:
+                options: dict | None = None, cores: float | None = None) -> tuple[float, SimulationResult, object]:
     """(marginal time of one update, the longer run's result, its schedule); ``options``: the
-    schedule's other options (a Zero Bubble greedy's ``memory_limit``)."""
+    schedule's other options (a Zero Bubble greedy's ``memory_limit``); ``cores``: the cores
+    the stages share (None: a device each), when fewer than the stages the marginal time comes
+    from the processor-sharing replay."""
     k = update_count(cand)
     runs = []
     for iterations in (k // 2, k):
         config = cand.config(iterations, {**(options or {}), "costs": tuple(costs)}, data_parallel)
         schedule = build_schedule(cand.schedule, config)
-        runs.append((simulate_schedule(schedule), schedule))
-    return (runs[1][0].makespan - runs[0][0].makespan) / (k - k // 2), runs[1][0], runs[1][1]
+        result = simulate_schedule(schedule)
+        span = result.makespan
+        if is_shared(cores, schedule.layout):
+            span = shared_core_makespan(schedule.streams(), schedule.layout, tuple(costs), cores)  # type: ignore[arg-type]
+        runs.append((span, result, schedule))
+    return (runs[1][0] - runs[0][0]) / (k - k // 2), runs[1][1], runs[1][2]
 
 
 def evaluate(problem: Problem, cand: Candidate) -> CandidateResult:
     """Simulate ``cand`` (raises the schedule's ScheduleConfigError or the replay's ScheduleError)."""
     par = problem.parallel
     parts, costs = candidate_costs(problem, cand)
-    per_update, result, schedule = steady_span(cand, costs, par.data_parallel)
+    per_update, result, schedule = steady_span(cand, costs, par.data_parallel, cores=problem.pipeline_cores())
     layout = schedule.layout
     k = update_count(cand)
     busy = max(result.busy) / k

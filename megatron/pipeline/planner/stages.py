@@ -23,7 +23,7 @@ from megatron.pipeline.comm_volume import ring_all_reduce_bytes
 from megatron.pipeline.cost_model import (
     ModelShape, embedding_parameters, head_parameters, layer_activation_elements, layer_parameters)
 from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
-from megatron.pipeline.planner.unit_costs import UnitCosts
+from megatron.pipeline.planner.unit_costs import ActivationBytes, UnitCosts
 from megatron.pipeline.simulator import OpCosts
 
 #: recompute choices: the trainer's ``--recompute-granularity`` value (None: no recompute)
@@ -50,12 +50,20 @@ class PartSizes:
     activation_bytes: float
 
 
-def part_sizes(shape: ModelShape, counts: Sequence[int], tensor_parallel: int = 1) -> list[PartSizes]:
-    """Sizes of the parts holding ``counts[j]`` layers, embedding on part 0 and head on the last
-    (the runtime's activations, :func:`~megatron.pipeline.cost_model.layer_activation_elements`)."""
+def part_sizes(shape: ModelShape, counts: Sequence[int], tensor_parallel: int = 1,
+               measured: ActivationBytes | None = None) -> list[PartSizes]:
+    """Sizes of the parts holding ``counts[j]`` layers, embedding on part 0 and head on the last;
+    activations as ``measured`` by a profile (bytes at ``shape``'s micro-batch), else the analytic
+    count (:func:`~megatron.pipeline.cost_model.layer_activation_elements`)."""
     t, last = tensor_parallel, len(counts) - 1
-    return [PartSizes(k, part_parameters(shape, k, j == 0, j == last) / t,
-                      part_activation_bytes(shape, k, j == 0, j == last) / t) for j, k in enumerate(counts)]
+
+    def activations(k: int, first: bool, is_last: bool) -> float:
+        if measured is not None:
+            return measured.part(k, first, is_last)
+        return part_activation_bytes(shape, k, first, is_last)
+
+    return [PartSizes(k, part_parameters(shape, k, j == 0, j == last) / t, activations(k, j == 0, j == last) / t)
+            for j, k in enumerate(counts)]
 
 
 def part_parameters(shape: ModelShape, layers: int, first: bool, last: bool) -> float:

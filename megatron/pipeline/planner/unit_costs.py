@@ -8,7 +8,8 @@ micro-batch size is scaled linearly (:meth:`UnitCosts.at_micro_batch`), which is
 time does once the device is saturated and over-estimates small micro-batches on a GPU.
 
 File format (``--costs FILE``, written by ``--profile``): one JSON object with the fields of
-:class:`UnitCosts`; ``layer``, ``embedding`` and ``head`` are ``{"f": ms, "b": ms, "w": ms}``.
+:class:`UnitCosts`; ``layer``, ``embedding`` and ``head`` are ``{"f": ms, "b": ms, "w": ms}``;
+the optional ``activations`` is ``{"layer": bytes, "embedding": bytes, "head": bytes}``.
 """
 from __future__ import annotations
 
@@ -44,13 +45,35 @@ ZERO = PassCosts(0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes one micro-batch keeps for its backward on a layer, the embedding and the head, as
+    the runtime's activation meter counts them (a profile measures them; without one the planner
+    uses the analytic count, :func:`megatron.pipeline.planner.stages.part_activation_bytes`)."""
+
+    layer: float
+    embedding: float = 0.0
+    head: float = 0.0
+
+    def scaled(self, factor: float) -> "ActivationBytes":
+        return ActivationBytes(self.layer * factor, self.embedding * factor, self.head * factor)
+
+    def part(self, layers: int, first: bool, last: bool) -> float:
+        """Bytes of a part of ``layers`` layers, with the embedding on the first, the head on the last."""
+        return layers * self.layer + (self.embedding if first else 0.0) + (self.head if last else 0.0)
+
+
+@dataclass(frozen=True)
 class UnitCosts:
     """Per-micro-batch times (ms) the planner builds every stage's costs from.
 
     ``p2p``: from the end of a sending op to the arrival of its activation (or gradient);
     ``optimizer_per_param``: the optimizer step's time per parameter of a stage (ms), so a stage's
     ``t_opt`` follows its parameter count; ``sync``: the synchronous step's collective latency
-    (norms, statistics) on top of it; ``source``: where the numbers came from (reported).
+    (norms, statistics) on top of it; ``source``: where the numbers came from (reported);
+    ``host_cores``: the cores one node's ranks share when the costs were taken on a CPU host
+    (``--profile`` there records its usable cores), None where every rank has a device of its own.
+    With fewer cores than stages the planner replays candidates with processor sharing
+    (:mod:`megatron.pipeline.planner.shared_cores`).
     """
 
     micro_batch: int
@@ -62,13 +85,16 @@ class UnitCosts:
     sync: float = 0.0
     reduce_ms_per_byte: float = 0.0  # data-parallel gradient all-reduce, per byte one rank sends
     source: str = "given"
+    host_cores: float | None = None
+    activations: ActivationBytes | None = None  # measured by a profile; None: the analytic count
 
     def at_micro_batch(self, micro_batch: int) -> "UnitCosts":
         """The costs at another micro-batch size, linear in the sequences of a micro-batch."""
         factor = micro_batch / self.micro_batch
         return dataclasses.replace(self, micro_batch=micro_batch, layer=self.layer.scaled(factor),
                                    embedding=self.embedding.scaled(factor), head=self.head.scaled(factor),
-                                   p2p=self.p2p * factor)
+                                   p2p=self.p2p * factor,
+                                   activations=None if self.activations is None else self.activations.scaled(factor))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -84,8 +110,10 @@ class UnitCosts:
         parts = {k: PassCosts(**values[k]) for k in ("layer", "embedding", "head") if k in values}
         scalars = {k: float(v) for k, v in values.items() if k in ("p2p", "optimizer_per_param", "sync",
                                                                       "reduce_ms_per_byte")}
+        cores, acts = values.get("host_cores"), values.get("activations")
         return cls(micro_batch=int(values["micro_batch"]), source=str(values.get("source", "file")),
-                   **parts, **scalars)
+                   host_cores=None if cores is None else float(cores),
+                   activations=None if acts is None else ActivationBytes(**acts), **parts, **scalars)
 
 
 def load_unit_costs(path: str) -> UnitCosts:

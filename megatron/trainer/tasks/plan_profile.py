@@ -6,17 +6,33 @@ link exactly as a real run sees them; a separate micro-benchmark would time diff
 process: the emulator runs both stages of a 2-stage zb-1p, evenly split, for ``PROFILE_ITERS``
 profiled iterations (ZB-H1) plus one, on mock data, and the logged per-stage costs are turned into
 per-layer and head costs (:func:`~megatron.pipeline.planner.unit_costs.from_two_stage_profile`).
-The optimizer step and the data-parallel reduction are not profiled (0).
+The optimizer step comes from the same run's traced OPT spans (per parameter), activation
+bytes from its activation meter (:func:`measured_activations`); the data-parallel reduction is
+not profiled (0). On a CPU the profile
+records the host's usable cores (``host_cores``): a run of more stages than cores shares them,
+which the planner models (:mod:`megatron.pipeline.planner.shared_cores`).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from megatron.pipeline.planner.unit_costs import UnitCosts, from_two_stage_profile
+from megatron.pipeline.ir import OpKind
+from megatron.pipeline.planner.stages import part_parameters
+from megatron.pipeline.planner.unit_costs import ActivationBytes, UnitCosts, from_two_stage_profile
+from megatron.pipeline.schedules import build_schedule
+from megatron.pipeline.schedules.base import ScheduleConfig
+from megatron.pipeline.schedules.zb_h1 import ZBH1
+from megatron.pipeline.simulator import OpCosts, simulate_schedule
+from megatron.pipeline.trace_analysis import load_traces
+from megatron.trainer.tasks.balanced_partition import model_shape
 from megatron.pipeline.schedules.zb_1p import ZB1P
 
 PROFILE_ITERS = 2
@@ -46,15 +62,69 @@ def profile_command(args: argparse.Namespace) -> list[str]:
                   "--log-interval", "1"]
 
 
+def host_cores() -> float | None:
+    """The cores this process may run on when the profile ran on the CPU; None with a GPU
+    (every rank then has a device of its own)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return float(len(os.sched_getaffinity(0)))
+
+
+def measured_activations(decision: dict, records: list[dict], layers: int) -> ActivationBytes | None:
+    """Per-micro-batch activation bytes of a layer and the head, from the profiled iterations'
+    measured peaks (``--log-activation-memory``, MiB per stage).
+
+    Why through the peak: the meter reports each stage's peak over an interval, which for the
+    profiled ZB-H1 iterations is the simulator's peak (in micro-batches' activations ``M_B``,
+    with the profiled ``m_w`` of what a B leaves for its W) times the stage's ``M_B``. So
+    ``M_B = peak / simulated peak``; stage 0 (``layers`` layers and the embedding) gives the
+    layer (the embedding's output, one activation-sized tensor, folded in as with the times),
+    stage 1 the head as the rest. None without measured records."""
+    peaks = [r["peak_activation_mb"] for r in records[:PROFILE_ITERS] if "peak_activation_mb" in r]
+    if not peaks:
+        return None
+    costs = tuple(OpCosts.from_dict(c) for c in decision["costs"])
+    config = ScheduleConfig(num_stages=2, num_microbatches=int(decision["num_microbatches"]))
+    units = simulate_schedule(build_schedule(ZBH1.name, config), costs).peak_memory
+    per_mb = [max(p[s] for p in peaks) * 2**20 / units[s] for s in range(2)]
+    layer = per_mb[0] / layers
+    return ActivationBytes(layer=layer, head=max(0.0, per_mb[1] - layers * layer))
+
+
+def optimizer_ms_per_param(args: argparse.Namespace, trace_dir: Path) -> float:
+    """The optimizer step's time per parameter (ms): each stage's median traced OPT span (the
+    emulator runs a stage's step alone: no collective waits inside it) over its parameters, the
+    larger of the two stages (the slower one sets a synchronous step's pace)."""
+    shape = model_shape(args)
+    half = args.num_layers // 2
+    rates = []
+    for trace in load_traces(trace_dir):
+        steps = [span.end - span.start for span in trace.spans if span.op.kind is OpKind.OPT]
+        params = part_parameters(shape, half, trace.stage == 0, trace.stage == 1)
+        if steps and params:
+            rates.append(statistics.median(steps) / params)
+    return max(rates, default=0.0)
+
+
 def profile_unit_costs(args: argparse.Namespace) -> UnitCosts:
     """Run the profile and read its costs; ValueError (one line) when the run gives none."""
     if args.num_layers % 2:
         raise ValueError(f"--profile splits the model over 2 stages evenly; --num-layers {args.num_layers} is odd")
-    run = subprocess.run(profile_command(args), capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        log, trace = Path(tmp) / "profile.jsonl", Path(tmp) / "trace"
+        command = profile_command(args) + ["--log-activation-memory", "--log-json", str(log), "--trace-dir", str(trace)]
+        run = subprocess.run(command, capture_output=True, text=True)
+        records = [json.loads(r) for r in log.read_text().splitlines()] if log.exists() else []
+        step = optimizer_ms_per_param(args, trace) if trace.is_dir() and any(trace.iterdir()) else 0.0
     for line in run.stdout.splitlines():
         if MARKER in line:
-            costs = json.loads(line.split(MARKER, 1)[1])["costs"]
+            decision = json.loads(line.split(MARKER, 1)[1])
             half = args.num_layers // 2
-            return from_two_stage_profile(costs, (half, half), args.micro_batch_size, source="profiled:this host")
+            unit = from_two_stage_profile(decision["costs"], (half, half), args.micro_batch_size,
+                                          source="profiled:this host")
+            return dataclasses.replace(unit, host_cores=host_cores(), optimizer_per_param=step,
+                                       activations=measured_activations(decision, records, half))
     tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
     raise ValueError(f"the profiling run logged no costs (exit {run.returncode}): {tail[0]}")

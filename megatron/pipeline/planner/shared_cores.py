@@ -1,0 +1,190 @@
+"""Iteration time when a host runs more pipeline ranks than it has cores (processor sharing).
+
+Why: the timing simulator gives every stage a device of its own, which is what a GPU node does.
+A CPU host is different once its ranks outnumber its cores: a 4-stage run on a 2-core laptop
+(or this project's 2-core CI host) has at most two stages computing at any moment, and the
+operating system time-slices the runnable ones. There the simulator's makespan is a lower bound
+that can be half the truth (1F1B at N = 4, m = 8: 11 op-times of critical path, but 32 op-times
+of work on 2 cores), and the planner would rank schedules by the wrong quantity: a schedule that
+fills bubbles gains nothing when the cores are already full.
+
+The model (pure, no torch):
+
+* **The op graph.** The schedule's streams are replayed by the same
+  :class:`~megatron.pipeline.replay.ReplayEngine` as the simulator, with the same op durations
+  (:class:`~megatron.pipeline.op_costs.OpCosts`, per stage or per model part, plus the sender's
+  ``t_send`` per message to another stage), but what travels in a message is *which op sent it*
+  and its delay (``t_comm``; 0 for a V's turn on its own stage). That gives each op's inputs.
+* **Processor sharing.** A stage is *runnable* when its next op's inputs have arrived. With
+  ``r`` runnable stages on ``c`` cores each progresses at rate ``min(1, c / r)``: the
+  scheduler's fair share (the runtime's CPU ranks compute on one thread each, and a rank
+  blocked in a receive sleeps). Time advances from event to event: an op ends, a message
+  arrives.
+* **Synchronous OPT.** A collective over ``layout.sync_group``: each member's part
+  (``t_opt + t_sync``) becomes runnable once every member has reached it, and no member goes
+  on before all have finished, as in the simulator.
+
+With ``c >= N`` no stage is ever slowed and the makespan is the simulator's; with ``c = 1`` it
+is the sum of all op durations (both are tests). ``cores`` may be fractional: a host whose
+cores are shared by ``D`` data-parallel replicas of ``T`` tensor-parallel ranks gives each
+pipeline ``cores / (D * T)`` (:func:`cores_per_pipeline`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron.pipeline.comm import Message, op_sends
+from megatron.pipeline.ir import Op, OpKind, PipelineLayout
+from megatron.pipeline.replay import ReplayEngine
+from megatron.pipeline.simulator import CostsLike, stage_costs
+
+_EPS = 1e-9
+
+
+@dataclass
+class _Node:
+    """One op of one stage: its work and the ops whose messages it waits for."""
+
+    stage: int
+    work: float
+    inputs: list[tuple[int, float]] = field(default_factory=list)  # (sending node, delay after its end)
+    group: int | None = None  # the collective this op belongs to (a synchronous OPT)
+
+
+class _Sent:
+    """What a replayed op sends: every message carries the sender's node and its delay."""
+
+    __slots__ = ("node", "delay")
+
+    def __init__(self, node: int, delay: float):
+        self.node = node
+        self.delay = delay
+
+    def __contains__(self, msg: object) -> bool:
+        return True
+
+    def __getitem__(self, msg: Message) -> tuple[int, float]:
+        return self.node, 0.0 if msg.local else self.delay
+
+
+def op_graph(streams: Sequence[Any], layout: PipelineLayout,
+             costs: CostsLike = None) -> tuple[list[_Node], list[list[int]], list[list[int]]]:
+    """(nodes, each stage's node ids in order, each collective's node ids) of ``streams``."""
+    n = layout.num_stages
+    per_stage = stage_costs(costs, n)
+    by_part = layout.num_model_stages == n  # the simulator's rule: costs follow the model part
+    nodes: list[_Node] = []
+    order: list[list[int]] = [[] for _ in range(n)]
+    groups: list[list[int]] = []
+
+    def add(node: _Node) -> int:
+        nodes.append(node)
+        order[node.stage].append(len(nodes) - 1)
+        return len(nodes) - 1
+
+    def execute(op: Op, inputs: dict[Message, Any]) -> _Sent:
+        s = op.stage
+        c = per_stage[layout.model_stage(s, op.chunk) if by_part else s]
+        work = c.duration(op.kind)
+        if c.t_send:
+            work += c.t_send * sum(1 for msg in op_sends(op, layout) if msg.dst_stage != s)
+        node = add(_Node(s, work, list(inputs.values())))
+        return _Sent(node, c.t_comm)
+
+    def execute_sync(ops: list[Op]) -> None:
+        gid = len(groups)
+        groups.append([add(_Node(op.stage, per_stage[op.stage].sync_step, group=gid)) for op in ops])
+
+    ReplayEngine([iter(s) for s in streams], layout, execute, execute_sync).run()
+    return nodes, order, groups
+
+
+def shared_core_makespan(streams: Sequence[Any], layout: PipelineLayout, costs: CostsLike, cores: float) -> float:
+    """End of the last op when the stages share ``cores`` cores (module docstring)."""
+    if cores <= 0:
+        raise ValueError(f"cores must be positive, got {cores}")
+    nodes, order, groups = op_graph(streams, layout, costs)
+    n = len(order)
+    pos = [0] * n  # index of each stage's next op in order[s]
+    left = [nodes[order[s][0]].work if order[s] else 0.0 for s in range(n)]
+    end: dict[int, float] = {}
+    group_done = [0] * len(groups)
+    parts_done: set[int] = set()  # collective members whose own part has run
+    now = 0.0
+
+    def current(s: int) -> int | None:
+        return order[s][pos[s]] if pos[s] < len(order[s]) else None
+
+    def arrival(node: _Node) -> float | None:
+        """When every input of ``node`` is here (None: a sender has not finished)."""
+        latest = 0.0
+        for sender, delay in node.inputs:
+            if sender not in end:
+                return None
+            latest = max(latest, end[sender] + delay)
+        return latest
+
+    def runnable(s: int) -> tuple[bool, float | None]:
+        """(runnable now, a future time it becomes runnable if known)."""
+        nid = current(s)
+        if nid is None:
+            return False, None
+        node = nodes[nid]
+        if node.group is not None:
+            members = groups[node.group]
+            if nid in parts_done:  # its part has run; it waits for the rest of the collective
+                return False, None
+            return all(current(nodes[m].stage) == m for m in members), None
+        at = arrival(node)
+        if at is None:
+            return False, None
+        return (True, None) if at <= now + _EPS else (False, at)
+
+    while any(current(s) is not None for s in range(n)):
+        states = [runnable(s) for s in range(n)]
+        active = [s for s in range(n) if states[s][0]]
+        arrivals = [t for _, t in states if t is not None]
+        if not active and not arrivals:
+            raise RuntimeError("shared-core replay stalled (the replay engine accepted this schedule)")
+        rate = min(1.0, cores / len(active)) if active else 0.0
+        step = min([left[s] / rate for s in active] + [t - now for t in arrivals])
+        now += step
+        for s in active:
+            left[s] -= step * rate
+        for s in active:
+            if left[s] > _EPS:
+                continue
+            nid = current(s)
+            assert nid is not None
+            node = nodes[nid]
+            if node.group is None:
+                _finish(s, nid, now, pos, left, end, order, nodes)
+                continue
+            parts_done.add(nid)
+            group_done[node.group] += 1
+            if group_done[node.group] == len(groups[node.group]):
+                for m in groups[node.group]:
+                    _finish(nodes[m].stage, m, now, pos, left, end, order, nodes)
+    return max(end.values(), default=0.0)
+
+
+def _finish(s: int, nid: int, now: float, pos: list[int], left: list[float], end: dict[int, float],
+            order: list[list[int]], nodes: list[_Node]) -> None:
+    end[nid] = now
+    pos[s] += 1
+    left[s] = nodes[order[s][pos[s]]].work if pos[s] < len(order[s]) else 0.0
+
+
+def cores_per_pipeline(host_cores: float, data_parallel: int = 1, tensor_parallel: int = 1) -> float:
+    """The cores one pipeline's stages share when ``host_cores`` serve every replica's ranks."""
+    return host_cores / (data_parallel * tensor_parallel)
+
+
+def is_shared(cores: float | None, layout: PipelineLayout) -> bool:
+    """Whether the stages outnumber the cores (otherwise the simulator's model holds as is)."""
+    return cores is not None and cores < layout.num_stages
+
+
+__all__ = ["cores_per_pipeline", "is_shared", "op_graph", "shared_core_makespan"]
