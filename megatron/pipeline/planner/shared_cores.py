@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.pipeline.comm import Message, op_sends
-from megatron.pipeline.ir import Op, OpKind, PipelineLayout
+from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.simulator import CostsLike, stage_costs
 
