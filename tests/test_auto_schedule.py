@@ -42,6 +42,18 @@ def test_auto_reaches_the_synchronous_optimum_and_prefers_less_memory() -> None:
     assert all(c.schedule in ("1f1b", "gpipe") or c.iteration_time == ranked[0].iteration_time for c in ranked)
 
 
+def test_one_shared_core_makes_every_order_equal_and_the_least_memory_wins() -> None:
+    """N stages on one core (no communication): the core never idles, so every synchronous order
+    takes all the work, 3 N m t; the tie goes to the least peak memory (1F1B's N M_B on stage 0,
+    ties with ZB-H1 broken by registry order: 1F1B first), not to ZB-H1's shorter critical path."""
+    ranked, _ = rank_choices(ScheduleConfig(N, M, 1), EQUAL, memory_limit=None, cores=1)
+    assert all(c.iteration_time == pytest.approx(3 * N * M, rel=1e-12) for c in ranked)
+    assert ranked[0].schedule == "1f1b"
+    config = ScheduleConfig(N, M, 1, options={"costs": EQUAL, "host_cores": 1})
+    auto = build_schedule("auto", config)
+    assert auto.choice["best"].iteration_time == pytest.approx(3 * N * M, rel=1e-12)
+
+
 def test_memory_limit_excludes_and_async_only_with_auto_async() -> None:
     ranked, refused = rank_choices(ScheduleConfig(N, M, 1), EQUAL, memory_limit=N - 1)
     assert {c.schedule for c in ranked} <= {"zb-1p", "zb-2p"}  # the greedy fits any limit >= 1

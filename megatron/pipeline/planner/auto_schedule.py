@@ -48,6 +48,9 @@ from megatron.pipeline.simulator import CostsLike, OpCosts, stage_costs
 
 #: the line every decision starts with (scripts look for it)
 CHOICE_PREFIX = "auto: chose "
+#: schedule option: the cores one pipeline's CPU ranks share when they outnumber them (the
+#: trainer sets it; every rank the same value, so every rank makes the same choice)
+HOST_CORES_OPTION = "host_cores"
 
 
 def _build(name: str, config: ScheduleConfig) -> Schedule:
@@ -98,7 +101,8 @@ class AutoSchedule(ProfiledSchedule):
             raise RuntimeError(f"{self.name}: costs were already set")
         per_stage = stage_costs(costs, self.config.num_stages)
         base = dataclasses.replace(self.config, first_iteration=self.run_start, options={})
-        ranked, refused = rank_choices(base, per_stage, self.limit, self.include_async)
+        ranked, refused = rank_choices(base, per_stage, self.limit, self.include_async,
+                                       self.config.options.get(HOST_CORES_OPTION))
         if not ranked:
             raise ScheduleConfigError(f"{self.name}: no schedule fits the memory limit {self.limit} M_B: "
                                       + "; ".join(refused))

@@ -71,27 +71,29 @@ def _result(choice: Choice, cand: Candidate) -> CandidateResult:
                            fits=choice.fits, max_drift=[], semantics=choice.semantics)
 
 
-def simulate_choice(name: str, config: ScheduleConfig, costs: Sequence[OpCosts], memory_limit: float | None) -> Choice:
+def simulate_choice(name: str, config: ScheduleConfig, costs: Sequence[OpCosts], memory_limit: float | None,
+                    cores: float | None = None) -> Choice:
     """Simulate schedule ``name`` on ``config``'s stages with ``costs`` (ScheduleConfigError when
-    it cannot run, e.g. a greedy with no order under the limit)."""
+    it cannot run, e.g. a greedy with no order under the limit); ``cores``: the cores the
+    pipeline's stages share on a CPU host (None: a device each)."""
     cand = Candidate(name, config.num_stages, 1, config.num_microbatches, 1, "none", "even")
     options = {} if memory_limit is None else {"memory_limit": float(memory_limit)}
-    per_update, result, _ = steady_span(cand, list(costs), config.data_parallel_size, options)
+    per_update, result, _ = steady_span(cand, list(costs), config.data_parallel_size, options, cores)
     peak = tuple(float(p) for p in result.peak_memory)
     fits = memory_limit is None or max(peak) <= memory_limit * (1 + 1e-9)  # the limit itself fits
     return Choice(name, per_update, peak, fits, semantics(name))
 
 
 def rank_choices(config: ScheduleConfig, costs: Sequence[OpCosts], memory_limit: float | None,
-                 include_async: bool = False) -> tuple[list[Choice], list[str]]:
+                 include_async: bool = False, cores: float | None = None) -> tuple[list[Choice], list[str]]:
     """(every switchable candidate that fits, best first; one line per candidate that cannot run
-    or does not fit)."""
+    or does not fit); ``cores`` as for :func:`simulate_choice`."""
     choices, refused = {}, []
     for name in SCHEDULES:
         if not switchable(name, config, include_async):
             continue
         try:
-            choices[name] = simulate_choice(name, config, costs, memory_limit)
+            choices[name] = simulate_choice(name, config, costs, memory_limit, cores)
         except ScheduleConfigError as e:
             refused.append(str(e))
             continue
