@@ -9,6 +9,11 @@ profiling), their ratio, the ranking's Spearman correlation per depth, and the p
 activation bytes against ``--log-activation-memory``'s measured peak (largest stage).
 
     python benchmarks/planner_vs_runtime.py --iters 6 --skip 3 --pipeline-sizes 2 --microbatches 4
+    python benchmarks/planner_vs_runtime.py --auto      # the issue's full grid, and auto against the best
+
+With ``--auto`` each (N, m) also runs ``--pipeline-schedule auto`` (profiling its first 2
+iterations, which ``--skip`` drops) and prints its throughput over the best measured
+synchronous schedule's (the issue's bar: within 5 %).
 
 Timings are only meaningful on a quiet host: the script prints the load average before and after.
 """
@@ -31,6 +36,7 @@ if str(REPO) not in sys.path:
 from megatron.pipeline.planner.candidates import enumerate_candidates  # noqa: E402
 from megatron.pipeline.planner.evaluate import Problem, evaluate  # noqa: E402
 from megatron.pipeline.planner.report import flags  # noqa: E402
+from megatron.pipeline.schedules import schedule_class  # noqa: E402
 
 MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--vocab-size", "8192", "--micro-batch-size", "1"]
@@ -57,8 +63,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else float("nan")
 
 
-def measure(cand_flags: list[str], m: int, iters: int, skip: int, workdir: Path) -> tuple[float, float]:
-    """(median iteration ms after ``skip``, peak activation MB of the largest stage) of one run."""
+def measure(cand_flags: list[str], m: int, iters: int, skip: int, workdir: Path) -> tuple[float, float, str]:
+    """(median iteration ms after ``skip``, peak activation MB of the largest stage, stdout) of one run."""
     log = workdir / f"run-{abs(hash(tuple(cand_flags))) % 10**8}-{m}.jsonl"
     cmd = [sys.executable, str(REPO / "pretrain_gpt.py"), *MODEL, *cand_flags, "--global-batch-size", str(m),
            "--train-iters", str(iters), "--log-interval", "1", "--mock-data", "--num-threads", "1",
@@ -68,7 +74,16 @@ def measure(cand_flags: list[str], m: int, iters: int, skip: int, workdir: Path)
         raise RuntimeError(f"{' '.join(cand_flags)}: exit {run.returncode}: {run.stderr.strip().splitlines()[-1:]}")
     records = [json.loads(line) for line in log.read_text().splitlines() if '"eval_split"' not in line]
     times = [r["iteration_time_ms"] for r in records[skip:]]
-    return statistics.median(times), max(max(r["peak_activation_mb"]) for r in records)
+    return statistics.median(times), max(max(r["peak_activation_mb"]) for r in records), run.stdout
+
+
+def measure_auto(n: int, m: int, iters: int, skip: int, workdir: Path) -> tuple[float, str]:
+    """(median iteration ms after ``skip`` of ``--pipeline-schedule auto``, its choice): its
+    first ``--zb-profile-iters`` (2) iterations profile, ``skip`` must cover them."""
+    flags = ["--pipeline-model-parallel-size", str(n), "--pipeline-schedule", "auto", "--pipeline-partition", "even"]
+    ms, _, out = measure(flags, m, iters, skip, workdir)
+    chose = next((line.split("auto: chose ", 1)[1].split()[0] for line in out.splitlines() if "auto: chose " in line), "?")
+    return ms, chose
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--schedules", default=None, help="comma-separated subset (default: every one that runs)")
     p.add_argument("--costs", default=None, help="unit costs file (default: profile here)")
+    p.add_argument("--auto", action="store_true",
+                   help="also run --pipeline-schedule auto per (N, m) against the best measured synchronous schedule")
     args = p.parse_args(argv)
     from megatron.pipeline.planner.unit_costs import load_unit_costs
     from megatron.trainer.config.arguments import build_parser, parse_args
@@ -95,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         unit = profile_unit_costs(base)
     print(f"unit costs ({unit.source}): {json.dumps(dataclasses.asdict(unit))}")
     schedules = args.schedules.split(",") if args.schedules else None
-    rows = []
+    rows, autos = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(v) for v in args.pipeline_sizes.split(",")):
             for m in (int(v) for v in args.microbatches.split(",")):
@@ -105,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     try:
                         result = evaluate(problem, cand)
-                        measured, act_mb = measure(flags(cand, shape.num_layers), m, args.iters, args.skip, Path(tmp))
+                        measured, act_mb, _ = measure(flags(cand, shape.num_layers), m, args.iters, args.skip, Path(tmp))
                     except Exception as e:  # noqa: BLE001 - report the candidate, go on
                         print(f"skip {cand.schedule} N={n} m={m}: {e}")
                         continue
@@ -114,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{n} {m:>2} {cand.schedule:<16} predicted {result.iteration_time_ms:9.1f} ms measured "
                           f"{measured:9.1f} ms ratio {result.iteration_time_ms / measured:5.2f} | activations "
                           f"predicted {predicted_act:7.1f} MB measured {act_mb:7.1f} MB", flush=True)
+                if args.auto:
+                    auto_ms, chose = measure_auto(n, m, args.iters, args.skip, Path(tmp))
+                    autos.append((n, m, chose, auto_ms))
+                    print(f"{n} {m:>2} auto chose {chose}: measured {auto_ms:.1f} ms", flush=True)
     print("\n| N | m | schedule | predicted ms | measured ms | ratio | pred. act. MB | meas. act. MB | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n, m, name, pred, meas, pa, ma in rows:
@@ -124,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"N={n}: Spearman (predicted vs measured iteration time) = "
               f"{spearman([r[3] for r in sub], [r[4] for r in sub]):.2f} over {len(sub)} candidates; within 10 %: "
               f"{sum(abs(r[3] / r[4] - 1) <= 0.10 for r in sub)}/{len(sub)}")
+    for n, m, chose, auto_ms in autos:
+        sync = [r for r in rows if r[0] == n and r[1] == m and not schedule_class(r[2]).asynchronous]
+        best = min(sync, key=lambda r: r[4]) if sync else None
+        if best is not None:
+            print(f"N={n} m={m}: auto chose {chose}, {auto_ms:.1f} ms; best measured synchronous {best[2]} "
+                  f"{best[4]:.1f} ms; auto / best throughput {best[4] / auto_ms:.3f}")
     print(f"load average after: {os.getloadavg()}")
     return 0
 

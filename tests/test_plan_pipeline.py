@@ -84,5 +84,7 @@ def test_profile_activation_bytes_from_the_measured_peaks() -> None:
     records = [{"peak_activation_mb": [2 * stage0 / mib, 1.5 * stage1 / mib]}] * 2
     got = measured_activations(decision, records, layers)
     assert got is not None
-    assert got.layer == pytest.approx(layer, rel=1e-12) and got.head == pytest.approx(head, rel=1e-12)
+    saved, kept = got
+    assert saved.layer == pytest.approx(layer, rel=1e-12) and saved.head == pytest.approx(head, rel=1e-12)
+    assert kept.layer == pytest.approx(0.5 * layer, rel=1e-12) and kept.head == pytest.approx(0.5 * head, rel=1e-12)
     assert measured_activations(decision, [], layers) is None

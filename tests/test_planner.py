@@ -147,7 +147,8 @@ def test_two_stage_profile_to_unit_costs_by_hand():
 
 
 def test_cost_file_round_trip_with_host_cores_and_measured_activations():
-    costs = UnitCosts(2, PassCosts(1, 2, 3), host_cores=2.0, activations=ActivationBytes(10.0, 1.0, 7.0))
+    costs = UnitCosts(2, PassCosts(1, 2, 3), host_cores=2.0, activations=ActivationBytes(10.0, 1.0, 7.0),
+                      kept_for_w=ActivationBytes(5.0, 0.0, 1.0))
     assert UnitCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
     assert costs.at_micro_batch(4).activations == ActivationBytes(20.0, 2.0, 14.0)
 
@@ -158,6 +159,9 @@ def test_measured_activations_set_the_activation_unit():
     unit = dataclasses.replace(UNIT, activations=ActivationBytes(layer=100.0, embedding=10.0, head=50.0))
     result = evaluate(Problem(TINY, unit, global_batch=4), _one_f_one_b())
     assert [m.activations for m in result.memory] == [2 * (2 * 100.0 + 10.0), 1 * (2 * 100.0 + 50.0)]
+    kept = dataclasses.replace(unit, kept_for_w=ActivationBytes(layer=50.0, head=0.0))
+    zb = evaluate(Problem(TINY, kept, global_batch=4), _one_f_one_b("zb-h1"))
+    assert [c.m_w for c in zb.stage_costs] == [100.0 / 210.0, 100.0 / 250.0]  # kept / saved per part
 
 
 def test_stages_sharing_cores_take_the_processor_sharing_time():

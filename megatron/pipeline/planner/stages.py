@@ -96,6 +96,15 @@ def weight_grad_fraction(shape: ModelShape) -> float:
     return ls.weight_grad_bytes() / ls.layer_bytes()
 
 
+def part_weight_grad_fraction(shape: ModelShape, unit: UnitCosts, part: PartSizes, first: bool, last: bool) -> float:
+    """``m_w`` of a part: measured (what a profiled B left for its W over what its F saved) when
+    the unit costs carry both, else the analytic :func:`weight_grad_fraction`."""
+    if unit.activations is None or unit.kept_for_w is None:
+        return weight_grad_fraction(shape)
+    saved = unit.activations.part(part.layers, first, last)
+    return min(1.0, unit.kept_for_w.part(part.layers, first, last) / saved) if saved else 0.0
+
+
 def part_costs(shape: ModelShape, unit: UnitCosts, parts: Sequence[PartSizes], par: Parallelism,
                recompute: str = "none") -> list[OpCosts]:
     """One :class:`OpCosts` per part: its F/B/W, the P2P trip, the optimizer step over its
@@ -110,7 +119,7 @@ def part_costs(shape: ModelShape, unit: UnitCosts, parts: Sequence[PartSizes], p
             p = p + unit.head
         shard = par.data_parallel if par.distributed_optimizer else 1
         grads = part.params * 4  # fp32 gradients are reduced
-        costs = OpCosts(t_f=p.f, t_b=p.b, t_w=p.w, t_comm=unit.p2p, m_w=weight_grad_fraction(shape),
+        costs = OpCosts(t_f=p.f, t_b=p.b, t_w=p.w, t_comm=unit.p2p, m_w=part_weight_grad_fraction(shape, unit, part, j == 0, j == last),
                         t_opt=part.params / shard * unit.optimizer_per_param,
                         t_sync=unit.sync + unit.reduce_ms_per_byte * ring_all_reduce_bytes(grads, par.data_parallel))
         granularity = RECOMPUTE[recompute]

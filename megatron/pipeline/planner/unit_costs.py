@@ -9,7 +9,7 @@ time does once the device is saturated and over-estimates small micro-batches on
 
 File format (``--costs FILE``, written by ``--profile``): one JSON object with the fields of
 :class:`UnitCosts`; ``layer``, ``embedding`` and ``head`` are ``{"f": ms, "b": ms, "w": ms}``;
-the optional ``activations`` is ``{"layer": bytes, "embedding": bytes, "head": bytes}``.
+the optional ``activations`` and ``kept_for_w`` are ``{"layer": bytes, "embedding": bytes, "head": bytes}``.
 """
 from __future__ import annotations
 
@@ -87,6 +87,7 @@ class UnitCosts:
     source: str = "given"
     host_cores: float | None = None
     activations: ActivationBytes | None = None  # measured by a profile; None: the analytic count
+    kept_for_w: ActivationBytes | None = None  # of those, what a B leaves for its W (measured)
 
     def at_micro_batch(self, micro_batch: int) -> "UnitCosts":
         """The costs at another micro-batch size, linear in the sequences of a micro-batch."""
@@ -94,7 +95,8 @@ class UnitCosts:
         return dataclasses.replace(self, micro_batch=micro_batch, layer=self.layer.scaled(factor),
                                    embedding=self.embedding.scaled(factor), head=self.head.scaled(factor),
                                    p2p=self.p2p * factor,
-                                   activations=None if self.activations is None else self.activations.scaled(factor))
+                                   activations=None if self.activations is None else self.activations.scaled(factor),
+                                   kept_for_w=None if self.kept_for_w is None else self.kept_for_w.scaled(factor))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -110,10 +112,10 @@ class UnitCosts:
         parts = {k: PassCosts(**values[k]) for k in ("layer", "embedding", "head") if k in values}
         scalars = {k: float(v) for k, v in values.items() if k in ("p2p", "optimizer_per_param", "sync",
                                                                       "reduce_ms_per_byte")}
-        cores, acts = values.get("host_cores"), values.get("activations")
+        cores = values.get("host_cores")
+        measured = {k: ActivationBytes(**values[k]) for k in ("activations", "kept_for_w") if values.get(k) is not None}
         return cls(micro_batch=int(values["micro_batch"]), source=str(values.get("source", "file")),
-                   host_cores=None if cores is None else float(cores),
-                   activations=None if acts is None else ActivationBytes(**acts), **parts, **scalars)
+                   host_cores=None if cores is None else float(cores), **measured, **parts, **scalars)
 
 
 def load_unit_costs(path: str) -> UnitCosts:

@@ -72,16 +72,19 @@ def host_cores() -> float | None:
     return float(len(os.sched_getaffinity(0)))
 
 
-def measured_activations(decision: dict, records: list[dict], layers: int) -> ActivationBytes | None:
-    """Per-micro-batch activation bytes of a layer and the head, from the profiled iterations'
-    measured peaks (``--log-activation-memory``, MiB per stage).
+def measured_activations(decision: dict, records: list[dict], layers: int
+                         ) -> tuple[ActivationBytes, ActivationBytes] | None:
+    """(per-micro-batch activation bytes of a layer and the head, what a B leaves of them for
+    its W), from the profiled iterations' measured peaks (``--log-activation-memory``, MiB per
+    stage) and the profiled ``m_w``.
 
     Why through the peak: the meter reports each stage's peak over an interval, which for the
     profiled ZB-H1 iterations is the simulator's peak (in micro-batches' activations ``M_B``,
     with the profiled ``m_w`` of what a B leaves for its W) times the stage's ``M_B``. So
     ``M_B = peak / simulated peak``; stage 0 (``layers`` layers and the embedding) gives the
     layer (the embedding's output, one activation-sized tensor, folded in as with the times),
-    stage 1 the head as the rest. None without measured records."""
+    stage 1 the head as the rest; the kept bytes are ``m_w M_B``, split the same way. None
+    without measured records."""
     peaks = [r["peak_activation_mb"] for r in records[:PROFILE_ITERS] if "peak_activation_mb" in r]
     if not peaks:
         return None
@@ -89,8 +92,13 @@ def measured_activations(decision: dict, records: list[dict], layers: int) -> Ac
     config = ScheduleConfig(num_stages=2, num_microbatches=int(decision["num_microbatches"]))
     units = simulate_schedule(build_schedule(ZBH1.name, config), costs).peak_memory
     per_mb = [max(p[s] for p in peaks) * 2**20 / units[s] for s in range(2)]
-    layer = per_mb[0] / layers
-    return ActivationBytes(layer=layer, head=max(0.0, per_mb[1] - layers * layer))
+    kept = [costs[s].m_w * per_mb[s] for s in range(2)]
+
+    def split(stage_bytes: list[float]) -> ActivationBytes:
+        layer = stage_bytes[0] / layers
+        return ActivationBytes(layer=layer, head=max(0.0, stage_bytes[1] - layers * layer))
+
+    return split(per_mb), split(kept)
 
 
 def optimizer_ms_per_param(args: argparse.Namespace, trace_dir: Path) -> float:
@@ -124,7 +132,8 @@ def profile_unit_costs(args: argparse.Namespace) -> UnitCosts:
             half = args.num_layers // 2
             unit = from_two_stage_profile(decision["costs"], (half, half), args.micro_batch_size,
                                           source="profiled:this host")
+            measured = measured_activations(decision, records, half)
             return dataclasses.replace(unit, host_cores=host_cores(), optimizer_per_param=step,
-                                       activations=measured_activations(decision, records, half))
+                                       activations=measured and measured[0], kept_for_w=measured and measured[1])
     tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
     raise ValueError(f"the profiling run logged no costs (exit {run.returncode}): {tail[0]}")
