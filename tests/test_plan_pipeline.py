@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,39 @@ def test_profile_activation_bytes_from_the_measured_peaks() -> None:
     assert saved.layer == pytest.approx(layer, rel=1e-12) and saved.head == pytest.approx(head, rel=1e-12)
     assert kept.layer == pytest.approx(0.5 * layer, rel=1e-12) and kept.head == pytest.approx(0.5 * head, rel=1e-12)
     assert measured_activations(decision, [], layers) is None
+
+
+def test_trainer_argv_drops_every_planner_flag() -> None:
+    parser = plan.build_parser()
+    options = plan.planner_options(parser)
+    assert {"--probe-convergence", "--pipeline-sizes", "--device", "--json", "--profile"} <= set(options)
+    argv = [*MODEL, "--pipeline-sizes", "2,4", "--device=h100", "--json", "--probe-convergence", "8", "--lr", "0.1"]
+    assert plan.trainer_argv(argv, parser) == [*MODEL, "--lr", "0.1"]
+
+
+def test_probe_summary_by_hand() -> None:
+    """1F1B's running mean (window 2) ends at (2 + 1) / 2 = 1.5: the target. The stale run's
+    running means are 4, 3.5, 2.5, 1.5: it reaches the target at its 4th update, 4 x 10 tokens,
+    in 40 / 20 = 2 s against 1F1B's 3 x 10 / 10 = 3 s: 1.5x; a run that never gets there is None."""
+    from megatron.trainer.tasks.convergence_probe import ProbeResult, summary
+
+    ref = ProbeResult("1f1b", 2, 4, [4.0, 2.0, 1.0], 10, 10.0)
+    stale = ProbeResult("paci", 2, 4, [4.0, 3.0, 2.0, 1.0], 10, 20.0)
+    never = ProbeResult("pipedream-2bw", 2, 4, [4.0, 3.0, 2.0], 10, 40.0)
+    rows = summary([ref, stale, never], window=2)
+    assert rows[0]["tokens_to_target"] == 30 and rows[0]["time_to_target_s"] == 3.0
+    assert rows[1]["tokens_to_target"] == 40 and rows[1]["speedup_vs_1f1b"] == 1.5
+    assert rows[1]["loss_gap"] == 0.0 and rows[2]["loss_gap"] == 1.0
+    assert rows[2]["tokens_to_target"] is None and rows[2]["speedup_vs_1f1b"] is None
+
+
+def test_probe_convergence_end_to_end(capsys) -> None:
+    """A 4-update probe of 1F1B and PACI at reduced width: one row each, 1F1B first and at gap 0,
+    in the JSON next to the plan."""
+    argv = [*MODEL, "--mock-data", "--pipeline-sizes", "2", "--schedules", "1f1b,paci", "--recompute", "none",
+            "--layer-splits", "even", "--device", "cpu", "--probe-convergence", "4"]
+    out = _json(capsys, argv)
+    rows = out["convergence_probe"]
+    assert [r["schedule"] for r in rows] == ["1f1b", "paci"]
+    assert rows[0]["loss_gap"] == 0.0 and rows[0]["speedup_vs_1f1b"] == 1.0
+    assert all(math.isfinite(r["final_loss"]) for r in rows)

@@ -83,7 +83,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top", type=int, default=10)
     g.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     g.add_argument("--png", default=None, metavar="FILE", help="tokens/s against peak memory, Pareto front")
+    g.add_argument("--probe-convergence", type=int, default=None, metavar="N_UPDATES",
+                   help="train 1F1B and each asynchronous candidate N_UPDATES updates at reduced width on the "
+                        "emulator with your data flags; loss gap and time to 1F1B's loss (docs/planning.md)")
     return p
+
+
+def planner_options(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """The planner group's option strings, each with whether it takes a value."""
+    group = next(g for g in parser._action_groups if g.title == "planner")
+    return {opt: a.nargs != 0 for a in group._group_actions for opt in a.option_strings}
+
+
+def trainer_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` without the planner's own flags: what the user's ``pretrain_gpt.py`` command had."""
+    options, out, skip = planner_options(parser), [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in options:
+            skip = options[name] and "=" not in token
+            continue
+        out.append(token)
+    return out
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -99,6 +123,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device-memory-gb must be positive")
     if args.top < 1:
         p.error("--top must be at least 1")
+    if args.probe_convergence is not None and args.probe_convergence < 2:
+        p.error("--probe-convergence needs at least 2 updates")
     if args.host_cores is not None and args.host_cores < 0:
         p.error("--host-cores must be non-negative (0: a device per rank)")
     args.pipeline_sizes = args.pipeline_sizes or [args.pipeline_model_parallel_size]
@@ -185,15 +211,31 @@ def main(argv: list[str] | None = None) -> int:
             results.append(evaluate(problem, cand))
         except (ScheduleConfigError, ScheduleError) as e:
             refused.append(f"{cand.schedule}: {e}")
+    sync, asyn = split_by_semantics(rank(results))
+    probe_rows = None
+    if args.probe_convergence:
+        from megatron.trainer.tasks.convergence_probe import probe, table as probe_table
+
+        argv = sys.argv[1:] if argv is None else argv
+        try:
+            probe_rows = probe(trainer_argv(argv, build_parser()), args, sync, asyn, args.probe_convergence)
+        except (RuntimeError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.json:
-        print(json.dumps(plan_dict(problem, results, refused), indent=1))
+        plan = plan_dict(problem, results, refused)
+        if probe_rows is not None:
+            plan["convergence_probe"] = probe_rows
+        print(json.dumps(plan, indent=1))
     else:
-        sync, asyn = split_by_semantics(rank(results))
         fitting = sum(r.fits for r in results)
         print(f"{len(results)} candidates simulated, {fitting} fit {memory} GB; costs: {unit.source}\n")
         print(table(sync, shape.num_layers, "synchronous (exact semantics), by tokens/s", args.top))
         print()
         print(table(asyn, shape.num_layers, "asynchronous (stale weights, drift per stage), by tokens/s", args.top))
+        if probe_rows is not None:
+            print()
+            print(probe_table(probe_rows))
     if args.png:
         draw(results, args.png, f"{shape.num_layers} layers, h={shape.hidden}; {unit.source}")
     return 0

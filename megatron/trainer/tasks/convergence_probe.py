@@ -1,0 +1,161 @@
+"""``tools/plan_pipeline.py --probe-convergence N``: does an asynchronous schedule's speed survive
+its staleness, for this model and data?
+
+Why a probe: the planner ranks by tokens/s, but an asynchronous schedule's stale weights may need
+more tokens to reach the same loss, and no formula gives that factor for a user's model and data.
+The probe trains, for ``N`` updates each, 1F1B and every asynchronous schedule the plan ranked,
+each at its best fitting candidate of the plan (pipeline depth, micro-batches per update, so the
+weight-version drift is the one the full run would have), on the emulator (all stages in one
+process, bitwise the distributed runtime), at the same depth and a reduced width (hidden size
+divided by :data:`WIDTH_DIVISOR`, heads likewise), on the user's own data flags. It reports:
+
+* **the loss gap at equal tokens**: each schedule's final probe loss (mean of the last
+  :data:`WINDOW` updates) minus 1F1B's, after the same ``N`` updates of the same batches;
+* **time to target**: the tokens each needs before its running mean (over :data:`WINDOW`
+  updates) first reaches 1F1B's final one, divided by the plan's predicted tokens/s of its
+  full-size candidate, next to 1F1B's own ``N`` updates at its predicted tokens/s.
+
+What it can tell: whether, at this depth, micro-batch count and learning-rate schedule, the
+staleness costs a few percent of tokens or a multiple, and so whether an asynchronous schedule's
+throughput lead is worth taking. What it cannot: the full width's sensitivity to staleness (a
+wider model at the same learning rate may be more or less tolerant), anything past ``N`` updates
+(early training is the most sensitive to stale gradients, so the probe tends to be pessimistic),
+and data-parallel effects: the probe runs one replica (``--data-parallel-size 1``) with one
+replica's micro-batches per update, so its batch per update is ``1/D`` of the full run's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron.pipeline.planner.evaluate import CandidateResult
+from megatron.pipeline.planner.report import flags as candidate_flags
+
+WIDTH_DIVISOR = 4  # the probe's hidden size and heads: the user's over this
+MIN_HIDDEN = 32
+WINDOW = 5  # updates averaged for the final loss and the running mean
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One schedule's probe: its losses per update and what the plan predicts for it."""
+
+    schedule: str
+    pipeline_model_parallel_size: int
+    microbatches: int
+    losses: list[float]
+    tokens_per_update: int
+    predicted_tokens_per_s: float
+
+
+def running_mean(values: Sequence[float], window: int = WINDOW) -> list[float]:
+    """Mean of each value with up to ``window - 1`` before it."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def tokens_to_target(probe: ProbeResult, target: float, window: int = WINDOW) -> float | None:
+    """Tokens until ``probe``'s running mean first reaches ``target`` (None: not within the probe)."""
+    for i, loss in enumerate(running_mean(probe.losses, window)):
+        if loss <= target:
+            return float((i + 1) * probe.tokens_per_update)
+    return None
+
+
+def summary(probes: Sequence[ProbeResult], window: int = WINDOW) -> list[dict]:
+    """One row per probe against the first (1F1B): final loss, gap, tokens and time to target."""
+    reference = probes[0]
+    target = running_mean(reference.losses, window)[-1]
+    rows = []
+    for p in probes:
+        final = running_mean(p.losses, window)[-1]
+        tokens = tokens_to_target(p, target, window)
+        seconds = None if tokens is None or not p.predicted_tokens_per_s else tokens / p.predicted_tokens_per_s
+        rows.append({"schedule": p.schedule, "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+                     "microbatches": p.microbatches, "final_loss": final, "loss_gap": final - target,
+                     "tokens_to_target": tokens, "predicted_tokens_per_s": p.predicted_tokens_per_s,
+                     "time_to_target_s": seconds})
+    ref_time = rows[0]["time_to_target_s"]
+    for row in rows:
+        t = row["time_to_target_s"]
+        row["speedup_vs_1f1b"] = ref_time / t if t and ref_time else None
+    return rows
+
+
+def probe_candidates(ranked_sync: Sequence[CandidateResult], ranked_async: Sequence[CandidateResult]
+                     ) -> list[CandidateResult]:
+    """1F1B's best fitting candidate, then each asynchronous schedule's best fitting one."""
+    first = next((r for r in ranked_sync if r.fits and r.candidate.schedule == "1f1b"), None)
+    if first is None:
+        raise ValueError("--probe-convergence compares with 1F1B, and no 1F1B candidate fits; "
+                         "add 1f1b to --schedules or raise --device-memory-gb")
+    picked: dict[str, CandidateResult] = {}
+    for r in ranked_async:
+        if r.fits and r.candidate.virtual_stages == 1:
+            picked.setdefault(r.candidate.schedule, r)
+    return [first, *picked.values()]
+
+
+def width_flags(args: argparse.Namespace) -> list[str]:
+    """The reduced width: hidden and heads over :data:`WIDTH_DIVISOR` (heads dividing hidden)."""
+    heads = max(1, args.num_attention_heads // WIDTH_DIVISOR)
+    hidden = max(MIN_HIDDEN, args.hidden_size // WIDTH_DIVISOR)
+    hidden = -(-hidden // heads) * heads
+    out = ["--hidden-size", str(hidden), "--num-attention-heads", str(heads), "--ffn-hidden-size", str(4 * hidden),
+           "--kv-channels", str(hidden // heads)]
+    if args.group_query_attention:
+        groups = math.gcd(heads, args.num_query_groups)
+        out += ["--num-query-groups", str(groups)]
+    return out
+
+
+def run_probe(user_argv: Sequence[str], args: argparse.Namespace, result: CandidateResult, updates: int,
+              workdir: Path) -> ProbeResult:
+    """Train ``result``'s candidate at the reduced width for ``updates`` updates on the emulator."""
+    cand = result.candidate
+    log = workdir / f"probe-{cand.schedule}-{cand.pipeline_model_parallel_size}.jsonl"
+    script = Path(__file__).resolve().parents[3] / "pretrain_gpt.py"
+    command = [sys.executable, str(script), *user_argv, *width_flags(args), *candidate_flags(cand, args.num_layers),
+               "--data-parallel-size", "1", "--tensor-model-parallel-size", "1",
+               "--global-batch-size", str(cand.microbatches * cand.micro_batch_size),
+               "--pipeline-executor", "emulator", "--train-iters", str(updates), "--log-interval", "1",
+               "--eval-iters", "0", "--log-json", str(log)]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode:
+        tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"probe of {cand.schedule} failed (exit {run.returncode}): {tail[0]}")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    losses = [float(r["loss"]) for r in records if "loss" in r and "eval_split" not in r]
+    return ProbeResult(cand.schedule, cand.pipeline_model_parallel_size, cand.microbatches, losses,
+                       cand.microbatches * cand.micro_batch_size * args.seq_length, result.tokens_per_s)
+
+
+def probe(user_argv: Sequence[str], args: argparse.Namespace, ranked_sync: Sequence[CandidateResult],
+          ranked_async: Sequence[CandidateResult], updates: int) -> list[dict]:
+    """The probe's rows (module docstring), 1F1B first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        probes = [run_probe(user_argv, args, r, updates, Path(tmp))
+                  for r in probe_candidates(ranked_sync, ranked_async)]
+    return summary(probes)
+
+
+def table(rows: Sequence[dict]) -> str:
+    """The probe's rows for the terminal."""
+    def num(v: float | None, fmt: str) -> str:
+        return "not reached" if v is None else format(v, fmt)
+
+    lines = ["convergence probe (reduced width, same depth; docs/planning.md says what it can tell)",
+             f"{'schedule':<16} {'PP':>3} {'m':>4} {'final loss':>10} {'gap':>8} {'tokens to target':>17} "
+             f"{'pred. tok/s':>12} {'time to target s':>17} {'vs 1f1b':>8}"]
+    for r in rows:
+        lines.append(f"{r['schedule']:<16} {r['pipeline_model_parallel_size']:>3} {r['microbatches']:>4} "
+                     f"{r['final_loss']:>10.4f} {r['loss_gap']:>+8.4f} {num(r['tokens_to_target'], '.0f'):>17} "
+                     f"{r['predicted_tokens_per_s']:>12.1f} {num(r['time_to_target_s'], '.3f'):>17} "
+                     f"{num(r['speedup_vs_1f1b'], '.3f'):>8}")
+    return "\n".join(lines)
