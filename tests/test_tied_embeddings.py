@@ -204,3 +204,19 @@ def test_bert_ties_across_stages(megatron_world1, tmp_path: Path) -> None:
     workers = emulate([*_argv(2, "1f1b"), "--pipeline-executor", "emulator"], BertTask())
     ends = [p for w in workers for p in tied_parameters(w.setup.chunks)]
     assert len(ends) == 2 and torch.equal(ends[0], ends[1]) and workers[0].setup.optimizer.step_count == 3
+
+
+def test_v_layout_ties_at_tp2_like_tp1(megatron_world1, tmp_path: Path) -> None:
+    """zb-v at TP = 2 (4 ranks): stage 0's chunks share the vocabulary-parallel shard of the
+    tied weight (the embedding's and the output layer's shards split the vocabulary alike) and
+    train like the TP = 1 tied emulator run, within the derived bounds."""
+    from tests.test_tensor_parallel_runtime import MODEL, _launch_tp2
+
+    tied = [flag for flag in MODEL if flag != "--untie-embeddings-and-output-weights"]
+    flags = ["--num-layers", "4", "--zb-costs", "1,1,1,0"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("tests.test_tensor_parallel_runtime.MODEL", tied)
+        (result,) = _launch_tp2([("zb-v", flags)], tmp_path)
+        ref = emulated_reference([*tied, "--pipeline-schedule", "zb-v", *flags], tmp_path / "tp1.jsonl")
+    assert TIED in ref.params and "output_layer.weight" not in ref.params
+    assert_trains_like(*result, ref, context="zb-v TP=2 tied: ")
