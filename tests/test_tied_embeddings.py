@@ -92,6 +92,17 @@ def test_v_tied_runs_train_like_one_stage(megatron_world1, tmp_path: Path, copie
         assert_trains_like(read_log(log), final_params(workers), ref, context=f"{schedule} PP={pp}")
 
 
+def test_v_layout_ties_under_post_validation(megatron_world1) -> None:
+    """Post-validation's optimistic step needs no sum on a V (stage 0 holds the one tied
+    parameter): with --clip-grad 0.5 rolling back and redoing steps, tied zb-v ends bitwise
+    where the plain synchronous step does."""
+    argv = [*_v_argv(2, "zb-v", "--clip-grad", "0.5"), "--pipeline-executor", "emulator"]
+    validated = emulate([*argv, "--enable-optimizer-post-validation"])
+    assert _shares_one_parameter(validated[0])
+    plain, ours = final_params(emulate(argv)), final_params(validated)
+    assert plain.keys() == ours.keys() and all(torch.equal(ours[n], plain[n]) for n in plain)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
 def test_distributed_runtime_keeps_the_copies_equal_to_the_emulator(megatron_world1, tmp_path: Path, schedule) -> None:
     """Two ranks sum over their embedding group (1f1b), or rank 0 holds the one shared
@@ -182,11 +193,13 @@ def test_v_layout_banner_counts_the_tied_model(megatron_world1, pp: int) -> None
     assert sum(counts) == sum(one) and sum(untied) - sum(counts) == args.vocab_size * args.hidden_size
 
 
-def test_v_layout_with_overlapped_grad_reduce_stays_untied_and_says_why(megatron_world1) -> None:
+@pytest.mark.parametrize("flag, says", [("--overlap-grad-reduce", "reduces each V chunk's gradients on their own"),
+                                        ("--use-distributed-optimizer", "on the V layout")])
+def test_v_layout_stays_untied_with_and_says_why(megatron_world1, flag: str, says: str) -> None:
     from megatron.trainer.tasks.gpt import GPTTask
 
-    args, _ = _stage_counts([*_v_argv(2, "zb-v"), "--overlap-grad-reduce"], GPTTask())
-    assert not args.tie_embeddings and "--overlap-grad-reduce" in args.embeddings_line
+    args, _ = _stage_counts([*_v_argv(2, "zb-v"), flag], GPTTask())
+    assert not args.tie_embeddings and says in args.embeddings_line, args.embeddings_line
 
 
 def test_asynchronous_schedules_stay_untied_and_say_why(megatron_world1) -> None:

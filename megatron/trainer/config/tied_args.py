@@ -12,11 +12,13 @@ the synchronisation they exist to avoid. Their default is untied and the banner 
 
 Where the two ends live on different stages, two synchronous setups cannot keep the copies tied
 yet, and default to untied the same way, with the reason in the banner: Zero Bubble's
-post-validation (its optimistic per-stage step has no synchronous point to sum at) and
+post-validation (its optimistic per-stage step has no synchronous point to sum at; the V layout
+ties under it, having nothing to sum) and
 ``--use-distributed-optimizer`` (each replica steps only its own range of a stage's flat
 gradients, which differ between the two stages). On the V layout ``--overlap-grad-reduce``
 unties too: it launches a chunk's buckets when that chunk's gradients are final, and the shared
-parameter is accumulated by both chunks. Megatron-LM's flag set with any of these flags keeps
+parameter is accumulated by both chunks; ``--use-distributed-optimizer`` unties it as on a chain
+(its sharded step is not checked against the shared parameter yet). Megatron-LM's flag set with any of these flags keeps
 running unchanged; the checkpoint records the untied model.
 """
 from __future__ import annotations
@@ -41,8 +43,11 @@ def _untied_because(args: argparse.Namespace) -> str | None:
     if issubclass(cls, VShapeSchedule) and getattr(args, "overlap_grad_reduce", False):
         return ("--overlap-grad-reduce reduces each V chunk's gradients on their own, and the two chunks "
                 "of stage 0 share the tied parameter")
-    if getattr(args, "enable_optimizer_post_validation", False):
+    if getattr(args, "enable_optimizer_post_validation", False) and not issubclass(cls, VShapeSchedule):
         return "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
+    if getattr(args, "use_distributed_optimizer", False) and issubclass(cls, VShapeSchedule):
+        return ("--use-distributed-optimizer on the V layout: its sharded step is not checked against the "
+                "shared tied parameter yet")
     if getattr(args, "use_distributed_optimizer", False):
         return ("--use-distributed-optimizer at --pipeline-model-parallel-size > 1 steps each replica's own range "
                 "of the two copies' gradients")
