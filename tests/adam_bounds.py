@@ -72,6 +72,18 @@ def gpt_gradient_noise(num_layers: int, hidden: int, ffn: int, vocab: int, token
     return gradient_noise(longest, reductions=2 * 6 * num_layers + 3)
 
 
+def half_precision_noise(unit_roundoff: float, num_layers: int, accumulated: int, lam: float = LAM) -> float:
+    """Relative difference of a half-precision run's losses and gradient norms from fp32's.
+
+    The products accumulate in fp32 (CPU and GPU GEMMs alike), so each op's output is rounded to
+    the half format once: relative ``unit_roundoff`` (bf16 ``2^-8``, fp16 ``2^-11``) per op, and
+    the same ``2 * 6 * num_layers + 3`` ops as :func:`gpt_gradient_noise` lie on a gradient's
+    path; summing ``accumulated`` micro-batches' gradients in the half format rounds once per
+    micro-batch more. Independent zero-mean roundings add like ``lam * sqrt(n) * u`` (Higham &
+    Mary, module docstring item 1), and, as there, losses and norms carry the same ``rho``."""
+    return lam * math.sqrt(2 * 6 * num_layers + 3 + accumulated) * unit_roundoff
+
+
 def ratio_bound(betas: tuple[float, float], t: int) -> float:
     """``R_t``: the largest ``|mhat_t| / sqrt(vhat_t)`` any gradient sequence can give (item 2)."""
     b1, b2 = betas

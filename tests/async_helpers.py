@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_GPT = [
     "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--vocab-size", "32",
     "--micro-batch-size", "1", "--num-threads", "1", "--lr", "1e-2", "--lr-warmup-iters", "1",
-    # Tests compare schedules and layouts with each other; only synchronous chain layouts tie by
+    # Tests compare schedules and layouts with each other; only synchronous schedules tie by
     # default (tests/test_tied_embeddings.py covers tying), so the tiny GPT is untied everywhere.
     "--untie-embeddings-and-output-weights",
 ]

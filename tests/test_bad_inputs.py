@@ -700,7 +700,12 @@ V_SHAPE = [
      "do not halve into its two V chunks"),
     ([*V4, "--pipeline-schedule", "v-min", "--global-batch-size", "1"], "v-min: needs at least 2 micro-batches"),
     ([*V4, "--pipeline-schedule", "dualpipev", "--global-batch-size", "2"], "dualpipev: needs at least 4 micro-batches"),
+    ([*V4, "--pipeline-schedule", "zb-v", "--global-batch-size", "1"], "zb-v: needs at least 2 micro-batches"),
     ([*V4, "--pipeline-schedule", "v-quarter"], "unknown pipeline schedule 'v-quarter'"),
+    # the building blocks and DualPipeV fix their memory (no limit to set) and do not profile
+    ([*V4, "--pipeline-schedule", "v-half", "--zb-memory-limit", "3"], "--zb-memory-limit needs --pipeline-schedule"),
+    ([*V4, "--pipeline-schedule", "dualpipev", "--zb-memory-limit", "3"], "--zb-memory-limit needs --pipeline-schedule"),
+    ([*V4, "--pipeline-schedule", "v-min", "--zb-profile-iters", "2"], "--zb-profile-iters needs --pipeline-schedule"),
     ([*V4, "--pipeline-schedule", "zb-v", "--zb-memory-limit", "1"], "memory limit 1 M_B is below 2"),
     ([*V4, "--pipeline-schedule", "v-half", "--zb-costs", "1,1,1,0"], "--zb-costs"),
     ([*V4, "--pipeline-schedule", "dualpipev", "--num-layers-per-virtual-pipeline-stage", "1"],

@@ -6,9 +6,14 @@ model keeps a copy on the output layer's stage and sums the two gradients before
 (per micro-batch vs per copy), so parameters agree within the per-element bounds derived from
 the reference's own AdamW steps (tests/adam_bounds.py) and losses within its ``rho``; the two
 copies are bitwise equal after every step, since both receive the same bits and step alike.
+
+On the V layout (zb-v, v-half, v-min, dualpipev) stage 0 holds both ends, in its two chunks: they
+share one parameter there (no copy), whose gradient autograd accumulates from both chunks as at
+PP = 1; the other stages hold no end. The comparison with PP = 1 is the same.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,9 +30,16 @@ FP32_NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 TIED = "embedding.word_embeddings.weight"
 
 
-def _argv(pp: int, schedule: str) -> list[str]:
-    return [*TIED_GPT, *FP32_NO_DROPOUT, "--num-layers", "4", "--pipeline-model-parallel-size", str(pp),
-            "--pipeline-schedule", schedule, "--global-batch-size", "4", "--train-iters", "3", "--log-interval", "1"]
+def _argv(pp: int, schedule: str, layers: int = 4, batch: int = 4, iters: int = 3) -> list[str]:
+    return [*TIED_GPT, *FP32_NO_DROPOUT, "--num-layers", str(layers), "--pipeline-model-parallel-size", str(pp),
+            "--pipeline-schedule", schedule, "--global-batch-size", str(batch), "--train-iters", str(iters),
+            "--log-interval", "1"]
+
+
+def _v_argv(pp: int, schedule: str, *more: str) -> list[str]:
+    """8 layers (a V at PP = 4 has 8 virtual stages of one layer each), 8 micro-batches
+    (dualpipev needs 2 per stage)."""
+    return [*_argv(pp, schedule, layers=8, batch=8), *more]
 
 
 @pytest.fixture
@@ -60,16 +72,79 @@ def test_split_tied_runs_train_like_one_stage(megatron_world1, tmp_path: Path, c
         assert_trains_like(read_log(log), final_params(workers), ref, context=f"{schedule} PP={pp}")
 
 
-def test_distributed_runtime_keeps_the_copies_equal_to_the_emulator(megatron_world1, tmp_path: Path) -> None:
-    """Two ranks sum over their embedding group: the same bits as the emulator's local sum."""
-    argv = [*_argv(2, "1f1b"), "--num-threads", "1"]
+def _shares_one_parameter(worker) -> bool:
+    """Stage 0 of a V: the last chunk's output layer reads the first chunk's embedding."""
+    first, last = worker.setup.chunks
+    return last.model.output_layer.weight is first.model.embedding.word_embeddings.weight
+
+
+@pytest.mark.parametrize("schedule, stages", [("zb-v", (2, 4)), ("dualpipev", (2, 4)), ("v-half", (2,)), ("v-min", (2,))])
+def test_v_tied_runs_train_like_one_stage(megatron_world1, tmp_path: Path, copies_checked, schedule, stages) -> None:
+    ref = emulated_reference(_v_argv(1, "1f1b"), tmp_path / "ref.jsonl")
+    for pp in stages:
+        copies_checked.clear()
+        log = tmp_path / f"{schedule}{pp}.jsonl"
+        workers = emulate([*_v_argv(pp, schedule), "--pipeline-executor", "emulator", "--log-json", str(log)])
+        assert copies_checked and set(copies_checked) == {1}, copies_checked  # one end, one parameter
+        assert _shares_one_parameter(workers[0])
+        assert not any(is_tied_copy(p) for w in workers for c in w.setup.chunks for p in c.parameters())
+        assert not any(tied_parameters(w.setup.chunks) for w in workers[1:])
+        assert_trains_like(read_log(log), final_params(workers), ref, context=f"{schedule} PP={pp}")
+
+
+def test_v_layout_ties_under_post_validation(megatron_world1) -> None:
+    """Post-validation's optimistic step needs no sum on a V (stage 0 holds the one tied
+    parameter): with --clip-grad 0.5 rolling back and redoing steps, tied zb-v ends bitwise
+    where the plain synchronous step does."""
+    argv = [*_v_argv(2, "zb-v", "--clip-grad", "0.5"), "--pipeline-executor", "emulator"]
+    validated = emulate([*argv, "--enable-optimizer-post-validation"])
+    assert _shares_one_parameter(validated[0])
+    plain, ours = final_params(emulate(argv)), final_params(validated)
+    assert plain.keys() == ours.keys() and all(torch.equal(ours[n], plain[n]) for n in plain)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_distributed_runtime_keeps_the_copies_equal_to_the_emulator(megatron_world1, tmp_path: Path, schedule) -> None:
+    """Two ranks sum over their embedding group (1f1b), or rank 0 holds the one shared
+    parameter (zb-v): the same bits as the emulator."""
+    argv = [*_argv(2, schedule), "--num-threads", "1"]
     records, dist_params = run_pretrain(argv, tmp_path / "dist")
     emu = final_params(emulate([*argv, "--pipeline-executor", "emulator"]))
     assert dist_params.keys() == emu.keys()
     for name in emu:
         assert torch.equal(dist_params[name], emu[name]), name
     stages = [torch.load(f) for f in sorted((tmp_path / "dist" / "params").glob("stage*.pt"))]
-    assert torch.equal(stages[0][TIED], stages[-1][TIED])  # each rank dumped its own end
+    if schedule == "zb-v":  # the V's stage 0 holds both ends, stage 1 none
+        assert TIED in stages[0] and not any(n in stages[1] for n in (TIED, "output_layer.weight"))
+    else:
+        assert torch.equal(stages[0][TIED], stages[-1][TIED])  # each rank dumped its own end
+
+
+def test_a_tied_v_checkpoint_resumes_and_reshards_into_a_chain(megatron_world1, tmp_path: Path) -> None:
+    """zb-v saves one tied parameter; its checkpoint records the tied model, resumes bitwise
+    and loads into 1F1B at PP = 2: both ends start from the saved parameter, so the first loss
+    after loading (a forward of the same weights, micro-batch by micro-batch) is the saving
+    run's, and the two ends stay bitwise equal."""
+    from megatron.trainer.checkpointing import checkpoint as ckpt
+
+    def run(schedule: str, log: str, *more: str):
+        workers = emulate([*_argv(2, schedule, iters=4), "--pipeline-executor", "emulator",
+                           "--log-json", str(tmp_path / log), *more])
+        return workers, {r["iteration"]: r["loss"] for r in read_log(tmp_path / log) if "loss" in r}
+
+    workers, straight = run("zb-v", "v.jsonl", "--save", str(tmp_path / "v"), "--save-interval", "2")
+    (tmp_path / "v" / ckpt.POINTER).write_text("2\n")
+    metadata = json.loads((ckpt.iteration_dir(tmp_path / "v", 2) / "metadata.json").read_text())
+    assert metadata["signature"]["untie_embeddings_and_output_weights"] is False
+    resumed, losses = run("zb-v", "resumed.jsonl", "--load", str(tmp_path / "v"))
+    assert losses == {i: straight[i] for i in (3, 4)}
+    resumed_params, straight_params = final_params(resumed), final_params(workers)
+    assert resumed_params.keys() == straight_params.keys()
+    assert all(torch.equal(resumed_params[n], straight_params[n]) for n in straight_params)
+    chain, losses = run("1f1b", "chain.jsonl", "--load", str(tmp_path / "v"))
+    assert losses[3] == straight[3], (losses, straight)
+    ends = [p for w in chain for p in tied_parameters(w.setup.chunks)]
+    assert len(ends) == 2 and torch.equal(ends[0], ends[1])
 
 
 def _stage_counts(argv: list[str], task) -> tuple[object, list[int]]:
@@ -80,7 +155,8 @@ def _stage_counts(argv: list[str], task) -> tuple[object, list[int]]:
     parser = build_parser()
     task.add_arguments(parser)
     args = parse_args(argv, parser)
-    counts = [sum(p.numel() for chunk in task.build_stage(args, s, torch.device("cpu")) for p in counted(chunk.parameters()))
+    counts = [sum(p.numel() for p in counted(p for chunk in task.build_stage(args, s, torch.device("cpu"))
+                                             for p in chunk.parameters()))
               for s in range(args.pipeline_model_parallel_size)]
     return args, counts
 
@@ -105,6 +181,27 @@ def test_megatron_gpt3_flag_set_builds_a_tied_model(megatron_world1, tmp_path: P
     assert sum(untied) - sum(counts) == vocab * h
 
 
+@pytest.mark.parametrize("pp", [2, 4])
+def test_v_layout_banner_counts_the_tied_model(megatron_world1, pp: int) -> None:
+    """A V's stage 0 counts the shared parameter once: the PP = 1 tied total, V h less than untied."""
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    _, one = _stage_counts(_v_argv(1, "1f1b"), GPTTask())
+    args, counts = _stage_counts(_v_argv(pp, "zb-v"), GPTTask())
+    _, untied = _stage_counts([*_v_argv(pp, "zb-v"), "--untie-embeddings-and-output-weights"], GPTTask())
+    assert args.tie_embeddings and args.embeddings_line.startswith("embeddings: tied")
+    assert sum(counts) == sum(one) and sum(untied) - sum(counts) == args.vocab_size * args.hidden_size
+
+
+@pytest.mark.parametrize("flag, says", [("--overlap-grad-reduce", "reduces each V chunk's gradients on their own"),
+                                        ("--use-distributed-optimizer", "on the V layout")])
+def test_v_layout_stays_untied_with_and_says_why(megatron_world1, flag: str, says: str) -> None:
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    args, _ = _stage_counts([*_v_argv(2, "zb-v"), flag], GPTTask())
+    assert not args.tie_embeddings and says in args.embeddings_line, args.embeddings_line
+
+
 def test_asynchronous_schedules_stay_untied_and_say_why(megatron_world1) -> None:
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -120,3 +217,19 @@ def test_bert_ties_across_stages(megatron_world1, tmp_path: Path) -> None:
     workers = emulate([*_argv(2, "1f1b"), "--pipeline-executor", "emulator"], BertTask())
     ends = [p for w in workers for p in tied_parameters(w.setup.chunks)]
     assert len(ends) == 2 and torch.equal(ends[0], ends[1]) and workers[0].setup.optimizer.step_count == 3
+
+
+def test_v_layout_ties_at_tp2_like_tp1(megatron_world1, tmp_path: Path) -> None:
+    """zb-v at TP = 2 (4 ranks): stage 0's chunks share the vocabulary-parallel shard of the
+    tied weight (the embedding's and the output layer's shards split the vocabulary alike) and
+    train like the TP = 1 tied emulator run, within the derived bounds."""
+    from tests.test_tensor_parallel_runtime import MODEL, _launch_tp2
+
+    tied = [flag for flag in MODEL if flag != "--untie-embeddings-and-output-weights"]
+    flags = ["--num-layers", "4", "--zb-costs", "1,1,1,0"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("tests.test_tensor_parallel_runtime.MODEL", tied)
+        (result,) = _launch_tp2([("zb-v", flags)], tmp_path)
+        ref = emulated_reference([*tied, "--pipeline-schedule", "zb-v", *flags], tmp_path / "tp1.jsonl")
+    assert TIED in ref.params and "output_layer.weight" not in ref.params
+    assert_trains_like(*result, ref, context="zb-v TP=2 tied: ")

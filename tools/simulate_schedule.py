@@ -10,9 +10,11 @@ see ``megatron.pipeline.simulator.costs_from_profile``), then the ``--t-*`` flag
 profile's values for every stage. Defaults: t_f = t_b = t_w = 1, t_comm = 0, t_bw = t_b + t_w,
 t_opt = 0, m_w = M_W / M_B = 0.5, and the runtime terms t_send (the sender's time per message)
 and t_sync (a synchronous step's collective) = 0; ``benchmarks/calibrate_runtime.py`` measures
-them. ``--microbatches`` is m per iteration for synchronous schedules and the accumulation
-factor a for asynchronous ones (``--iterations`` then counts updates; the stream drains after
-the last one).
+them. ``--overlap-factor`` (DualPipeV) says how much of an F&B slot's forward and backward run
+at once: 0 (F then B) to 1 (``max(F, B)``), see ``megatron.pipeline.overlap``.
+``--microbatches`` is m per iteration for synchronous schedules and the accumulation factor a
+for asynchronous ones (``--iterations`` then counts updates; the stream drains after the last
+one).
 
 Memory is in units of M_B (one micro-batch's activations on a stage); the bubble rate is Zero
 Bubble's: (largest per-stage span - busy time) / largest per-stage span. ``--png`` needs
@@ -67,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", help="JSON file with (per-stage) costs")
     ap.add_argument("--memory-limit", type=float, default=None,
                     help="activation memory limit in units of M_B (zb-1p / zb-2p; default N or 2N)")
+    ap.add_argument("--overlap-factor", type=float, default=0.0,
+                    help="DualPipeV's F&B slots: how much of F and B runs concurrently, 0 (default: F then B, "
+                         "as PyTorch without a custom overlap function and our executors) to 1 (max(F, B))")
     ap.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     ap.add_argument("--png", help="draw the timeline to this file (needs matplotlib)")
     return ap.parse_args(argv)
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             args.stages, args.microbatches, num_iterations=args.iterations, num_chunks=args.chunks, options=options
         )
         schedule = build_schedule(args.schedule, config)
-        result = simulate_schedule(schedule)
+        result = simulate_schedule(schedule, overlap=args.overlap_factor)
     except (ScheduleConfigError, ScheduleError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             "iterations": args.iterations,
             "chunks": chunks,  # whole-stage memory: peak_memory / chunks
             "asynchronous": asynchronous,
+            "overlap_factor": args.overlap_factor,
             **result.to_dict(),
         }
         if args.memory_limit is not None or hasattr(schedule, "memory_limit"):

@@ -69,12 +69,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
 from megatron.pipeline.comm import Message, op_sends
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
+from megatron.pipeline.overlap import check_overlap, overlap_saving
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
 
 
@@ -365,11 +366,16 @@ def simulate_streams(
     max_ops: int | None = None,
     stashes_weights: bool = False,
     weight_copies: Sequence[float] | None = None,
+    overlap: float = 0.0,
+    overlapped: Callable[[Op], bool] | None = None,
 ) -> SimulationResult:
     """Replay ``streams`` with timestamps (model: module docstring).
 
+    ``overlapped`` names the backwards of overlapped F&B slots (DualPipeV's), each shortened by
+    ``overlap`` (0: serial F then B, 1: full overlap) as :mod:`megatron.pipeline.overlap` says.
     Raises :class:`~megatron.pipeline.replay.ScheduleError` for streams that cannot run.
     """
+    overlap = check_overlap(overlap)
     n = layout.num_stages
     per_stage = stage_costs(costs, n)
     if max_microbatches is not None:
@@ -401,6 +407,10 @@ def simulate_streams(
                 start = arrival
         kind = op.kind
         duration = durations[part][kind]
+        if overlap and overlapped is not None and spans[s] and overlapped(op):
+            forward = spans[s][-1]
+            duration -= overlap_saving(overlap, forward.start, forward.end,
+                                       max(inputs.values(), default=forward.start), duration)
         end = start + duration
         if send_cost[part]:
             duration += send_cost[part] * sum(1 for msg in op_sends(op, layout) if msg.dst_stage != s)
@@ -457,11 +467,14 @@ def simulate_schedule(
     *,
     max_microbatches: int | None = None,
     max_ops: int | None = None,
+    overlap: float = 0.0,
 ) -> SimulationResult:
     """Simulate a :class:`~megatron.pipeline.schedules.base.Schedule`.
 
     ``costs`` defaults to the schedule's ``config.options["costs"]``, else :class:`OpCosts()`.
-    An unbounded schedule (``num_iterations=None``) needs ``max_microbatches``.
+    An unbounded schedule (``num_iterations=None``) needs ``max_microbatches``. ``overlap``:
+    how much of an overlapped F&B slot runs concurrently (schedules with an
+    ``overlapped_backward`` predicate, DualPipeV; :mod:`megatron.pipeline.overlap`).
     """
     config = schedule.config
     if costs is None:
@@ -474,6 +487,7 @@ def simulate_schedule(
         max_microbatches=max_microbatches, max_ops=max_ops,
         stashes_weights=getattr(schedule, "stashes_weights", False),
         weight_copies=None if copies is None else [copies(config, s) for s in range(config.num_stages)],
+        overlap=overlap, overlapped=getattr(schedule, "overlapped_backward", None),
     )
 
 

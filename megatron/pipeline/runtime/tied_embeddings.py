@@ -9,9 +9,12 @@ copies bitwise equal; ``a + b == b + a`` in IEEE arithmetic, so a two-rank all-r
 ends the same bits and the emulator's local sum the same bits again.
 
 Which ranks take part is read from the parameters each worker holds (:data:`TIED`), not from
-stage indices: a layout whose first and last chunks share a device sums locally, with no group.
-The copy is left out of gradient and parameter norms and of parameter counts, as Megatron leaves
-out its ``shared`` parameters: the model has one such weight.
+stage indices. A stage holding both ends in different chunks (the V layout's stage 0: virtual
+stages 0 and 2p-1) needs no copy: :func:`share_local_ends` makes its output layer read the
+embedding's own parameter, one parameter as at PP = 1, whose gradient autograd (or a deferred
+W) accumulates from both chunks; the stage then lists it once (:func:`unique`) and has nothing
+to sum or to send. The copy is left out of gradient and parameter norms and of parameter
+counts, as Megatron leaves out its ``shared`` parameters: the model has one such weight.
 """
 from __future__ import annotations
 
@@ -36,14 +39,32 @@ def is_tied_copy(param: torch.Tensor) -> bool:
     return bool(getattr(param, TIED_COPY, False))
 
 
+def unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """``params`` in order, each parameter once (a shared end appears in two chunks)."""
+    seen: set[int] = set()
+    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+
+
 def counted(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    """``params`` without the tied copies: what norms and parameter counts see."""
-    return [p for p in params if not is_tied_copy(p)]
+    """``params`` without the tied copies, each once: what norms and parameter counts see."""
+    return [p for p in unique(params) if not is_tied_copy(p)]
 
 
 def tied_parameters(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    """The tied ends held by ``chunks``, in chunk order (the embedding's chunk comes first)."""
-    return [p for chunk in chunks for p in chunk.parameters() if getattr(p, TIED, False)]
+    """The tied ends held by ``chunks``, in chunk order (the embedding's chunk comes first),
+    each once."""
+    return unique(p for chunk in chunks for p in chunk.parameters() if getattr(p, TIED, False))
+
+
+def share_local_ends(output_layer: torch.nn.Module, embedding: torch.nn.Parameter) -> None:
+    """Let ``output_layer`` (a chunk's, holding a tied copy) read ``embedding`` (another chunk's
+    on the same stage) instead: the copy is dropped and the two chunks share one parameter."""
+    if not getattr(output_layer.weight, TIED_COPY, False) or not getattr(embedding, TIED, False):
+        raise ValueError("share_local_ends: expects the output layer's tied copy and the tied embedding")
+    if output_layer.weight.shape != embedding.shape:
+        raise ValueError(f"share_local_ends: copy {tuple(output_layer.weight.shape)} != "
+                         f"embedding {tuple(embedding.shape)}")
+    output_layer.weight = embedding
 
 
 def sum_tied_gradients(params: Sequence[torch.nn.Parameter],

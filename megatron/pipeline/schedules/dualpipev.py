@@ -4,7 +4,9 @@ PyTorch's ``ScheduleDualPipeV``): closed-form phases per stage ``r`` of ``p``, `
 Chunk 0 is virtual stage ``r``, chunk 1 is ``2p - 1 - r``. "F&B" is an overlapped slot of one
 chunk's forward and the other chunk's fused backward; without a custom overlap function (as
 in PyTorch) the slot runs the forward and then the backward, which is what it is here, so in
-the simulator a slot costs ``F + B + W``. Phases (counts per stage):
+the simulator a slot costs ``F + B + W`` by default; ``simulate_schedule(..., overlap=a)``
+models an overlapping implementation (:mod:`megatron.pipeline.overlap`; :meth:`DualPipeV.overlapped_backward`
+names the slots' backwards). Phases (counts per stage):
 
 1. ``2 (p - r - 1)`` x F0 (warm-up);
 2. ``r + 1`` x (F0, F1);
@@ -26,7 +28,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterator
 
-from megatron.pipeline.ir import BW, B, F, Op, W
+from megatron.pipeline.ir import BW, B, F, Op, OpKind, W
 from megatron.pipeline.schedules.v_shape import VShapeSchedule
 
 
@@ -38,6 +40,7 @@ class _Phases:
         self.next_mb: Counter[tuple[int, str]] = Counter()
         self.pending_w: deque[tuple[int, int]] = deque()
         self.ops: list[Op] = []
+        self.slots: set[tuple[int, int]] = set()  # (micro-batch - first, chunk) of overlapped backwards
 
     def forward(self, chunk: int) -> None:
         self.ops.append(F(self.stage, self.first + self.next_mb[(chunk, "F")], chunk))
@@ -61,6 +64,7 @@ class _Phases:
         """One F&B slot: this chunk's forward, then the other chunk's fused backward."""
         self.forward(forward_chunk)
         self.backward(1 - forward_chunk, split=False)
+        self.slots.add((self.ops[-1].microbatch - self.first, 1 - forward_chunk))
 
 
 class DualPipeV(VShapeSchedule):
@@ -69,7 +73,19 @@ class DualPipeV(VShapeSchedule):
     name = "dualpipev"
     min_microbatches_per_stage = 2
 
-    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
+    def overlapped_backward(self, op: Op) -> bool:
+        """Whether ``op`` is the fused backward of an F&B slot (it runs right after the slot's
+        forward). Every iteration has the same slots, iteration ``i`` holding micro-batches
+        ``i m .. (i + 1) m - 1``."""
+        if op.kind is not OpKind.BW:
+            return False
+        m = self.config.num_microbatches
+        cache: dict[int, set[tuple[int, int]]] = self.__dict__.setdefault("_slots", {})
+        if op.stage not in cache:
+            cache[op.stage] = self._phases(op.stage, range(0, m)).slots
+        return (op.microbatch % m, op.chunk) in cache[op.stage]
+
+    def _phases(self, stage: int, microbatches: range) -> _Phases:
         p, m, r = self.config.num_stages, len(microbatches), stage
         e = _Phases(stage, microbatches.start)
         for _ in range(2 * (p - r - 1)):
@@ -99,4 +115,7 @@ class DualPipeV(VShapeSchedule):
         for _ in range(r + 1):
             e.weight()
         assert not e.pending_w, "every split backward's W is placed"
-        yield from e.ops
+        return e
+
+    def iteration_ops(self, stage: int, microbatches: range) -> Iterator[Op]:
+        yield from self._phases(stage, microbatches).ops

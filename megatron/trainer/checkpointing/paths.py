@@ -20,6 +20,8 @@ import os
 import re
 import shutil
 
+from megatron.pipeline.schedules import schedule_class
+from megatron.pipeline.schedules.v_shape import VShapeSchedule
 from megatron.trainer.checkpointing.writable import OutputPathError, check_output_flags, check_writable_directory
 
 
@@ -44,6 +46,10 @@ def estimate_parameters(args: argparse.Namespace) -> int:
     return vocab * h + output + positions + layers * (attention + mlp + norms) + 2 * h
 
 
+def _v_layout(args: argparse.Namespace) -> bool:
+    return issubclass(schedule_class(args.pipeline_schedule), VShapeSchedule)
+
+
 def estimate_checkpoint_bytes(args: argparse.Namespace) -> int:
     """Bytes of one checkpoint: per parameter its value (2 bytes in bf16/fp16, else 4), AdamW's
     two fp32 moments and, in half precision, the fp32 master copy; every data-parallel replica
@@ -51,8 +57,9 @@ def estimate_checkpoint_bytes(args: argparse.Namespace) -> int:
     half = args.bf16 or getattr(args, "fp16", False)
     per_parameter = (2 + 8 + 4) if half else (4 + 8)
     # tied over several stages: the output layer's stage saves its copy of the embedding too
+    # (not on a V, whose stage 0 holds both ends as one parameter)
     copy = args.vocab_size * args.hidden_size if getattr(args, "tie_embeddings", False) and \
-        args.pipeline_model_parallel_size > 1 else 0
+        args.pipeline_model_parallel_size > 1 and not _v_layout(args) else 0
     return (estimate_parameters(args) + copy) * per_parameter * args.data_parallel_size
 
 

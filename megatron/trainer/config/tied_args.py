@@ -2,17 +2,23 @@
 the opt-out.
 
 Synchronous schedules tie: one parameter when a chunk holds both ends, else a copy on the output
-layer's stage whose gradient is summed with the embedding's before every synchronous step
-(:mod:`megatron.pipeline.runtime.tied_embeddings`). Asynchronous schedules step each stage on
+layer's chunk whose gradient is summed with the embedding's before every synchronous step
+(:mod:`megatron.pipeline.runtime.tied_embeddings`). The V layout (zb-v, v-half, v-min,
+dualpipev) holds both ends on stage 0, in its two chunks: they share one parameter there, as at
+PP = 1, so there is no copy and nothing to sum or send. Asynchronous schedules step each stage on
 its own clock; an exact tie would need the first and the last stage to meet at every update,
 the synchronisation they exist to avoid. Their default is untied and the banner says why
 (Megatron-LM has no flag that asks for tying, so there is no request to refuse).
 
 Where the two ends live on different stages, two synchronous setups cannot keep the copies tied
 yet, and default to untied the same way, with the reason in the banner: Zero Bubble's
-post-validation (its optimistic per-stage step has no synchronous point to sum at) and
+post-validation (its optimistic per-stage step has no synchronous point to sum at; the V layout
+ties under it, having nothing to sum) and
 ``--use-distributed-optimizer`` (each replica steps only its own range of a stage's flat
-gradients, which differ between the two stages). Megatron-LM's flag set with either flag keeps
+gradients, which differ between the two stages). On the V layout ``--overlap-grad-reduce``
+unties too: it launches a chunk's buckets when that chunk's gradients are final, and the shared
+parameter is accumulated by both chunks; ``--use-distributed-optimizer`` unties it as on a chain
+(its sharded step is not checked against the shared parameter yet). Megatron-LM's flag set with any of these flags keeps
 running unchanged; the checkpoint records the untied model.
 """
 from __future__ import annotations
@@ -34,11 +40,14 @@ def _untied_because(args: argparse.Namespace) -> str | None:
                 f"and tying would make the first and last stage meet at every update")
     if args.pipeline_model_parallel_size == 1:
         return None
-    if issubclass(cls, VShapeSchedule):
-        return ("the V layout (its first and last parts share device 0) does not sum the two copies yet; "
-                "see docs/schedules.md")
-    if getattr(args, "enable_optimizer_post_validation", False):
+    if issubclass(cls, VShapeSchedule) and getattr(args, "overlap_grad_reduce", False):
+        return ("--overlap-grad-reduce reduces each V chunk's gradients on their own, and the two chunks "
+                "of stage 0 share the tied parameter")
+    if getattr(args, "enable_optimizer_post_validation", False) and not issubclass(cls, VShapeSchedule):
         return "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
+    if getattr(args, "use_distributed_optimizer", False) and issubclass(cls, VShapeSchedule):
+        return ("--use-distributed-optimizer on the V layout: its sharded step is not checked against the "
+                "shared tied parameter yet")
     if getattr(args, "use_distributed_optimizer", False):
         return ("--use-distributed-optimizer at --pipeline-model-parallel-size > 1 steps each replica's own range "
                 "of the two copies' gradients")

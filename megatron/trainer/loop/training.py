@@ -178,7 +178,7 @@ def stage_parameter_count(worker: StageWorker, tp_size: int = 1) -> int:
     """Parameters of one stage (all its model chunks), for the start banner: of the whole
     stage, a TP shard counted at its full (unsharded) size."""
     return sum(full_shape(p.shape, shard_layout(p), tp_size).numel()
-               for chunk in worker.setup.chunks for p in counted(chunk.parameters()))  # a tied embedding once
+               for p in counted(p for chunk in worker.setup.chunks for p in chunk.parameters()))  # a tied embedding once
 
 
 def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | None = None) -> Schedule:

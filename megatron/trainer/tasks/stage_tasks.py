@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron.pipeline.runtime.tied_embeddings import share_local_ends
 from megatron.trainer.config.run_config import run_config
 from megatron.trainer.config.megatron_compat_args import compat_model_kwargs
 from megatron.trainer.config.recompute_args import recompute_model_kwargs
@@ -66,14 +67,24 @@ def build_chunks(
     split = layout.part_layer_split(args.pipeline_layer_split)  # per part (a V halves each stage's)
     part_layers = split_layers(args.num_layers, parts, split)
     model_stages = [layout.model_stage(stage, c) for c in range(layout.num_chunks)]
-    return [build(part_layers[j], j == 0, j == parts - 1) for j in model_stages]
+    chunks = [build(part_layers[j], j == 0, j == parts - 1) for j in model_stages]
+    if args.tie_embeddings and parts > 1 and 0 in model_stages and parts - 1 in model_stages:
+        # Both ends on this stage (a V's stage 0): one parameter, as at PP = 1.
+        first, last = chunks[model_stages.index(0)], chunks[model_stages.index(parts - 1)]
+        share_local_ends(last.model.output_layer, first.model.embedding.word_embeddings.weight)
+    return chunks
 
 
 def global_named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """Parameters of a stage's chunks by their names in the unsplit model."""
+    """Parameters of a stage's chunks by their names in the unsplit model (a parameter two
+    chunks share, the tied embedding on a V's stage 0, once: under the first chunk's name)."""
+    seen: set[int] = set()
     for chunk in chunks:
         assert isinstance(chunk, PipelineStage)
-        yield from chunk.global_named_parameters()
+        for name, param in chunk.global_named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield name, param
 
 
 def micro_batch_fn(
