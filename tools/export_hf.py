@@ -3,7 +3,9 @@
     python tools/export_hf.py --load CKPT --output DIR
 
 GPT-2 architecture for learned positions + LayerNorm + GeLU, Llama for RoPE + RMSNorm + SwiGLU
-(+ GQA); tied or untied as trained (megatron/trainer/hf/export.py). Needs ``pip install -e ".[hf]"``.
+(+ GQA); tied or untied as trained (megatron/trainer/hf/export.py); with the tokenizer files when
+the run's tokenizer has a transformers equivalent (megatron/trainer/hf/tokenizer.py), so the
+directory is usable on its own. Needs ``pip install -e ".[hf]"``.
 """
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, help="transformers model directory to write")
     args = p.parse_args(argv)
     try:
-        import transformers  # noqa: F401
+        import transformers
     except ImportError:
         print('error: tools/export_hf.py needs transformers: pip install -e ".[hf]"', file=sys.stderr)
         return 2
+    transformers.utils.logging.disable_progress_bar()  # stderr keeps to one line per error
     from megatron.trainer.checkpointing.checkpoint import CheckpointError
     from megatron.trainer.checkpointing.full_state import read_full_state
     from megatron.trainer.hf.export import ExportError, export
+    from megatron.trainer.hf.tokenizer import export_tokenizer
 
     try:
         signature, state, iteration = read_full_state(args.load)
@@ -37,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"exported iteration {iteration} of {args.load} as a transformers {arch} model to {args.output}")
+    print(export_tokenizer(signature.get("tokenizer"), args.output))
     return 0
 
 

@@ -1,0 +1,151 @@
+"""Import from Hugging Face transformers: tools/import_hf.py, then tools/export_hf.py, gives the
+same tensors bit for bit, at every TP x PP layout, and the checkpoint fine-tunes.
+
+One tiny transformers model per architecture (randomly initialised by transformers, saved) is
+imported at TP in {1, 2} x PP in {1, 2, 4} and exported again. Those
+imported checkpoints are also how the export is tested on TP 2 files: the import writes them
+with the checkpoint's own writer (one file per stage and TP rank, shards cut by
+``take_shard``, the function a TP run's initialisation uses), its layouts are checked against
+megatron's own marks on the built layers (:func:`test_import_shards_as_megatron_does`) and its
+files against a trained run's index (:func:`test_import_writes_a_runs_files`). A real TP 2 x
+PP 4 run would need 8 gloo processes, each paying megatron-core's import (minutes of CI).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_hf_export import GPT2, LLAMA, _tool, _train, logits_bound, our_logits
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors.torch")
+
+# GQA with 2 query groups of 2 heads: the groups split over 2 TP ranks (megatron needs groups % TP == 0).
+LLAMA_GQA2 = [*LLAMA[:LLAMA.index("--num-query-groups")], "--num-query-groups", "2",
+              *LLAMA[LLAMA.index("--num-query-groups") + 2:]]
+ARCHS = {"gpt2": GPT2, "llama": LLAMA_GQA2}
+
+
+def hf_model(arch: str, directory: Path, tied: bool) -> Path:
+    """A tiny transformers model of ``arch`` (4 layers, h 32, 4 heads, vocab 32, 8 positions;
+    Llama with 2 query groups), randomly initialised by transformers itself and saved."""
+    torch.manual_seed(0)
+    common = {"vocab_size": 32, "tie_word_embeddings": tied, "bos_token_id": None, "eos_token_id": None}
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=8, activation_function="gelu",
+                                         **common)
+    else:
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8,
+                                          **common)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so a swapped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch -> a model directory: GPT-2 tied, Llama untied."""
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: hf_model(arch, root / arch, tied=arch == "gpt2") for arch in ARCHS}
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    return safetensors.load_file(str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("pp", [1, 2, 4])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_import_then_export_is_bitwise(megatron_world1, exported, tmp_path: Path, arch: str, tp: int, pp: int, capsys) -> None:
+    source = exported[arch]
+    ckpt = tmp_path / "ckpt"
+    assert _tool("import_hf")(["--input", str(source), "--save", str(ckpt), "--tensor-model-parallel-size", str(tp),
+                               "--pipeline-model-parallel-size", str(pp)]) == 0
+    files = sorted(p.name for p in (ckpt / "iter_0000000").glob("*.pt"))
+    assert len(files) == tp * pp
+    again = tmp_path / "again"
+    assert _tool("export_hf")(["--load", str(ckpt), "--output", str(again)]) == 0
+    before, after = _weights(source), _weights(again)
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    # the TP/PP files compute the exported model's logits (export of a TP 2 checkpoint)
+    model = transformers.AutoModelForCausalLM.from_pretrained(again, attn_implementation="eager").eval()
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(tokens).logits.float()
+    ours = our_logits(ckpt, tokens)
+    assert (ours - theirs).abs().max() <= logits_bound(model, ours)
+
+
+def test_import_shards_as_megatron_does(megatron_world1) -> None:
+    """The TP layout the import gives each name is the one megatron marks on its layers."""
+    from megatron.trainer.hf.importer import shard_layout_of
+    from megatron.trainer.models.gpt import GPTModelArgs, build_gpt_stage
+    from megatron.trainer.models.tensor_parallel import mark_tensor_parallel, shard_layout
+
+    for swiglu, extra in ((False, {}), (True, {"swiglu": True, "add_bias_linear": False, "ffn_hidden_size": 48})):
+        args = GPTModelArgs(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
+                            max_position_embeddings=8, vocab_size=32, **extra)
+        stage = build_gpt_stage(args, range(1), True, True, 0, "cpu")
+        mark_tensor_parallel(stage.model, swiglu)
+        layouts = {name: shard_layout(p) for name, p in stage.global_named_parameters()}
+        assert layouts == {name: shard_layout_of(name, swiglu) for name in layouts}
+
+
+def test_import_writes_a_runs_files(megatron_world1, exported, tmp_path: Path) -> None:
+    """Per file the same names and shapes as a trained PP 2 checkpoint of the same model."""
+    trained = _train(tmp_path / "run", 2, *LLAMA_GQA2, "--num-layers", "4", "--untie-embeddings-and-output-weights")
+    ckpt = tmp_path / "ckpt"
+    assert _tool("import_hf")(["--input", str(exported["llama"]), "--save", str(ckpt),
+                               "--pipeline-model-parallel-size", "2"]) == 0
+    index = {}
+    for root in (trained, ckpt):
+        point = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+        metadata = json.loads((root / f"iter_{int(point):07d}" / "metadata.json").read_text())
+        index[root] = {f: {n: e["global_shape"] for n, e in entry["params"].items()}
+                       for f, entry in metadata["index"].items()}
+    assert index[trained] == index[ckpt]
+
+
+def test_finetune_starts_from_the_import(megatron_world1, exported, tmp_path: Path, capsys) -> None:
+    """``--load CKPT --finetune`` with the flags the import prints, another layout (PP 2 files,
+    PP 4 run): it loads and trains; without ``--finetune`` it is refused with one line."""
+    from async_helpers import emulate
+
+    ckpt = tmp_path / "ckpt"
+    assert _tool("import_hf")(["--input", str(exported["gpt2"]), "--save", str(ckpt),
+                               "--pipeline-model-parallel-size", "2"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("fine-tune with: --load")
+    flags = line.split(": ", 1)[1].split()
+    base = ["--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "4", "--num-threads", "1",
+            "--lr", "1e-3", "--pipeline-model-parallel-size", "4", "--pipeline-executor", "emulator",
+            "--hidden-dropout", "0", "--attention-dropout", "0", *flags]
+    workers = emulate([*base, "--train-iters", "1"])
+    assert "(weights only, from iteration 0)" in capsys.readouterr().out
+    assert len(workers) == 4
+    with pytest.raises(SystemExit):
+        emulate([*[f for f in base if f != "--finetune"], "--train-iters", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: checkpoint") and err[-1].endswith("load it with --finetune")
+
+
+def test_models_that_compute_otherwise_are_refused(tmp_path: Path, capsys) -> None:
+    """GPT-2's own tanh GeLU (``gelu_new``) is not our GeLU: refused with one line."""
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=8)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()
+    assert _tool("import_hf")(["--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "activation_function gelu_new" in err[0], err
+    assert _tool("import_hf")(["--input", str(tmp_path / "none"), "--save", str(tmp_path / "ckpt")]) == 2
+    assert "no config.json" in capsys.readouterr().err
