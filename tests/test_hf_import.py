@@ -149,3 +149,35 @@ def test_models_that_compute_otherwise_are_refused(tmp_path: Path, capsys) -> No
     assert len(err) == 1 and "activation_function gelu_new" in err[0], err
     assert _tool("import_hf")(["--input", str(tmp_path / "none"), "--save", str(tmp_path / "ckpt")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_tokenizer_travels_through_import_and_export(megatron_world1, tmp_path: Path, capsys) -> None:
+    """A model directory's tokenizer.json is copied into the checkpoint as the run's
+    HuggingFaceTokenizer: ``tools/generate.py --prompt`` encodes with it, the export writes it back."""
+    from test_generate import _tiny_bpe
+
+    from megatron.trainer.hf.tokenizer import gpt2_tokenizer
+
+    vocab, merges = _tiny_bpe(tmp_path / "tok")
+    source = tmp_path / "hf"
+    gpt2_tokenizer(str(vocab), str(merges)).save_pretrained(source)
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, n_positions=8, vocab_size=262,
+                                     activation_function="gelu", bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(source)
+    ckpt = tmp_path / "ckpt"
+    assert _tool("import_hf")(["--input", str(source), "--save", str(ckpt), "--tensor-model-parallel-size", "2"]) == 0
+    capsys.readouterr()
+    assert _tool("generate")(["--load", str(ckpt), "--prompt", "the", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out.strip()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    prompt = hf_tokenizer("the", return_tensors="pt").input_ids
+    with torch.no_grad():
+        greedy = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=3,
+                                pad_token_id=0, suppress_tokens=list(range(len(hf_tokenizer), 262)))
+    assert text == hf_tokenizer.decode(greedy[0])
+    assert _tool("export_hf")(["--load", str(ckpt), "--output", str(tmp_path / "again")]) == 0
+    assert "tokenizer: HuggingFaceTokenizer" in capsys.readouterr().out
+    again = transformers.AutoTokenizer.from_pretrained(tmp_path / "again")
+    assert again.encode("the hat é") == hf_tokenizer.encode("the hat é")

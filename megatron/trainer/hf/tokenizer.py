@@ -17,6 +17,7 @@ and recorded as a ``HuggingFaceTokenizer``, so generation and a later export fin
 """
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -41,10 +42,7 @@ def export_tokenizer(record: dict[str, Any] | None, output: str | Path) -> str:
     if missing:
         return f"no tokenizer files: the run's {kind} file {missing[0]} is gone"
     if kind == "GPT2BPETokenizer":
-        eod = "<|endoftext|>"
-        tokenizer = transformers.GPT2TokenizerFast(vocab_file=record["vocab_file"], merges_file=record["merge_file"],
-                                                   unk_token=eod, bos_token=eod, eos_token=eod,
-                                                   add_prefix_space=False)
+        tokenizer = gpt2_tokenizer(record["vocab_file"], record["merge_file"])
     elif kind == "HuggingFaceTokenizer":
         file = Path(record["tokenizer_model"])
         file = file / "tokenizer.json" if file.is_dir() else file
@@ -53,6 +51,18 @@ def export_tokenizer(record: dict[str, Any] | None, output: str | Path) -> str:
         return f"no tokenizer files: {kind} has no transformers equivalent here"
     tokenizer.save_pretrained(str(output))
     return f"tokenizer: {kind} as transformers {type(tokenizer).__name__}"
+
+
+def gpt2_tokenizer(vocab_file: str, merge_file: str) -> Any:
+    """transformers' GPT-2 BPE tokenizer on a vocab.json and merges.txt, ``<|endoftext|>`` its
+    special tokens (transformers 5 names the fast class ``GPT2Tokenizer`` and takes ``vocab``/``merges``)."""
+    import transformers
+
+    cls = transformers.GPT2TokenizerFast
+    files = {"vocab": vocab_file, "merges": merge_file} if "vocab" in inspect.signature(cls.__init__).parameters \
+        else {"vocab_file": vocab_file, "merges_file": merge_file}
+    eod = "<|endoftext|>"
+    return cls(**files, unk_token=eod, bos_token=eod, eos_token=eod, add_prefix_space=False)
 
 
 def _special_tokens(directory: Path) -> dict[str, str]:
