@@ -23,12 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", required=True, help="checkpoint directory (--save of a run)")
     p.add_argument("--output", required=True, help="transformers model directory to write")
     args = p.parse_args(argv)
-    try:
-        import transformers
-    except ImportError:
-        print('error: tools/export_hf.py needs transformers: pip install -e ".[hf]"', file=sys.stderr)
+    from megatron.trainer.hf import require_transformers
+
+    if not require_transformers("tools/export_hf.py"):
         return 2
-    transformers.utils.logging.disable_progress_bar()  # stderr keeps to one line per error
     from megatron.trainer.checkpointing.checkpoint import CheckpointError
     from megatron.trainer.checkpointing.full_state import read_full_state
     from megatron.trainer.hf.export import ExportError, export

@@ -20,19 +20,25 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, the layout sizes checked (argparse's one-line error, exit 2)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--input", required=True, help="transformers model directory (config.json, weights)")
+    parser.add_argument("--save", required=True, help="checkpoint directory to write")
+    for flag, what in (("--tensor-model-parallel-size", "TP size"), ("--pipeline-model-parallel-size", "stages")):
+        parser.add_argument(flag, type=int, default=1, help=f"{what} of the files written")
+    args = parser.parse_args(argv)
+    if min(args.tensor_model_parallel_size, args.pipeline_model_parallel_size) < 1:
+        parser.error("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--input", required=True, help="transformers model directory (config.json, weights)")
-    p.add_argument("--save", required=True, help="checkpoint directory to write")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size of the files written")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages of the files written")
-    args = p.parse_args(argv)
-    try:
-        import transformers
-    except ImportError:
-        print('error: tools/import_hf.py needs transformers: pip install -e ".[hf]"', file=sys.stderr)
+    args = parse(argv)
+    from megatron.trainer.hf import require_transformers
+
+    if not require_transformers("tools/import_hf.py"):
         return 2
-    transformers.utils.logging.disable_progress_bar()  # stderr keeps to one line per error
     from megatron.trainer.checkpointing.checkpoint import POINTER, CheckpointError
     from megatron.trainer.hf.importer import ImportHFError, import_hf, model_flags
 
@@ -41,9 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if (Path(args.save) / POINTER).exists():
         print(f"error: --save {args.save} already holds a checkpoint; pick an empty directory", file=sys.stderr)
-        return 2
-    if min(args.tensor_model_parallel_size, args.pipeline_model_parallel_size) < 1:
-        print("error: --tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1", file=sys.stderr)
         return 2
     try:
         sig = import_hf(args.input, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)

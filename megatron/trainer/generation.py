@@ -6,13 +6,13 @@ generation builds one stage holding every layer (the emulator's stage model, pre
 post-processing in one megatron-core ``GPTModel``) on the CPU or one GPU. No pipeline runtime,
 no process group beyond megatron's trivial world of one.
 
-Each new token recomputes the whole sequence (no KV cache). megatron-core's inference path
-(``inference_context`` with its KV cache) feeds the attention's ``core_attention`` one query
-position against the cached keys, and our core attention (:mod:`megatron.trainer.models.sdpa_attention`,
-which replaces megatron's CUDA-bound ``DotProductAttention`` so stages run on the CPU) has no
-decode path: it would apply its causal mask top-left aligned, so the new token would see only
-the first key. Recomputing costs O(n^2) forwards for n tokens, which is fine for the
-checks and short samples this tool is for; the logits are the training forward's exactly.
+Each new token recomputes the whole sequence (no KV cache): megatron-core's inference path
+(0.16: ``StaticInferenceContext`` passed as ``inference_context``) allocates each layer's KV
+cache with ``device=torch.cuda.current_device()`` (``Attention._allocate_memory``), so on the
+CPU the first forward fails ("Torch not compiled with CUDA enabled"); one code path for both
+devices keeps CPU and GPU outputs the same computation. Recomputing costs O(n^2) token
+positions for n tokens, which suits the checks and short samples this tool is for, and the
+logits are exactly the training forward's.
 
 Sampling is greedy (``argmax``, the first maximum as ``torch.argmax`` and transformers' greedy
 search pick) or temperature, top-k then top-p (nucleus) filtering and a draw from a seeded
