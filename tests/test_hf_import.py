@@ -2,13 +2,16 @@
 same tensors bit for bit, at every TP x PP layout, and the checkpoint fine-tunes.
 
 One tiny transformers model per architecture (randomly initialised by transformers, saved) is
-imported at TP in {1, 2} x PP in {1, 2, 4} and exported again. Those
-imported checkpoints are also how the export is tested on TP 2 files: the import writes them
-with the checkpoint's own writer (one file per stage and TP rank, shards cut by
-``take_shard``, the function a TP run's initialisation uses), its layouts are checked against
-megatron's own marks on the built layers (:func:`test_import_shards_as_megatron_does`) and its
-files against a trained run's index (:func:`test_import_writes_a_runs_files`). A real TP 2 x
-PP 4 run would need 8 gloo processes, each paying megatron-core's import (minutes of CI).
+imported at TP in {1, 2} x PP in {1, 2, 4} and exported again. Those imported checkpoints are
+how the export is tested on every TP 2 layout: the import writes them with the checkpoint's own
+writer (one file per stage and TP rank, shards cut by ``take_shard``, the function a TP run's
+initialisation uses). That they are what a TP run writes is checked three ways: the layouts
+against megatron's own marks on the built layers (:func:`test_import_shards_as_megatron_does`),
+the files against a trained PP 2 run's index (:func:`test_import_writes_a_runs_files`), and
+one real TP 2 x PP 2 run (4 gloo ranks) whose export computes our logits and whose index the
+import reproduces entry for entry (:func:`test_a_tp2_runs_checkpoint_exports_and_matches_the_imports_files`).
+Real runs for all six TP x PP layouts would need up to 8 gloo processes each, every one paying
+megatron-core's import: minutes of CI for what the index equality already pins down.
 """
 from __future__ import annotations
 
@@ -181,3 +184,35 @@ def test_tokenizer_travels_through_import_and_export(megatron_world1, tmp_path: 
     assert "tokenizer: HuggingFaceTokenizer" in capsys.readouterr().out
     again = transformers.AutoTokenizer.from_pretrained(tmp_path / "again")
     assert again.encode("the hat é") == hf_tokenizer.encode("the hat é")
+
+
+@pytest.mark.slow
+def test_a_tp2_runs_checkpoint_exports_and_matches_the_imports_files(megatron_world1, tmp_path: Path) -> None:
+    """A real TP 2 x PP 2 run (4 gloo ranks, the runtime's own save): its export computes our
+    logits, and importing that export at TP 2 x PP 2 writes the same files (names, shard
+    offsets and TP entries in the index) as the run did."""
+    from async_helpers import TINY_GPT, run_pretrain
+
+    ckpt = tmp_path / "run"
+    run_pretrain([*TINY_GPT, *LLAMA_GQA2, "--hidden-size", "32", "--num-attention-heads", "4", "--num-layers", "2",
+                  "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--device", "cpu",
+                  "--global-batch-size", "2", "--train-iters", "2", "--hidden-dropout", "0", "--attention-dropout", "0",
+                  "--save", str(ckpt), "--save-interval", "2"], tmp_path / "out")
+    hf = tmp_path / "hf"
+    assert _tool("export_hf")(["--load", str(ckpt), "--output", str(hf)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = model(tokens).logits.float()
+    ours = our_logits(ckpt, tokens)
+    assert (ours - theirs).abs().max() <= logits_bound(model, ours)
+    imported = tmp_path / "imported"
+    assert _tool("import_hf")(["--input", str(hf), "--save", str(imported), "--tensor-model-parallel-size", "2",
+                               "--pipeline-model-parallel-size", "2"]) == 0
+
+    def index(root: Path) -> dict:
+        point = int((root / "latest_checkpointed_iteration.txt").read_text())
+        metadata = json.loads((root / f"iter_{point:07d}" / "metadata.json").read_text())
+        return {f: entry["params"] for f, entry in metadata["index"].items()}
+
+    assert index(imported) == index(ckpt)
