@@ -67,9 +67,13 @@ def logits_bound(model, ours: torch.Tensor) -> float:
     return min((2 * layers + 1) * 4 * 32 * 2.0**-24 * 16 * float(ours.abs().max()), 1e-4)
 
 
-@pytest.mark.parametrize("arch,flags,pp", [("gpt2", GPT2, 2), ("llama", LLAMA, 4),
-                                           ("gpt2", ["--untie-embeddings-and-output-weights"], 1)],
-                         ids=["gpt2-pp2-tied", "llama-gqa-pp4-tied", "gpt2-pp1-untied"])
+# TP 1 checkpoints of every PP size, as the emulator trains them; TP 2 x PP 1/2/4 checkpoints
+# (the emulator has no TP ranks) in tests/test_hf_import.py, which says how they are made.
+CASES = [(arch, flags, pp) for arch, flags in (("gpt2", GPT2), ("llama", LLAMA)) for pp in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("arch,flags,pp", [*CASES, ("gpt2", ["--untie-embeddings-and-output-weights"], 1)],
+                         ids=[*(f"{arch}-pp{pp}-tied" for arch, _, pp in CASES), "gpt2-pp1-untied"])
 def test_exported_model_computes_our_logits(megatron_world1, tmp_path: Path, arch, flags, pp, capsys) -> None:
     argv_flags = list(flags)
     if pp == 4:
