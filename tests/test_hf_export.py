@@ -61,6 +61,19 @@ def our_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
         return full_model(sig, state, "cpu")(tokens).float()
 
 
+def assert_logits_match(ckpt: Path, hf: Path, seed: int = 0) -> None:
+    """The transformers model in ``hf`` computes the checkpoint's logits (fp32, eager attention)
+    on random tokens, within :func:`logits_bound`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        theirs = model(tokens).logits.float()
+    ours = our_logits(ckpt, tokens)
+    assert ours.shape == theirs.shape
+    bound = logits_bound(model, ours)
+    assert (ours - theirs).abs().max() <= bound, (float((ours - theirs).abs().max()), bound)
+
+
 def logits_bound(model, ours: torch.Tensor) -> float:
     """The module docstring's bound for a transformers ``model``, capped at the issue's 1e-4."""
     layers = model.config.num_hidden_layers
@@ -82,16 +95,10 @@ def test_exported_model_computes_our_logits(megatron_world1, tmp_path: Path, arc
     out = tmp_path / "hf"
     assert _tool("export_hf")(["--load", str(ckpt), "--output", str(out)]) == 0
     assert f"transformers {arch} model" in capsys.readouterr().out
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-    assert model.config.model_type == arch
-    assert model.config.tie_word_embeddings == ("--untie-embeddings-and-output-weights" not in flags)
-    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        theirs = model(tokens).logits.float()
-    ours = our_logits(ckpt, tokens)
-    assert ours.shape == theirs.shape
-    bound = logits_bound(model, ours)
-    assert (ours - theirs).abs().max() <= bound, (float((ours - theirs).abs().max()), bound)
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.model_type == arch
+    assert config.tie_word_embeddings == ("--untie-embeddings-and-output-weights" not in flags)
+    assert_logits_match(ckpt, out)
 
 
 def test_models_without_a_transformers_architecture_are_refused(megatron_world1, tmp_path: Path, capsys) -> None:

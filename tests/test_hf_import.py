@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_hf_export import GPT2, LLAMA, _tool, _train, logits_bound, our_logits
+from test_hf_export import GPT2, LLAMA, _tool, _train, assert_logits_match
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -81,12 +81,7 @@ def test_import_then_export_is_bitwise(megatron_world1, exported, tmp_path: Path
     for name, tensor in before.items():
         assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
     # the TP/PP files compute the exported model's logits (export of a TP 2 checkpoint)
-    model = transformers.AutoModelForCausalLM.from_pretrained(again, attn_implementation="eager").eval()
-    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        theirs = model(tokens).logits.float()
-    ours = our_logits(ckpt, tokens)
-    assert (ours - theirs).abs().max() <= logits_bound(model, ours)
+    assert_logits_match(ckpt, again, seed=1)
 
 
 def test_import_shards_as_megatron_does(megatron_world1) -> None:
@@ -200,12 +195,7 @@ def test_a_tp2_runs_checkpoint_exports_and_matches_the_imports_files(megatron_wo
                   "--save", str(ckpt), "--save-interval", "2"], tmp_path / "out")
     hf = tmp_path / "hf"
     assert _tool("export_hf")(["--load", str(ckpt), "--output", str(hf)]) == 0
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
-    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        theirs = model(tokens).logits.float()
-    ours = our_logits(ckpt, tokens)
-    assert (ours - theirs).abs().max() <= logits_bound(model, ours)
+    assert_logits_match(ckpt, hf, seed=2)
     imported = tmp_path / "imported"
     assert _tool("import_hf")(["--input", str(hf), "--save", str(imported), "--tensor-model-parallel-size", "2",
                                "--pipeline-model-parallel-size", "2"]) == 0
