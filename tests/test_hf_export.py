@@ -106,3 +106,6 @@ def test_models_without_a_transformers_architecture_are_refused(megatron_world1,
     assert _tool("export_hf")(["--load", str(ckpt), "--output", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: no transformers architecture for this model")
+    assert _tool("export_hf")(["--load", str(tmp_path / "none"), "--output", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'none'}: no checkpoint"), err
