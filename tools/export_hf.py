@@ -3,7 +3,9 @@
     python tools/export_hf.py --load CKPT --output DIR
 
 GPT-2 architecture for learned positions + LayerNorm + GeLU, Llama for RoPE + RMSNorm + SwiGLU
-(+ GQA); tied or untied as trained (megatron/trainer/hf/export.py). Needs ``pip install -e ".[hf]"``.
+(+ GQA); tied or untied as trained (megatron/trainer/hf/export.py); with the tokenizer files when
+the run's tokenizer has a transformers equivalent (megatron/trainer/hf/tokenizer.py), so the
+directory is usable on its own. Needs ``pip install -e ".[hf]"``.
 """
 from __future__ import annotations
 
@@ -21,14 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", required=True, help="checkpoint directory (--save of a run)")
     p.add_argument("--output", required=True, help="transformers model directory to write")
     args = p.parse_args(argv)
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print('error: tools/export_hf.py needs transformers: pip install -e ".[hf]"', file=sys.stderr)
+    from megatron.trainer.hf import require_transformers
+
+    if not require_transformers("tools/export_hf.py"):
         return 2
     from megatron.trainer.checkpointing.checkpoint import CheckpointError
     from megatron.trainer.checkpointing.full_state import read_full_state
     from megatron.trainer.hf.export import ExportError, export
+    from megatron.trainer.hf.tokenizer import export_tokenizer
 
     try:
         signature, state, iteration = read_full_state(args.load)
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"exported iteration {iteration} of {args.load} as a transformers {arch} model to {args.output}")
+    print(export_tokenizer(signature.get("tokenizer"), args.output))
     return 0
 
 

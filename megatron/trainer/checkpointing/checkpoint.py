@@ -61,12 +61,13 @@ from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
 from megatron.trainer.checkpointing.paths import rank_file_name
 from megatron.trainer.checkpointing.reshard import (
     LAYOUT_FLAGS, VOCAB_FLAGS, ReshardError, ReshardPlan, check_vocab, file_index, merge_optimizer_states, plan,
-    saved_signature, smallest_scale, tp_size)
+    saved_signature, smallest_scale, tp_size, unchecked_flags)
 from megatron.trainer.checkpointing.shards import Region, ShardError
 from megatron.trainer.config.megatron_compat_args import COMPAT_SIGNATURE_FLAGS
 from megatron.trainer.config.run_config import run_config
 from megatron.trainer.models.tensor_parallel import shard_layout, stage_tp_group, tp_rank_and_size
 from megatron.trainer.tasks.task import PretrainTask
+from megatron.trainer.tokenizer.factory import tokenizer_record
 
 POINTER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -96,6 +97,7 @@ def run_signature(task: PretrainTask, args: argparse.Namespace) -> dict[str, Any
     signature["tensor_model_parallel_size"] = signature["tensor_model_parallel_size"] or 1
     signature["tokenizer_vocab_size"] = getattr(args, "tokenizer_vocab_size", None)  # which vocab rows are padding
     signature["task"] = task.name
+    signature["tokenizer"] = tokenizer_record(args)  # for tools/export_hf.py and tools/generate.py
     return signature
 
 
@@ -359,8 +361,11 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
         vocab_padding = check_vocab(saved, ours, str(path))
     except ReshardError as exc:
         raise CheckpointError(str(exc)) from None
+    if saved.get("imported_from") and not getattr(args, "finetune", False):
+        raise CheckpointError(f"checkpoint {path} holds weights only (imported from {saved['imported_from']}): "
+                              f"load it with --finetune")
     for key in ours:
-        if saved.get(key) != ours[key] and key not in LAYOUT_FLAGS and key not in VOCAB_FLAGS:
+        if saved.get(key) != ours[key] and key not in (*LAYOUT_FLAGS, *VOCAB_FLAGS, *unchecked_flags(saved)):
             flag = "model type" if key == "task" else "--" + key.replace("_", "-")
             raise CheckpointError(f"checkpoint {path} was saved with {flag} {saved.get(key)}, "
                                   f"this run has {ours[key]}")

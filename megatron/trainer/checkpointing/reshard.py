@@ -64,6 +64,12 @@ LAYOUT_FLAGS = ("pipeline_model_parallel_size", "num_model_chunks", "pipeline_la
 # The padded vocabulary and the tokenizer's own size: checked by :func:`check_vocab` (padding
 # may change with the TP size, the tokenizer may not).
 VOCAB_FLAGS = ("vocab_size", "tokenizer_vocab_size")
+# Recorded for tools, never compared: a run may load a checkpoint saved with another
+# tokenizer of the same size (:func:`check_vocab` compares the sizes).
+RECORD_FLAGS = ("tokenizer",)
+# Run settings that do not shape the weights: a weights-only checkpoint (``imported_from``, as
+# ``tools/import_hf.py`` writes) records none of them, and any value loads it.
+RUN_ONLY_FLAGS = ("seq_length", "bf16", "fp16")
 # Signature entries of checkpoints saved before the flag was recorded.
 SIGNATURE_DEFAULTS = {"tensor_model_parallel_size": 1, "untie_embeddings_and_output_weights": True}
 
@@ -75,6 +81,11 @@ class ReshardError(ValueError):
 def saved_signature(metadata: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's signature, with the values older checkpoints did not record (TP 1)."""
     return {**SIGNATURE_DEFAULTS, **metadata["signature"]}
+
+
+def unchecked_flags(saved: dict[str, Any]) -> tuple[str, ...]:
+    """Signature entries a load does not compare with the run's (besides layout and vocabulary)."""
+    return RECORD_FLAGS + (RUN_ONLY_FLAGS if saved.get("imported_from") else ())
 
 
 def tp_size(signature: dict[str, Any]) -> int:
@@ -220,7 +231,8 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
     (one line naming ``where``) for what would resume wrongly. Called before any rank starts."""
     saved = saved_signature(metadata)
     vocab_padding = check_vocab(saved, ours, where)
-    if global_batch(saved) != global_batch(ours):
+    finetune = getattr(args, "finetune", False)  # starts at iteration 0: no data position to continue
+    if not finetune and global_batch(saved) != global_batch(ours):
         raise ReshardError(f"checkpoint {where} was saved with a global batch of {global_batch(saved)} samples, "
                            f"this run has {global_batch(ours)} (the data position would not continue)")
     for name in (saved.get("pipeline_schedule"), ours.get("pipeline_schedule")):

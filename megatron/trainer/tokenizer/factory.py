@@ -5,6 +5,7 @@ megatron-core ones) can be chosen here without importing each other.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from megatron.trainer.tokenizer.core_backed import core_tokenizer
@@ -54,3 +55,27 @@ def tokenizer_from_args(args: Any) -> Tokenizer:
         tokenizer_model=getattr(args, "tokenizer_model", None),
         vocab_size=null_size,
     )
+
+
+# The flags that choose a run's tokenizer, as recorded in a checkpoint (file paths absolute).
+TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "null_vocab_size")
+
+
+def tokenizer_record(args: Any) -> dict[str, Any] | None:
+    """The run's tokenizer flags for its checkpoints (None: no tokenizer, mock data), so tools
+    that use a checkpoint outside its run (export, generation) find the same tokenizer. Paths
+    are made absolute: the tools rarely run from the training run's directory."""
+    if getattr(args, "tokenizer_type", None) is None:
+        return None
+    record = {flag: getattr(args, flag, None) for flag in TOKENIZER_FLAGS}
+    for flag in ("vocab_file", "merge_file", "tokenizer_model"):
+        if record[flag]:
+            record[flag] = os.path.abspath(record[flag])
+    return record
+
+
+def tokenizer_from_record(record: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a :func:`tokenizer_record` names; :class:`TokenizerError` if its files are gone."""
+    return build_tokenizer(record["tokenizer_type"], vocab_file=record.get("vocab_file"),
+                           merge_file=record.get("merge_file"), tokenizer_model=record.get("tokenizer_model"),
+                           vocab_size=record.get("null_vocab_size"))
