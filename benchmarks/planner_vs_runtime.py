@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from megatron.trainer.tasks.plan_profile import profile_unit_costs
 
-        unit = profile_unit_costs(base)
+        unit = profile_unit_costs(base, threads=1)  # the measured runs' --num-threads 1
     print(f"unit costs ({unit.source}): {json.dumps(dataclasses.asdict(unit))}")
     schedules = args.schedules.split(",") if args.schedules else None
     rows, autos = [], []

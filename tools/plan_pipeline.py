@@ -146,9 +146,10 @@ def unit_costs(args: argparse.Namespace, shape):
     if args.costs:
         return load_unit_costs(args.costs)
     if args.profile:
-        from megatron.trainer.tasks.plan_profile import profile_unit_costs
+        from megatron.trainer.tasks.plan_profile import profile_unit_costs, rank_threads
 
-        return profile_unit_costs(args)
+        ranks = min(args.pipeline_sizes) * args.data_parallel_size * args.tensor_model_parallel_size
+        return profile_unit_costs(args, rank_threads(ranks))  # as many threads as the smallest plan's ranks get
     return analytic_unit_costs(shape, DEVICES[args.device], args.tensor_model_parallel_size)
 
 

@@ -6,7 +6,8 @@ link exactly as a real run sees them; a separate micro-benchmark would time diff
 process: the emulator runs both stages of a 2-stage zb-1p, evenly split, for ``PROFILE_ITERS``
 profiled iterations (ZB-H1) plus one, on mock data, and the logged per-stage costs are turned into
 per-layer and head costs (:func:`~megatron.pipeline.planner.unit_costs.from_two_stage_profile`).
-The optimizer step comes from the same run's traced OPT spans (per parameter), activation
+Each rank is timed with the threads it will have (``--num-threads``: the cores over the
+planned run's local ranks). The optimizer step comes from the same run's traced OPT spans (per parameter), activation
 bytes from its activation meter (:func:`measured_activations`); the data-parallel reduction is
 not profiled (0). On a CPU the profile
 records the host's usable cores (``host_cores``): a run of more stages than cores shares them,
@@ -116,13 +117,24 @@ def optimizer_ms_per_param(args: argparse.Namespace, trace_dir: Path) -> float:
     return max(rates, default=0.0)
 
 
-def profile_unit_costs(args: argparse.Namespace) -> UnitCosts:
-    """Run the profile and read its costs; ValueError (one line) when the run gives none."""
+def rank_threads(ranks: int) -> int:
+    """The CPU threads each of ``ranks`` local ranks gets by default (the trainer's
+    ``--num-threads`` default: cores over local processes, at least one)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, ranks))
+
+
+def profile_unit_costs(args: argparse.Namespace, threads: int) -> UnitCosts:
+    """Run the profile and read its costs; ValueError (one line) when the run gives none.
+
+    ``threads``: the CPU threads per rank of the runs being planned (:func:`rank_threads` of
+    their local ranks). The emulator is one process and would otherwise take every core, timing
+    ops several times faster than a rank that shares the host with the others."""
     if args.num_layers % 2:
         raise ValueError(f"--profile splits the model over 2 stages evenly; --num-layers {args.num_layers} is odd")
     with tempfile.TemporaryDirectory() as tmp:
         log, trace = Path(tmp) / "profile.jsonl", Path(tmp) / "trace"
-        command = profile_command(args) + ["--log-activation-memory", "--log-json", str(log), "--trace-dir", str(trace)]
+        command = profile_command(args) + ["--num-threads", str(threads), "--log-activation-memory",
+                                           "--log-json", str(log), "--trace-dir", str(trace)]
         run = subprocess.run(command, capture_output=True, text=True)
         records = [json.loads(r) for r in log.read_text().splitlines()] if log.exists() else []
         step = optimizer_ms_per_param(args, trace) if trace.is_dir() and any(trace.iterdir()) else 0.0
