@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron.pipeline.comm_volume import CommShapes, step_comm_volume
 from megatron.pipeline.cost_model import ModelShape
+from megatron.pipeline.ir import OpKind
 from megatron.pipeline.planner import stages as st
 from megatron.pipeline.planner.candidates import Candidate
 from megatron.pipeline.planner.memory import StageMemory, fits, stage_memory
@@ -85,14 +86,36 @@ def semantics(schedule: str) -> str:
     return "bounded-stale" if getattr(cls, "drift_bounded", True) else "unbounded"
 
 
-def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSizes], list[OpCosts]]:
-    """The candidate's part sizes and the simulator's per-stage (or per-part) costs."""
+def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSizes], list[OpCosts], list[OpCosts]]:
+    """The candidate's part sizes, each part's costs, and the simulator's per-stage (or per-part) costs."""
     shape = dataclasses.replace(problem.shape, micro_batch=cand.micro_batch_size)
     unit = problem.unit.at_micro_batch(cand.micro_batch_size)
     parts = st.part_sizes(shape, cand.counts, problem.parallel.tensor_parallel, unit.activations)
     per_part = st.part_costs(shape, unit, parts, problem.parallel, cand.recompute)
     layout = schedule_class(cand.schedule).layout_of(cand.config(1, data_parallel=problem.parallel.data_parallel))
-    return parts, st.simulator_costs(layout, per_part, unit.sync)
+    return parts, per_part, st.simulator_costs(layout, per_part, unit.sync)
+
+
+def activation_peaks(result: SimulationResult, layout: object, parts: list[st.PartSizes],
+                     per_part: list[OpCosts]) -> list[float]:
+    """Each stage's activation peak in bytes, replaying its ops in order with each op's own
+    part's bytes (``M_B`` of that part times its op's memory delta). Why not the simulator's
+    peak in ``M_B`` units times a stage's mean ``M_B``: a stage hosting several parts of unequal
+    size (a V's stage 0 holds the embedding's part and the head's) peaks at a mix the mean
+    misprices (by up to 40 % on the CPU GPT of docs/planning.md); with one part per stage both
+    are the same number."""
+    peaks = []
+    for spans in result.spans:
+        live = peak = 0.0
+        for span in spans:
+            op = span.op
+            if op.kind is OpKind.OPT:
+                continue
+            part = layout.model_stage(op.stage, op.chunk)  # type: ignore[attr-defined]
+            live += per_part[part].memory_delta(op.kind) * parts[part].activation_bytes
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
 
 
 def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int,
@@ -117,7 +140,7 @@ def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int,
 def evaluate(problem: Problem, cand: Candidate) -> CandidateResult:
     """Simulate ``cand`` (raises the schedule's ScheduleConfigError or the replay's ScheduleError)."""
     par = problem.parallel
-    parts, costs = candidate_costs(problem, cand)
+    parts, per_part, costs = candidate_costs(problem, cand)
     per_update, result, schedule = steady_span(cand, costs, par.data_parallel, cores=problem.pipeline_cores())
     layout = schedule.layout
     k = update_count(cand)
@@ -125,9 +148,10 @@ def evaluate(problem: Problem, cand: Candidate) -> CandidateResult:
     copies = [schedule.weight_copies(schedule.config, s) for s in range(layout.num_stages)]
     own = layout.num_chunks if st.hosts_replicas(layout) else 1
     shards = par.data_parallel if par.distributed_optimizer else 1
+    peaks = activation_peaks(result, layout, parts, per_part) if not st.hosts_replicas(layout) else \
+        [result.peak_memory[s] * st.stage_activation_unit(layout, parts, s) for s in range(layout.num_stages)]
     memory = [stage_memory(st.stage_params(layout, parts, s), problem.shape.param_bytes, max(0, copies[s] - own),
-                           shards, result.peak_memory[s], st.stage_activation_unit(layout, parts, s))
-              for s in range(layout.num_stages)]
+                           shards, peaks[s], 1.0) for s in range(layout.num_stages)]
     tokens = cand.microbatches * cand.micro_batch_size * problem.shape.seq_length * par.data_parallel
     return CandidateResult(
         candidate=cand, iteration_time_ms=per_update, tokens_per_s=tokens / per_update * 1e3,
