@@ -23,7 +23,8 @@ if str(REPO) not in sys.path:
 from megatron.pipeline.planner.candidates import Candidate  # noqa: E402
 from megatron.pipeline.planner.evaluate import steady_span  # noqa: E402
 from megatron.pipeline.schedules import build_schedule  # noqa: E402
-from megatron.pipeline.simulator import OpCosts, simulate_schedule  # noqa: E402
+from megatron.pipeline.op_costs import OpCosts  # noqa: E402
+from megatron.pipeline.simulator import simulate_schedule  # noqa: E402
 
 # (model, p, m, T_F, T_B, T_W, T_comm) -- Table 6; Table 4: ZB-2p, ZB-1p, 1F1B samples/GPU/s
 ZB_TABLE6 = [

@@ -61,7 +61,7 @@ class _ChainedSegments:
     def __init__(self, segments: list[Schedule]):
         self.segments = segments
         self.layout: PipelineLayout = segments[0].layout
-        self.post_validated = bool(getattr(segments[0], "post_validated", False))
+        self.post_validated = segments[0].post_validated
 
     @property
     def validation_outcomes(self) -> ValidationOutcomes:

@@ -175,7 +175,7 @@ def validate_schedule(schedule: Any, replay_policies: Iterable[str] | None = Non
     A post-validated schedule is validated once per outcome pattern (by default every
     pattern in :data:`REPLAY_POLICIES`); the op counts of the first are returned.
     """
-    if not getattr(schedule, "post_validated", False):
+    if not schedule.post_validated:
         return validate_streams(schedule.streams(), schedule.layout)
     original = schedule.validation_outcomes
     counts: list[int] | None = None

@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.options import Flag, FlagGroup
-from megatron.pipeline.simulator import OpCosts, costs_from_profile, load_profile
+from megatron.pipeline.op_costs import OpCosts, costs_from_profile, load_profile
 
 PROFILE_OPTION = "profile_iters"
 DEFAULT_PROFILE_ITERS = 2
