@@ -65,7 +65,7 @@ class LRSchedule:
         Fields are validated here only; build a new schedule (e.g. with
         ``dataclasses.replace``) rather than mutating one.
         """
-        _validate(self)
+        _check(self)
         self._core = OptimizerParamScheduler(
             SimpleNamespace(param_groups=[]), init_lr=0.0, max_lr=self.max_lr, min_lr=self.min_lr,
             lr_warmup_steps=0, lr_decay_steps=self.decay_steps, lr_decay_style=self.decay_style,
@@ -81,7 +81,7 @@ class LRSchedule:
         return float(self._core.get_lr({}))
 
 
-def _validate(s: LRSchedule) -> None:
+def _check(s: LRSchedule) -> None:
     """Raise ValueError (one line) for arguments Megatron would reject or misuse."""
     if s.decay_style not in DECAY_STYLES:
         raise ValueError(f"LRSchedule: decay_style must be one of {DECAY_STYLES}, got {s.decay_style!r}")
@@ -96,10 +96,10 @@ def _validate(s: LRSchedule) -> None:
     if s.warmup_steps > s.decay_steps:
         raise ValueError(f"LRSchedule: warmup_steps ({s.warmup_steps}) must be <= decay_steps ({s.decay_steps})")
     if s.decay_style == "WSD":
-        _validate_wsd(s)
+        _check_wsd(s)
 
 
-def _validate_wsd(s: LRSchedule) -> None:
+def _check_wsd(s: LRSchedule) -> None:
     """WSD needs a non-empty anneal window that lies after warm-up."""
     if s.wsd_decay_style not in WSD_DECAY_STYLES:
         raise ValueError(f"LRSchedule: wsd_decay_style must be one of {WSD_DECAY_STYLES}, got {s.wsd_decay_style!r}")
