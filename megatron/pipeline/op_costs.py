@@ -3,7 +3,9 @@
 :class:`OpCosts` holds one stage's times (any unit) and activation-memory ratios (units of
 ``M_B``, the activations one micro-batch keeps on a stage for its backward); the accounting
 that uses them is described in :mod:`megatron.pipeline.simulator`. ``m_w = M_W / M_B``, what a
-split backward (B) keeps until its W, has one default, :data:`DEFAULT_M_W`.
+split backward (B) keeps until its W, is defined here in two named values, each with its
+reason: :data:`REFERENCE_M_W` (``OpCosts()``, the papers' units) and :data:`UNPROFILED_M_W`
+(what a run assumes until its costs are known: the command line and the placeholder costs).
 """
 from __future__ import annotations
 
@@ -14,6 +16,18 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from megatron.pipeline.ir import OpKind
+
+#: ``OpCosts()``'s ``m_w``: the Zero Bubble reference scheduler's units (F = +2, B = -1, W = -1),
+#: in which the papers' memory and bubble tables are stated and reproduced (tests/test_simulator.py,
+#: tests/test_v_schedules.py). For costs that describe a model, give its ratio.
+REFERENCE_M_W = 0.5
+#: What a run assumes before its costs are profiled or given (``--zb-costs`` without M_W/M_B, the
+#: placeholder costs of a profiled schedule): W keeps a micro-batch's activations entirely, the
+#: most it can hold, so a memory limit holds in the runtime's own accounting whatever the
+#: model's real ratio (memory after any prefix of ops grows with M_W / M_B, since every stage has
+#: run at least as many B passes as W passes). The reference's 1/2 can underestimate badly: the
+#: tiny GPTs of the tests keep 0.77-0.98 of M_B for W (no dropout).
+UNPROFILED_M_W = 1.0
 
 @dataclass(frozen=True)
 class OpCosts:
@@ -29,7 +43,7 @@ class OpCosts:
     t_bw: float | None = None  # fused backward; None means t_b + t_w
     t_comm: float = 0.0  # time from the end of a sending op to the arrival of its message
     t_opt: float = 0.0
-    m_w: float = 0.5  # M_W / M_B: activation memory kept between B and W
+    m_w: float = REFERENCE_M_W  # M_W / M_B: activation memory kept between B and W
     m_f: float = 1.0  # activation memory kept from F to B / M_B (< 1 with activation recompute)
     t_send: float = 0.0  # sender's time per message handed to the transport (isend call)
     t_sync: float = 0.0  # a synchronous OPT's collective latency, on top of t_opt

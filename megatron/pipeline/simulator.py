@@ -39,7 +39,7 @@ App. G), generalised to our IR and runtime:
 * **Activation memory**, in units of ``M_B`` (the activations one micro-batch keeps on a stage
   for its backward) with ``M_W = m_w * M_B`` kept from a split B until its W (Zero Bubble
   App. G): F adds ``M_B``, B turns ``M_B`` into ``M_W`` (adds ``M_W - M_B``), W frees ``M_W``,
-  a fused BW frees ``M_B``. The peak is taken after each op. ``m_w`` defaults to 1/2, the
+  a fused BW frees ``M_B``. The peak is taken after each op. ``m_w`` defaults to 1/2 (``op_costs.REFERENCE_M_W``), the
   reference scheduler's units (F = +2, B = -1, W = -1).
 * **Activation recompute**: F keeps ``m_f * M_B`` (``m_f = 1`` without recompute; less with it,
   :mod:`megatron.pipeline.activation_memory`), B turns it into ``M_W`` and a fused BW frees it;
