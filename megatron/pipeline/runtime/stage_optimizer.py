@@ -74,6 +74,10 @@ class StageOptimizer(abc.ABC):
         Default False: the transport all-reduces them."""
         return False
 
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """:meth:`parameters` with their global names (checkpoints, AMDP's sharded state)."""
+        raise NotImplementedError(f"{type(self).__name__} does not name its parameters")
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state."""
         raise NotImplementedError(f"{type(self).__name__} saves no state")
