@@ -20,7 +20,8 @@ import torch
 from megatron.pipeline.comm import op_recvs
 from megatron.pipeline.ir import VShapeLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
-from megatron.pipeline.simulator import OpCosts, simulate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import TINY_GPT, assert_flag_error, assert_runtime_equals_emulator, emulate, final_params
 from tests.test_reference import _qkv_bias_mask

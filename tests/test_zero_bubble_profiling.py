@@ -15,7 +15,8 @@ from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.profiled import CostsNotProfiled, ProfiledSchedule
 from megatron.pipeline.schedules.zb_h1 import ZBH1
-from megatron.pipeline.simulator import OpCosts, simulate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 
 COSTS = (OpCosts(1.0, 1.3, 0.4, t_comm=0.2, m_w=0.6), OpCosts(1.1, 1.2, 0.5, t_comm=0.2, m_w=0.6),

@@ -9,7 +9,8 @@ import pytest
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.zb_greedy import best_greedy_order
-from megatron.pipeline.simulator import OpCosts, simulate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 
 ZB_SCHEDULES = ("zb-h1", "zb-h2", "zb-1p", "zb-2p")
