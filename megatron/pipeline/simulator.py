@@ -69,12 +69,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from megatron.pipeline.comm import Message, op_sends
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
 from megatron.pipeline.op_costs import CostsLike, OpCosts, costs_from_profile, load_profile, stage_costs
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
+
+if TYPE_CHECKING:
+    from megatron.pipeline.schedules.base import Schedule
 
 
 # ------------------------------------------------------------------------------ result
@@ -325,7 +328,7 @@ def simulate_streams(
 
 
 def simulate_schedule(
-    schedule: Any,
+    schedule: "Schedule",
     costs: CostsLike = None,
     *,
     max_microbatches: int | None = None,
@@ -341,12 +344,10 @@ def simulate_schedule(
         costs = config.options.get("costs")
     if config.num_iterations is None and max_microbatches is None:
         raise ValueError(f"{schedule.name}: unbounded stream; pass max_microbatches to simulate it")
-    copies = getattr(schedule, "weight_copies", None)
     return simulate_streams(
         schedule.streams(), schedule.layout, costs,
-        max_microbatches=max_microbatches, max_ops=max_ops,
-        stashes_weights=getattr(schedule, "stashes_weights", False),
-        weight_copies=None if copies is None else [copies(config, s) for s in range(config.num_stages)],
+        max_microbatches=max_microbatches, max_ops=max_ops, stashes_weights=schedule.stashes_weights,
+        weight_copies=[schedule.weight_copies(config, s) for s in range(config.num_stages)],
     )
 
 
