@@ -29,7 +29,7 @@ for path in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from megatron.pipeline.calibration import Calibration, calibrate, median_calibration  # noqa: E402
-from megatron.pipeline.simulator import OpCosts  # noqa: E402
+from megatron.pipeline.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.trace_analysis import layout_of, load_traces, replica, skip_iterations  # noqa: E402
 from schedule_efficiency import Case, Result, build_parser, run_case  # noqa: E402
 

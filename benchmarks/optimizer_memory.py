@@ -117,7 +117,8 @@ def activation_model(opts: argparse.Namespace, recompute: bool) -> list[float]:
     """The simulator's 1F1B peak per stage (units of M_B) times M_B from the per-layer formula."""
     from megatron.pipeline.activation_memory import LayerShape, recompute_costs
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-    from megatron.pipeline.simulator import OpCosts, simulate_schedule
+    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.simulator import simulate_schedule
 
     shape = LayerShape(opts.seq, 1, opts.hidden, opts.heads)
     layers = opts.layers // opts.stages

@@ -87,7 +87,8 @@ def modelled_activations(model: Model, pp: int, schedule: str, mode: str, m_b: f
     """Simulator peak (units of one op's ``M_B``) times ``M_B`` per op, per stage."""
     from megatron.pipeline.activation_memory import LayerShape, recompute_costs
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-    from megatron.pipeline.simulator import OpCosts, simulate_schedule
+    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.simulator import simulate_schedule
 
     chunks = SCHEDULES[schedule]
     shape = LayerShape(model.seq, model.micro_batch, model.hidden, model.heads)

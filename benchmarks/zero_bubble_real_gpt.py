@@ -79,7 +79,8 @@ def predict(profile: dict, stages: int, m: int, executed: dict[str, dict | None]
     """
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
     from megatron.pipeline.schedules.profiled import schedule_from_choice
-    from megatron.pipeline.simulator import costs_from_profile, simulate_schedule
+    from megatron.pipeline.op_costs import costs_from_profile
+    from megatron.pipeline.simulator import simulate_schedule
 
     costs = costs_from_profile({"stages": profile["costs"]}, stages)
     out = {}

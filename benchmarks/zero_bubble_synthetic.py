@@ -63,7 +63,8 @@ from calibrate_runtime import CALIBRATION_NOTE, add_calibration_args, calibratio
 from megatron.pipeline.calibration import Calibration, RuntimeTerms, median_calibration  # noqa: E402
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class  # noqa: E402
 from megatron.pipeline.schedules.profiled import schedule_from_choice  # noqa: E402
-from megatron.pipeline.simulator import OpCosts, simulate_schedule, steady_time_per_update  # noqa: E402
+from megatron.pipeline.op_costs import OpCosts  # noqa: E402
+from megatron.pipeline.simulator import simulate_schedule, steady_time_per_update  # noqa: E402
 from megatron.pipeline.schedules.zb_1p import ZeroBubbleAuto  # noqa: E402
 from schedule_efficiency import Case, Result, best_of, build_parser, host_wake_note, is_asynchronous, run_case  # noqa: E402
 

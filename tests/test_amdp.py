@@ -29,9 +29,10 @@ from megatron.pipeline.runtime.executors.emulator import Emulator
 from megatron.pipeline.ir import MultiPipelineLayout, OpKind
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.amdp import AMDP, K, PRELOAD
-from megatron.pipeline.simulator import OpCosts, simulate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.simulator import steady_time_per_update as simulator_steady_time
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.tasks.gpt import GPTTask
@@ -145,8 +146,8 @@ def stream_drift(schedule: AMDP) -> dict[tuple[int, int], int]:
 @pytest.mark.parametrize("d", [2, 4, 6, 8])
 def test_validator_accepts_amdp(d: int) -> None:
     for t in (d, 2 * d):
-        assert validate_schedule(amdp(d, t))
-    assert validate_schedule(amdp(d, d, iterations=4, drain_every=2))
+        assert check_schedule(amdp(d, t))
+    assert check_schedule(amdp(d, d, iterations=4, drain_every=2))
 
 
 @pytest.mark.parametrize("d", [4, 6, 8])

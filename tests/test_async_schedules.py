@@ -10,7 +10,7 @@ import torch
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 from megatron.pipeline.schedules.paci import drift_bound
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import emulate, final_params, tiny_args
 
 
@@ -18,7 +18,7 @@ from tests.async_helpers import emulate, final_params, tiny_args
 def test_async_streams_validate_with_and_without_drains(num_stages):
     for a in range(1, 2 * num_stages + 1):
         for drain_every in (None, 1, 3):
-            validate_schedule(build_schedule("paci", ScheduleConfig(num_stages, a, 5, drain_every=drain_every)))
+            check_schedule(build_schedule("paci", ScheduleConfig(num_stages, a, 5, drain_every=drain_every)))
 
 
 @pytest.mark.parametrize("num_stages,a", [(2, 1), (4, 1), (4, 2), (8, 3)])

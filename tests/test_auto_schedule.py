@@ -20,8 +20,9 @@ import megatron.pipeline.planner.auto_schedule  # noqa: F401  registers auto, au
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.planner.runtime_choice import rank_choices, switchable
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
-from megatron.pipeline.simulator import OpCosts, simulate_schedule
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import simulate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import TINY_GPT, emulate, final_params
 
 N, M = 4, 8
@@ -86,7 +87,7 @@ def test_profiled_auto_runs_zb_h1_then_the_choice_and_checkpoints_it() -> None:
     schedule = build_schedule("auto", ScheduleConfig(N, M, 4, options={"profile_iters": 2}))
     assert schedule.profiles_ops() and schedule.profile_end == 2
     schedule.set_costs((OpCosts(1.0, 1.0, 0.2, m_w=1.0),) * N)  # small W: ZB-H1's advantage shrinks
-    validate_schedule(schedule)
+    check_schedule(schedule)
     chosen = schedule.target
     h1 = build_schedule("zb-h1", ScheduleConfig(N, M, 4))
     for s in range(N):
@@ -107,7 +108,7 @@ def test_auto_async_switches_to_the_asynchronous_stream() -> None:
     schedule = build_schedule("auto-async", ScheduleConfig(N, M, 5, options={"profile_iters": 2}))
     schedule.set_costs(EQUAL)
     assert schedule.target.name == "paci"
-    validate_schedule(schedule)
+    check_schedule(schedule)
     result = simulate_schedule(schedule, EQUAL)
     assert result.max_drift[0] > 0  # stale from iteration 2 on
     ops = list(schedule.stage_ops(0))

@@ -20,7 +20,7 @@ import torch
 from megatron.pipeline.ir import B, F, W, Op, OpKind, PipelineLayout
 from megatron.pipeline.schedules import SCHEDULES, register
 from megatron.pipeline.schedules.base import SynchronousSchedule, one_f_one_b
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 from megatron.pipeline.runtime.wgrad import active_deferral, defer_weight_grads
 from megatron.trainer.data import MockGPTData
 from megatron.trainer.models.gpt import GPTModelArgs, build_gpt_stage, gpt_loss, split_layers
@@ -418,7 +418,7 @@ def test_test_schedule_is_valid_and_really_splits(split_schedule):
 
     for n in (1, 2, 4):
         schedule = build_schedule(split_schedule, ScheduleConfig(n, 8, 2))
-        validate_schedule(schedule)
+        check_schedule(schedule)
         ops = list(schedule.stage_ops(0))
         kinds = [op.kind for op in ops]
         assert OpKind.BW not in kinds and kinds.count(OpKind.B) == kinds.count(OpKind.W) == 16

@@ -16,7 +16,7 @@ from async_helpers import emulate, read_log, tiny_args
 
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules.evaluation import evaluation_streams
-from megatron.pipeline.validate import validate_streams
+from megatron.pipeline.schedule_check import check_streams
 from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.tasks.gpt import GPTTask
 from megatron.trainer.loop.segments import Segment, plan_segments
@@ -87,7 +87,7 @@ def test_evaluation_does_not_perturb_training(megatron_world1, tmp_path: Path) -
 @pytest.mark.parametrize("stages,chunks", [(n, c) for n in range(2, 9) for c in (1, 2, 3)])
 def test_validator_accepts_evaluation_streams(stages: int, chunks: int) -> None:
     layout = PipelineLayout(stages, chunks)
-    counts = validate_streams(evaluation_streams(layout, 5), layout, forward_only=True)
+    counts = check_streams(evaluation_streams(layout, 5), layout, forward_only=True)
     assert counts == [5 * chunks] * stages
 
 

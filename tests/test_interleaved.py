@@ -20,7 +20,7 @@ import torch
 from megatron.pipeline.ir import BW, F, OPT, OpKind, PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.interleaved import Interleaved1F1B, forward_slots, warmup_forwards
-from megatron.pipeline.validate import validate_schedule, validate_streams
+from megatron.pipeline.schedule_check import check_schedule, check_streams
 from megatron.trainer.config.arguments import parse_args
 from tests.async_helpers import Reference, assert_trains_like, emulate, emulated_reference, final_params, run_pretrain, tiny_args
 
@@ -90,7 +90,7 @@ def test_validator_accepts_every_allowed_configuration() -> None:
     for n in range(2, 9):
         for v in (2, 3):
             for m in range(n, 3 * n + 1, n):
-                counts = validate_schedule(build_schedule(NAME, config(n, m, v)))
+                counts = check_schedule(build_schedule(NAME, config(n, m, v)))
                 # Every stage forwards and backwards each micro-batch through each chunk once.
                 assert counts == [ITERATIONS * (2 * m * v + 1)] * n, (n, v, m)
                 checked += 1
@@ -110,7 +110,7 @@ def test_microbatches_not_a_multiple_of_stages_are_a_config_error() -> None:
 @pytest.mark.parametrize("n,m,v,group", [(3, 8, 2, 4), (4, 10, 2, 5), (4, 10, 3, 6), (5, 12, 2, 7)])
 def test_validator_accepts_larger_microbatch_groups(n: int, m: int, v: int, group: int) -> None:
     """Megatron's general case: N <= G <= m, remainder m mod G zero or >= N."""
-    validate_schedule(build_schedule(NAME, config(n, m, v, group)))
+    check_schedule(build_schedule(NAME, config(n, m, v, group)))
 
 
 @pytest.mark.parametrize("n,m,v,group,why", [
@@ -143,7 +143,7 @@ def test_two_stages_with_a_larger_group_reorders_only_across_lanes() -> None:
     cfg = config(2, 6, 2, group=3)
     schedule = object.__new__(Interleaved1F1B)
     schedule.config = cfg  # bypass check_config
-    validate_streams([list(s) for s in schedule.streams()], PipelineLayout(2, 2))
+    check_streams([list(s) for s in schedule.streams()], PipelineLayout(2, 2))
     with pytest.raises(ScheduleConfigError, match="group size must be 2"):
         Interleaved1F1B.check_config(cfg)
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.simulator import simulate_schedule
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 from tests import tiny_pipeline as tiny
 from tests.async_helpers import assert_runtime_equals_emulator, emulate, tiny_args
 
@@ -17,7 +17,7 @@ from tests.async_helpers import assert_runtime_equals_emulator, emulate, tiny_ar
 def test_validator_accepts_generated_streams(num_stages: int) -> None:
     for a in (num_stages - 1, num_stages, 2 * num_stages):
         for drain_every in (None, 1, 3):
-            validate_schedule(build_schedule("pipedream-2bw", ScheduleConfig(num_stages, a, 5, drain_every=drain_every)))
+            check_schedule(build_schedule("pipedream-2bw", ScheduleConfig(num_stages, a, 5, drain_every=drain_every)))
 
 
 def test_rejects_fewer_than_n_minus_1_microbatches_per_update() -> None:

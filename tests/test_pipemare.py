@@ -13,7 +13,7 @@ import torch
 from megatron.pipeline.ir import Op, OpKind
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
 from megatron.pipeline.schedules.pipemare import OPTION, PipeMareOptions, RescheduledLR, stage_delay
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 from megatron.pipeline.runtime.weight_versions import DiscrepancyCorrection, build_weight_policy
 from megatron.pipeline.weight_policy import DiscrepancyCorrected
 from tests import paci_oracle
@@ -35,7 +35,7 @@ def test_validator_accepts_generated_streams(num_stages: int) -> None:
     for a in (1, num_stages, 2 * num_stages):
         for warmup in (0, 2):
             for drain_every in (None, 3):
-                validate_schedule(build_schedule("pipemare", _config(num_stages, a, 5, drain_every=drain_every,
+                check_schedule(build_schedule("pipemare", _config(num_stages, a, 5, drain_every=drain_every,
                                                                      sync_warmup_iters=warmup)))
 
 

@@ -28,10 +28,10 @@ from megatron.pipeline.schedules import (
     ScheduleConfigError,
     build_schedule,
 )
-from megatron.pipeline.validate import (
+from megatron.pipeline.schedule_check import (
     REPLAY_POLICIES,
-    validate_schedule,
-    validate_streams,
+    check_schedule,
+    check_streams,
 )
 from tests.async_helpers import assert_flag_error, emulate, final_params, run_pretrain, tiny_args
 
@@ -58,7 +58,7 @@ def test_validator_accepts_post_validated_streams(name: str, n: int) -> None:
     else:
         configs = [(m, 1) for m in sorted({1, 2, n, 2 * n + 1})]
     for m, v in configs:
-        counts = validate_schedule(pv_schedule(name, n, m, chunks=v))  # all REPLAY_POLICIES
+        counts = check_schedule(pv_schedule(name, n, m, chunks=v))  # all REPLAY_POLICIES
         # never replaying: F and backward per micro-batch and chunk, PSTEP and VALIDATE per update
         per_iteration = 2 * m * v + (m * v if name.startswith("zb-") else 0) + 2
         assert counts == [3 * per_iteration] * n, (name, n, m, v)
@@ -104,7 +104,7 @@ def _materialised(name: str, n: int, m: int) -> list[list]:
 
 def _reject(streams, n: int, policy: str = "always") -> str:
     with pytest.raises(ScheduleError) as info:
-        validate_streams(streams, PipelineLayout(n), replay_policy=REPLAY_POLICIES[policy])
+        check_streams(streams, PipelineLayout(n), replay_policy=REPLAY_POLICIES[policy])
     return str(info.value)
 
 

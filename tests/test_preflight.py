@@ -17,7 +17,7 @@ from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, build_schedule
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.paci import PACI
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 
 
 class SwappedReceives(OneFOneBFlush):
@@ -93,7 +93,7 @@ def test_broken_schedules_are_refused_naming_stage_and_op(cls: type, says: str) 
 def test_a_fault_after_the_segment_boundary_is_found() -> None:
     """The whole run in one segment is fine; the trainer's second segment is not."""
     schedule = RestartsAtZero(_config(RestartsAtZero, iterations=4))
-    validate_schedule(schedule)
+    check_schedule(schedule)
     with pytest.raises(ScheduleError, match="runs a forward twice"):
         replay_first_iterations(schedule)
 

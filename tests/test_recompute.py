@@ -129,7 +129,8 @@ def test_simulator_memory_model_with_recompute(m_f: float) -> None:
     a W frees it, which only happens once recompute makes M_F < M_W (the peak moves to the last
     stage and exceeds 1F1B's)."""
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-    from megatron.pipeline.simulator import OpCosts, simulate_schedule
+    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.simulator import simulate_schedule
 
     p, m_w = 4, 0.5
     config = ScheduleConfig(num_stages=p, num_microbatches=8, num_iterations=1)
@@ -142,7 +143,7 @@ def test_simulator_memory_model_with_recompute(m_f: float) -> None:
 
 def test_activation_model_fractions() -> None:
     from megatron.pipeline.activation_memory import LayerShape, recompute_costs, recompute_fraction
-    from megatron.pipeline.simulator import OpCosts
+    from megatron.pipeline.op_costs import OpCosts
 
     shape = LayerShape(seq_length=256, micro_batch_size=2, hidden_size=128, num_attention_heads=4)
     per_layer = 34 + 5 * 4 * 256 / 128  # Korthikanti: sbh (34 + 5as/h)

@@ -20,7 +20,8 @@ from megatron.pipeline.calibration import (
 from megatron.pipeline.comm import op_sends
 from megatron.pipeline.ir import BW, F, OPT, OpKind, PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-from megatron.pipeline.simulator import OpCosts, OpSpan, simulate_schedule, simulate_streams
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import OpSpan, simulate_schedule, simulate_streams
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,8 +20,9 @@ import torch
 from megatron.pipeline.comm import op_recvs
 from megatron.pipeline.ir import VShapeLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
-from megatron.pipeline.simulator import OpCosts, simulate_schedule
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import simulate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import TINY_GPT, assert_flag_error, assert_runtime_equals_emulator, emulate, final_params
 from tests.test_reference import _qkv_bias_mask
 
@@ -58,14 +59,14 @@ def test_the_turn_is_a_local_message_and_every_other_hop_crosses_one_link() -> N
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("k", [2, 4])
 def test_validator_accepts(name: str, p: int, k: int) -> None:
-    counts = validate_schedule(_schedule(name, p, k * p, iterations=2))
+    counts = check_schedule(_schedule(name, p, k * p, iterations=2))
     per_iteration = 6 * k * p + 1  # 2 chunks x m x (F, B, W) + OPT; a fused BW counts for B and W
     assert all(c <= 2 * per_iteration for c in counts)
 
 
 @pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
 def test_validator_accepts_post_validation(name: str) -> None:
-    validate_schedule(_schedule(name, 4, 8, iterations=3, post_validation=True))
+    check_schedule(_schedule(name, 4, 8, iterations=3, post_validation=True))
 
 
 # ------------------------------------------------------------------------------ simulator

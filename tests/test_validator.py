@@ -15,7 +15,7 @@ from megatron.pipeline.comm import Message, op_sends
 from megatron.pipeline.ir import B, BW, F, OPT, Op, OpKind, PipelineLayout, W
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-from megatron.pipeline.validate import validate_schedule, validate_streams
+from megatron.pipeline.schedule_check import check_schedule, check_streams
 
 SYNC_SCHEDULES = ("1f1b", "gpipe")
 ITERATIONS = 2
@@ -30,7 +30,7 @@ def generated(name: str, num_stages: int, m: int, iterations: int = ITERATIONS) 
 def reject(streams: list[list[Op]], num_stages: int) -> str:
     """Validate, expect a ScheduleError, return its message."""
     with pytest.raises(ScheduleError) as info:
-        validate_streams(streams, PipelineLayout(num_stages))
+        check_streams(streams, PipelineLayout(num_stages))
     return str(info.value)
 
 
@@ -48,7 +48,7 @@ def test_accepts_every_generated_synchronous_schedule(name: str) -> None:
     for n in range(1, 9):
         for m in range(1, 3 * n + 1):
             schedule = build_schedule(name, ScheduleConfig(n, m, num_iterations=ITERATIONS))
-            counts = validate_schedule(schedule)
+            counts = check_schedule(schedule)
             # Every stage runs m forwards, m backwards and one step per iteration.
             assert counts == [ITERATIONS * (2 * m + 1)] * n, (name, n, m)
             checked += 1
@@ -130,7 +130,7 @@ def test_rejects_forward_without_backward() -> None:
 
 def test_forward_without_backward_is_fine_for_forward_only() -> None:
     streams = [[F(s, mb) for mb in range(3)] for s in range(3)]
-    assert validate_streams(streams, PipelineLayout(3), forward_only=True) == [3, 3, 3]
+    assert check_streams(streams, PipelineLayout(3), forward_only=True) == [3, 3, 3]
     msg = reject(streams, 3)
     assert "stage 0" in msg and "never has a backward" in msg
 
@@ -165,7 +165,7 @@ def test_split_backward_with_w_is_accepted_and_w_without_b_is_not() -> None:
     streams = generated("1f1b", 2, 2, iterations=1)
     i = streams[1].index(BW(1, 0))
     streams[1][i : i + 1] = [B(1, 0), W(1, 0)]
-    validate_streams(streams, PipelineLayout(2))  # control: the split itself is fine
+    check_streams(streams, PipelineLayout(2))  # control: the split itself is fine
 
     streams = generated("1f1b", 2, 2, iterations=1)
     streams[0].insert(streams[0].index(OPT(0, 0, True)), W(0, 1))

@@ -26,7 +26,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.pipeline.simulator import OpCosts, simulate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import simulate_schedule
 from tests.async_helpers import TINY_GPT
 
 pytestmark = pytest.mark.usefixtures("megatron_world1")

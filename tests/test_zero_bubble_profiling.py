@@ -15,8 +15,9 @@ from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.profiled import CostsNotProfiled, ProfiledSchedule
 from megatron.pipeline.schedules.zb_h1 import ZBH1
-from megatron.pipeline.simulator import OpCosts, simulate_schedule
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import simulate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 
 COSTS = (OpCosts(1.0, 1.3, 0.4, t_comm=0.2, m_w=0.6), OpCosts(1.1, 1.2, 0.5, t_comm=0.2, m_w=0.6),
          OpCosts(0.9, 1.0, 0.6, t_comm=0.2, m_w=0.7), OpCosts(1.4, 1.1, 0.3, t_comm=0.2, m_w=0.5))
@@ -66,7 +67,7 @@ def test_profiled_schedule_runs_zb_h1_then_the_target_from_set_costs() -> None:
         ref_h1 = iterations_of(list(h1.stage_ops(stage)))
         assert ours[:2] == ref_h1[:2] and ours[2:] == theirs[2:]
     assert schedule.target.plan is target.plan  # the same (cached) greedy order
-    validate_schedule(schedule)
+    check_schedule(schedule)
     with pytest.raises(RuntimeError, match="already set"):
         schedule.set_costs(COSTS)
 

@@ -9,8 +9,9 @@ import pytest
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.zb_greedy import best_greedy_order
-from megatron.pipeline.simulator import OpCosts, simulate_schedule
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import simulate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 
 ZB_SCHEDULES = ("zb-h1", "zb-h2", "zb-1p", "zb-2p")
 
@@ -28,7 +29,7 @@ def test_validator_accepts_every_generated_schedule(name: str) -> None:
     checked = 0
     for n in range(2, 9):
         for m in range(n, 4 * n + 1):
-            counts = validate_schedule(build(name, n, m))
+            counts = check_schedule(build(name, n, m))
             assert counts == [3 * m + 1] * n, (name, n, m)  # m F, m B, m W, one step
             checked += 1
     assert checked == sum(3 * n + 1 for n in range(2, 9))
@@ -38,7 +39,7 @@ def test_validator_accepts_every_generated_schedule(name: str) -> None:
 def test_split_backward_ops_and_synchronous_steps(name: str) -> None:
     n, m, iterations = 4, 7, 3
     schedule = build(name, n, m, OpCosts(1.0, 1.2, 0.6, t_comm=0.1), iterations=iterations)
-    assert validate_schedule(schedule) == [iterations * (3 * m + 1)] * n
+    assert check_schedule(schedule) == [iterations * (3 * m + 1)] * n
     for stage, stream in enumerate(schedule.streams()):
         ops = list(stream)
         assert OpKind.BW not in {op.kind for op in ops}
@@ -100,14 +101,14 @@ def test_unequal_stage_costs() -> None:
         ]
         for name in ("zb-1p", "zb-2p"):
             schedule = build(name, n, m, costs, iterations=2)
-            validate_schedule(schedule)
+            check_schedule(schedule)
             result = simulate_schedule(schedule)
             assert max(result.peak_memory) <= schedule.memory_limit + 1e-9
     # The case that exposed it.
     costs = [OpCosts(1.71, 2.61, 0.70, t_comm=0.51, m_w=1.0), OpCosts(2.75, 2.05, 1.83, t_comm=0.73, m_w=0.3),
              OpCosts(1.65, 1.77, 1.28, t_comm=0.06, m_w=0.3), OpCosts(2.83, 1.36, 2.44, m_w=0.0),
              OpCosts(1.48, 0.28, 0.69), OpCosts(2.44, 2.43, 2.45), OpCosts(2.63, 1.47, 2.26, t_comm=0.28)]
-    validate_schedule(build("zb-2p", 7, 7, costs))
+    check_schedule(build("zb-2p", 7, 7, costs))
 
 
 def test_custom_memory_limit_and_infeasible_limits() -> None:

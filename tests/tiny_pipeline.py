@@ -14,6 +14,7 @@ import torch
 
 from megatron.pipeline.runtime.executors.common import ReportCadence
 from megatron.pipeline.runtime.executors.emulator import Emulator
+from megatron.pipeline.runtime.stage_optimizer import StageOptimizer
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
 from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
@@ -74,7 +75,7 @@ class TanhLinear(TanhChain):
         return {mb: ws[0] for mb, ws in self.read_layers.items()}
 
 
-class PlainSGD:
+class PlainSGD(StageOptimizer):
     """``w <- w - lr * scale * g`` through ``p.data`` (the StageOptimizer protocol); logs every
     post-update weight so tests can rebuild the trajectory."""
 

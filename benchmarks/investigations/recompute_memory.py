@@ -51,7 +51,8 @@ def model(opts: argparse.Namespace, schedule: str, mode: str, m_b: float) -> lis
     """Simulator peak (units of M_B) times the measured M_B, per stage."""
     from megatron.pipeline.activation_memory import LayerShape, recompute_costs
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-    from megatron.pipeline.simulator import OpCosts, simulate_schedule
+    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.simulator import simulate_schedule
 
     shape = LayerShape(opts.seq, opts.micro_batch, opts.hidden, opts.heads)
     layers = opts.layers // opts.stages

@@ -47,8 +47,9 @@ from dataclasses import dataclass
 
 from megatron.pipeline.comm import op_recvs, op_sends
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
-from megatron.pipeline.comm import Message
-from megatron.pipeline.simulator import OpCosts, OpSpan
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import OpSpan
+from megatron.pipeline.trace_analysis import send_times
 
 
 @dataclass(frozen=True)
@@ -94,14 +95,10 @@ def _sends_elsewhere(op: Op, layout: PipelineLayout) -> bool:
     return any(msg.dst_stage != op.stage for msg in op_sends(op, layout))
 
 
-def _send_times(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout) -> dict[Message, float]:
-    return {msg: sp.end for spans in stage_spans for sp in spans for msg in op_sends(sp.op, layout)}
-
-
 def idle_trips(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout) -> list[float]:
     """Traced end of a sending op to traced start of its receiver, for receivers that were idle
     when the message was sent and whose previous op sent nothing (or that had no previous op)."""
-    sent = _send_times(stage_spans, layout)
+    sent = send_times(stage_spans, layout)
     trips = []
     for spans in stage_spans:
         for prev, sp in zip([None, *spans[:-1]], spans):
@@ -121,7 +118,7 @@ def idle_gaps(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout,
     """Gaps between consecutive compute ops of a stage whose second op waited for nothing (each
     of its messages was sent at least ``trip`` before the first op ended), split by whether the
     first op sent a message to another stage: ``(after a send, after no send)``."""
-    sent = _send_times(stage_spans, layout)
+    sent = send_times(stage_spans, layout)
     after_send: list[float] = []
     after_none: list[float] = []
     for spans in stage_spans:

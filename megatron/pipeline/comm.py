@@ -1,6 +1,6 @@
 """Which messages an op receives and sends: the single source of truth for all executors.
 
-The validator, the emulator, the distributed runtime and the timing simulator all derive
+The schedule check, the emulator, the distributed runtime and the timing simulator all derive
 communication from here, so they cannot disagree about it.
 """
 from __future__ import annotations

@@ -45,15 +45,15 @@ pull ops past a VALIDATE before running it) and, on a replay, yields
 3. the pre-validation forwards again, receiving what the upstream stage re-sends.
 
 All of it is ordinary ops with messages derived in :mod:`megatron.pipeline.comm`, so the
-replay engine, the validator and both executors see exactly the same thing; the validator
-drives the outcomes itself (:func:`megatron.pipeline.validate.validate_schedule` checks
+replay engine, the schedule check and both executors see exactly the same thing; the schedule check
+drives the outcomes itself (:func:`megatron.pipeline.schedule_check.check_schedule` checks
 the never / always / alternating replay patterns).
 
 When no stage's weights change (no clipping, all finite; or non-finite gradients with no
 stage having stepped, e.g. a NaN loss, which poisons every stage) nothing is replayed.
 
 This module is the schedule half and loads no torch: the streams, the outcomes and the
-decisions (:func:`decide`, :func:`global_outcome`), all plain floats, so the validator and
+decisions (:func:`decide`, :func:`global_outcome`), all plain floats, so the schedule check and
 the simulator use them without a tensor library. What PSTEP and VALIDATE do to a stage's
 weights and the state tensors on the wire are the runtime half,
 :mod:`megatron.pipeline.runtime.post_validation_ops`.

@@ -1,8 +1,8 @@
-"""The preflight replay: a run's first iterations through the validator, before any rank starts.
+"""The preflight replay: a run's first iterations through the schedule check, before any rank starts.
 
 Why: a schedule that deadlocks or mismatches a message is otherwise found on a live run, after
 ``--pipeline-timeout-seconds`` (300 s by default) with every rank blocked and no op named. The
-validator (:mod:`megatron.pipeline.validate`) finds the same fault from the op streams alone,
+schedule check (:mod:`megatron.pipeline.schedule_check`) finds the same fault from the op streams alone,
 without tensors, and names the stage and the op. Tests validate the registered schedules on small
 configs; this replays the schedule the run actually built (its stages, micro-batches, chunks and
 options, a schedule registered by the user included) and refuses it in seconds.
@@ -16,7 +16,7 @@ What is replayed, bounded so that large ``N`` and ``m`` stay cheap (the ops grow
   refill of an unbounded stream (:mod:`megatron.trainer.loop.segments`);
 * the first segment: two iterations of a synchronous schedule (an iteration boundary, and
   post-validation's step validated by the next iteration, under every outcome pattern of
-  :data:`~megatron.pipeline.validate.REPLAY_POLICIES`); a profiled Zero Bubble schedule's
+  :data:`~megatron.pipeline.schedule_check.REPLAY_POLICIES`); a profiled Zero Bubble schedule's
   profiling iterations and one of its target order, decided from the placeholder costs (the
   run decides from measured ones); ``ceil(S / a) + 1`` updates of an asynchronous schedule
   (``S`` virtual stages, ``a`` micro-batches per update), enough for the fill to reach the
@@ -37,7 +37,7 @@ from megatron.pipeline.post_validation import ValidationOutcomes
 from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.schedules.profiled import PLACEHOLDER_COSTS, ProfiledSchedule
-from megatron.pipeline.validate import validate_schedule
+from megatron.pipeline.schedule_check import check_schedule
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,14 @@ class PreflightReplay:
 
 
 class _ChainedSegments:
-    """Consecutive segments of one schedule, seen by :func:`validate_schedule` as one schedule:
+    """Consecutive segments of one schedule, seen by :func:`check_schedule` as one schedule:
     each stage's stream is its segments' streams in order, and post-validation's outcomes are
     shared (VALIDATE and its replay are keyed by the global update)."""
 
     def __init__(self, segments: list[Schedule]):
         self.segments = segments
         self.layout: PipelineLayout = segments[0].layout
-        self.post_validated = bool(getattr(segments[0], "post_validated", False))
+        self.post_validated = segments[0].post_validated
 
     @property
     def validation_outcomes(self) -> ValidationOutcomes:
@@ -94,7 +94,7 @@ def segment_lengths(schedule: Schedule, available: int) -> tuple[int, ...]:
 
 
 def one_line(error: ScheduleError) -> str:
-    """The validator's message on one line. A deadlock lists every stage, one a line: keep the
+    """The schedule check's message on one line. A deadlock lists every stage, one a line: keep the
     first stage blocked on a receive (its op and the message it waits for; stages waiting at a
     collective step wait for it) and count the stages that did not finish."""
     lines = [line.strip() for line in str(error).splitlines()]
@@ -106,7 +106,7 @@ def one_line(error: ScheduleError) -> str:
 
 
 def replay_first_iterations(schedule: Schedule) -> PreflightReplay:
-    """Replay ``schedule``'s first iterations (module docstring) through the validator; raise
+    """Replay ``schedule``'s first iterations (module docstring) through the schedule check; raise
     :class:`ScheduleError` with a one-line message naming the stage and the op on any fault.
     ``schedule`` is not changed (segments are copies)."""
     config = schedule.config
@@ -118,7 +118,7 @@ def replay_first_iterations(schedule: Schedule) -> PreflightReplay:
     starts = itertools.accumulate(lengths, initial=config.first_iteration)
     segments = [probe.segment(start, length) for start, length in zip(starts, lengths)]
     try:
-        ops = validate_schedule(_ChainedSegments(segments))
+        ops = check_schedule(_ChainedSegments(segments))
     except ScheduleError as exc:
         raise ScheduleError(one_line(exc)) from exc
     return PreflightReplay(config.first_iteration, lengths, sum(ops))

@@ -8,7 +8,7 @@ the order they were sent (NCCL ignores tags, so FIFO per group is the only safe 
 the replicas of the same logical stages for AMDP): it runs once every stage of the group has
 reached its own ``sync`` op for the same update.
 
-The engine is shared: the validator replays with a checker, the emulator with real tensors,
+The engine is shared: the schedule check replays with a checker, the emulator with real tensors,
 the timing simulator with timestamps. What travels in a message is opaque to the engine.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ App. G), generalised to our IR and runtime:
 * **Activation memory**, in units of ``M_B`` (the activations one micro-batch keeps on a stage
   for its backward) with ``M_W = m_w * M_B`` kept from a split B until its W (Zero Bubble
   App. G): F adds ``M_B``, B turns ``M_B`` into ``M_W`` (adds ``M_W - M_B``), W frees ``M_W``,
-  a fused BW frees ``M_B``. The peak is taken after each op. ``m_w`` defaults to 1/2, the
+  a fused BW frees ``M_B``. The peak is taken after each op. ``m_w`` defaults to 1/2 (``op_costs.REFERENCE_M_W``), the
   reference scheduler's units (F = +2, B = -1, W = -1).
 * **Activation recompute**: F keeps ``m_f * M_B`` (``m_f = 1`` without recompute; less with it,
   :mod:`megatron.pipeline.activation_memory`), B turns it into ``M_W`` and a fused BW frees it;
@@ -67,142 +67,18 @@ truncation, if exceeded), to catch a stream that never completes the capped micr
 """
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from megatron.pipeline.comm import Message, op_sends
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
+from megatron.pipeline.op_costs import CostsLike, OpCosts, costs_from_profile, load_profile, stage_costs
 from megatron.pipeline.overlap import check_overlap, overlap_saving
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
 
-
-# ------------------------------------------------------------------------------ costs
-
-
-@dataclass(frozen=True)
-class OpCosts:
-    """Per-op costs of one stage (times in any unit, memory in units of ``M_B``).
-
-    The default (``t_f = t_b = t_w = 1``, ``t_comm = 0``) is the Zero Bubble reference's
-    placeholder before profiling; pass profiled times for real schedules.
-    """
-
-    t_f: float = 1.0
-    t_b: float = 1.0
-    t_w: float = 1.0
-    t_bw: float | None = None  # fused backward; None means t_b + t_w
-    t_comm: float = 0.0  # time from the end of a sending op to the arrival of its message
-    t_opt: float = 0.0
-    m_w: float = 0.5  # M_W / M_B: activation memory kept between B and W
-    m_f: float = 1.0  # activation memory kept from F to B / M_B (< 1 with activation recompute)
-    t_send: float = 0.0  # sender's time per message handed to the transport (isend call)
-    t_sync: float = 0.0  # a synchronous OPT's collective latency, on top of t_opt
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is not None and (not isinstance(v, (int, float)) or v < 0 or math.isnan(v)):
-                raise ValueError(f"OpCosts.{f.name} must be a non-negative number, got {v!r}")
-        if self.m_w > 1 or self.m_f > 1:
-            raise ValueError(f"OpCosts.m_w = M_W / M_B and m_f must be <= 1, got {self.m_w}, {self.m_f}")
-
-    @property
-    def fused_backward(self) -> float:
-        return self.t_b + self.t_w if self.t_bw is None else self.t_bw
-
-    @property
-    def sync_step(self) -> float:
-        """Duration of this stage's part of a synchronous OPT: the step plus the collective."""
-        return self.t_opt + self.t_sync
-
-    def duration(self, kind: OpKind) -> float:
-        if kind is OpKind.F:
-            return self.t_f
-        if kind is OpKind.B:
-            return self.t_b
-        if kind is OpKind.W:
-            return self.t_w
-        if kind is OpKind.BW:
-            return self.fused_backward
-        return self.t_opt
-
-    def memory_delta(self, kind: OpKind) -> float:
-        """Change of activation memory (units of M_B) when an op of ``kind`` finishes."""
-        if kind is OpKind.F:
-            return self.m_f
-        if kind is OpKind.B:
-            return self.m_w - self.m_f
-        if kind is OpKind.W:
-            return -self.m_w
-        if kind is OpKind.BW:
-            return -self.m_f
-        return 0.0
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "OpCosts":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown cost field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**{k: (None if v is None else float(v)) for k, v in values.items()})
-
-
-CostsLike = OpCosts | Sequence[OpCosts] | Mapping[str, Any] | None
-
-
-def stage_costs(costs: CostsLike, num_stages: int) -> tuple[OpCosts, ...]:
-    """Normalise ``costs`` to one :class:`OpCosts` per stage.
-
-    Accepts None (the default costs), one ``OpCosts`` for every stage, a sequence of one per
-    stage, or a profile mapping as read from JSON (see :func:`costs_from_profile`).
-    """
-    if costs is None:
-        return (OpCosts(),) * num_stages
-    if isinstance(costs, OpCosts):
-        return (costs,) * num_stages
-    if isinstance(costs, Mapping):
-        return costs_from_profile(costs, num_stages)
-    per_stage = tuple(costs)
-    if len(per_stage) != num_stages or not all(isinstance(c, OpCosts) for c in per_stage):
-        raise ValueError(f"need one OpCosts per stage ({num_stages}), got {len(per_stage)} entries")
-    return per_stage
-
-
-def costs_from_profile(profile: Mapping[str, Any], num_stages: int) -> tuple[OpCosts, ...]:
-    """Per-stage costs from a profile mapping.
-
-    Format: top-level ``OpCosts`` fields apply to every stage (``{"t_f": 18.5, "t_b": 18.1,
-    "t_w": 9.3, "t_comm": 0.6}``); an optional ``"stages"`` entry overrides fields per stage,
-    either as a list with one (possibly partial) mapping per stage or as a mapping from stage
-    index to such a mapping (``{"stages": {"0": {"t_f": 12.0}}}``).
-    """
-    base = {k: v for k, v in profile.items() if k != "stages"}
-    overrides: dict[int, Mapping[str, Any]] = {}
-    stages = profile.get("stages")
-    if isinstance(stages, Sequence) and not isinstance(stages, str):
-        if len(stages) != num_stages:
-            raise ValueError(f"profile lists {len(stages)} stages, the pipeline has {num_stages}")
-        overrides = dict(enumerate(stages))
-    elif isinstance(stages, Mapping):
-        overrides = {int(k): v for k, v in stages.items()}
-        bad = [s for s in overrides if not 0 <= s < num_stages]
-        if bad:
-            raise ValueError(f"profile has costs for stage {bad[0]}, the pipeline has {num_stages} stages")
-    elif stages is not None:
-        raise ValueError("profile 'stages' must be a list or a mapping of per-stage costs")
-    return tuple(OpCosts.from_dict({**base, **overrides.get(s, {})}) for s in range(num_stages))
-
-
-def load_profile(path: str) -> dict[str, Any]:
-    """Read a JSON cost profile (format: :func:`costs_from_profile`)."""
-    with open(path) as f:
-        profile = json.load(f)
-    if not isinstance(profile, dict):
-        raise ValueError(f"{path}: a cost profile is a JSON object")
-    return profile
+if TYPE_CHECKING:
+    from megatron.pipeline.schedules.base import Schedule
 
 
 # ------------------------------------------------------------------------------ result
@@ -462,7 +338,7 @@ def simulate_streams(
 
 
 def simulate_schedule(
-    schedule: Any,
+    schedule: "Schedule",
     costs: CostsLike = None,
     *,
     max_microbatches: int | None = None,
@@ -481,13 +357,11 @@ def simulate_schedule(
         costs = config.options.get("costs")
     if config.num_iterations is None and max_microbatches is None:
         raise ValueError(f"{schedule.name}: unbounded stream; pass max_microbatches to simulate it")
-    copies = getattr(schedule, "weight_copies", None)
     return simulate_streams(
         schedule.streams(), schedule.layout, costs,
-        max_microbatches=max_microbatches, max_ops=max_ops,
-        stashes_weights=getattr(schedule, "stashes_weights", False),
-        weight_copies=None if copies is None else [copies(config, s) for s in range(config.num_stages)],
-        overlap=overlap, overlapped=getattr(schedule, "overlapped_backward", None),
+        max_microbatches=max_microbatches, max_ops=max_ops, stashes_weights=schedule.stashes_weights,
+        weight_copies=[schedule.weight_copies(config, s) for s in range(config.num_stages)],
+        overlap=overlap, overlapped=schedule.overlapped_backward,
     )
 
 

@@ -27,7 +27,8 @@ from typing import Any
 from megatron.pipeline.comm import Message, op_recvs, op_sends
 from megatron.pipeline.ir import MultiPipelineLayout, Op, OpKind, PipelineLayout, VShapeLayout
 from megatron.pipeline.replay import ReplayEngine
-from megatron.pipeline.simulator import OpCosts, OpSpan, SimulationResult, simulate_streams
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import OpSpan, SimulationResult, simulate_streams
 from megatron.pipeline.trace_format import TRACE_FILE_GLOB, TRACE_FORMAT
 
 NS_PER_MS = 1e6
@@ -190,7 +191,8 @@ def retime(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout) -> l
     return out
 
 
-def _send_times(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout) -> dict[Message, float]:
+def send_times(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLayout) -> dict[Message, float]:
+    """When each message was sent: the end of its sending op's span."""
     return {msg: sp.end for spans in stage_spans for sp in spans for msg in op_sends(sp.op, layout)}
 
 
@@ -199,7 +201,7 @@ def message_latency(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineLay
     receives the receiver was idle for (its previous op had ended before the message was
     sent): what a message costs end to end on this runtime -- the link plus waking the
     receiver. This is the simulator's ``t_comm``. 0 when no receive waited."""
-    sent = _send_times(stage_spans, layout)
+    sent = send_times(stage_spans, layout)
     samples = []
     for spans in stage_spans:
         for prev, sp in zip([None, *spans[:-1]], spans):
@@ -214,7 +216,7 @@ def dispatch_overhead(stage_spans: Sequence[Sequence[OpSpan]], layout: PipelineL
     """Per stage, the median gap between two consecutive ops when the second waited for nothing
     (its messages had been sent before the first ended; not a synchronous step): the runtime's
     own time between ops (posting receives, sends, bookkeeping), outside any op's span."""
-    sent = _send_times(stage_spans, layout)
+    sent = send_times(stage_spans, layout)
     out = []
     for spans in stage_spans:
         gaps = []

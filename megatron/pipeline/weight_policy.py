@@ -4,7 +4,7 @@ Why specs and not the policies themselves: a schedule decides *which* weight ver
 forwards and backwards read (PipeDream-2BW's previous version, PipeMare's extrapolated
 one), but keeping those versions means copying tensors, which is the runtime's job. So
 :meth:`~megatron.pipeline.schedules.base.Schedule.stage_weight_policy` returns one of these
-frozen dataclasses (None: the live weights), which the validator, the simulator or a test
+frozen dataclasses (None: the live weights), which the schedule check, the simulator or a test
 can inspect without torch, and
 :func:`megatron.pipeline.runtime.weight_versions.build_weight_policy` turns it into the
 implementation a stage worker plugs in. Each field is a parameter of that implementation.

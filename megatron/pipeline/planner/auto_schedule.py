@@ -44,7 +44,7 @@ from megatron.pipeline.schedules.base import Schedule, ScheduleConfig, ScheduleC
 from megatron.pipeline.schedules.profiled import PLACEHOLDER_COSTS, CostsNotProfiled, ProfiledSchedule
 from megatron.pipeline.schedules.zb_1p import ZB1P
 from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION, ZERO_BUBBLE_FLAGS
-from megatron.pipeline.simulator import CostsLike, OpCosts, stage_costs
+from megatron.pipeline.op_costs import CostsLike, OpCosts, stage_costs
 
 #: the line every decision starts with (scripts look for it)
 CHOICE_PREFIX = "auto: chose "

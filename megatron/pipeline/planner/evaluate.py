@@ -20,7 +20,8 @@ from megatron.pipeline.planner.memory import StageMemory, fits, stage_memory
 from megatron.pipeline.planner.shared_cores import cores_per_pipeline, is_shared, shared_core_makespan
 from megatron.pipeline.planner.unit_costs import UnitCosts
 from megatron.pipeline.schedules import build_schedule, schedule_class
-from megatron.pipeline.simulator import OpCosts, SimulationResult, simulate_schedule
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.simulator import SimulationResult, simulate_schedule
 
 
 def update_count(cand: Candidate) -> int:

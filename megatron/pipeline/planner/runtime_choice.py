@@ -26,7 +26,7 @@ from megatron.pipeline.planner.evaluate import CandidateResult, semantics, stead
 from megatron.pipeline.planner.memory import StageMemory
 from megatron.pipeline.planner.ranking import rank
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, schedule_class
-from megatron.pipeline.simulator import OpCosts
+from megatron.pipeline.op_costs import OpCosts
 
 _BASE_LR = object()  # a stand-in learning-rate schedule: a schedule returning it keeps the run's
 

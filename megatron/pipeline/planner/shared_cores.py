@@ -38,7 +38,7 @@ from typing import Any
 from megatron.pipeline.comm import Message, op_sends
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine
-from megatron.pipeline.simulator import CostsLike, stage_costs
+from megatron.pipeline.op_costs import CostsLike, stage_costs
 
 _EPS = 1e-9
 

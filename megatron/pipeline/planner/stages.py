@@ -23,8 +23,8 @@ from megatron.pipeline.comm_volume import ring_all_reduce_bytes
 from megatron.pipeline.cost_model import (
     ModelShape, embedding_parameters, head_parameters, layer_activation_elements, layer_parameters)
 from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
+from megatron.pipeline.op_costs import OpCosts
 from megatron.pipeline.planner.unit_costs import ActivationBytes, UnitCosts
-from megatron.pipeline.simulator import OpCosts
 
 #: recompute choices: the trainer's ``--recompute-granularity`` value (None: no recompute)
 RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.pipeline.runtime.executors.send_reaper import wait_or_raise
+from megatron.pipeline.runtime.stage_optimizer import StageOptimizer
 from megatron.pipeline.runtime.sharding import (
     STATE_KINDS, add_whole_state, assign_flat, flat_dtype, flat_values, owned_entries, owned_ranges, owned_state,
     padded_part, part_length, shard_range, unpadded)
@@ -66,11 +67,11 @@ def data_parallel_shards(named: list[tuple[str, torch.nn.Parameter]], dp_size: i
     return {names[i]: (start, stop) for i, start, stop in owned_ranges(params, lo, hi)}
 
 
-class DataParallelShardedOptimizer:
+class DataParallelShardedOptimizer(StageOptimizer):
     """A sharded stage optimizer (``StageAdamW(shards=data_parallel_shards(...))``) plus the
     data-parallel collectives around its step; see the module docstring.
 
-    It speaks the worker's :class:`~megatron.pipeline.runtime.worker.StageOptimizer` protocol,
+    It speaks the worker's :class:`~megatron.pipeline.runtime.stage_optimizer.StageOptimizer` contract,
     so the worker, post-validation, weight policies and checkpoints use it like any stage
     optimizer. The process group arrives with :meth:`attach` (the transport owns the groups).
     """
@@ -78,7 +79,7 @@ class DataParallelShardedOptimizer:
     sharded = True
 
     def __init__(self, inner: Any, dp_rank: int, dp_size: int, overlap_param_gather: bool = False):
-        if not getattr(inner, "sharded", False):
+        if not inner.sharded:
             raise ValueError("DataParallelShardedOptimizer needs an optimizer built with shards=")
         self.inner = inner
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -133,7 +134,7 @@ class DataParallelShardedOptimizer:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self._params]
 
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self) -> bool:
         """Average the own range of the stage's gradients over the group (a reduce-scatter)."""
         grads = self._grads()
         flat = flat_values(grads)
@@ -152,6 +153,7 @@ class DataParallelShardedOptimizer:
             mine = flat[self.lo:self.hi]
         mine = mine[:self.hi - self.lo] / d
         assign_flat(grads, mine, self.lo)
+        return True
 
     def grad_sq_norm(self) -> torch.Tensor:
         """The stage's squared gradient norm: the own ranges' sums of squares, summed over the group."""

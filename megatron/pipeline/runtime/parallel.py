@@ -53,7 +53,7 @@ class StageGroups:
     # direction, on a V both). NCCL runs a communicator's sends and receives in order on
     # one stream, so with a shared group a receive posted ahead (or a backward's receive
     # queued behind a forward's send) blocks the other direction and the pipeline deadlocks;
-    # one group per direction keeps each stream one-way and in the FIFO order the validator
+    # one group per direction keeps each stream one-way and in the FIFO order the schedule check
     # checks. gloo does not need it, but uses it too, so the CPU tests exercise the same path.
     p2p: dict[tuple[int, int, Lane], dist.ProcessGroup] = field(default_factory=dict)
     # Tied embeddings: the two stages holding the embedding and the output layer, same dp/tp

@@ -47,7 +47,7 @@ import torch
 
 from megatron.pipeline.ir import Op, OpKind
 from megatron.pipeline.runtime.memory import ActivationMeter
-from megatron.pipeline.simulator import OpCosts
+from megatron.pipeline.op_costs import OpCosts
 
 if TYPE_CHECKING:
     from megatron.pipeline.runtime.transport import Transport
@@ -196,9 +196,9 @@ def log_fixed_choice(schedule: "Schedule") -> None:
     or the choice ``auto`` made from them."""
     from megatron.pipeline.schedules.profiled import describe_choice
 
-    start_lines = getattr(schedule, "start_lines", None)  # auto: decided from fixed costs
+    start_lines = schedule.start_lines()  # auto: decided from fixed costs
     if start_lines is not None:
-        _print_lines(start_lines())
+        _print_lines(start_lines)
         return
     costs = schedule.fixed_costs()
     if costs is None:

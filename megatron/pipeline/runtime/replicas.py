@@ -183,7 +183,7 @@ def optimizer_shards(layout: MultiPipelineLayout, chunks: Sequence[torch.nn.Modu
 
 
 def _is_sharded(worker: StageWorker) -> bool:
-    return bool(getattr(worker.setup.optimizer, "sharded", False))
+    return worker.setup.optimizer.sharded
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -32,9 +32,8 @@ import contextlib
 import math
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 # torch.autograd.backward(out, grad) imports this lazily on its first call (1-3 s on a loaded
@@ -43,73 +42,22 @@ import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 from megatron.pipeline.comm import Message, MsgKind
 from megatron.pipeline.runtime.freed_outputs import backward_released, release_output
-from megatron.pipeline.runtime.loss_scaling import StageLossScaler
-from megatron.pipeline.ir import Op, PipelineLayout
+from megatron.pipeline.ir import Op
 from megatron.pipeline.runtime.memory import ActivationMeter
 from megatron.pipeline.post_validation import is_state_message
 from megatron.pipeline.runtime.post_validation_state import PostValidationState, state_spec
 from megatron.pipeline.runtime.report import StageReport
+from megatron.pipeline.runtime.stage_rng import StageRNG
+from megatron.pipeline.runtime.stage_setup import Batch, StageSetup
 from megatron.pipeline.runtime.tensor_parallel import tp_sq_sum
 from megatron.pipeline.runtime.tied_embeddings import counted
 from megatron.pipeline.runtime.weight_versions import WeightPolicy
 from megatron.pipeline.runtime.wgrad import DeferredWeightGrads, defer_weight_grads
 
-Batch = dict[str, torch.Tensor]
-
-
-class StageOptimizer(Protocol):
-    step_count: int
-
-    def parameters(self) -> list[torch.nn.Parameter]: ...
-    def grad_sq_norm(self) -> torch.Tensor: ...
-    def clip_coef(self, total_norm: float, max_norm: float) -> float: ...
-    def step(self, lr: float, grad_scale: float = 1.0) -> None: ...
-    def rollback(self, lr: float, grad_scale: float = 1.0) -> None: ...
-    def zero_grad(self) -> None: ...
-
-
-class LRPolicy(Protocol):
-    def lr(self, step: int) -> float: ...
-
-
-@dataclass
-class StageSetup:
-    """Everything a stage needs to compute; built by the trainer (or a benchmark)."""
-
-    stage: int
-    layout: PipelineLayout
-    chunks: list[torch.nn.Module]  # chunk c is virtual stage c * num_stages + stage
-    optimizer: StageOptimizer
-    lr_schedule: LRPolicy
-    microbatches_per_update: int  # losses are scaled by 1/a so a window sums to a mean
-    batch_fn: Callable[[int], Batch]  # global micro-batch index -> this replica's batch
-    loss_fn: Callable[[torch.Tensor, Batch], tuple[torch.Tensor, int]]
-    activation_shape: tuple[int, ...]
-    activation_dtype: torch.dtype
-    device: torch.device
-    clip_grad: float = 0.0
-    seed: int = 1234
-    # Testing hook: poison this stage's gradients before these local updates (0-based), to
-    # exercise the non-finite skip path end to end.
-    inject_nonfinite_updates: frozenset[int] = frozenset()
-    # Testing hook: the loss of these global micro-batches becomes NaN (last stage only), so
-    # every stage's gradients turn non-finite.
-    inject_nonfinite_losses: frozenset[int] = frozenset()
-    # Which weights forwards and backwards read (weight stashing, discrepancy correction);
-    # None: the live weights (megatron.pipeline.runtime.weight_versions).
-    weight_policy: WeightPolicy | None = None
-    # fp16: this stage's loss scaler (megatron.pipeline.runtime.loss_scaling); None: no loss scaling.
-    loss_scaler: StageLossScaler | None = None
-    # --log-params-norm: reports carry the sum of squares of this stage's parameters.
-    report_params_norm: bool = False
-    # A part of the loss logged on its own (BERT's sentence-order loss); None: nothing extra.
-    aux_loss_fn: Callable[[Any, Batch], torch.Tensor | None] | None = None
-    # The stage's tensor-parallel group (megatron's); None at TP = 1. Its ranks run the same
-    # ops, and the stage's norms are reduced over it (megatron.pipeline.runtime.tensor_parallel).
-    tp_group: Any = None
-    # Count activation bytes with saved-tensor hooks (--log-activation-memory); off, the meter
-    # only counts in-flight micro-batches and costs no hook (megatron.pipeline.runtime.memory).
-    measure_activations: bool = False
+if TYPE_CHECKING:
+    from megatron.pipeline.runtime.grad_buckets import OverlappedGradReduce
+    from megatron.pipeline.runtime.profiling import OpProfiler
+    from megatron.pipeline.runtime.tracing import StageTracer
 
 
 class StageWorker:
@@ -121,7 +69,8 @@ class StageWorker:
     #: history turn it on (the ``keep_update_history`` fixture).
     keep_update_history: bool = False
 
-    def __init__(self, setup: StageSetup, isolate_rng: bool = False):
+    def __init__(self, setup: StageSetup, isolate_rng: bool = False, *, tracer: StageTracer | None = None,
+                 profiler: OpProfiler | None = None, grad_sync: OverlappedGradReduce | None = None):
         self.setup = setup
         self.stage = setup.stage
         self.layout = setup.layout
@@ -139,18 +88,14 @@ class StageWorker:
         # for update k takes the micro-batches of updates <= k only (with post-validation the
         # next iteration's warm-up forwards run before update k is final and reported).
         self._losses: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
-        # Times F / B / W while a profiled Zero Bubble schedule profiles (megatron.pipeline.runtime.profiling).
-        self.profiler: Any = None
-        # Records op spans with --trace-dir (megatron.pipeline.runtime.tracing); None: tracing off.
-        self.tracer: Any = None
-        # Overlapped data-parallel reduction (megatron.pipeline.runtime.grad_buckets); None: off.
-        self.grad_sync: Any = None
-        # Dropout RNG: stage s starts from seed + 100 * s (Megatron's convention). The
-        # emulator runs all stages in one process and swaps the state per op.
-        self._isolate_rng = isolate_rng
-        self._rng = torch.Generator().manual_seed(setup.seed + 100 * setup.stage).get_state()
-        if not isolate_rng:
-            torch.manual_seed(setup.seed + 100 * setup.stage)
+        # The hooks, given here (and swapped by their owners: profiling, tracing, the transport):
+        # times F / B / W while a profiled Zero Bubble schedule profiles (runtime.profiling);
+        self.profiler = profiler
+        # records op spans with --trace-dir (runtime.tracing); None: tracing off;
+        self.tracer = tracer
+        # the overlapped data-parallel reduction (runtime.grad_buckets); None: off.
+        self.grad_sync = grad_sync
+        self._rng = StageRNG(setup.seed + 100 * setup.stage, setup.device, isolate_rng)
         self._reset_interval()
 
     # -- helpers ---------------------------------------------------------------------
@@ -184,20 +129,6 @@ class StageWorker:
         self.meter.reset_peaks()
         if self.setup.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.setup.device)
-
-    def _rng_scope(self) -> contextlib.AbstractContextManager[None]:
-        """This stage's RNG inside the block (the emulator's stages share one process)."""
-        return self._isolated_rng() if self._isolate_rng else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _isolated_rng(self) -> Iterator[None]:
-        outer = torch.get_rng_state()
-        torch.set_rng_state(self._rng)
-        try:
-            yield
-        finally:
-            self._rng = torch.get_rng_state()
-            torch.set_rng_state(outer)
 
     def _batch(self, op: Op, batch_fn: Callable[[int], Batch] | None = None) -> Batch:
         """The micro-batch entries chunk ``op.chunk`` reads.
@@ -248,43 +179,19 @@ class StageWorker:
         """Wait for the weights to be whole before reading them: ``--overlap-param-gather``
         leaves the distributed optimizer's parameter all-gather in flight after a step
         (:mod:`megatron.pipeline.runtime.distributed_optimizer`); a no-op otherwise."""
-        wait = getattr(self.setup.optimizer, "wait_params", None)
-        if wait is not None:
-            wait()
-
-    def in_flight(self) -> int:
-        """Micro-batches whose forward ran but whose backward (or W) has not."""
-        return len(self._stash) + len(self._deferred)
+        self.setup.optimizer.wait_params()
 
     def rng_state(self) -> Any:
         """This stage's dropout RNG state (post-validation rewinds it for a replay; checkpoints
         save it). The same form in the emulator and the runtime, so either can resume the other."""
-        if self._isolate_rng:
-            return {"cpu": self._rng.clone()}
-        state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        if self.setup.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.setup.device)
-        from megatron.core import tensor_parallel
-
-        tracker = tensor_parallel.get_cuda_rng_tracker()  # also on CPU under --sequence-parallel
-        if tracker.is_initialized():
-            state["tracker"] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                for k, v in tracker.get_states().items()}
-        return state
+        return self._rng.state()
 
     def set_rng_state(self, state: Any) -> None:
-        if self._isolate_rng:
-            self._rng = state["cpu"].clone()
-            return
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"], self.setup.device)
-        if "tracker" in state:
-            from megatron.core import tensor_parallel
+        self._rng.set_state(state)
 
-            tracker = tensor_parallel.get_cuda_rng_tracker()
-            tracker.set_states({k: v.clone() if isinstance(v, torch.Tensor) else v
-                                for k, v in state["tracker"].items()})
+    def in_flight(self) -> int:
+        """Micro-batches whose forward ran but whose backward (or W) has not."""
+        return len(self._stash) + len(self._deferred)
 
     # -- ops ---------------------------------------------------------------------------
     def forward(self, op: Op, received: torch.Tensor | None) -> torch.Tensor | None:
@@ -295,7 +202,7 @@ class StageWorker:
         x = None if received is None else received.detach().requires_grad_(True)
         self.params_ready()
         self._fwd_version[key] = self.weights.before_forward(op)
-        with self._rng_scope(), self.meter.record(key):
+        with self._rng.scope(), self.meter.record(key):
             out = self.setup.chunks[op.chunk](x, batch)
             if self.layout.is_last(self.stage, op.chunk):
                 loss, num_tokens = self.setup.loss_fn(out, batch)
@@ -392,7 +299,7 @@ class StageWorker:
         self.params_ready()
         version = self.weights.before_backward(op)
         scaler = self.setup.loss_scaler
-        with self._grad_scope(op, completes=not defer), self._rng_scope(), \
+        with self._grad_scope(op, completes=not defer), self._rng.scope(), \
                 (defer_weight_grads() if defer else contextlib.nullcontext()) as deferred:
             if grad_output is None:
                 torch.autograd.backward(out if scaler is None else out * scaler.scale)
@@ -429,9 +336,9 @@ class StageWorker:
                     p.grad.view(-1)[0] = float("nan")
                     break
         if self.setup.tp_group is not None:  # the whole stage's norm, the same on every TP rank
-            sharded_norm = getattr(self.setup.optimizer, "tp_grad_sq_norm", None)  # distributed optimizer
+            sharded_norm = self.setup.optimizer.tp_grad_sq_norm(self.setup.tp_group)  # distributed optimizer
             if sharded_norm is not None:  # each DP replica averaged only its range of the gradients
-                return self.unscale_sq(float(sharded_norm(self.setup.tp_group)))
+                return self.unscale_sq(float(sharded_norm))
             params = counted(self.setup.optimizer.parameters())  # a tied embedding once
             return self.unscale_sq(tp_sq_sum(((p, p.grad) for p in params), self.setup.tp_group))
         return self.unscale_sq(float(self.setup.optimizer.grad_sq_norm()))
@@ -453,8 +360,7 @@ class StageWorker:
             scale = opt.clip_coef(norm, self.setup.clip_grad) if self.setup.clip_grad > 0 else 1.0
             lr = self.setup.lr_schedule.lr(opt.step_count + 1)
             # The grads are zeroed below: an optimizer may overwrite them (the fused kernel scales in place).
-            step = getattr(opt, "step_consuming_grads", opt.step)
-            step(lr, grad_scale=scale * self.inv_loss_scale)
+            opt.step_consuming_grads(lr, grad_scale=scale * self.inv_loss_scale)
             self.record_update(op.update, total_sq, lr)
         self.update_loss_scale(not math.isfinite(total_sq))
         if type(self.weights).after_update is not WeightPolicy.after_update:  # reads the new weights
@@ -513,3 +419,6 @@ class StageWorker:
         )
         self._reset_interval()
         return report
+
+
+__all__ = ["Batch", "StageSetup", "StageWorker"]

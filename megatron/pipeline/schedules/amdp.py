@@ -53,7 +53,7 @@ after all its window-w ops, and runs ops of window >= w + 1 (other than first-bl
 forwards, which it may always run) only after that step, so the messages it sends to a peer
 for windows <= w all precede, in that pair's FIFO, any message the peer may not consume yet;
 (iii) hence every device can finish window w and enter its step, every group collective of
-window w completes, and by induction on w the whole segment runs. The validator replays the
+window w completes, and by induction on w the whole segment runs. The schedule check replays the
 streams for D in {2, 4, 6, 8} in the tests.
 """
 from __future__ import annotations

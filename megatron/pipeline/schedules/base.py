@@ -179,6 +179,37 @@ class Schedule(abc.ABC):
         start can log its simulated bubble (None: no such order, or one still to be profiled)."""
         return None
 
+    def overlapped_backward(self, op: Op) -> bool:
+        """Whether ``op`` is the backward of an overlapped F&B slot (DualPipeV's), which the
+        timing simulator may shorten by an overlap factor; no other schedule has such slots."""
+        return False
+
+    def start_lines(self) -> list[str] | None:
+        """Lines the start logs about how the order was chosen (``auto``); None: the start
+        logs the simulated bubble of :meth:`fixed_costs` instead, if any."""
+        return None
+
+    # -- post-validation (synchronous schedules override) --------------------------------
+    @property
+    def post_validated(self) -> bool:
+        """Whether the streams carry post-validation's VALIDATE ops."""
+        return False
+
+    @property
+    def validation_outcomes(self) -> ValidationOutcomes | None:
+        """Post-validation's outcomes, shared with the executors; None: nothing is validated."""
+        return None
+
+    # -- checkpoints -------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """What this schedule decided during the run and a resumed run must keep (a profiled
+        order's costs), as plain data; None: nothing."""
+        return None
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`checkpoint_state` saved. Default: a schedule that decides
+        nothing at run time ignores it."""
+
     @abc.abstractmethod
     def stage_ops(self, stage: int) -> Iterator[Op]:
         """The op stream of one stage."""
@@ -236,7 +267,7 @@ class SynchronousSchedule(Schedule):
         """
         return self.run_start + int(self.config.options.get("profile_iters") or 0)
 
-    @property
+    @property  # type: ignore[override]
     def validation_outcomes(self) -> ValidationOutcomes:
         """What each VALIDATE decided (one object per schedule instance)."""
         outcomes = self.__dict__.get("_validation_outcomes")

@@ -4,7 +4,7 @@ Stage ``s`` runs ``(micro-batch j, chunk c)`` in lexicographic order. That order
 subsequence of one global topological order of the work, sorted by ``(j, c * N + s)``
 (virtual stage ``c * N + s`` only needs virtual stage ``c * N + s - 1`` of the same
 micro-batch, which sorts before it), so with non-blocking sends no stage can wait on work
-that waits on it: deadlock-free for any depth and number of chunks. The validator checks it.
+that waits on it: deadlock-free for any depth and number of chunks. The schedule check replays it.
 
 Evaluation runs between training segments, on a drained pipeline (asynchronous schedules
 drain at segment ends), so it never mixes with training ops or weight updates.

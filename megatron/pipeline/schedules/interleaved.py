@@ -28,8 +28,8 @@ One restriction of our own: with ``N = 2`` the two stages exchange activations *
 gradients in both directions over one stage pair, and with ``G > 2`` the order in which one
 stage sends them differs from the order in which the other consumes them. Messages between
 two stages are FIFO (NCCL ignores tags), so such a schedule would hand a gradient to a
-forward -- the validator rejects it, and ``check_config`` refuses ``G != N`` for ``N = 2``.
-(``G = N`` is FIFO-consistent for every ``N``: the validator replays it in the tests.)
+forward -- the schedule check rejects it, and ``check_config`` refuses ``G != N`` for ``N = 2``.
+(``G = N`` is FIFO-consistent for every ``N``: the schedule check replays it in the tests.)
 """
 from __future__ import annotations
 

@@ -42,13 +42,14 @@ from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
 from megatron.pipeline.schedules.zb_h1 import ZBH1
 from megatron.pipeline.schedules.v_half import VHalf
 from megatron.pipeline.schedules.zb_v import ZBV
-from megatron.pipeline.simulator import CostsLike, OpCosts, simulate_schedule, stage_costs
+from megatron.pipeline.op_costs import UNPROFILED_M_W, CostsLike, OpCosts, stage_costs
+from megatron.pipeline.simulator import simulate_schedule
 
 # Before profiling: all times 1, no communication, and W keeping a micro-batch's activations
 # whole (M_W = M_B), the most it can keep. Memory after any prefix of a stage's ops is
 # (#F - #B) M_B + (#B - #W) M_W, which grows with M_W, so an order within the limit at
 # M_W = M_B is within it for the real ratio too.
-PLACEHOLDER_COSTS = OpCosts(m_w=1.0)
+PLACEHOLDER_COSTS = OpCosts(m_w=UNPROFILED_M_W)
 
 
 class CostsNotProfiled(RuntimeError):

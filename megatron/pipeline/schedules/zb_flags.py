@@ -18,21 +18,15 @@ from typing import Any
 
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.options import Flag, FlagGroup
-from megatron.pipeline.simulator import OpCosts, costs_from_profile, load_profile
+from megatron.pipeline.op_costs import UNPROFILED_M_W, OpCosts, costs_from_profile, load_profile
 
 PROFILE_OPTION = "profile_iters"
 DEFAULT_PROFILE_ITERS = 2
-# W keeps a micro-batch's activations entirely: the most memory W can hold. Unless profiled or
-# given, the scheduler assumes it, so its memory limit holds in the runtime's own accounting
-# whatever the model's real ratio (memory after any prefix of ops grows with M_W / M_B, since
-# every stage has run at least as many B passes as W passes). The reference's 1/2 can
-# underestimate badly: the tiny GPTs of the tests keep 0.77-0.98 of M_B for W (no dropout).
-DEFAULT_M_W = 1.0
 
 
 def parse_costs(text: str, num_stages: int) -> tuple[OpCosts, ...]:
     """``--zb-costs``: ``T_F,T_B,T_W,T_COMM[,M_W/M_B]`` or a JSON profile file: the format of
-    :func:`megatron.pipeline.simulator.costs_from_profile` (per-stage costs under ``"stages"``),
+    :func:`megatron.pipeline.op_costs.costs_from_profile` (per-stage costs under ``"stages"``),
     or the object the trainer logs after profiling (``zero-bubble-schedule {...}``, per-stage
     costs under ``"costs"``). Returns one :class:`OpCosts` per stage; ValueError (one line)."""
     if "," not in text and (text.endswith(".json") or os.path.isfile(text)):
@@ -40,7 +34,7 @@ def parse_costs(text: str, num_stages: int) -> tuple[OpCosts, ...]:
             profile = load_profile(text)
             if isinstance(profile.get("costs"), list):  # the trainer's logged zero-bubble-schedule object
                 profile = {"stages": profile["costs"]}
-            return costs_from_profile({"m_w": DEFAULT_M_W, **profile}, num_stages)
+            return costs_from_profile({"m_w": UNPROFILED_M_W, **profile}, num_stages)
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"--zb-costs {text}: {exc}") from None
     parts = [p.strip() for p in text.split(",")]
@@ -56,7 +50,7 @@ def parse_costs(text: str, num_stages: int) -> tuple[OpCosts, ...]:
         raise ValueError(f"--zb-costs: T_F + T_B + T_W must be positive, got {text!r}")
     if len(values) == 5 and values[4] > 1:
         raise ValueError(f"--zb-costs: M_W/M_B must be <= 1 (W keeps part of a micro-batch's activations), got {values[4]}")
-    m_w = values[4] if len(values) == 5 else DEFAULT_M_W
+    m_w = values[4] if len(values) == 5 else UNPROFILED_M_W
     return (OpCosts(values[0], values[1], values[2], t_comm=values[3], m_w=m_w),) * num_stages
 
 
@@ -66,7 +60,7 @@ def zero_bubble_options(values: Mapping[str, Any], config: ScheduleConfig) -> di
     iters, text, limit = values["zb_profile_iters"], values["zb_costs"], values["zb_memory_limit"]
     if iters is not None and iters < 0:
         raise ScheduleConfigError(f"--zb-profile-iters must be >= 0, got {iters}")
-    costs: Any = OpCosts(m_w=DEFAULT_M_W)
+    costs: Any = OpCosts(m_w=UNPROFILED_M_W)
     if text is not None:
         if iters:
             raise ScheduleConfigError(
@@ -95,7 +89,7 @@ ZERO_BUBBLE_FLAGS = FlagGroup("zero bubble", (
               f"costs T_F = T_B = T_W = 1, T_comm = 0, M_W/M_B = 1)"),
     Flag("--zb-costs", metavar="T_F,T_B,T_W,T_COMM[,M_W/M_B] | PROFILE.json",
          help="fixed costs (ms; any unit works if it is the same for all four) and optionally the "
-              f"activation memory W keeps relative to a micro-batch's (default {DEFAULT_M_W:g}), or a JSON "
+              f"activation memory W keeps relative to a micro-batch's (default {UNPROFILED_M_W:g}), or a JSON "
               "profile with per-stage costs (as logged after profiling); skips profiling, so emulator "
               "and distributed runs use the same order"),
     Flag("--zb-memory-limit", type=float, metavar="X",

@@ -94,7 +94,7 @@ class PipelineRunner:
             self.transport.align_clocks([t for t in self.tracers if t is not None])
         with _tracing(self.workers, self.tracers, self.args, writes=self.transport.tp_rank == 0):
             run_streams(self.transport, self.workers, self.transport.local_streams(schedule), self.cadence,
-                        self.sink, sync_hook=hook, outcomes=getattr(schedule, "validation_outcomes", None),
+                        self.sink, sync_hook=hook, outcomes=schedule.validation_outcomes,
                         after_update=self.collector.after_update)
         for w in self.workers:  # a segment ends with whole weights (--overlap-param-gather)
             w.params_ready()

@@ -232,6 +232,8 @@ def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, de
     resume = check_resume_or_exit(task, args, verify_files=False)  # each process verifies the files it loads
     workers = [build_worker(task, args, s, transport.dp_rank, device, isolate_rng=transport.in_process)
                for s in transport.stages]
+    for w in workers:
+        transport.attach(w)  # the distributed optimizer's group, overlapped gradient buckets
     start = _resume(task, args, workers, transport.dp_rank, resume, say=transport.is_coordinator)
     _start_banner(args, transport, workers)
     coordinator = transport.is_coordinator

@@ -24,133 +24,21 @@ created on its parameter's device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from megatron.trainer.optim.adamw_rollback import AdamWRollback
+from megatron.trainer.optim.adamw_slots import (
+    NoDecayFn, Shards, Slot, check_hyperparams, check_unique, default_no_decay, load_slot, make_slots, sum_of_squares)
 from megatron.trainer.optim.fused_adamw import FusedGroup, fused_adamw_available, fused_adamw_step
+from megatron.pipeline.runtime.stage_optimizer import StageOptimizer
 from megatron.pipeline.runtime.tied_embeddings import is_tied_copy
 
-NoDecayFn = Callable[[str, Parameter], bool]
-# Optimizer-state sharding (ZeRO-1 over replicas, AMDP §3.4): parameter name -> the flat
-# element range [start, stop) of that parameter this optimizer owns and steps.
-Shards = Mapping[str, tuple[int, int]]
 
-# Parameter dtypes that get a separate fp32 master copy.  Other dtypes (fp32,
-# fp64) are precise enough to be their own master, exactly like torch.optim.
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def default_no_decay(name: str, param: Parameter) -> bool:
-    """Megatron convention: no weight decay for biases and 1-D params (norm scales).
-
-    Decaying those pulls normalisation gains and biases toward zero, which hurts
-    rather than regularises; Megatron-LM excludes them by default.
-    """
-    return name.endswith("bias") or param.ndim == 1
-
-
-@dataclass
-class _Slot:
-    """Everything the optimizer keeps for one parameter.
-
-    ``master`` is None when the parameter is its own master (fp32/fp64); we then
-    fetch ``param.data`` at every use instead of caching an alias, so that a
-    later ``param.data = ...`` (e.g. ``module.to(device)``) cannot leave us
-    updating a stale tensor. ``index`` is the flat element range of the parameter
-    the slot owns when the optimizer state is sharded (None: all of it); AdamW is
-    element-wise, so a shard's elements get exactly the bits the whole would.
-    """
-
-    name: str
-    param: Parameter
-    decay: bool
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
-    master: Optional[Tensor]
-    index: Optional[tuple[int, int]] = None
-
-    def data(self) -> Tensor:
-        """The owned part of ``param.data`` (a view: writes go to the parameter)."""
-        if self.index is None:
-            return self.param.data
-        return self.param.data.view(-1)[self.index[0]:self.index[1]]
-
-    def grad(self) -> Optional[Tensor]:
-        """The owned part of ``param.grad`` (None if there is no gradient)."""
-        grad = self.param.grad
-        if grad is None or self.index is None:
-            return grad
-        return grad.view(-1)[self.index[0]:self.index[1]]
-
-    def target(self) -> Tensor:
-        """The full-precision tensor the Adam arithmetic is applied to."""
-        return self.master if self.master is not None else self.data()
-
-    def write_back(self) -> None:
-        """Copy the fp32 master into the (low-precision) parameter; no-op without master."""
-        if self.master is not None:
-            self.data().copy_(self.master)
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state: the moments and, for bf16/fp16 params, the master."""
-        tensors = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.master is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _make_slot(name: str, param: Parameter, decay: bool, index: Optional[tuple[int, int]] = None) -> _Slot:
-    """Allocate master copy (if needed) and zeroed moments, on the param's device."""
-    slot = _Slot(name=name, param=param, decay=decay, exp_avg=param, exp_avg_sq=param, master=None, index=index)
-    owned = slot.data().detach()
-    if param.dtype in _LOW_PRECISION:
-        slot.master = owned.to(dtype=torch.float32, copy=True)
-    reference = slot.master if slot.master is not None else owned
-    slot.exp_avg = torch.zeros_like(reference, memory_format=torch.preserve_format)
-    slot.exp_avg_sq = torch.zeros_like(reference, memory_format=torch.preserve_format)
-    return slot
-
-
-def _make_slots(named: list[tuple[str, Parameter]], no_decay: NoDecayFn, shards: Optional[Shards]) -> list[_Slot]:
-    """One slot per parameter; with ``shards``, one per non-empty owned range of a sharded one."""
-    slots = []
-    for name, p in named:
-        index = None if shards is None or name not in shards else shards[name]
-        if index is not None and not 0 <= index[0] <= index[1] <= p.numel():
-            raise ValueError(f"StageAdamW: shard {index} of {name} outside its {p.numel()} elements")
-        if index is None or index[1] > index[0]:
-            slots.append(_make_slot(name, p, not no_decay(name, p), index))
-    return slots
-
-
-def _check_unique(named: list[tuple[str, Parameter]]) -> None:
-    """Reject duplicate names or tied (shared) parameters.
-
-    A tied parameter listed twice would be stepped twice per update; state
-    dicts keyed by name would silently collide on duplicate names.
-    """
-    names = [name for name, _ in named]
-    if len(set(names)) != len(names):
-        raise ValueError("StageAdamW: duplicate parameter names")
-    if len({id(p) for _, p in named}) != len(named):
-        raise ValueError("StageAdamW: the same parameter is listed twice (tied weights?)")
-
-
-def _check_hyperparams(lr: float, weight_decay: float, betas: tuple[float, float], eps: float) -> None:
-    """Validate constructor hyper-parameters with one-line messages."""
-    if not lr >= 0.0:
-        raise ValueError(f"StageAdamW: lr must be >= 0, got {lr}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"StageAdamW: weight_decay must be >= 0, got {weight_decay}")
-    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"StageAdamW: betas must be in [0, 1), got {betas}")
-    if not eps >= 0.0:
-        raise ValueError(f"StageAdamW: eps must be >= 0, got {eps}")
-
-
-class StageAdamW:
+class StageAdamW(AdamWRollback, StageOptimizer):
     """AdamW over one stage's parameters, with fp32 master weights when params are bf16/fp16.
 
     Why not ``torch.optim.AdamW``: it updates ``p`` in place under ``no_grad``,
@@ -191,9 +79,9 @@ class StageAdamW:
         fused: bool = False,
     ) -> None:
         betas = (float(betas[0]), float(betas[1]))
-        _check_hyperparams(lr, weight_decay, betas, eps)
+        check_hyperparams(lr, weight_decay, betas, eps)
         named = [(name, p) for name, p in params if p.requires_grad]
-        _check_unique(named)
+        check_unique(named)
         no_decay = no_decay_fn if no_decay_fn is not None else default_no_decay
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
@@ -204,7 +92,7 @@ class StageAdamW:
         # optimizer steps: everything, or with ``shards`` only the owned ranges (ZeRO-1).
         self._named = named
         self.sharded = shards is not None
-        self._slots = _make_slots(named, no_decay, shards)
+        self._slots = make_slots(named, no_decay, shards)
         self.fused = bool(fused)
         if self.fused:
             self._check_fusable()
@@ -259,12 +147,12 @@ class StageAdamW:
         grads are cast to fp32 before squaring because fp16 squares overflow.
         """
         # A tied embedding's copy on the output layer's stage is the same weight: counted once.
-        return _sum_of_squares((p.grad for _, p in self._named if not is_tied_copy(p)), self._device())
+        return sum_of_squares((p.grad for _, p in self._named if not is_tied_copy(p)), self._device())
 
     def owned_grad_sq_norm(self) -> Tensor:
         """Sum of squares of the gradient elements this optimizer steps (all of them unsharded;
         the owned ranges when sharded): the distributed optimizer sums these over its replicas."""
-        return _sum_of_squares((slot.grad() for slot in self._slots), self._device())
+        return sum_of_squares((slot.grad() for slot in self._slots), self._device())
 
     def grads_finite(self) -> bool:
         """True when no grad holds inf/NaN.
@@ -383,7 +271,7 @@ class StageAdamW:
         return lr / bias_correction1, bias_correction2**0.5
 
     def _update(
-        self, slot: _Slot, lr: float, grad_scale: float, step_size: float, bias_correction2_sqrt: float
+        self, slot: Slot, lr: float, grad_scale: float, step_size: float, bias_correction2_sqrt: float
     ) -> None:
         """One parameter's AdamW update, written through master / ``p.data`` only."""
         target = slot.target()
@@ -393,7 +281,7 @@ class StageAdamW:
         self._adam_update(slot, target, grad, step_size, bias_correction2_sqrt)
         slot.write_back()
 
-    def _adam_update(self, slot: _Slot, target: Tensor, grad: Tensor, step_size: float,
+    def _adam_update(self, slot: Slot, target: Tensor, grad: Tensor, step_size: float,
                      bias_correction2_sqrt: float) -> None:
         """The moment updates and the Adam step on ``target`` (decay already applied).
 
@@ -408,7 +296,7 @@ class StageAdamW:
         target.addcdiv_(slot.exp_avg, denom, value=-step_size)
 
     @staticmethod
-    def _scaled_grad(slot: _Slot, target: Tensor, grad_scale: float) -> Tensor:
+    def _scaled_grad(slot: Slot, target: Tensor, grad_scale: float) -> Tensor:
         """The grad in the master's dtype, times ``grad_scale``; zeros if the grad is None.
 
         Skips the multiply when ``grad_scale == 1`` so unclipped steps stay
@@ -421,100 +309,6 @@ class StageAdamW:
         if grad_scale != 1.0:
             grad = grad * grad_scale
         return grad
-
-    # --------------------------------------------------------------- rollback
-
-    def rollback(self, lr: float, grad_scale: float = 1.0) -> None:
-        """Undo the last :meth:`step`, which must have been ``step(lr, grad_scale)``.
-
-        Zero Bubble's in-place rollback (Qi et al., Appendix C, Algorithm 1) adapted to
-        this step's arithmetic, using the *same* gradients as the step (so ``.grad`` must
-        not have been zeroed or accumulated into since), in this order:
-
-        1. ``theta = (theta + step_size * m / denom) / (1 - lr * wd)`` with the post-step
-           ``m``, ``v`` and ``t`` (``denom`` computed exactly as the step computed it);
-        2. ``m = (m - (1 - beta1) g) / beta1`` and ``v = (v - (1 - beta2) g^2) / beta2``,
-           with ``(1 - beta1) g`` and ``(1 - beta2) g^2`` rounded exactly as the step rounds
-           them (so zero moments are restored exactly);
-        3. ``t = t - 1``;
-
-        on the fp32 master weights, then re-copied into ``p.data`` for bf16/fp16 params.
-
-        Floating point: the inverse divides by ``beta1``, ``beta2`` and ``1 - lr * wd``
-        and subtracts nearly equal numbers, so it restores the state to within a few ulp
-        of each value, not bitwise (a moment that was ~0 before the step comes back as a
-        tiny rounding residue instead of 0). With ``exact=True`` the optimizer instead
-        keeps a copy of (theta, m, v) from before every step and restores it bitwise, at
-        the cost of one more copy of the optimizer state in memory.
-
-        Only the most recent step can be rolled back, once.
-        """
-        if self._last_step is None:
-            raise RuntimeError("StageAdamW.rollback: no step to roll back (already rolled back, or none taken)")
-        if self._last_step != (float(lr), float(grad_scale)):
-            raise ValueError(
-                f"StageAdamW.rollback: the last step used (lr, grad_scale) = {self._last_step}, "
-                f"got ({lr}, {grad_scale})")
-        if self.exact:
-            self._restore_backup()
-        else:
-            beta1, beta2 = self.betas
-            if beta1 == 0.0 or beta2 == 0.0:
-                raise RuntimeError("StageAdamW.rollback: in-place rollback needs beta1, beta2 > 0 (use exact=True)")
-            if self.weight_decay != 0 and lr * self.weight_decay == 1.0:
-                raise RuntimeError("StageAdamW.rollback: lr * weight_decay == 1 cannot be inverted (use exact=True)")
-            step_size, bias_correction2_sqrt = self._bias_corrections(lr)  # post-step t
-            with torch.no_grad():
-                for slot in self._slots:
-                    self._invert(slot, lr, grad_scale, step_size, bias_correction2_sqrt)
-        self.step_count -= 1
-        self._last_step = None
-
-    def _invert(
-        self, slot: _Slot, lr: float, grad_scale: float, step_size: float, bias_correction2_sqrt: float
-    ) -> None:
-        """One parameter's rollback (see :meth:`rollback`), written through master / ``p.data``."""
-        beta1, beta2 = self.betas
-        target = slot.target()
-        grad = self._scaled_grad(slot, target, grad_scale)
-        # theta: the step's own denominator (same dtype, same arithmetic), the inverse in
-        # float64 so that it adds as little rounding as possible to what the step lost.
-        denom = (slot.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
-        theta = target.double().addcdiv_(slot.exp_avg.double(), denom.double(), value=step_size)
-        if slot.decay and self.weight_decay != 0:
-            theta.div_(1 - lr * self.weight_decay)
-        target.copy_(theta)
-        # Moments: subtract the increment the step's own kernels produce from a zero moment
-        # (so a moment that was exactly 0, e.g. an embedding row with no gradient yet, comes
-        # back exactly 0 instead of as rounding residue that Adam would later divide by ~eps),
-        # then divide by beta in float64.
-        inc_m = torch.zeros_like(slot.exp_avg).lerp_(grad, 1 - beta1)
-        slot.exp_avg.copy_((slot.exp_avg.double() - inc_m.double()).div_(beta1))
-        inc_v = torch.zeros_like(slot.exp_avg_sq).addcmul_(grad, grad, value=1 - beta2)
-        slot.exp_avg_sq.copy_((slot.exp_avg_sq.double() - inc_v.double()).div_(beta2).clamp_(min=0.0))
-        slot.write_back()
-
-    def _save_backup(self) -> None:
-        """Exact mode: copy every slot's (target, exp_avg, exp_avg_sq) into reused buffers."""
-        with torch.no_grad():
-            if self._backup is None:
-                self._backup = [
-                    (torch.empty_like(s.target()), torch.empty_like(s.exp_avg), torch.empty_like(s.exp_avg_sq))
-                    for s in self._slots
-                ]
-            for slot, (theta, m, v) in zip(self._slots, self._backup):
-                theta.copy_(slot.target())
-                m.copy_(slot.exp_avg)
-                v.copy_(slot.exp_avg_sq)
-
-    def _restore_backup(self) -> None:
-        assert self._backup is not None
-        with torch.no_grad():
-            for slot, (theta, m, v) in zip(self._slots, self._backup):
-                slot.target().copy_(theta)
-                slot.exp_avg.copy_(m)
-                slot.exp_avg_sq.copy_(v)
-                slot.write_back()
 
     def zero_grad(self) -> None:
         """Drop the gradients (``p.grad = None``), as ``torch.optim``'s default does.
@@ -562,40 +356,9 @@ class StageAdamW:
             missing, extra = sorted(expected - set(entries)), sorted(set(entries) - expected)
             raise ValueError(f"StageAdamW.load_state_dict: missing {missing}, unexpected {extra}")
         for slot in self._slots:
-            _load_slot(slot, entries[slot.name])
+            load_slot(slot, entries[slot.name])
         self.step_count = int(sd["step_count"])
         self._last_step = None  # a loaded state has no step to roll back
 
 
-def _load_slot(slot: _Slot, entry: dict[str, Tensor]) -> None:
-    """Copy one parameter's saved state into its live buffers."""
-    if (slot.master is not None) != ("master" in entry):
-        raise ValueError(f"StageAdamW.load_state_dict: master-weight mismatch for {slot.name}")
-    pairs = [(slot.exp_avg, entry["exp_avg"]), (slot.exp_avg_sq, entry["exp_avg_sq"])]
-    if slot.master is not None:
-        pairs.append((slot.master, entry["master"]))
-    for live, saved in pairs:
-        if live.shape != saved.shape:
-            raise ValueError(f"StageAdamW.load_state_dict: shape mismatch for {slot.name}")
-    with torch.no_grad():
-        for live, saved in pairs:
-            live.copy_(saved)
-        slot.write_back()
-
-
-def _sum_of_squares(grads: Iterable[Optional[Tensor]], device: torch.device) -> Tensor:
-    """Sum of squares of the tensors (None counts as 0), an fp32 scalar on ``device``.
-
-    One fused dot product per tensor (no squared temporary: 2x faster than ``square().sum()``
-    on a CPU stage's 6 M gradients, as accurate: ~1e-7 relative to a float64 sum); fp16/bf16
-    tensors are squared in fp32."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        if grad is None:
-            continue
-        flat = grad.detach().reshape(-1)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
-        total += torch.dot(flat, flat).to(device)
-    return total
-
+__all__ = ["NoDecayFn", "Shards", "StageAdamW", "default_no_decay"]

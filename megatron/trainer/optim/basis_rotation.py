@@ -62,7 +62,8 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from megatron.trainer.config.basis_rotation_args import GEOMETRIES, SOURCES
-from megatron.trainer.optim.adamw import NoDecayFn, StageAdamW, _Slot
+from megatron.trainer.optim.adamw import NoDecayFn, StageAdamW
+from megatron.trainer.optim.adamw_slots import Slot as _Slot
 
 # Sides longer than this are not rotated (an m x m basis plus its statistics would cost
 # more memory than the weight itself for, e.g., a vocabulary-sized output layer).

@@ -1,15 +1,28 @@
 """Learning-rate schedule as a pure function of a stage's local step index.
 
-In an asynchronous pipeline each stage steps its optimizer on its own clock,
-so a scheduler object mutated by a global training loop (Megatron-LM's
-``OptimizerParamScheduler``) does not fit; a pure ``lr(step)`` lets every stage
-ask for the rate of the update it is about to apply.
+The rule is megatron-core's: :class:`LRSchedule` holds one
+``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`` per stage and asks its
+``get_lr`` for the step in question, so constant, linear, cosine, inverse-square-root and WSD
+(with its four anneal styles) are the pinned wheel's arithmetic, bit for bit.
+
+What stays here, and why: in an asynchronous pipeline each stage steps its optimizer on its
+own clock, while the core scheduler is a mutable object advanced by one global loop
+(``step(increment)`` writes ``lr`` into an optimizer's ``param_groups``). So each stage gets its
+own core scheduler over a parameter-free stand-in optimizer, and :meth:`LRSchedule.lr` sets
+that scheduler's ``num_steps`` to the stage's step before asking: a stage reads the rate of
+the update it is about to apply, whatever the other stages' clocks say. The checks stay too:
+the core asserts mid-construction where we refuse with one line at the argument parser, and
+it refuses a run that is all warm-up (``warmup_steps == decay_steps``), which is valid here
+(its warm-up length is therefore given to the scheduler after construction; ``get_lr`` reads
+it on every call).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -44,59 +57,31 @@ class LRSchedule:
     wsd_decay_steps: int = 0
     wsd_decay_style: str = "linear"
 
+    _core: OptimizerParamScheduler = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         """Fail fast at construction with a one-line message, not with an assert mid-run.
 
         Fields are validated here only; build a new schedule (e.g. with
         ``dataclasses.replace``) rather than mutating one.
         """
-        _validate(self)
+        _check(self)
+        self._core = OptimizerParamScheduler(
+            SimpleNamespace(param_groups=[]), init_lr=0.0, max_lr=self.max_lr, min_lr=self.min_lr,
+            lr_warmup_steps=0, lr_decay_steps=self.decay_steps, lr_decay_style=self.decay_style,
+            start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant",
+            wsd_decay_steps=self.wsd_decay_steps, lr_wsd_decay_style=self.wsd_decay_style)
+        self._core.lr_warmup_steps = self.warmup_steps  # see the module docstring
 
     def lr(self, step: int) -> float:
         """Learning rate for local step ``step`` (the trainer passes ``step_count + 1``)."""
         if step < 0:
             raise ValueError(f"LRSchedule.lr: step must be >= 0, got {step}")
-        if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.max_lr * float(step) / float(self.warmup_steps)
-        if self.decay_style == "constant":
-            return self.max_lr
-        if step > self.decay_steps:
-            return self.min_lr
-        if self.decay_style == "inverse-square-root":
-            return self._inverse_square_root(step)
-        return self.min_lr + self._coeff(step) * (self.max_lr - self.min_lr)
-
-    def _inverse_square_root(self, step: int) -> float:
-        """``max_lr * sqrt(warmup / step)``, floored at ``min_lr`` (Megatron's rule)."""
-        warmup = max(self.warmup_steps, 1)
-        lr = self.max_lr * warmup**0.5 / (max(step, 1) ** 0.5)
-        return max(self.min_lr, lr)
-
-    def _coeff(self, step: int) -> float:
-        """Fraction of ``max_lr - min_lr`` above ``min_lr`` after warm-up, in [0, 1]."""
-        ratio = float(step - self.warmup_steps) / float(self.decay_steps - self.warmup_steps)
-        if self.decay_style == "linear":
-            return 1.0 - ratio
-        if self.decay_style == "cosine":
-            return 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self._wsd_coeff(step)
-
-    def _wsd_coeff(self, step: int) -> float:
-        """Warmup-stable-decay: 1 until the anneal window, then the WSD decay style."""
-        anneal_start = self.decay_steps - self.wsd_decay_steps
-        if step <= anneal_start:
-            return 1.0
-        ratio = float(step - anneal_start) / float(self.wsd_decay_steps)
-        if self.wsd_decay_style == "linear":
-            return 1.0 - ratio
-        if self.wsd_decay_style == "cosine":
-            return 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        if self.wsd_decay_style == "exponential":
-            return 2.0 * math.pow(0.5, ratio) - 1.0
-        return 1.0 - math.sqrt(ratio)
+        self._core.num_steps = step
+        return float(self._core.get_lr({}))
 
 
-def _validate(s: LRSchedule) -> None:
+def _check(s: LRSchedule) -> None:
     """Raise ValueError (one line) for arguments Megatron would reject or misuse."""
     if s.decay_style not in DECAY_STYLES:
         raise ValueError(f"LRSchedule: decay_style must be one of {DECAY_STYLES}, got {s.decay_style!r}")
@@ -111,10 +96,10 @@ def _validate(s: LRSchedule) -> None:
     if s.warmup_steps > s.decay_steps:
         raise ValueError(f"LRSchedule: warmup_steps ({s.warmup_steps}) must be <= decay_steps ({s.decay_steps})")
     if s.decay_style == "WSD":
-        _validate_wsd(s)
+        _check_wsd(s)
 
 
-def _validate_wsd(s: LRSchedule) -> None:
+def _check_wsd(s: LRSchedule) -> None:
     """WSD needs a non-empty anneal window that lies after warm-up."""
     if s.wsd_decay_style not in WSD_DECAY_STYLES:
         raise ValueError(f"LRSchedule: wsd_decay_style must be one of {WSD_DECAY_STYLES}, got {s.wsd_decay_style!r}")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from megatron.pipeline.planner.evaluate import CandidateResult
 from megatron.pipeline.planner.report import flags as candidate_flags
+from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
 
 WIDTH_DIVISOR = 4  # the probe's hidden size and heads: the user's over this
 MIN_HIDDEN = 32
@@ -91,10 +92,10 @@ def summary(probes: Sequence[ProbeResult], window: int = WINDOW) -> list[dict]:
 def probe_candidates(ranked_sync: Sequence[CandidateResult], ranked_async: Sequence[CandidateResult]
                      ) -> list[CandidateResult]:
     """1F1B's best fitting candidate, then each asynchronous schedule's best fitting one."""
-    first = next((r for r in ranked_sync if r.fits and r.candidate.schedule == "1f1b"), None)
+    first = next((r for r in ranked_sync if r.fits and r.candidate.schedule == OneFOneBFlush.name), None)
     if first is None:
         raise ValueError("--probe-convergence compares with 1F1B, and no 1F1B candidate fits; "
-                         "add 1f1b to --schedules or raise --device-memory-gb")
+                         f"add {OneFOneBFlush.name} to --schedules or raise --device-memory-gb")
     picked: dict[str, CandidateResult] = {}
     for r in ranked_async:
         if r.fits and r.candidate.virtual_stages == 1:

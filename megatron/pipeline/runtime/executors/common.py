@@ -30,7 +30,7 @@ def run_compute_op(
     B sends the input gradient exactly like BW; W receives and sends nothing. With a tracer on
     the worker (``--trace-dir``, :mod:`megatron.pipeline.runtime.tracing`) the op's span is recorded.
     """
-    tracer = getattr(worker, "tracer", None)
+    tracer = worker.tracer
     if tracer is None:
         return _run_compute_op(worker, op, inputs)
     start = tracer.now()
@@ -42,7 +42,7 @@ def run_compute_op(
 def _run_compute_op(
     worker: StageWorker, op: Op, inputs: dict[Message, torch.Tensor]
 ) -> dict[Message, torch.Tensor]:
-    profiler = getattr(worker, "profiler", None)  # set only while a profiled Zero Bubble schedule profiles
+    profiler = worker.profiler  # set only while a profiled Zero Bubble schedule profiles
     if profiler is not None:
         worker.profiler = None
         try:

@@ -8,7 +8,7 @@ referenced until the segment ends (7-9 MB per iteration per rank on a small GPT)
 Why not wait in the op loop: a gloo send completes only when the peer has *posted* the
 matching receive (a rendezvous, even for a few bytes). Waiting there would turn sends into
 blocking operations, and a schedule in which two stages each run ahead sending to the other
-(Zero Bubble's warm-up with unequal stage costs does) could deadlock; the validator and the
+(Zero Bubble's warm-up with unequal stage costs does) could deadlock; the schedule check and the
 emulator model sends as non-blocking. So the waits run in one reaper thread per peer: it
 waits on that peer's sends oldest first (the peer posts receives in the order we send), with
 the runtime's timeout, and drops each tensor the moment its receive is posted. The op loop

@@ -80,6 +80,12 @@ class Transport(abc.ABC):
     def local_streams(self, schedule: "Schedule") -> list["Iterable[Op]"]:
         """The op streams of :attr:`stages`, in that order."""
 
+    # -- the workers -----------------------------------------------------------------------
+    def attach(self, worker: "StageWorker") -> None:
+        """Hand a freshly built local ``worker`` what depends on this process's groups (the
+        distributed optimizer's group, overlapped gradient buckets); called once, where the
+        worker is built. Default: nothing to hand over (one process holds every stage)."""
+
     # -- the optimizer step's collectives ------------------------------------------------
     layout: "PipelineLayout"  # where the schedule puts chunks (sync groups, AMDP's replicas)
 

@@ -203,16 +203,16 @@ class DistributedTransport(Transport):
         return [schedule.stage_ops(self.groups.stage)]
 
     def channel(self, worker: StageWorker) -> P2PChannel:
-        """This stage's point-to-point messages (one channel per executor run)."""
-        self._attach_overlap(worker)
-        attach = getattr(worker.setup.optimizer, "attach", None)  # the distributed optimizer's group
-        if attach is not None:
-            attach(self.groups.data_parallel, self.timeout)
+        """This stage's point-to-point messages (one channel per executor run); no side effects:
+        the worker's gradient buckets and optimizer group come from :meth:`attach`."""
         return P2PChannel(worker, self.groups, self.timeout)
 
     # -- the optimizer step ------------------------------------------------------------
-    def _attach_overlap(self, worker: StageWorker) -> None:
-        """Give ``worker`` its gradient buckets (once) when the reduction overlaps the backward."""
+    def attach(self, worker: StageWorker) -> None:
+        """Give a freshly built ``worker`` what needs this rank's groups: the distributed
+        optimizer its data-parallel group, and the gradient buckets when the reduction overlaps
+        the backward (``--overlap-grad-reduce``). Once per worker, where it is built."""
+        worker.setup.optimizer.attach(self.groups.data_parallel, self.timeout)
         if self.overlap_bucket_size is None or self.data_parallel_size == 1 or id(worker) in self._overlap:
             return
         trained = {id(p) for p in worker.setup.optimizer.parameters()}
@@ -236,9 +236,7 @@ class DistributedTransport(Transport):
         if id(worker) in self._overlap:
             self._overlap[id(worker)].finish()
             return
-        reduce_scatter = getattr(worker.setup.optimizer, "reduce_gradients", None)  # --use-distributed-optimizer
-        if reduce_scatter is not None:
-            reduce_scatter()
+        if worker.setup.optimizer.reduce_gradients():  # --use-distributed-optimizer: a reduce-scatter
             return
         params = worker.setup.optimizer.parameters()
         for p in params:

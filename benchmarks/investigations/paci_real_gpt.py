@@ -5,8 +5,8 @@ Each schedule runs as N local gloo ranks with one thread each. Reports steady-st
 theoretical (m + N - 1) / m, and peak in-flight micro-batches and saved-activation MB per stage
 (PACI must equal 1F1B-flush).
 
-    python benchmarks/real_gpt_throughput.py                 # N=2, m in 2 4 8
-    python benchmarks/real_gpt_throughput.py --stages 2 --microbatches 4 --iters 30 --json out.json
+    python benchmarks/investigations/paci_real_gpt.py                 # N=2, m in 2 4 8
+    python benchmarks/investigations/paci_real_gpt.py --stages 2 --microbatches 4 --iters 30 --json out.json
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
          "--vocab-size", "512", "--micro-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--num-threads", "1", "--log-activation-memory"]

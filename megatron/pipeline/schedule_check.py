@@ -1,4 +1,4 @@
-"""Static validation of a schedule: replays all stages' streams without tensors.
+"""The schedule check: replays all stages' streams without tensors.
 
 Reports deadlocks, unmatched or misordered point-to-point messages (via
 :class:`~megatron.pipeline.replay.ReplayEngine`) and per-stage dependency violations
@@ -9,7 +9,7 @@ Post-validated streams (:mod:`megatron.pipeline.post_validation`) are checked to
 forwards run between a stage's PSTEP and its VALIDATE (nothing may touch the gradients the
 validation needs), a replaying VALIDATE is followed by a DISCARD of exactly those forwards
 before anything else, and the DRAINs and re-sent activations line up FIFO (the replay
-engine checks that). The validator decides the outcome of every VALIDATE itself.
+engine checks that). The schedule check decides the outcome of every VALIDATE itself.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from megatron.pipeline.replay import ReplayEngine, ScheduleError
 
 ReplayPolicy = Callable[[int], bool]  # update -> whether its VALIDATE replays
 
-#: outcome patterns :func:`validate_schedule` checks a post-validated schedule under
+#: outcome patterns :func:`check_schedule` checks a post-validated schedule under
 REPLAY_POLICIES: dict[str, ReplayPolicy] = {
     "never": lambda update: False,
     "always": lambda update: True,
@@ -133,7 +133,7 @@ class _StageChecker:
             raise ScheduleError(f"stage {self.stage}: PSTEP #{self.pending} is never validated")
 
 
-def validate_streams(
+def check_streams(
     streams: list[Iterable[Op]],
     layout: PipelineLayout,
     forward_only: bool = False,
@@ -169,21 +169,21 @@ def validate_streams(
     return engine.ops_executed
 
 
-def validate_schedule(schedule: Any, replay_policies: Iterable[str] | None = None) -> list[int]:
+def check_schedule(schedule: Any, replay_policies: Iterable[str] | None = None) -> list[int]:
     """Validate a :class:`~megatron.pipeline.schedules.base.Schedule` (finite config).
 
     A post-validated schedule is validated once per outcome pattern (by default every
     pattern in :data:`REPLAY_POLICIES`); the op counts of the first are returned.
     """
-    if not getattr(schedule, "post_validated", False):
-        return validate_streams(schedule.streams(), schedule.layout)
+    if not schedule.post_validated:
+        return check_streams(schedule.streams(), schedule.layout)
     original = schedule.validation_outcomes
     counts: list[int] | None = None
     try:
         for name in replay_policies or REPLAY_POLICIES:
             outcomes = schedule.validation_outcomes = ValidationOutcomes()
             try:
-                got = validate_streams(schedule.streams(), schedule.layout, outcomes=outcomes,
+                got = check_streams(schedule.streams(), schedule.layout, outcomes=outcomes,
                                        replay_policy=REPLAY_POLICIES[name])
             except ScheduleError as exc:
                 raise ScheduleError(f"{exc} (post-validation outcomes: {name} replay)") from exc

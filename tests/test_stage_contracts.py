@@ -1,0 +1,37 @@
+"""What the runtime calls on a stage's optimizer and on a schedule is declared (issue 30): every
+``<optimizer>.name`` the runtime, the loop and checkpoints use is a member of
+:class:`~megatron.pipeline.runtime.stage_optimizer.StageOptimizer`, the optimizers subclass it,
+and the schedule hooks have defaults on :class:`~megatron.pipeline.schedules.base.Schedule`."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from megatron.pipeline.runtime.stage_optimizer import StageOptimizer
+from megatron.pipeline.schedules import ScheduleConfig, build_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+CALLERS = ("megatron/pipeline/runtime", "megatron/trainer/loop", "megatron/trainer/checkpointing")
+USE = re.compile(r"\b(?:setup\.optimizer|self\.setup\.optimizer|opt)\.([a-z_]+)")
+
+
+def test_every_optimizer_member_the_runtime_uses_is_declared() -> None:
+    used = {name for folder in CALLERS for path in (ROOT / folder).rglob("*.py")
+            for name in USE.findall(path.read_text())}
+    assert used, "the pattern must find the runtime's calls"
+    assert sorted(name for name in used if not hasattr(StageOptimizer, name)) == []
+
+
+def test_the_optimizers_subclass_the_contract() -> None:
+    from megatron.pipeline.runtime.distributed_optimizer import DataParallelShardedOptimizer
+    from megatron.trainer.optim.adamw import StageAdamW
+
+    assert issubclass(StageAdamW, StageOptimizer)
+    assert issubclass(DataParallelShardedOptimizer, StageOptimizer)
+
+
+def test_schedule_hooks_have_defaults() -> None:
+    asynchronous = build_schedule("pipedream-2bw", ScheduleConfig(2, 2, num_iterations=None))
+    assert asynchronous.post_validated is False and asynchronous.validation_outcomes is None
+    assert asynchronous.checkpoint_state() is None and asynchronous.start_lines() is None
+    asynchronous.restore_checkpoint_state({"ignored": True})  # a schedule that decides nothing ignores it
