@@ -32,9 +32,10 @@ from typing import Any
 import numpy
 import torch
 
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.data.index_check import IndexFileError, read_index_header
 from megatron.trainer.data.samples import IndexedSamples
-from megatron.trainer.config.flag_checks import FlagError, parse_blend, parse_split_weights
+from megatron.trainer.config.flag_checks import parse_blend, parse_split_weights
 
 SplitMatrix = Sequence["tuple[float, float] | None"]
 
@@ -56,7 +57,7 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | 
     """
     try:
         return parse_blend(data_path)
-    except FlagError as exc:
+    except ConfigError as exc:
         raise DataError(str(exc)) from None
 
 
@@ -69,7 +70,7 @@ def parse_split(split: str) -> list[tuple[float, float] | None]:
 
     try:
         weights = parse_split_weights(split)
-    except FlagError as exc:
+    except ConfigError as exc:
         raise DataError(str(exc)) from None
     total = sum(weights)
     return convert_split_vector_to_split_matrix([w / total for w in weights])

@@ -21,7 +21,7 @@ import argparse
 import dataclasses
 import math
 
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 
 
 def device_memory_limit(estimate: object, room: float, stages: list[int]) -> float:
@@ -35,7 +35,7 @@ def device_memory_limit(estimate: object, room: float, stages: list[int]) -> flo
 
 def apply_auto_memory_limit(args: argparse.Namespace) -> float | None:
     """Give an ``auto`` run without ``--zb-memory-limit`` the device's limit (after the memory
-    check ran; one-line :class:`ArgumentError` when no micro-batch fits). Returns the limit."""
+    check ran; one-line :class:`ConfigError` when no micro-batch fits). Returns the limit."""
     from megatron.pipeline.schedules import SELECTORS
 
     run = getattr(args, "run", None)
@@ -48,7 +48,7 @@ def apply_auto_memory_limit(args: argparse.Namespace) -> float | None:
     if math.isinf(limit):
         return None
     if limit < 1:
-        raise ArgumentError(f"--pipeline-schedule {args.pipeline_schedule}: the device memory left after "
+        raise ConfigError(f"--pipeline-schedule {args.pipeline_schedule}: the device memory left after "
                             f"weights and optimizer state holds {limit:g} micro-batches of activations; "
                             "at least 1 is needed")
     options = {**run.schedule.options, "memory_limit": float(limit)}

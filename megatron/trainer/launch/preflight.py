@@ -6,13 +6,13 @@ import sys
 
 from megatron.trainer.checkpointing.checkpoint import CheckpointError, ResumePoint, check_resume
 from megatron.trainer.config.arguments import build_parser, parse_args
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_file import handed_config
 from megatron.trainer.launch.auto_memory import apply_auto_memory_limit
 from megatron.trainer.launch.host import runs_on_cpu
 from megatron.trainer.launch.launcher import is_worker_process
-from megatron.trainer.launch.memory_check import MemoryCheckError, check_memory
-from megatron.trainer.launch.schedule_check import ScheduleCheckError, check_schedule
+from megatron.trainer.launch.memory_check import check_memory
+from megatron.trainer.launch.schedule_check import check_schedule
 from megatron.trainer.tasks.task import PretrainTask
 
 
@@ -42,7 +42,7 @@ def preflight(task: PretrainTask, argv: list[str]) -> argparse.Namespace:
         check_memory(args, is_worker_process(), not runs_on_cpu(args))
         apply_auto_memory_limit(args)  # auto: the memory left after the check bounds its choice
         check_schedule(args)
-    except (MemoryCheckError, ScheduleCheckError, ArgumentError) as exc:
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     return args
