@@ -12,5 +12,3 @@ from __future__ import annotations
 class ConfigError(ValueError):
     """A configuration this run cannot use; the message is one line for the user."""
 
-
-ArgumentError = ConfigError  # its earlier name
