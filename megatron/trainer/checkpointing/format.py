@@ -37,9 +37,10 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
 
 def run_signature(task: PretrainTask, args: argparse.Namespace) -> dict[str, Any]:
     """What identifies a run's model and pipeline layout (checked on load)."""
-    signature = {flag: getattr(args, flag, None) for flag in SIGNATURE_FLAGS}
+    flags = vars(args)  # the flags by dest
+    signature = {flag: flags.get(flag) for flag in SIGNATURE_FLAGS}
     signature["tensor_model_parallel_size"] = signature["tensor_model_parallel_size"] or 1
-    signature["tokenizer_vocab_size"] = getattr(args, "tokenizer_vocab_size", None)  # which vocab rows are padding
+    signature["tokenizer_vocab_size"] = args.tokenizer_vocab_size  # which vocab rows are padding
     signature["task"] = task.name
     return signature
 

@@ -106,7 +106,7 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
         for name, expected in checksums.items():
             if read is None or name in read:
                 _verify_checksum(point.directory / name, file_checksum(point.directory / name), expected)
-    if point.iteration >= args.train_iters and not getattr(args, "finetune", False):
+    if point.iteration >= args.train_iters and not args.finetune:
         raise CheckpointError(f"checkpoint {point.directory} is at iteration {point.iteration}, "
                               f"not before --train-iters {args.train_iters}: nothing left to train")
     keeps_order = reshard is None or (reshard.keeps_rank_state and reshard.same_schedule)
@@ -118,10 +118,10 @@ def _check_sharded_optimizer(metadata: dict[str, Any], args: argparse.Namespace,
     """Optimizer shards (files of AMDP or --use-distributed-optimizer written before their saves
     gathered the shards) load only into a run that shards its optimizer state the same way (a
     whole state, by contrast, is sliced into either)."""
-    if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
+    if args.no_load_optim or args.finetune:
         return
     sharded_run = run_config(args).shards_optimizer_state or (
-        getattr(args, "use_distributed_optimizer", False) and args.data_parallel_size > 1)
+        args.use_distributed_optimizer and args.data_parallel_size > 1)
     if not sharded_run and any(e.get("optimizer_sharded") for e in (metadata.get("index") or {}).values()):
         raise CheckpointError(f"checkpoint {where} holds sharded optimizer state (saved with "
                               f"--use-distributed-optimizer or AMDP's sharded state, before saves gathered "

@@ -162,8 +162,21 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="write each stage's final parameters (by global name) to DIR/stageS.pt")
 
 
+#: What the run derives from its flags (finalize_args, validate_args and the checks after them),
+#: declared here with its value before it is decided, so every later step reads an attribute.
+DERIVED_DEFAULTS = dict(
+    world_size=None, num_microbatches=None, num_model_chunks=1, batch_plan=None, run=None,
+    padded_vocab_size=None, tokenizer_vocab_size=None, null_vocab_size=None, tie_embeddings=False,
+    embeddings_line=None, nonfinite_injections=None, exit_check_every=None, layer_split_source=None,
+    pipeline_partition_feasible=True, pipeline_partition_resumed=False, _balanced_split=False,
+    _memory_estimate=None, _memory_room=None, core_binding_effect=None, host_malloc_effect=None,
+    task_checks=(),
+)
+
+
 def build_parser(description: str = "Megatron-Async pretraining") -> argparse.ArgumentParser:
     p = OneLineParser(description=description, allow_abbrev=False)
+    p.set_defaults(**DERIVED_DEFAULTS)
     _add_model_args(p)
     _add_training_args(p)
     _add_data_args(p)
@@ -235,7 +248,7 @@ def validate_args(args: argparse.Namespace) -> None:
     world = _world_size_from_env()
     if world is not None and args.pipeline_executor == "distributed" and world != args.world_size:
         raise ConfigError(f"WORLD_SIZE={world} but pipeline {pp} x data {dp} x tensor "
-                            f"{args.tensor_model_parallel_size} needs {args.world_size} processes")
+                          f"{args.tensor_model_parallel_size} needs {args.world_size} processes")
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "train_iters", "vocab_size", "log_interval"):
         if getattr(args, flag) < 1:
@@ -309,7 +322,7 @@ def validate_args(args: argparse.Namespace) -> None:
         validate_restart_args(args)  # --max-restarts: the local launcher's, with --save = --load
     except ConfigError as exc:
         raise ConfigError(str(exc)) from None
-    for check in getattr(args, "task_checks", ()):  # a task's own flags (parser.set_defaults)
+    for check in args.task_checks:  # a task's own flags (parser.set_defaults)
         check(args)
     try:
         args.run = RunConfig.from_args(args)  # the typed view every later step reads
@@ -340,7 +353,7 @@ def _validate_data(args: argparse.Namespace) -> None:
         DataError, check_data, check_token_ids, parse_data_path, parse_split, usable_splits)
     from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args, vocab_size_with_padding
 
-    if args.tokenizer_type == "NullTokenizer" and getattr(args, "null_vocab_size", None) is None:
+    if args.tokenizer_type == "NullTokenizer" and args.null_vocab_size is None:
         args.null_vocab_size = args.vocab_size
     try:
         infos = []
@@ -348,7 +361,7 @@ def _validate_data(args: argparse.Namespace) -> None:
             infos = check_data(parse_data_path(args.data_path)[0], parse_split(args.split), args.seq_length)
         tokenizer = tokenizer_from_args(args)
         check_token_ids(infos, tokenizer.vocab_size)
-        if infos and getattr(args, "eval_interval", None) and not usable_splits(infos, args.seq_length)[1]:
+        if infos and args.eval_interval and not usable_splits(infos, args.seq_length)[1]:
             raise DataError(f"--eval-interval: --split {args.split} leaves no validation sample of "
                             f"{args.seq_length} tokens in --data-path {infos[0].prefix}; give the validation "
                             f"split a share or drop --eval-interval")

@@ -46,17 +46,17 @@ def validate_ddp_args(args: argparse.Namespace) -> None:
     (the domain, >= 1, is :data:`~megatron.trainer.config.flag_checks.DOMAINS`')."""
     if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
         raise ConfigError("--ddp-bucket-size sizes the buckets of --overlap-grad-reduce; without it the "
-                            "gradients are all-reduced at once at the step")
+                          "gradients are all-reduced at once at the step")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ConfigError("--overlap-param-gather needs the distributed optimizer (--use-distributed-optimizer): "
-                            "it overlaps that optimizer's parameter all-gather")
-    if args.use_distributed_optimizer and getattr(args, "optimizer", "adamw") == "basis-rotation":
+                          "it overlaps that optimizer's parameter all-gather")
+    if args.use_distributed_optimizer and args.optimizer == "basis-rotation":
         raise ConfigError("--use-distributed-optimizer with --optimizer basis-rotation is not supported: basis "
-                            "rotation rotates whole matrices, its state does not shard into element ranges")
+                          "rotation rotates whole matrices, its state does not shard into element ranges")
     if args.overlap_grad_reduce and args.ddp_bucket_size is None:
         args.ddp_bucket_size = DEFAULT_BUCKET_SIZE
 
 
 def overlap_bucket_size(args: argparse.Namespace) -> int | None:
     """What the distributed transport gets: the bucket size when overlapping, else None."""
-    return args.ddp_bucket_size if getattr(args, "overlap_grad_reduce", False) else None
+    return args.ddp_bucket_size if args.overlap_grad_reduce else None

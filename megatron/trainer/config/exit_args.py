@@ -41,14 +41,14 @@ def add_exit_args(p: argparse.ArgumentParser) -> None:
 
 def exit_signal(args: argparse.Namespace) -> signal.Signals | None:
     """The signal that asks this run to save and stop (None without ``--exit-signal-handler``)."""
-    if not getattr(args, "exit_signal_handler", False):
+    if not args.exit_signal_handler:
         return None
     return signal.Signals[args.exit_signal or "SIGTERM"]
 
 
 def stops_early(args: argparse.Namespace) -> bool:
     """Whether the run checks for a graceful stop between segments."""
-    return bool(getattr(args, "exit_signal_handler", False)) or getattr(args, "exit_duration_in_mins", None) is not None
+    return bool(args.exit_signal_handler) or args.exit_duration_in_mins is not None
 
 
 def validate_exit_args(args: argparse.Namespace) -> None:

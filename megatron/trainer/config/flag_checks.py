@@ -123,9 +123,10 @@ def _values(value: Any) -> list[Any]:
 def check_flag_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every numeric flag finite and inside its :data:`DOMAINS` entry; every list flag of
     :data:`LIST_PARSERS` well formed. Raises :class:`ConfigError` for the first problem."""
+    flags = vars(args)  # the flags by dest
     for action in numeric_actions(parser):
         flag = action.option_strings[-1]
-        for value in _values(getattr(args, action.dest, None)):
+        for value in _values(flags.get(action.dest)):
             if value is None:
                 continue
             if isinstance(value, float) and not math.isfinite(value):
@@ -134,7 +135,7 @@ def check_flag_values(parser: argparse.ArgumentParser, args: argparse.Namespace)
             if domain is not None and value not in domain:
                 raise ConfigError(f"{flag} must be {domain}, got {value}")
     for dest, parse in LIST_PARSERS.items():
-        value = getattr(args, dest, None)
+        value = flags.get(dest)
         if value is not None:
             parse(value)
 
@@ -159,7 +160,7 @@ def parse_split_weights(split: str) -> list[float]:
     if not text or not 1 <= len(parts) <= 3 or any(n is None for n in numbers):
         bad = next((p for p, n in zip(parts, numbers) if n is None), text)
         raise ConfigError(f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1 "
-                        f"({bad!r} is not a number)")
+                          f"({bad!r} is not a number)")
     weights = [float(n) for n in numbers]  # type: ignore[arg-type]
     if not all(math.isfinite(w) and w >= 0 for w in weights):
         raise ConfigError(f"--split {split!r}: shares must be finite and >= 0")
@@ -184,14 +185,14 @@ def parse_blend(items: Sequence[str]) -> tuple[list[str], list[float] | None]:
         return items, None
     if len(items) % 2:
         raise ConfigError(f"--data-path has {len(items)} items with weights among them; expected "
-                        f"WEIGHT PREFIX pairs (e.g. 0.3 data/a 0.7 data/b)")
+                          f"WEIGHT PREFIX pairs (e.g. 0.3 data/a 0.7 data/b)")
     for position, (item, number) in enumerate(zip(items, numbers)):
         is_weight_slot = position % 2 == 0
         if is_weight_slot and number is None:
             raise ConfigError(f"--data-path mixes weighted and unweighted prefixes ({item!r} is not a weight)")
         if not is_weight_slot and number is not None:
             raise ConfigError(f"--data-path: {item!r} stands where a dataset prefix belongs "
-                            f"(expected WEIGHT PREFIX pairs)")
+                              f"(expected WEIGHT PREFIX pairs)")
     weights = [float(n) for n in numbers[0::2]]  # type: ignore[arg-type]
     if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--data-path weights must be finite and >= 0 with a positive sum, got {weights}")

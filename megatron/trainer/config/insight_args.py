@@ -65,10 +65,10 @@ def validate_insight_args(args: argparse.Namespace) -> None:
         raise ConfigError("--pipeline-partition profiled profiles GPT and BERT layers; this task has none")
     if args.num_layers < pp:
         raise ConfigError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= "
-                                   f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")
-    if getattr(args, "num_model_chunks", 1) != 1:
+                          f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")
+    if args.num_model_chunks != 1:
         raise ConfigError("--pipeline-partition profiled splits one chunk per stage; "
-                                   "interleaved schedules need the even split")
+                          "interleaved schedules need the even split")
     if args.pipeline_partition_profile_iters < 1:
         raise ConfigError("--pipeline-partition-profile-iters must be >= 1")
     from megatron.trainer.tasks.balanced_partition import checkpoint_split
@@ -85,11 +85,11 @@ def _resolve_partition(args: argparse.Namespace) -> None:
     an explicit choice that cannot apply is refused."""
     from megatron.trainer.tasks.balanced_partition import apply_balanced_split, checkpoint_split, why_not_balanced
 
-    asked = getattr(args, "pipeline_partition", None)
-    memory = getattr(args, "pipeline_partition_memory_gb", None)
+    asked = args.pipeline_partition
+    memory = args.pipeline_partition_memory_gb
     if memory is not None and memory <= 0:
         raise ConfigError("--pipeline-partition-memory-gb must be > 0")
-    if getattr(args, "_balanced_split", False):  # validated before: decide again from the flags
+    if args._balanced_split:  # validated before: decide again from the flags
         args.pipeline_layer_split, asked = None, "balanced"
     if args.pipeline_layer_split is not None:
         if asked in ("balanced", "profiled"):

@@ -175,7 +175,7 @@ def _validate_wsd(args: argparse.Namespace) -> None:
     room = args.lr_decay_iters - args.lr_warmup_iters
     if not 1 <= args.lr_wsd_decay_iters <= room:
         raise ConfigError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must be in [1, {room}] "
-                                  f"(decay iterations minus warm-up)")
+                          f"(decay iterations minus warm-up)")
 
 
 def _validate_model_options(args: argparse.Namespace) -> None:
@@ -183,7 +183,7 @@ def _validate_model_options(args: argparse.Namespace) -> None:
     bert = hasattr(args, "bert_binary_head")
     if bert and args.position_embedding_type == "none":
         raise ConfigError("--position-embedding-type none: megatron-core's BertModel supports "
-                                  "learned_absolute and rope only")
+                          "learned_absolute and rope only")
     if bert and args.rotary_base != 10000:
         raise ConfigError("--rotary-base: megatron-core's BertModel has a fixed RoPE base of 10000")
     if args.position_embedding_type != "rope" and (args.rotary_base != 10000 or args.rotary_percent != 1.0):
@@ -193,7 +193,7 @@ def _validate_model_options(args: argparse.Namespace) -> None:
         raise ConfigError(f"--rotary-percent {args.rotary_percent} of head dimension {kv} must be even")
     if args.attention_backend not in LOCAL_SPEC_BACKENDS and args.transformer_impl != "transformer_engine":
         raise ConfigError(f"--attention-backend {args.attention_backend} needs --transformer-impl "
-                                  f"transformer_engine (the local spec runs auto, unfused or local)")
+                          f"transformer_engine (the local spec runs auto, unfused or local)")
 
 
 def _validate_transformer_impl(args: argparse.Namespace) -> None:
@@ -202,10 +202,10 @@ def _validate_transformer_impl(args: argparse.Namespace) -> None:
         return
     if args.device == "cpu":
         raise ConfigError("--transformer-impl transformer_engine needs a GPU; use --transformer-impl "
-                                  "local on --device cpu")
+                          "local on --device cpu")
     if importlib.util.find_spec("transformer_engine") is None:
         raise ConfigError("--transformer-impl transformer_engine needs the transformer_engine package "
-                                  "(pip install transformer_engine[pytorch]); or use --transformer-impl local")
+                          "(pip install transformer_engine[pytorch]); or use --transformer-impl local")
     import torch
 
     if not torch.cuda.is_available():
@@ -234,7 +234,7 @@ def compat_model_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return dict(swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, norm_epsilon=args.norm_epsilon,
                 kv_channels=args.kv_channels, rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
                 attention_backend=args.attention_backend, sequence_parallel=args.sequence_parallel,
-                tie_embeddings=getattr(args, "tie_embeddings", False))
+                tie_embeddings=args.tie_embeddings)
 
 
 def flops_per_iteration(args: argparse.Namespace, global_batch: int) -> float:

@@ -62,10 +62,10 @@ def uneven_split(num_layers: int, pp: int, first: int | None, last: int | None) 
     middle_stages = pp - (first is not None) - (last is not None)
     if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
         raise ConfigError(f"{FIRST}/{LAST} leave {middle_layers} layers of --num-layers {num_layers} "
-                            f"for {middle_stages} middle stages")
+                          f"for {middle_stages} middle stages")
     if middle_stages and middle_layers % middle_stages:
         raise ConfigError(f"{FIRST}/{LAST} leave {middle_layers} layers, not divisible by the "
-                            f"{middle_stages} middle stages")
+                          f"{middle_stages} middle stages")
     per = middle_layers // middle_stages if middle_stages else 0
     counts = [per] * pp
     if first is not None:
@@ -80,7 +80,7 @@ def accounted_split(num_layers: int, pp: int, embedding: bool, loss: bool) -> li
     total = num_layers + int(embedding) + int(loss)
     if total % pp:
         raise ConfigError(f"--num-layers {num_layers} + {int(embedding) + int(loss)} "
-                            f"({EMBEDDING}/{LOSS}) is not divisible by --pipeline-model-parallel-size {pp}")
+                          f"({EMBEDDING}/{LOSS}) is not divisible by --pipeline-model-parallel-size {pp}")
     counts = [total // pp] * pp
     counts[0] -= int(embedding)
     counts[-1] -= int(loss)
@@ -109,7 +109,7 @@ def layout_split(layout: str, num_layers: int, pp: int) -> list[int]:
     stages = parse_layout(layout)
     if len(stages) % pp:
         raise ConfigError(f"{LAYOUT} {layout!r} has {len(stages)} stages, not a multiple of "
-                            f"--pipeline-model-parallel-size {pp}")
+                          f"--pipeline-model-parallel-size {pp}")
     flat = "".join(stages)
     if "m" in flat:
         raise ConfigError(f"{LAYOUT} {layout!r}: MTP layers (m) are not supported here")
@@ -117,7 +117,7 @@ def layout_split(layout: str, num_layers: int, pp: int) -> list[int]:
         raise ConfigError(f"{LAYOUT} {layout!r} needs exactly one E and one L")
     if not stages[0].startswith("E") or not stages[-1].endswith("L"):
         raise ConfigError(f"{LAYOUT} {layout!r}: E must open the first stage and L close the last "
-                            f"(the embedding and the loss live there)")
+                          f"(the embedding and the loss live there)")
     if flat.count("t") != num_layers:
         raise ConfigError(f"{LAYOUT} {layout!r} has {flat.count('t')} transformer layers, --num-layers is {num_layers}")
     return [stage.count("t") for stage in stages]
@@ -135,7 +135,7 @@ def _check_combinations(args: argparse.Namespace, flags: list[str]) -> None:
     """Megatron's exclusions, plus ours: one source of the split at a time."""
     if args.pipeline_layer_split is not None:
         raise ConfigError(f"{flags[0]} sets the layer split; drop --pipeline-layer-split")
-    if getattr(args, "pipeline_partition", None) is not None:
+    if args.pipeline_partition is not None:
         raise ConfigError(f"{flags[0]} sets the layer split; drop --pipeline-partition")
     if LAYOUT in flags and len(flags) > 1:
         raise ConfigError(f"{LAYOUT} cannot be combined with {[f for f in flags if f != LAYOUT][0]}")
@@ -145,7 +145,7 @@ def _check_combinations(args: argparse.Namespace, flags: list[str]) -> None:
         raise ConfigError(f"{LAYOUT} sets the virtual stages; drop --num-layers-per-virtual-pipeline-stage")
     if LAYOUT not in flags and args.num_layers_per_virtual_pipeline_stage is not None:
         raise ConfigError(f"{flags[0]} with --num-layers-per-virtual-pipeline-stage: Megatron-LM needs "
-                            f"--num-virtual-stages-per-pipeline-rank for uneven virtual stages, not supported here")
+                          f"--num-virtual-stages-per-pipeline-rank for uneven virtual stages, not supported here")
 
 
 def resolve_megatron_split(args: argparse.Namespace) -> None:
@@ -153,7 +153,7 @@ def resolve_megatron_split(args: argparse.Namespace) -> None:
     virtual layout, ``args.num_layers_per_virtual_pipeline_stage``), recording which flag in
     ``args.layer_split_source`` for the banner. Runs before the model chunks are derived."""
     flags = _requested(args)
-    if not flags or getattr(args, "layer_split_source", None):  # none, or resolved by an earlier validation
+    if not flags or args.layer_split_source:  # none, or resolved by an earlier validation
         return
     _check_combinations(args, flags)
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
@@ -166,11 +166,11 @@ def resolve_megatron_split(args: argparse.Namespace) -> None:
                                  args.account_for_loss_in_pipeline_split)
     if 0 in counts:
         raise ConfigError(f"{flags[0]} gives the layer split {counts}: a stage without transformer "
-                            f"layers is not supported here")
+                          f"layers is not supported here")
     if len(counts) > pp:
         if len(set(counts)) != 1:
             raise ConfigError(f"{LAYOUT}: virtual stages of {counts} layers; only the same number of "
-                                f"layers in every virtual stage maps onto the interleaved chunks here")
+                              f"layers in every virtual stage maps onto the interleaved chunks here")
         args.num_layers_per_virtual_pipeline_stage = counts[0]
     else:  # spelled out even when even: the default balanced partition must not move it
         args.pipeline_layer_split = counts

@@ -62,7 +62,7 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
     if args.recompute_activations:
         if granularity == "full":
             raise ConfigError("--recompute-activations is selective recompute; it contradicts "
-                                "--recompute-granularity full (give one of them)")
+                              "--recompute-granularity full (give one of them)")
         granularity = args.recompute_granularity = "selective"
     method, n = args.recompute_method, args.recompute_num_layers
     if granularity is None:
@@ -81,44 +81,44 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
         raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
     if n is None:
         raise ConfigError("--recompute-granularity full needs --recompute-num-layers N")
-    if getattr(args, "zb_memory_limit", None) is not None:
+    if args.zb_memory_limit is not None:
         raise ConfigError("--zb-memory-limit cannot bound memory under --recompute-granularity full: the "
-                            "Zero Bubble search takes W to keep no more than F, and with full recompute it "
-                            "keeps more (use selective recompute, or drop the limit)")
-    if getattr(args, "pipeline_partition", None) in ("profiled", "balanced"):
+                          "Zero Bubble search takes W to keep no more than F, and with full recompute it "
+                          "keeps more (use selective recompute, or drop the limit)")
+    if args.pipeline_partition in ("profiled", "balanced"):
         raise ConfigError("--recompute-granularity full needs the layer split up front; "
-                            f"--pipeline-partition {args.pipeline_partition} splits layers costed without recompute")
+                          f"--pipeline-partition {args.pipeline_partition} splits layers costed without recompute")
     counts = [c for c in _chunk_layer_counts(args) if c > 0]
     if method == "uniform":
         bad = [c for c in counts if c % n]
         if bad:
             raise ConfigError(f"--recompute-num-layers {n} must divide the layers of every model chunk "
-                                f"with --recompute-method uniform (a chunk has {bad[0]})")
+                              f"with --recompute-method uniform (a chunk has {bad[0]})")
     elif n > max(counts):
         raise ConfigError(f"--recompute-num-layers {n} exceeds the {max(counts)} layers per model chunk "
-                            "(--recompute-method block recomputes that many layers of each chunk)")
+                          "(--recompute-method block recomputes that many layers of each chunk)")
 
 
 def _validate_selective(args: argparse.Namespace) -> None:
     if args.recompute_method is not None:
         raise ConfigError("--recompute-method is not supported with --recompute-granularity selective "
-                            "(Megatron-LM: selective recomputes core attention in every layer)")
+                          "(Megatron-LM: selective recomputes core attention in every layer)")
     if args.recompute_num_layers is not None:
         raise ConfigError("--recompute-num-layers is for --recompute-granularity full "
-                            "(selective recomputes every layer's core attention)")
+                          "(selective recomputes every layer's core attention)")
     modules = args.recompute_modules or list(SELECTIVE_MODULES)
     unknown = [m for m in modules if m not in SELECTIVE_MODULES]
     if unknown:
         raise ConfigError(f"--recompute-modules {unknown[0]} is not implemented (only "
-                            f"{', '.join(SELECTIVE_MODULES)})")
+                          f"{', '.join(SELECTIVE_MODULES)})")
     if args.recompute_stash_weights:
         raise ConfigError("--recompute-stash-weights needs --recompute-granularity full (selective "
-                            "recomputes core attention, which has no weights)")
+                          "recomputes core attention, which has no weights)")
 
 
 def recompute_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`~megatron.trainer.models.stage.TransformerArgs` recompute fields of the flags."""
-    return dict(recompute_granularity=getattr(args, "recompute_granularity", None),
-                recompute_method=getattr(args, "recompute_method", None),
-                recompute_num_layers=getattr(args, "recompute_num_layers", None),
-                recompute_stash_weights=getattr(args, "recompute_stash_weights", False))
+    return dict(recompute_granularity=args.recompute_granularity,
+                recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers,
+                recompute_stash_weights=args.recompute_stash_weights)

@@ -32,10 +32,10 @@ def validate_restart_args(args: argparse.Namespace) -> None:
         return
     if args.pipeline_executor == "emulator":
         raise ConfigError("--max-restarts restarts the local launcher's ranks; the emulator runs in one "
-                              "process (rerun it with --load)")
+                          "process (rerun it with --load)")
     if "RANK" in os.environ and LAUNCHED_ENV not in os.environ:
         raise ConfigError("--max-restarts is the local launcher's: under torchrun pass torchrun --max-restarts, "
-                              "under Slurm requeue the job (examples/slurm, MAX_REQUEUES)")
+                          "under Slurm requeue the job (examples/slurm, MAX_REQUEUES)")
     if args.save is None or args.load is None or os.path.abspath(args.save) != os.path.abspath(args.load):
         raise ConfigError("--max-restarts needs --save DIR --load DIR with the same DIR: a restart resumes "
-                              "from the last checkpoint saved there")
+                          "from the last checkpoint saved there")

@@ -44,7 +44,7 @@ class RunConfig:
         """Raises :class:`~megatron.pipeline.schedules.ScheduleConfigError` (one line)."""
         config = schedule_config(args)
         schedule_cls = schedule_class(args.pipeline_schedule)
-        shardable = getattr(args, "optimizer", SHARDABLE_OPTIMIZERS[0]) in SHARDABLE_OPTIMIZERS
+        shardable = args.optimizer in SHARDABLE_OPTIMIZERS
         return cls(schedule_cls=schedule_cls, schedule=config, layout=schedule_cls.layout_of(config),
                    pipeline_size=args.pipeline_model_parallel_size,
                    data_parallel_size=args.data_parallel_size,
@@ -65,8 +65,8 @@ def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
         num_stages=args.pipeline_model_parallel_size,
         num_microbatches=args.num_microbatches,
         num_iterations=args.train_iters,
-        num_chunks=getattr(args, "num_model_chunks", 1),
-        data_parallel_size=getattr(args, "data_parallel_size", None) or 1,
+        num_chunks=args.num_model_chunks,
+        data_parallel_size=args.data_parallel_size or 1,
     )
     return dataclasses.replace(base, options=schedule_cls.options_from_flags(schedule_flag_values(args, schedule_cls), base))
 
@@ -78,5 +78,5 @@ def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     """``args.run`` (set by ``parse_args``), or built now for a namespace made another way."""
-    run = getattr(args, "run", None)
+    run = args.run
     return run if isinstance(run, RunConfig) else RunConfig.from_args(args)

@@ -37,9 +37,9 @@ def _untied_because(args: argparse.Namespace) -> str | None:
     if issubclass(cls, VShapeSchedule):
         return ("the V layout (its first and last parts share device 0) does not sum the two copies yet; "
                 "see docs/schedules.md")
-    if getattr(args, "enable_optimizer_post_validation", False):
+    if args.enable_optimizer_post_validation:
         return "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
-    if getattr(args, "use_distributed_optimizer", False):
+    if args.use_distributed_optimizer:
         return ("--use-distributed-optimizer at --pipeline-model-parallel-size > 1 steps each replica's own range "
                 "of the two copies' gradients")
     return None

@@ -42,4 +42,4 @@ def check_schedule(args: argparse.Namespace) -> PreflightReplay | None:
         return replay_first_iterations(schedule)
     except ScheduleError as exc:
         raise ConfigError(f"--pipeline-schedule {args.pipeline_schedule}: the schedule cannot run "
-                                 f"its first iterations: {exc}") from None
+                          f"its first iterations: {exc}") from None

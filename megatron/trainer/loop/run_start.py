@@ -104,5 +104,5 @@ def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | Non
 
 def run_plan(args: argparse.Namespace, start: int) -> list[Segment]:
     return plan_segments(start, args.train_iters, args.eval_interval, args.save_interval, args.exit_interval,
-                         saving=args.save is not None, check_interval=getattr(args, "exit_check_every", None),
+                         saving=args.save is not None, check_interval=args.exit_check_every,
                          boundaries=segment_boundaries(args))

@@ -60,7 +60,7 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
         clip_grad=args.clip_grad,
         seed=args.seed,
         inject_nonfinite_updates=frozenset(args.nonfinite_injections.get(stage, ())),
-        inject_nonfinite_losses=frozenset(getattr(args, "inject_nonfinite_loss", ())),
+        inject_nonfinite_losses=frozenset(args.inject_nonfinite_loss),
         weight_policy=build_weight_policy(schedule_cls.stage_weight_policy(config, stage), optimizer),
         loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
         report_params_norm=args.log_params_norm,

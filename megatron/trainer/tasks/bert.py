@@ -40,9 +40,9 @@ def check_bert_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
     if not 0.0 <= args.short_seq_prob <= 1.0:
         raise ConfigError(f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
-    if getattr(args, "sequence_parallel", False):
+    if args.sequence_parallel:
         raise ConfigError("--sequence-parallel is implemented for GPT only (BERT's final norm, pooler and heads "
-                            "would need the sequence-shard handling GPT's have here)")
+                          "would need the sequence-shard handling GPT's have here)")
     if args.seq_length < MIN_SEQ_LENGTH:
         raise ConfigError(f"BERT needs --seq-length >= {MIN_SEQ_LENGTH} ([CLS] A [SEP] B [SEP])")
     if args.data_path is None:
@@ -63,10 +63,10 @@ def check_bert_args(args: argparse.Namespace) -> None:
         usable = check_bert_data(args)
     except DataError as exc:
         raise ConfigError(str(exc)) from None
-    if getattr(args, "eval_interval", None) and not usable[1]:
+    if args.eval_interval and not usable[1]:
         what = "two or more sentences" if args.bert_binary_head else "a sentence"
         raise ConfigError(f"--eval-interval: no document of the validation split of --split {args.split} has "
-                            f"{what}; give the validation split a larger share or drop --eval-interval")
+                          f"{what}; give the validation split a larger share or drop --eval-interval")
 
 
 class BertTask:
@@ -95,7 +95,7 @@ class BertTask:
         """Mock masked-LM data without ``--data-path``; else megatron-core's BERT dataset
         (train split), built collectively on every rank like GPT's."""
         data: MockBertData | BertDataSource
-        if getattr(args, "data_path", None) is None:
+        if args.data_path is None:
             data = MockBertData(args.seq_length, args.vocab_size, split_seed(args.seed, split),
                                 binary_head=args.bert_binary_head, mask_prob=args.mask_prob)
         else:
