@@ -10,7 +10,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError, build_schedule
+from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError
 import megatron.pipeline.planner.auto_schedule  # noqa: F401,E402  registers --pipeline-schedule auto, auto-async
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
 from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, validate_basis_rotation_args
@@ -328,7 +328,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.run = RunConfig.from_args(args)  # the typed view every later step reads
         # Build it now: its checks run and a searched order (Zero Bubble) that cannot meet its
         # memory limit fails here, before any process starts, not at the first iteration.
-        build_schedule(args.pipeline_schedule, args.run.schedule)
+        args.run.run_schedule(args.pipeline_schedule)
     except ScheduleConfigError as exc:
         raise ConfigError(f"--pipeline-schedule: {exc}") from None
 

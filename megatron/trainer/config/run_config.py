@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.pipeline.ir import PipelineLayout
-from megatron.pipeline.schedules import ScheduleConfig, schedule_class
+from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
 from megatron.pipeline.schedules.base import Schedule
 
 # Optimizers whose state is element-wise, so a schedule may shard it over stage replicas by
@@ -33,6 +33,20 @@ class RunConfig:
     tensor_parallel_size: int
     #: each stage replica's optimizer keeps only its share of the state (the schedule decides)
     shards_optimizer_state: bool = False
+    #: the schedule built (and so checked) from ``schedule`` while validating; this process's only
+    #: (a rank given the config builds its own once: it is not serialized)
+    built: Schedule | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "built": None}
+
+    def run_schedule(self, name: str) -> Schedule:
+        """The schedule ``name`` of this config: the one built while validating, else built now
+        (and kept); raises :class:`~megatron.pipeline.schedules.ScheduleConfigError`."""
+        if self.built is None or self.built.config != self.schedule:
+            object.__setattr__(self, "built", build_schedule(name, self.schedule))
+        assert self.built is not None
+        return self.built
 
     @property
     def asynchronous(self) -> bool:

@@ -20,7 +20,6 @@ import os
 from megatron.trainer.config.errors import ConfigError
 from megatron.pipeline.preflight import PreflightReplay, replay_first_iterations
 from megatron.pipeline.replay import ScheduleError
-from megatron.pipeline.schedules import build_schedule
 from megatron.trainer.config.run_config import run_config
 from megatron.trainer.launch.launcher import LAUNCHED_ENV
 
@@ -37,7 +36,7 @@ def check_schedule(args: argparse.Namespace) -> PreflightReplay | None:
     Raises :class:`ConfigError`."""
     if not args.schedule_check or os.environ.get(LAUNCHED_ENV):
         return None
-    schedule = build_schedule(args.pipeline_schedule, run_config(args).schedule)
+    schedule = run_config(args).run_schedule(args.pipeline_schedule)  # validate_args built it
     try:
         return replay_first_iterations(schedule)
     except ScheduleError as exc:

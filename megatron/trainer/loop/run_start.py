@@ -95,9 +95,15 @@ def on_logged(args: argparse.Namespace, start: int,
 
 def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | None = None) -> Schedule:
     """The run's schedule from iteration ``start`` (0, or a checkpoint's iteration) to the end,
-    with what the checkpoint's run decided (zb's profiled order) restored."""
-    config = dataclasses.replace(run_config(args).schedule, first_iteration=start, num_iterations=args.train_iters - start)
-    schedule = build_schedule(args.pipeline_schedule, config)
+    with what the checkpoint's run decided (zb's profiled order) restored. From iteration 0 it is
+    a copy of the schedule validation built (built once per process); a resumed run starts its
+    schedule at the checkpoint's iteration."""
+    run = run_config(args)
+    if start == 0:
+        schedule = run.run_schedule(args.pipeline_schedule).segment(0, args.train_iters)
+    else:
+        config = dataclasses.replace(run.schedule, first_iteration=start, num_iterations=args.train_iters - start)
+        schedule = build_schedule(args.pipeline_schedule, config)
     restore_schedule_state(schedule, resume)
     return schedule
 
