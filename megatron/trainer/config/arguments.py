@@ -189,7 +189,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
     add_recompute_args(p)  # --recompute-granularity/-method/-num-layers, --recompute-activations
     add_ddp_args(p)  # --overlap-grad-reduce, --ddp-bucket-size
-    add_memory_check_args(p)  # --no-memory-check (the check runs in training.preflight)
+    add_memory_check_args(p)  # --no-memory-check (the check runs in launch.preflight)
     add_schedule_check_args(p)  # --no-schedule-check (likewise)
     _add_logging_args(p)
     add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
