@@ -99,7 +99,7 @@ def refuse(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pyte
     """``refuse(argv, task=GPTTask()) -> line``: ``pretrain()`` with tripwires instead of work."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    for name in ("launch_local", "run_distributed", "emulate"):
+    for name in ("launch_ranks", "run_distributed", "emulate"):
         monkeypatch.setattr(training, name, _tripwire)
     work = tmp_path / "cwd"
     work.mkdir()

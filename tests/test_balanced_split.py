@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron.pipeline.cost_model import head_flops, layer_flops
-from megatron.trainer.config.arguments import ArgumentError, build_parser, parse_args
+from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.tasks.balanced_partition import layer_split_line, model_shape
 from megatron.trainer.tasks.gpt import GPTTask
 from tests.adam_bounds import assert_within_bounds, gpt_gradient_noise, trace_adam
@@ -162,7 +163,7 @@ def test_balanced_split_trains_like_the_even_split() -> None:
 
 
 def test_refusals_are_one_line() -> None:
-    with pytest.raises(ArgumentError, match="drop --pipeline-layer-split"):
+    with pytest.raises(ConfigError, match="drop --pipeline-layer-split"):
         from megatron.trainer.config.arguments import finalize_args, validate_args
 
         args = build_parser("t").parse_args([*ISSUE, "--pipeline-model-parallel-size", "2",

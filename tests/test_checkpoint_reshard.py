@@ -18,6 +18,7 @@ import pytest
 from async_helpers import TINY_GPT, emulate, run_pretrain
 
 from megatron.trainer.checkpointing import checkpoint as ckpt
+from megatron.trainer.checkpointing import load as ckpt_load
 from megatron.trainer.checkpointing import reshard
 from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.tasks.gpt import GPTTask
@@ -107,8 +108,8 @@ def test_a_rank_reads_only_the_files_holding_its_parameters(saved, tmp_path: Pat
     """Split 3+1 out of four one-layer stages: the new stage 0 reads old stages 0-2, stage 1 only 3."""
     checkpoint, _ = saved
     reads: list[str] = []
-    real = ckpt._read_rank_file
-    monkeypatch.setattr(ckpt, "_read_rank_file", lambda point, name: (reads.append(name), real(point, name))[1])
+    real = ckpt_load._read_rank_file
+    monkeypatch.setattr(ckpt_load, "_read_rank_file", lambda point, name: (reads.append(name), real(point, name))[1])
     emulate(_argv(2, "1f1b", tmp_path / "log.jsonl", "--load", str(checkpoint), "--pipeline-layer-split", "3", "1"))
     assert reads == [ckpt.rank_file_name(s, 0) for s in range(4)]  # stage 0: files 0, 1, 2; stage 1: file 3
 

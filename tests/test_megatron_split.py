@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.trainer.config.arguments import parse_args
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.megatron_split_args import accounted_split, layout_split, parse_layout, uneven_split
 from megatron.trainer.tasks.balanced_partition import layer_split_line
 
@@ -30,7 +30,7 @@ def test_decoder_first_last_pipeline_num_layers(layers, pp, first, last, counts)
 
 @pytest.mark.parametrize("layers,pp,first,last", [(101, 8, 13, 13), (61, 4, 12, None)])  # Megatron: errors
 def test_uneven_split_that_megatron_refuses(layers, pp, first, last) -> None:
-    with pytest.raises(ArgumentError):
+    with pytest.raises(ConfigError):
         uneven_split(layers, pp, first, last)
 
 
@@ -46,7 +46,7 @@ def test_account_for_embedding_and_loss(layers, pp, embedding, loss, counts) -> 
 
 
 def test_accounted_split_megatron_refuses() -> None:  # "num_layers not divisible ... with embedding/loss"
-    with pytest.raises(ArgumentError):
+    with pytest.raises(ConfigError):
         accounted_split(65, 4, True, True)
 
 

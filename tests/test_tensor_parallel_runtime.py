@@ -215,7 +215,7 @@ def test_transformer_engine_at_tp2_refused_and_auto_picks_the_local_spec():
     import argparse
 
     from megatron.trainer.config.arguments import parse_args
-    from megatron.trainer.config.errors import ArgumentError
+    from megatron.trainer.config.errors import ConfigError
     from megatron.trainer.config.tensor_parallel_args import validate_tensor_parallel_args
     from megatron.trainer.tasks.stage_tasks import transformer_kwargs
 
@@ -224,5 +224,5 @@ def test_transformer_engine_at_tp2_refused_and_auto_picks_the_local_spec():
     assert transformer_kwargs(args)["use_transformer_engine"] is False
     assert transformer_kwargs(parse_args(_argv("1f1b", ["--num-layers", "2"])))["use_transformer_engine"] is None
     te = argparse.Namespace(**{**vars(args), "transformer_impl": "transformer_engine"})
-    with pytest.raises(ArgumentError, match="TE's tensor-parallel layers are not mapped"):
+    with pytest.raises(ConfigError, match="TE's tensor-parallel layers are not mapped"):
         validate_tensor_parallel_args(te)

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from megatron.trainer.config.errors import ConfigError
 from megatron.pipeline.planner.candidates import RECOMPUTES, SPLITS, enumerate_candidates  # noqa: E402
 from megatron.pipeline.planner.devices import DEVICES, analytic_unit_costs  # noqa: E402
 from megatron.pipeline.planner.evaluate import Problem, evaluate  # noqa: E402
@@ -112,7 +113,7 @@ def trainer_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Parse and refuse a bad target with one line (exit 2) before anything is simulated."""
-    from megatron.trainer.config.arguments import ArgumentError, finalize_args
+    from megatron.trainer.config.arguments import finalize_args
 
     p = build_parser()
     args = p.parse_args(argv)
@@ -130,7 +131,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.pipeline_sizes = args.pipeline_sizes or [args.pipeline_model_parallel_size]
     try:
         finalize_args(args)
-    except ArgumentError as e:
+    except ConfigError as e:
         p.error(str(e))
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
         p.error(f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch x data-parallel size")

@@ -34,15 +34,15 @@ def estimate_parameters(args: argparse.Namespace) -> int:
     unless tied to the embedding, per layer attention (QKV with query groups, projection), MLP
     and two norms."""
     h, layers, vocab = args.hidden_size, args.num_layers, args.vocab_size
-    ffn = getattr(args, "ffn_hidden_size", None) or 4 * h
+    ffn = args.ffn_hidden_size or 4 * h
     heads = args.num_attention_heads
-    groups = getattr(args, "num_query_groups", None) or heads
+    groups = args.num_query_groups or heads
     kv = 2 * h * groups // heads
     attention = h * (h + kv) + (h + kv) + h * h + h
     mlp = 2 * h * ffn + ffn + h
     norms = 4 * h
     positions = args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute" else 0
-    output = 0 if getattr(args, "tie_embeddings", False) else vocab * h
+    output = 0 if args.tie_embeddings else vocab * h
     return vocab * h + output + positions + layers * (attention + mlp + norms) + 2 * h
 
 
@@ -54,11 +54,11 @@ def estimate_checkpoint_bytes(args: argparse.Namespace) -> int:
     """Bytes of one checkpoint: per parameter its value (2 bytes in bf16/fp16, else 4), AdamW's
     two fp32 moments and, in half precision, the fp32 master copy; every data-parallel replica
     writes its own files."""
-    half = args.bf16 or getattr(args, "fp16", False)
+    half = args.bf16 or args.fp16
     per_parameter = (2 + 8 + 4) if half else (4 + 8)
     # tied over several stages: the output layer's stage saves its copy of the embedding too
     # (not on a V, whose stage 0 holds both ends as one parameter)
-    copy = args.vocab_size * args.hidden_size if getattr(args, "tie_embeddings", False) and \
+    copy = args.vocab_size * args.hidden_size if args.tie_embeddings and \
         args.pipeline_model_parallel_size > 1 and not _v_layout(args) else 0
     return (estimate_parameters(args) + copy) * per_parameter * args.data_parallel_size
 

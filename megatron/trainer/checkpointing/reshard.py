@@ -244,7 +244,7 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
         raise ReshardError(f"checkpoint {where} has no parameter index (saved before reshardable checkpoints); "
                            f"load it with its own layout {describe(saved)}")
     if any(entry.get("optimizer_sharded") for entry in index.values()) and \
-            not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
+            not (args.no_load_optim or args.finetune):
         raise ReshardError(f"checkpoint {where}: its optimizer state is sharded over replicas (saved before "
                            f"checkpoints gathered the shards); load it with its own layout {describe(saved)} "
                            f"or pass --no-load-optim")
@@ -258,8 +258,8 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
     same_partition = partition(saved) == partition(ours)
     same_schedule = saved.get("pipeline_schedule") == ours.get("pipeline_schedule")
     same_tp = tp_size(saved) == tp_size(ours)
-    load_optimizer = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
-    if load_optimizer and not same_tp and getattr(args, "optimizer", None) == "basis-rotation":
+    load_optimizer = not (args.no_load_optim or args.finetune)
+    if load_optimizer and not same_tp and args.optimizer == "basis-rotation":
         raise ReshardError(f"checkpoint {where}: basis rotation's bases belong to one tensor-parallel shard, "
                            f"they do not reshard from TP{tp_size(saved)} to TP{tp_size(ours)}; keep "
                            f"--tensor-model-parallel-size {tp_size(saved)} or pass --no-load-optim")

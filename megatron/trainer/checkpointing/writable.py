@@ -62,12 +62,13 @@ def check_output_flags(args: object) -> None:
     """Every output flag of :data:`OUTPUT_DIRECTORIES` / :data:`OUTPUT_FILES` that is set can be
     written (:class:`OutputPathError` otherwise), so a bad path fails before training, not in a
     rank at its first log line or at the end of the run."""
+    flags = vars(args)  # the flags by dest
     for dest in OUTPUT_DIRECTORIES:
-        path = getattr(args, dest, None)
+        path = flags.get(dest)
         if path is not None:
             check_writable_directory(path, "--" + dest.replace("_", "-"))
     for dest in OUTPUT_FILES:
-        path = getattr(args, dest, None)
+        path = flags.get(dest)
         if path is None:
             continue
         flag = "--" + dest.replace("_", "-")

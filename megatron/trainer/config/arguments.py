@@ -10,21 +10,21 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError, build_schedule
+from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError
 import megatron.pipeline.planner.auto_schedule  # noqa: F401,E402  registers --pipeline-schedule auto, auto-async
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
 from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, validate_basis_rotation_args
 from megatron.trainer.config.schedule_args import add_schedule_args, validate_schedule_args
-from megatron.trainer.config.run_control_args import RunControlError, add_run_control_args, validate_run_control_args
-from megatron.trainer.config.insight_args import InsightArgumentError, add_insight_args, validate_insight_args
+from megatron.trainer.config.run_control_args import add_run_control_args, validate_run_control_args
+from megatron.trainer.config.insight_args import add_insight_args, validate_insight_args
 from megatron.trainer.config.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.optim.registry import OPTIMIZERS
 from megatron.trainer.launch.host_allocator import HOST_MALLOC_CHOICES
 from megatron.trainer.launch.core_binding import BIND_CORES_CHOICES
 from megatron.trainer.optim.fused_adamw import fused_adamw_available_in_torch
 from megatron.trainer.config.run_config import RunConfig
-from megatron.trainer.config.flag_checks import FlagError, OneLineParser, check_flag_values
+from megatron.trainer.config.flag_checks import OneLineParser, check_flag_values
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
 from megatron.trainer.config.restart_args import add_restart_args, validate_restart_args
 from megatron.trainer.config.recompute_args import add_recompute_args, validate_recompute_args
@@ -36,7 +36,7 @@ from megatron.trainer.optim.lr_schedule import DECAY_STYLES
 from megatron.trainer.config.tied_args import resolve_tied_embeddings
 from megatron.trainer.config.megatron_split_args import add_megatron_split_args, resolve_megatron_split
 from megatron.trainer.config.megatron_compat_args import (
-    CompatArgumentError, add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
+    add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -162,8 +162,21 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="write each stage's final parameters (by global name) to DIR/stageS.pt")
 
 
+#: What the run derives from its flags (finalize_args, validate_args and the checks after them),
+#: declared here with its value before it is decided, so every later step reads an attribute.
+DERIVED_DEFAULTS = dict(
+    world_size=None, num_microbatches=None, num_model_chunks=1, batch_plan=None, run=None,
+    padded_vocab_size=None, tokenizer_vocab_size=None, null_vocab_size=None, tie_embeddings=False,
+    embeddings_line=None, nonfinite_injections=None, exit_check_every=None, layer_split_source=None,
+    pipeline_partition_feasible=True, pipeline_partition_resumed=False, _balanced_split=False,
+    _memory_estimate=None, _memory_room=None, core_binding_effect=None, host_malloc_effect=None,
+    task_checks=(),
+)
+
+
 def build_parser(description: str = "Megatron-Async pretraining") -> argparse.ArgumentParser:
     p = OneLineParser(description=description, allow_abbrev=False)
+    p.set_defaults(**DERIVED_DEFAULTS)
     _add_model_args(p)
     _add_training_args(p)
     _add_data_args(p)
@@ -176,7 +189,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
     add_recompute_args(p)  # --recompute-granularity/-method/-num-layers, --recompute-activations
     add_ddp_args(p)  # --overlap-grad-reduce, --ddp-bucket-size
-    add_memory_check_args(p)  # --no-memory-check (the check runs in training.preflight)
+    add_memory_check_args(p)  # --no-memory-check (the check runs in launch.preflight)
     add_schedule_check_args(p)  # --no-schedule-check (likewise)
     _add_logging_args(p)
     add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
@@ -192,12 +205,12 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill derived values (data-parallel size, global batch, defaults) in place."""
     pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
     if pp < 1 or tp < 1:
-        raise ArgumentError("--pipeline-model-parallel-size and --tensor-model-parallel-size must be >= 1")
+        raise ConfigError("--pipeline-model-parallel-size and --tensor-model-parallel-size must be >= 1")
     world = _world_size_from_env()
     if args.data_parallel_size is None:
         if world is not None and args.pipeline_executor == "distributed":
             if world % (pp * tp):
-                raise ArgumentError(f"WORLD_SIZE={world} is not divisible by pipeline {pp} x tensor {tp}")
+                raise ConfigError(f"WORLD_SIZE={world} is not divisible by pipeline {pp} x tensor {tp}")
             args.data_parallel_size = world // (pp * tp)
         else:
             args.data_parallel_size = 1
@@ -214,10 +227,7 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     per_chunk = args.num_layers_per_virtual_pipeline_stage
     args.num_model_chunks = max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1
     args.num_microbatches = args.global_batch_size // max(1, args.micro_batch_size * dp)
-    try:
-        finalize_megatron_compat_args(args)  # --train-samples, --*-samples, --lr-warmup-fraction, rampup
-    except CompatArgumentError as exc:
-        raise ArgumentError(str(exc)) from None
+    finalize_megatron_compat_args(args)  # --train-samples, --*-samples, --lr-warmup-fraction, rampup
     return args
 
 
@@ -227,52 +237,52 @@ def _resolve_adam_kernel(args: argparse.Namespace) -> None:
     if args.adam_kernel == "auto":
         args.adam_kernel = "fused" if plain_adam and fused_adamw_available_in_torch() else "single-tensor"
     elif args.adam_kernel == "fused" and not plain_adam:
-        raise ArgumentError(f"--adam-kernel fused runs plain AdamW; --optimizer {args.optimizer} has its own update")
+        raise ConfigError(f"--adam-kernel fused runs plain AdamW; --optimizer {args.optimizer} has its own update")
     elif args.adam_kernel == "fused" and not fused_adamw_available_in_torch():
-        raise ArgumentError("--adam-kernel fused: this torch has no torch._fused_adamw_ (use single-tensor)")
+        raise ConfigError("--adam-kernel fused: this torch has no torch._fused_adamw_ (use single-tensor)")
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """Raise :class:`ArgumentError` with one line for the first problem found."""
+    """Raise :class:`ConfigError` with one line for the first problem found."""
     pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
     world = _world_size_from_env()
     if world is not None and args.pipeline_executor == "distributed" and world != args.world_size:
-        raise ArgumentError(f"WORLD_SIZE={world} but pipeline {pp} x data {dp} x tensor "
-                            f"{args.tensor_model_parallel_size} needs {args.world_size} processes")
+        raise ConfigError(f"WORLD_SIZE={world} but pipeline {pp} x data {dp} x tensor "
+                          f"{args.tensor_model_parallel_size} needs {args.world_size} processes")
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "train_iters", "vocab_size", "log_interval"):
         if getattr(args, flag) < 1:
-            raise ArgumentError(f"--{flag.replace('_', '-')} must be >= 1")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
     if not args.manual_gc and (args.manual_gc_interval or not args.manual_gc_eval):
-        raise ArgumentError("--manual-gc-interval/--no-manual-gc-eval need --manual-gc")
+        raise ConfigError("--manual-gc-interval/--no-manual-gc-eval need --manual-gc")
     if args.hidden_size % args.num_attention_heads:
-        raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+        raise ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
     if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
-        raise ArgumentError("--num-attention-heads must be divisible by --num-query-groups")
+        raise ConfigError("--num-attention-heads must be divisible by --num-query-groups")
     if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
-        raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     if args.pipeline_layer_split is not None:
         split = args.pipeline_layer_split
         if len(split) != pp:
-            raise ArgumentError(f"--pipeline-layer-split has {len(split)} entries for {pp} pipeline stages")
+            raise ConfigError(f"--pipeline-layer-split has {len(split)} entries for {pp} pipeline stages")
         if sum(split) != args.num_layers or min(split) < 1:
-            raise ArgumentError(f"--pipeline-layer-split {split} must be positive and sum to --num-layers {args.num_layers}")
+            raise ConfigError(f"--pipeline-layer-split {split} must be positive and sum to --num-layers {args.num_layers}")
     elif args.num_layers % pp and args.pipeline_partition not in ("balanced", "profiled"):
-        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} (or pass --pipeline-layer-split)")
+        raise ConfigError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} (or pass --pipeline-layer-split)")
     if args.global_batch_size % (args.micro_batch_size * dp):
-        raise ArgumentError(
+        raise ConfigError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {dp}")
     if args.pipeline_executor == "emulator" and dp != 1:
-        raise ArgumentError("--pipeline-executor emulator runs one data-parallel replica; use --data-parallel-size 1")
+        raise ConfigError("--pipeline-executor emulator runs one data-parallel replica; use --data-parallel-size 1")
     if not (0.0 <= args.hidden_dropout < 1.0 and 0.0 <= args.attention_dropout < 1.0):
-        raise ArgumentError("dropout probabilities must be in [0, 1)")
+        raise ConfigError("dropout probabilities must be in [0, 1)")
     if args.min_lr > args.lr:
-        raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
     if args.lr_warmup_iters > args.lr_decay_iters:
-        raise ArgumentError("--lr-warmup-iters exceeds --lr-decay-iters")
+        raise ConfigError("--lr-warmup-iters exceeds --lr-decay-iters")
     if args.clip_grad < 0:
-        raise ArgumentError("--clip-grad must be >= 0")
+        raise ConfigError("--clip-grad must be >= 0")
     _resolve_adam_kernel(args)
     _validate_data(args)
     validate_tensor_parallel_args(args)  # emulator, divisibility (padded vocab), unsupported combinations
@@ -280,17 +290,17 @@ def validate_args(args: argparse.Namespace) -> None:
         import torch
 
         if args.device == "cuda" and not torch.cuda.is_available():
-            raise ArgumentError("--device cuda but no CUDA device is available")
+            raise ConfigError("--device cuda but no CUDA device is available")
     if args.distributed_backend == "nccl" and args.device == "cpu":
-        raise ArgumentError("--distributed-backend nccl needs --device cuda")
+        raise ConfigError("--distributed-backend nccl needs --device cuda")
     args.nonfinite_injections = {}
     for spec in args.inject_nonfinite_grad:
         try:
             stage, update = (int(x) for x in spec.split(":"))
         except ValueError:
-            raise ArgumentError(f"--inject-nonfinite-grad expects STAGE:UPDATE, got {spec!r}") from None
+            raise ConfigError(f"--inject-nonfinite-grad expects STAGE:UPDATE, got {spec!r}") from None
         if not 0 <= stage < pp:
-            raise ArgumentError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
+            raise ConfigError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
         args.nonfinite_injections.setdefault(stage, set()).add(update)
     validate_schedule_args(args)  # the schedule's own flags, chunks per stage
     resolve_tied_embeddings(args)  # tied by default (sync schedules); --untie-embeddings-and-output-weights
@@ -300,27 +310,27 @@ def validate_args(args: argparse.Namespace) -> None:
     validate_ddp_args(args)  # --overlap-grad-reduce, --ddp-bucket-size
     try:
         validate_megatron_compat_args(args)  # Megatron-LM's model, rampup, loading and logging flags
-    except CompatArgumentError as exc:
-        raise ArgumentError(str(exc)) from None
+    except ConfigError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         validate_insight_args(args)  # --trace-dir, --pipeline-partition auto
-    except InsightArgumentError as exc:
-        raise ArgumentError(str(exc)) from None
+    except ConfigError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         validate_run_control_args(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
-        validate_exit_args(args)  # --exit-signal-handler, --exit-duration-in-mins (ExitArgumentError)
+        validate_exit_args(args)  # --exit-signal-handler, --exit-duration-in-mins (ConfigError)
         validate_restart_args(args)  # --max-restarts: the local launcher's, with --save = --load
-    except RunControlError as exc:
-        raise ArgumentError(str(exc)) from None
-    for check in getattr(args, "task_checks", ()):  # a task's own flags (parser.set_defaults)
+    except ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    for check in args.task_checks:  # a task's own flags (parser.set_defaults)
         check(args)
     try:
         args.run = RunConfig.from_args(args)  # the typed view every later step reads
         # Build it now: its checks run and a searched order (Zero Bubble) that cannot meet its
         # memory limit fails here, before any process starts, not at the first iteration.
-        build_schedule(args.pipeline_schedule, args.run.schedule)
+        args.run.run_schedule(args.pipeline_schedule)
     except ScheduleConfigError as exc:
-        raise ArgumentError(f"--pipeline-schedule: {exc}") from None
+        raise ConfigError(f"--pipeline-schedule: {exc}") from None
 
 
 def _validate_data(args: argparse.Namespace) -> None:
@@ -331,11 +341,11 @@ def _validate_data(args: argparse.Namespace) -> None:
     size stays in ``args.null_vocab_size``.
     """
     if args.data_path is not None and args.mock_data:
-        raise ArgumentError("--mock-data and --data-path are mutually exclusive")
+        raise ConfigError("--mock-data and --data-path are mutually exclusive")
     if args.data_path is not None and args.tokenizer_type is None:
-        raise ArgumentError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)")
+        raise ConfigError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)")
     if args.make_vocab_size_divisible_by < 1:
-        raise ArgumentError("--make-vocab-size-divisible-by must be >= 1")
+        raise ConfigError("--make-vocab-size-divisible-by must be >= 1")
     args.padded_vocab_size = args.vocab_size
     if args.tokenizer_type is None:
         return
@@ -343,7 +353,7 @@ def _validate_data(args: argparse.Namespace) -> None:
         DataError, check_data, check_token_ids, parse_data_path, parse_split, usable_splits)
     from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args, vocab_size_with_padding
 
-    if args.tokenizer_type == "NullTokenizer" and getattr(args, "null_vocab_size", None) is None:
+    if args.tokenizer_type == "NullTokenizer" and args.null_vocab_size is None:
         args.null_vocab_size = args.vocab_size
     try:
         infos = []
@@ -351,19 +361,19 @@ def _validate_data(args: argparse.Namespace) -> None:
             infos = check_data(parse_data_path(args.data_path)[0], parse_split(args.split), args.seq_length)
         tokenizer = tokenizer_from_args(args)
         check_token_ids(infos, tokenizer.vocab_size)
-        if infos and getattr(args, "eval_interval", None) and not usable_splits(infos, args.seq_length)[1]:
+        if infos and args.eval_interval and not usable_splits(infos, args.seq_length)[1]:
             raise DataError(f"--eval-interval: --split {args.split} leaves no validation sample of "
                             f"{args.seq_length} tokens in --data-path {infos[0].prefix}; give the validation "
                             f"split a share or drop --eval-interval")
     except (DataError, TokenizerError) as exc:
-        raise ArgumentError(str(exc)) from None
+        raise ConfigError(str(exc)) from None
     if args.data_cache_path is not None:
         try:
             os.makedirs(args.data_cache_path, exist_ok=True)
         except OSError as exc:
-            raise ArgumentError(f"--data-cache-path {args.data_cache_path}: {exc.strerror}") from None
+            raise ConfigError(f"--data-cache-path {args.data_cache_path}: {exc.strerror}") from None
         if not os.access(args.data_cache_path, os.W_OK):
-            raise ArgumentError(f"--data-cache-path {args.data_cache_path}: not writable")
+            raise ConfigError(f"--data-cache-path {args.data_cache_path}: not writable")
     args.tokenizer_vocab_size = tokenizer.vocab_size
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
@@ -378,6 +388,6 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
         check_flag_values(parser, args)  # every numeric flag in its domain, list flags parsed strictly
         finalize_args(args)
         validate_args(args)
-    except (ArgumentError, FlagError) as exc:
+    except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     return args

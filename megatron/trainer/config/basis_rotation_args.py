@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 
 GEOMETRIES = ("bilateral", "unilateral")
 SOURCES = ("second-moment", "momentum")
@@ -29,13 +29,13 @@ def add_basis_rotation_args(group: argparse._ArgumentGroup) -> None:
 
 
 def validate_basis_rotation_args(args: argparse.Namespace) -> None:
-    """One-line :class:`ArgumentError` for a bad combination."""
-    if getattr(args, "optimizer", "adamw") != "basis-rotation":
-        if getattr(args, "rotation_stage_aware", False):
-            raise ArgumentError("--rotation-stage-aware needs --optimizer basis-rotation")
+    """One-line :class:`ConfigError` for a bad combination."""
+    if args.optimizer != "basis-rotation":
+        if args.rotation_stage_aware:
+            raise ConfigError("--rotation-stage-aware needs --optimizer basis-rotation")
         return
     if args.rotation_refresh_interval < 0:
-        raise ArgumentError(f"--rotation-refresh-interval must be >= 0, got {args.rotation_refresh_interval}")
-    if getattr(args, "enable_optimizer_post_validation", False):
-        raise ArgumentError("--optimizer basis-rotation does not support --enable-optimizer-post-validation "
-                            "(its rollback would have to undo basis statistics and refreshes)")
+        raise ConfigError(f"--rotation-refresh-interval must be >= 0, got {args.rotation_refresh_interval}")
+    if args.enable_optimizer_post_validation:
+        raise ConfigError("--optimizer basis-rotation does not support --enable-optimizer-post-validation "
+                          "(its rollback would have to undo basis statistics and refreshes)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 
 #: Megatron-LM's DDP default bucket size in elements (its max(40M, 1M x DP) for DP <= 40).
 DEFAULT_BUCKET_SIZE = 40_000_000
@@ -42,21 +42,21 @@ def add_ddp_args(p: argparse.ArgumentParser) -> None:
 
 
 def validate_ddp_args(args: argparse.Namespace) -> None:
-    """One-line :class:`ArgumentError` for a combination that cannot act; fills the default size
+    """One-line :class:`ConfigError` for a combination that cannot act; fills the default size
     (the domain, >= 1, is :data:`~megatron.trainer.config.flag_checks.DOMAINS`')."""
     if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
-        raise ArgumentError("--ddp-bucket-size sizes the buckets of --overlap-grad-reduce; without it the "
-                            "gradients are all-reduced at once at the step")
+        raise ConfigError("--ddp-bucket-size sizes the buckets of --overlap-grad-reduce; without it the "
+                          "gradients are all-reduced at once at the step")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ArgumentError("--overlap-param-gather needs the distributed optimizer (--use-distributed-optimizer): "
-                            "it overlaps that optimizer's parameter all-gather")
-    if args.use_distributed_optimizer and getattr(args, "optimizer", "adamw") == "basis-rotation":
-        raise ArgumentError("--use-distributed-optimizer with --optimizer basis-rotation is not supported: basis "
-                            "rotation rotates whole matrices, its state does not shard into element ranges")
+        raise ConfigError("--overlap-param-gather needs the distributed optimizer (--use-distributed-optimizer): "
+                          "it overlaps that optimizer's parameter all-gather")
+    if args.use_distributed_optimizer and args.optimizer == "basis-rotation":
+        raise ConfigError("--use-distributed-optimizer with --optimizer basis-rotation is not supported: basis "
+                          "rotation rotates whole matrices, its state does not shard into element ranges")
     if args.overlap_grad_reduce and args.ddp_bucket_size is None:
         args.ddp_bucket_size = DEFAULT_BUCKET_SIZE
 
 
 def overlap_bucket_size(args: argparse.Namespace) -> int | None:
     """What the distributed transport gets: the bucket size when overlapping, else None."""
-    return args.ddp_bucket_size if getattr(args, "overlap_grad_reduce", False) else None
+    return args.ddp_bucket_size if args.overlap_grad_reduce else None

@@ -1,14 +1,14 @@
-"""The error every flag check raises: one line for the user, before any rank starts.
+"""The one error of a run's configuration: one line for the user, before any rank starts.
 
-It lives apart from :mod:`~megatron.trainer.config.arguments` so feature modules and schedule
-checks can raise it without importing the parser (which imports them: an import cycle).
+Every check of a flag, a combination of flags, the data, the tokenizer, the memory estimate
+or the schedule raises :class:`ConfigError`; the entry point prints ``error: <message>`` and
+exits with status 2. It lives apart from :mod:`~megatron.trainer.config.arguments` so feature
+modules and schedule checks can raise it without importing the parser (which imports them:
+an import cycle).
 """
 from __future__ import annotations
 
 
-class ArgumentError(ValueError):
-    """A bad flag combination; the message is one line for the user."""
+class ConfigError(ValueError):
+    """A configuration this run cannot use; the message is one line for the user."""
 
-
-class CompatArgumentError(ValueError):
-    """A bad Megatron-LM compatibility flag (or rampup); one line for the user."""

@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import signal
 
+from megatron.trainer.config.errors import ConfigError
 from megatron.pipeline.schedules import SCHEDULES
-from megatron.trainer.config.run_control_args import RunControlError
+
 
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
-
-
-class ExitArgumentError(RunControlError):
-    """A bad exit flag; one line for the user (reported like the other run-control flags)."""
 
 
 def add_exit_args(p: argparse.ArgumentParser) -> None:
@@ -44,14 +41,14 @@ def add_exit_args(p: argparse.ArgumentParser) -> None:
 
 def exit_signal(args: argparse.Namespace) -> signal.Signals | None:
     """The signal that asks this run to save and stop (None without ``--exit-signal-handler``)."""
-    if not getattr(args, "exit_signal_handler", False):
+    if not args.exit_signal_handler:
         return None
     return signal.Signals[args.exit_signal or "SIGTERM"]
 
 
 def stops_early(args: argparse.Namespace) -> bool:
     """Whether the run checks for a graceful stop between segments."""
-    return bool(getattr(args, "exit_signal_handler", False)) or getattr(args, "exit_duration_in_mins", None) is not None
+    return bool(args.exit_signal_handler) or args.exit_duration_in_mins is not None
 
 
 def validate_exit_args(args: argparse.Namespace) -> None:
@@ -60,20 +57,20 @@ def validate_exit_args(args: argparse.Namespace) -> None:
     schedule = SCHEDULES.get(args.pipeline_schedule)  # an unknown name is reported later
     asynchronous = schedule is not None and schedule.asynchronous
     if args.exit_signal is not None and not args.exit_signal_handler:
-        raise ExitArgumentError("--exit-signal needs --exit-signal-handler")
+        raise ConfigError("--exit-signal needs --exit-signal-handler")
     # Ranges (finite, > 0, >= 1) are flag_checks.DOMAINS' job, checked before this.
     if not stops_early(args):
         if args.exit_check_interval is not None:
-            raise ExitArgumentError("--exit-check-interval needs --exit-signal-handler or --exit-duration-in-mins")
+            raise ConfigError("--exit-check-interval needs --exit-signal-handler or --exit-duration-in-mins")
         return
     which = "--exit-signal-handler" if args.exit_signal_handler else "--exit-duration-in-mins"
     if args.save is None:
-        raise ExitArgumentError(f"{which} needs --save DIR: the stop saves a checkpoint to resume from")
+        raise ConfigError(f"{which} needs --save DIR: the stop saves a checkpoint to resume from")
     if args.exit_check_interval is not None:
         args.exit_check_every = args.exit_check_interval
     elif not asynchronous:
         args.exit_check_every = 1
     elif args.save_interval is None and args.eval_interval is None:
-        raise ExitArgumentError(
+        raise ConfigError(
             f"{which} with the asynchronous schedule {args.pipeline_schedule} needs --save-interval, "
             f"--eval-interval or --exit-check-interval: it can only stop where its pipeline drains")

@@ -21,9 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-
-class FlagError(ValueError):
-    """A flag value outside its domain or a malformed list; one line for the user."""
+from megatron.trainer.config.errors import ConfigError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -124,19 +122,20 @@ def _values(value: Any) -> list[Any]:
 
 def check_flag_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every numeric flag finite and inside its :data:`DOMAINS` entry; every list flag of
-    :data:`LIST_PARSERS` well formed. Raises :class:`FlagError` for the first problem."""
+    :data:`LIST_PARSERS` well formed. Raises :class:`ConfigError` for the first problem."""
+    flags = vars(args)  # the flags by dest
     for action in numeric_actions(parser):
         flag = action.option_strings[-1]
-        for value in _values(getattr(args, action.dest, None)):
+        for value in _values(flags.get(action.dest)):
             if value is None:
                 continue
             if isinstance(value, float) and not math.isfinite(value):
-                raise FlagError(f"{flag} must be a finite number, got {value}")
+                raise ConfigError(f"{flag} must be a finite number, got {value}")
             domain = DOMAINS.get(action.dest)
             if domain is not None and value not in domain:
-                raise FlagError(f"{flag} must be {domain}, got {value}")
+                raise ConfigError(f"{flag} must be {domain}, got {value}")
     for dest, parse in LIST_PARSERS.items():
-        value = getattr(args, dest, None)
+        value = flags.get(dest)
         if value is not None:
             parse(value)
 
@@ -160,13 +159,13 @@ def parse_split_weights(split: str) -> list[float]:
     numbers = [_number(p) for p in parts]
     if not text or not 1 <= len(parts) <= 3 or any(n is None for n in numbers):
         bad = next((p for p, n in zip(parts, numbers) if n is None), text)
-        raise FlagError(f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1 "
-                        f"({bad!r} is not a number)")
+        raise ConfigError(f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1 "
+                          f"({bad!r} is not a number)")
     weights = [float(n) for n in numbers]  # type: ignore[arg-type]
     if not all(math.isfinite(w) and w >= 0 for w in weights):
-        raise FlagError(f"--split {split!r}: shares must be finite and >= 0")
+        raise ConfigError(f"--split {split!r}: shares must be finite and >= 0")
     if weights[0] <= 0:
-        raise FlagError(f"--split {split!r}: the training share must be positive")
+        raise ConfigError(f"--split {split!r}: the training share must be positive")
     return weights + [0.0] * (3 - len(weights))
 
 
@@ -180,23 +179,23 @@ def parse_blend(items: Sequence[str]) -> tuple[list[str], list[float] | None]:
     """
     items = [str(x).strip() for x in items if str(x).strip()]
     if not items:
-        raise FlagError("--data-path needs a dataset prefix (or weight/prefix pairs)")
+        raise ConfigError("--data-path needs a dataset prefix (or weight/prefix pairs)")
     numbers = [_number(x) for x in items]
     if all(n is None for n in numbers):
         return items, None
     if len(items) % 2:
-        raise FlagError(f"--data-path has {len(items)} items with weights among them; expected "
-                        f"WEIGHT PREFIX pairs (e.g. 0.3 data/a 0.7 data/b)")
+        raise ConfigError(f"--data-path has {len(items)} items with weights among them; expected "
+                          f"WEIGHT PREFIX pairs (e.g. 0.3 data/a 0.7 data/b)")
     for position, (item, number) in enumerate(zip(items, numbers)):
         is_weight_slot = position % 2 == 0
         if is_weight_slot and number is None:
-            raise FlagError(f"--data-path mixes weighted and unweighted prefixes ({item!r} is not a weight)")
+            raise ConfigError(f"--data-path mixes weighted and unweighted prefixes ({item!r} is not a weight)")
         if not is_weight_slot and number is not None:
-            raise FlagError(f"--data-path: {item!r} stands where a dataset prefix belongs "
-                            f"(expected WEIGHT PREFIX pairs)")
+            raise ConfigError(f"--data-path: {item!r} stands where a dataset prefix belongs "
+                              f"(expected WEIGHT PREFIX pairs)")
     weights = [float(n) for n in numbers[0::2]]  # type: ignore[arg-type]
     if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-        raise FlagError(f"--data-path weights must be finite and >= 0 with a positive sum, got {weights}")
+        raise ConfigError(f"--data-path weights must be finite and >= 0 with a positive sum, got {weights}")
     return items[1::2], weights
 
 

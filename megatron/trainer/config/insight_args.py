@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.trainer.config.errors import ConfigError
+
 
 PARTITIONS = ("balanced", "even", "profiled")
-
-
-class InsightArgumentError(ValueError):
-    """A bad tracing / partition flag; one line for the user."""
 
 
 def _partition_name(value: str) -> str:
@@ -64,15 +62,15 @@ def validate_insight_args(args: argparse.Namespace) -> None:
         return
     pp = args.pipeline_model_parallel_size
     if hasattr(args, "synthetic_forward_ms"):
-        raise InsightArgumentError("--pipeline-partition profiled profiles GPT and BERT layers; this task has none")
+        raise ConfigError("--pipeline-partition profiled profiles GPT and BERT layers; this task has none")
     if args.num_layers < pp:
-        raise InsightArgumentError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= "
-                                   f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")
-    if getattr(args, "num_model_chunks", 1) != 1:
-        raise InsightArgumentError("--pipeline-partition profiled splits one chunk per stage; "
-                                   "interleaved schedules need the even split")
+        raise ConfigError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= "
+                          f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")
+    if args.num_model_chunks != 1:
+        raise ConfigError("--pipeline-partition profiled splits one chunk per stage; "
+                          "interleaved schedules need the even split")
     if args.pipeline_partition_profile_iters < 1:
-        raise InsightArgumentError("--pipeline-partition-profile-iters must be >= 1")
+        raise ConfigError("--pipeline-partition-profile-iters must be >= 1")
     from megatron.trainer.tasks.balanced_partition import checkpoint_split
 
     _, split = checkpoint_split(args)  # resuming: keep the split the weights were saved with
@@ -87,20 +85,20 @@ def _resolve_partition(args: argparse.Namespace) -> None:
     an explicit choice that cannot apply is refused."""
     from megatron.trainer.tasks.balanced_partition import apply_balanced_split, checkpoint_split, why_not_balanced
 
-    asked = getattr(args, "pipeline_partition", None)
-    memory = getattr(args, "pipeline_partition_memory_gb", None)
+    asked = args.pipeline_partition
+    memory = args.pipeline_partition_memory_gb
     if memory is not None and memory <= 0:
-        raise InsightArgumentError("--pipeline-partition-memory-gb must be > 0")
-    if getattr(args, "_balanced_split", False):  # validated before: decide again from the flags
+        raise ConfigError("--pipeline-partition-memory-gb must be > 0")
+    if args._balanced_split:  # validated before: decide again from the flags
         args.pipeline_layer_split, asked = None, "balanced"
     if args.pipeline_layer_split is not None:
         if asked in ("balanced", "profiled"):
-            raise InsightArgumentError(f"--pipeline-partition {asked} chooses the split; drop --pipeline-layer-split")
+            raise ConfigError(f"--pipeline-partition {asked} chooses the split; drop --pipeline-layer-split")
         args.pipeline_partition = "explicit"
     elif asked in (None, "balanced"):
         reason = why_not_balanced(args)
         if reason is not None and asked == "balanced":
-            raise InsightArgumentError(f"--pipeline-partition balanced cannot apply: {reason}")
+            raise ConfigError(f"--pipeline-partition balanced cannot apply: {reason}")
         args.pipeline_partition = "even" if reason is not None else "balanced"
         resumed, split = checkpoint_split(args) if asked is None and reason is None else (False, None)
         if resumed:  # the default keeps a checkpoint's split (even before the balanced default)
@@ -108,4 +106,4 @@ def _resolve_partition(args: argparse.Namespace) -> None:
         elif reason is None:
             apply_balanced_split(args)
     if memory is not None and args.pipeline_partition in ("even", "explicit"):
-        raise InsightArgumentError("--pipeline-partition-memory-gb needs --pipeline-partition balanced or profiled")
+        raise ConfigError("--pipeline-partition-memory-gb needs --pipeline-partition balanced or profiled")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from megatron.trainer.config.errors import CompatArgumentError
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.rampup_args import batch_plan, validate_rampup
 from megatron.trainer.optim.lr_schedule import WSD_DECAY_STYLES
 
@@ -111,7 +111,7 @@ def finalize_megatron_compat_args(args: argparse.Namespace) -> None:
 
     Each value is already in its domain (``flag_checks.DOMAINS``); these are the cross-flag rules."""
     if args.train_iters is not None and args.train_samples is not None:
-        raise CompatArgumentError("--train-iters and --train-samples are mutually exclusive")
+        raise ConfigError("--train-iters and --train-samples are mutually exclusive")
     if args.swiglu and args.ffn_hidden_size is None:
         args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
     if args.group_query_attention and args.num_query_groups is None:
@@ -125,11 +125,11 @@ def finalize_megatron_compat_args(args: argparse.Namespace) -> None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_samples:
         if args.lr_warmup_iters:
-            raise CompatArgumentError("--lr-warmup-iters and --lr-warmup-samples are mutually exclusive")
+            raise ConfigError("--lr-warmup-iters and --lr-warmup-samples are mutually exclusive")
         args.lr_warmup_iters = args.batch_plan.iterations_for(args.lr_warmup_samples)
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
-            raise CompatArgumentError("can only specify one of --lr-warmup-fraction and --lr-warmup-iters/-samples")
+            raise ConfigError("can only specify one of --lr-warmup-fraction and --lr-warmup-iters/-samples")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     _samples_to_iters(args, args.lr_wsd_decay_samples, "lr_wsd_decay_iters")
 
@@ -140,17 +140,17 @@ def _samples_to_iters(args: argparse.Namespace, samples: int | None, iters: str)
         return
     if getattr(args, iters) is not None:
         flag = "--" + iters.replace("_", "-")
-        raise CompatArgumentError(f"{flag.replace('-iters', '-samples')} and {flag} are mutually exclusive")
+        raise ConfigError(f"{flag.replace('-iters', '-samples')} and {flag} are mutually exclusive")
     setattr(args, iters, args.batch_plan.iterations_for(samples))
 
 
 def validate_megatron_compat_args(args: argparse.Namespace) -> None:
-    """Raise :class:`CompatArgumentError` (one line) for a flag this run cannot honour."""
+    """Raise :class:`ConfigError` (one line) for a flag this run cannot honour."""
     for dest, message in REFUSED_FLAGS.items():
         if getattr(args, dest):
-            raise CompatArgumentError(message)
+            raise ConfigError(message)
     if args.optimizer == "sgd":
-        raise CompatArgumentError("--optimizer sgd is not implemented (adam/adamw and basis-rotation are)")
+        raise ConfigError("--optimizer sgd is not implemented (adam/adamw and basis-rotation are)")
     if args.optimizer == "adam":  # Megatron-LM's adam is AdamW: decoupled weight decay
         args.optimizer = "adamw"
     _validate_wsd(args)
@@ -159,41 +159,41 @@ def validate_megatron_compat_args(args: argparse.Namespace) -> None:
     _validate_data_flags(args)
     _validate_loading(args)
     if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
-        raise CompatArgumentError("--wandb-project needs the wandb package: pip install -e \".[wandb]\" (or pip install wandb)")
+        raise ConfigError("--wandb-project needs the wandb package: pip install -e \".[wandb]\" (or pip install wandb)")
     if args.wandb_project is None and (args.wandb_exp_name or args.wandb_save_dir):
-        raise CompatArgumentError("--wandb-exp-name/--wandb-save-dir need --wandb-project")
+        raise ConfigError("--wandb-exp-name/--wandb-save-dir need --wandb-project")
     validate_rampup(args)
 
 
 def _validate_wsd(args: argparse.Namespace) -> None:
     if args.lr_decay_style != "WSD":
         if args.lr_wsd_decay_iters is not None:
-            raise CompatArgumentError("--lr-wsd-decay-iters/-samples need --lr-decay-style WSD")
+            raise ConfigError("--lr-wsd-decay-iters/-samples need --lr-decay-style WSD")
         return
     if args.lr_wsd_decay_iters is None:
-        raise CompatArgumentError("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
+        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
     room = args.lr_decay_iters - args.lr_warmup_iters
     if not 1 <= args.lr_wsd_decay_iters <= room:
-        raise CompatArgumentError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must be in [1, {room}] "
-                                  f"(decay iterations minus warm-up)")
+        raise ConfigError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must be in [1, {room}] "
+                          f"(decay iterations minus warm-up)")
 
 
 def _validate_model_options(args: argparse.Namespace) -> None:
     """Model options megatron-core's BERT lacks, and attention backends our spec cannot run."""
     bert = hasattr(args, "bert_binary_head")
     if bert and args.position_embedding_type == "none":
-        raise CompatArgumentError("--position-embedding-type none: megatron-core's BertModel supports "
-                                  "learned_absolute and rope only")
+        raise ConfigError("--position-embedding-type none: megatron-core's BertModel supports "
+                          "learned_absolute and rope only")
     if bert and args.rotary_base != 10000:
-        raise CompatArgumentError("--rotary-base: megatron-core's BertModel has a fixed RoPE base of 10000")
+        raise ConfigError("--rotary-base: megatron-core's BertModel has a fixed RoPE base of 10000")
     if args.position_embedding_type != "rope" and (args.rotary_base != 10000 or args.rotary_percent != 1.0):
-        raise CompatArgumentError("--rotary-base/--rotary-percent need --position-embedding-type rope")
+        raise ConfigError("--rotary-base/--rotary-percent need --position-embedding-type rope")
     kv = args.kv_channels or args.hidden_size // args.num_attention_heads
     if args.position_embedding_type == "rope" and int(kv * args.rotary_percent) % 2:
-        raise CompatArgumentError(f"--rotary-percent {args.rotary_percent} of head dimension {kv} must be even")
+        raise ConfigError(f"--rotary-percent {args.rotary_percent} of head dimension {kv} must be even")
     if args.attention_backend not in LOCAL_SPEC_BACKENDS and args.transformer_impl != "transformer_engine":
-        raise CompatArgumentError(f"--attention-backend {args.attention_backend} needs --transformer-impl "
-                                  f"transformer_engine (the local spec runs auto, unfused or local)")
+        raise ConfigError(f"--attention-backend {args.attention_backend} needs --transformer-impl "
+                          f"transformer_engine (the local spec runs auto, unfused or local)")
 
 
 def _validate_transformer_impl(args: argparse.Namespace) -> None:
@@ -201,15 +201,15 @@ def _validate_transformer_impl(args: argparse.Namespace) -> None:
     if args.transformer_impl != "transformer_engine":
         return
     if args.device == "cpu":
-        raise CompatArgumentError("--transformer-impl transformer_engine needs a GPU; use --transformer-impl "
-                                  "local on --device cpu")
+        raise ConfigError("--transformer-impl transformer_engine needs a GPU; use --transformer-impl "
+                          "local on --device cpu")
     if importlib.util.find_spec("transformer_engine") is None:
-        raise CompatArgumentError("--transformer-impl transformer_engine needs the transformer_engine package "
-                                  "(pip install transformer_engine[pytorch]); or use --transformer-impl local")
+        raise ConfigError("--transformer-impl transformer_engine needs the transformer_engine package "
+                          "(pip install transformer_engine[pytorch]); or use --transformer-impl local")
     import torch
 
     if not torch.cuda.is_available():
-        raise CompatArgumentError("--transformer-impl transformer_engine needs a GPU and none is available")
+        raise ConfigError("--transformer-impl transformer_engine needs a GPU and none is available")
 
 
 def _validate_data_flags(args: argparse.Namespace) -> None:
@@ -219,14 +219,14 @@ def _validate_data_flags(args: argparse.Namespace) -> None:
     if not used:
         return
     if hasattr(args, "bert_binary_head"):
-        raise CompatArgumentError(f"{' '.join(used)}: GPT-only flags (BERT samples are sentence pairs)")
+        raise ConfigError(f"{' '.join(used)}: GPT-only flags (BERT samples are sentence pairs)")
     if args.data_path is None:
-        raise CompatArgumentError(f"{' '.join(used)} need --data-path: mock data has no end-of-document tokens")
+        raise ConfigError(f"{' '.join(used)} need --data-path: mock data has no end-of-document tokens")
 
 
 def _validate_loading(args: argparse.Namespace) -> None:
     if (args.no_load_optim or args.finetune) and args.load is None:
-        raise CompatArgumentError("--no-load-optim/--finetune need --load DIR")
+        raise ConfigError("--no-load-optim/--finetune need --load DIR")
 
 
 def compat_model_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -234,7 +234,7 @@ def compat_model_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return dict(swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, norm_epsilon=args.norm_epsilon,
                 kv_channels=args.kv_channels, rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
                 attention_backend=args.attention_backend, sequence_parallel=args.sequence_parallel,
-                tie_embeddings=getattr(args, "tie_embeddings", False))
+                tie_embeddings=args.tie_embeddings)
 
 
 def flops_per_iteration(args: argparse.Namespace, global_batch: int) -> float:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 
 FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
 EMBEDDING, LOSS = "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"
@@ -55,17 +55,17 @@ def uneven_split(num_layers: int, pp: int, first: int | None, last: int | None) 
     """Megatron's ``--decoder-first/last-pipeline-num-layers`` split."""
     for flag, value in ((FIRST, first), (LAST, last)):
         if value is not None and value <= 0:
-            raise ArgumentError(f"{flag} must be > 0, got {value}")
+            raise ConfigError(f"{flag} must be > 0, got {value}")
     if first is not None and last is not None and pp < 2:
-        raise ArgumentError(f"{FIRST} and {LAST} need --pipeline-model-parallel-size >= 2")
+        raise ConfigError(f"{FIRST} and {LAST} need --pipeline-model-parallel-size >= 2")
     middle_layers = num_layers - (first or 0) - (last or 0)
     middle_stages = pp - (first is not None) - (last is not None)
     if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
-        raise ArgumentError(f"{FIRST}/{LAST} leave {middle_layers} layers of --num-layers {num_layers} "
-                            f"for {middle_stages} middle stages")
+        raise ConfigError(f"{FIRST}/{LAST} leave {middle_layers} layers of --num-layers {num_layers} "
+                          f"for {middle_stages} middle stages")
     if middle_stages and middle_layers % middle_stages:
-        raise ArgumentError(f"{FIRST}/{LAST} leave {middle_layers} layers, not divisible by the "
-                            f"{middle_stages} middle stages")
+        raise ConfigError(f"{FIRST}/{LAST} leave {middle_layers} layers, not divisible by the "
+                          f"{middle_stages} middle stages")
     per = middle_layers // middle_stages if middle_stages else 0
     counts = [per] * pp
     if first is not None:
@@ -79,8 +79,8 @@ def accounted_split(num_layers: int, pp: int, embedding: bool, loss: bool) -> li
     """Megatron's split with the embedding and/or the loss counted as one layer each."""
     total = num_layers + int(embedding) + int(loss)
     if total % pp:
-        raise ArgumentError(f"--num-layers {num_layers} + {int(embedding) + int(loss)} "
-                            f"({EMBEDDING}/{LOSS}) is not divisible by --pipeline-model-parallel-size {pp}")
+        raise ConfigError(f"--num-layers {num_layers} + {int(embedding) + int(loss)} "
+                          f"({EMBEDDING}/{LOSS}) is not divisible by --pipeline-model-parallel-size {pp}")
     counts = [total // pp] * pp
     counts[0] -= int(embedding)
     counts[-1] -= int(loss)
@@ -100,7 +100,7 @@ def parse_layout(layout: str) -> list[str]:
     for stage in stages:
         for char in stage:
             if char not in "EtLm":
-                raise ArgumentError(f"{LAYOUT} {layout!r}: unknown layer {char!r} (E, t, L, |, (...)*n, x*n)")
+                raise ConfigError(f"{LAYOUT} {layout!r}: unknown layer {char!r} (E, t, L, |, (...)*n, x*n)")
     return stages
 
 
@@ -108,18 +108,18 @@ def layout_split(layout: str, num_layers: int, pp: int) -> list[int]:
     """Transformer layers per virtual stage (in model order) of a ``--pipeline-model-parallel-layout``."""
     stages = parse_layout(layout)
     if len(stages) % pp:
-        raise ArgumentError(f"{LAYOUT} {layout!r} has {len(stages)} stages, not a multiple of "
-                            f"--pipeline-model-parallel-size {pp}")
+        raise ConfigError(f"{LAYOUT} {layout!r} has {len(stages)} stages, not a multiple of "
+                          f"--pipeline-model-parallel-size {pp}")
     flat = "".join(stages)
     if "m" in flat:
-        raise ArgumentError(f"{LAYOUT} {layout!r}: MTP layers (m) are not supported here")
+        raise ConfigError(f"{LAYOUT} {layout!r}: MTP layers (m) are not supported here")
     if flat.count("E") != 1 or flat.count("L") != 1:
-        raise ArgumentError(f"{LAYOUT} {layout!r} needs exactly one E and one L")
+        raise ConfigError(f"{LAYOUT} {layout!r} needs exactly one E and one L")
     if not stages[0].startswith("E") or not stages[-1].endswith("L"):
-        raise ArgumentError(f"{LAYOUT} {layout!r}: E must open the first stage and L close the last "
-                            f"(the embedding and the loss live there)")
+        raise ConfigError(f"{LAYOUT} {layout!r}: E must open the first stage and L close the last "
+                          f"(the embedding and the loss live there)")
     if flat.count("t") != num_layers:
-        raise ArgumentError(f"{LAYOUT} {layout!r} has {flat.count('t')} transformer layers, --num-layers is {num_layers}")
+        raise ConfigError(f"{LAYOUT} {layout!r} has {flat.count('t')} transformer layers, --num-layers is {num_layers}")
     return [stage.count("t") for stage in stages]
 
 
@@ -134,18 +134,18 @@ def _requested(args: argparse.Namespace) -> list[str]:
 def _check_combinations(args: argparse.Namespace, flags: list[str]) -> None:
     """Megatron's exclusions, plus ours: one source of the split at a time."""
     if args.pipeline_layer_split is not None:
-        raise ArgumentError(f"{flags[0]} sets the layer split; drop --pipeline-layer-split")
-    if getattr(args, "pipeline_partition", None) is not None:
-        raise ArgumentError(f"{flags[0]} sets the layer split; drop --pipeline-partition")
+        raise ConfigError(f"{flags[0]} sets the layer split; drop --pipeline-layer-split")
+    if args.pipeline_partition is not None:
+        raise ConfigError(f"{flags[0]} sets the layer split; drop --pipeline-partition")
     if LAYOUT in flags and len(flags) > 1:
-        raise ArgumentError(f"{LAYOUT} cannot be combined with {[f for f in flags if f != LAYOUT][0]}")
+        raise ConfigError(f"{LAYOUT} cannot be combined with {[f for f in flags if f != LAYOUT][0]}")
     if {FIRST, LAST} & set(flags) and {EMBEDDING, LOSS} & set(flags):
-        raise ArgumentError(f"{FIRST}/{LAST} cannot be combined with {EMBEDDING}/{LOSS} (as in Megatron-LM)")
+        raise ConfigError(f"{FIRST}/{LAST} cannot be combined with {EMBEDDING}/{LOSS} (as in Megatron-LM)")
     if LAYOUT in flags and args.num_layers_per_virtual_pipeline_stage is not None:
-        raise ArgumentError(f"{LAYOUT} sets the virtual stages; drop --num-layers-per-virtual-pipeline-stage")
+        raise ConfigError(f"{LAYOUT} sets the virtual stages; drop --num-layers-per-virtual-pipeline-stage")
     if LAYOUT not in flags and args.num_layers_per_virtual_pipeline_stage is not None:
-        raise ArgumentError(f"{flags[0]} with --num-layers-per-virtual-pipeline-stage: Megatron-LM needs "
-                            f"--num-virtual-stages-per-pipeline-rank for uneven virtual stages, not supported here")
+        raise ConfigError(f"{flags[0]} with --num-layers-per-virtual-pipeline-stage: Megatron-LM needs "
+                          f"--num-virtual-stages-per-pipeline-rank for uneven virtual stages, not supported here")
 
 
 def resolve_megatron_split(args: argparse.Namespace) -> None:
@@ -153,7 +153,7 @@ def resolve_megatron_split(args: argparse.Namespace) -> None:
     virtual layout, ``args.num_layers_per_virtual_pipeline_stage``), recording which flag in
     ``args.layer_split_source`` for the banner. Runs before the model chunks are derived."""
     flags = _requested(args)
-    if not flags or getattr(args, "layer_split_source", None):  # none, or resolved by an earlier validation
+    if not flags or args.layer_split_source:  # none, or resolved by an earlier validation
         return
     _check_combinations(args, flags)
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
@@ -165,12 +165,12 @@ def resolve_megatron_split(args: argparse.Namespace) -> None:
         counts = accounted_split(layers, pp, args.account_for_embedding_in_pipeline_split,
                                  args.account_for_loss_in_pipeline_split)
     if 0 in counts:
-        raise ArgumentError(f"{flags[0]} gives the layer split {counts}: a stage without transformer "
-                            f"layers is not supported here")
+        raise ConfigError(f"{flags[0]} gives the layer split {counts}: a stage without transformer "
+                          f"layers is not supported here")
     if len(counts) > pp:
         if len(set(counts)) != 1:
-            raise ArgumentError(f"{LAYOUT}: virtual stages of {counts} layers; only the same number of "
-                                f"layers in every virtual stage maps onto the interleaved chunks here")
+            raise ConfigError(f"{LAYOUT}: virtual stages of {counts} layers; only the same number of "
+                              f"layers in every virtual stage maps onto the interleaved chunks here")
         args.num_layers_per_virtual_pipeline_stage = counts[0]
     else:  # spelled out even when even: the default balanced partition must not move it
         args.pipeline_layer_split = counts

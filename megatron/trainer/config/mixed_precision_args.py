@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 
 from megatron.pipeline.runtime.loss_scaling import LossScaleConfig
 
@@ -49,32 +49,33 @@ def _may_turn_asynchronous(name: str) -> bool:
 
 
 def validate_mixed_precision_args(args: argparse.Namespace) -> None:
-    """One-line :class:`ArgumentError` for a bad combination; fills the dynamic defaults."""
+    """One-line :class:`ConfigError` for a bad combination; fills the dynamic defaults."""
     if args.fp16 and args.bf16:
-        raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
+        raise ConfigError("--fp16 and --bf16 are mutually exclusive")
     if args.fp16 and _may_turn_asynchronous(args.pipeline_schedule):
-        raise ArgumentError(f"--fp16 with --pipeline-schedule {args.pipeline_schedule}: the loss scaler is "
-                            "pipeline-wide or stage-local from the start, and the choice may switch from one "
-                            "to the other; use --bf16 or --pipeline-schedule auto")
-    given = [name for name in ("loss_scale", *_DYNAMIC_DEFAULTS) if getattr(args, name) is not None]
+        raise ConfigError(f"--fp16 with --pipeline-schedule {args.pipeline_schedule}: the loss scaler is "
+                          "pipeline-wide or stage-local from the start, and the choice may switch from one "
+                          "to the other; use --bf16 or --pipeline-schedule auto")
+    flags = vars(args)  # the flags by dest
+    given = [name for name in ("loss_scale", *_DYNAMIC_DEFAULTS) if flags[name] is not None]
     if given and not args.fp16:
-        raise ArgumentError(f"--{given[0].replace('_', '-')} needs --fp16 (loss scaling is for fp16 only)")
+        raise ConfigError(f"--{given[0].replace('_', '-')} needs --fp16 (loss scaling is for fp16 only)")
     if args.loss_scale is not None:
-        dynamic = [name for name in _DYNAMIC_DEFAULTS if getattr(args, name) is not None]
+        dynamic = [name for name in _DYNAMIC_DEFAULTS if flags[name] is not None]
         if dynamic:
-            raise ArgumentError(f"--{dynamic[0].replace('_', '-')} is for dynamic loss scaling; "
-                                f"--loss-scale {args.loss_scale} is static")
+            raise ConfigError(f"--{dynamic[0].replace('_', '-')} is for dynamic loss scaling; "
+                              f"--loss-scale {args.loss_scale} is static")
         if not args.loss_scale > 0:
-            raise ArgumentError(f"--loss-scale must be > 0, got {args.loss_scale}")
+            raise ConfigError(f"--loss-scale must be > 0, got {args.loss_scale}")
     for name, default in _DYNAMIC_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+        if flags[name] is None:
+            flags[name] = default
     if not 0 < args.min_loss_scale <= args.initial_loss_scale:
-        raise ArgumentError(f"need 0 < --min-loss-scale {args.min_loss_scale} <= --initial-loss-scale "
-                            f"{args.initial_loss_scale}")
+        raise ConfigError(f"need 0 < --min-loss-scale {args.min_loss_scale} <= --initial-loss-scale "
+                          f"{args.initial_loss_scale}")
     if args.loss_scale_window < 1 or args.hysteresis < 1:
-        raise ArgumentError("--loss-scale-window and --hysteresis must be >= 1")
-    _resolve_rollback_mode(args, ArgumentError)
+        raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
+    _resolve_rollback_mode(args, ConfigError)
 
 
 def _resolve_rollback_mode(args: argparse.Namespace, error: type[Exception]) -> None:
@@ -92,7 +93,7 @@ def _resolve_rollback_mode(args: argparse.Namespace, error: type[Exception]) -> 
 
 def loss_scale_config(args: argparse.Namespace, asynchronous: bool) -> LossScaleConfig | None:
     """The stages' loss scaling for this run (None without ``--fp16``)."""
-    if not getattr(args, "fp16", False):
+    if not args.fp16:
         return None
     return LossScaleConfig(static_scale=args.loss_scale, initial_scale=args.initial_loss_scale,
                            min_scale=args.min_loss_scale, window=args.loss_scale_window,

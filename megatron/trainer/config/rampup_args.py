@@ -35,12 +35,9 @@ from dataclasses import dataclass
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfigError, schedule_class
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
-from megatron.trainer.config.errors import CompatArgumentError
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.run_config import schedule_config
 
-
-class RampupError(CompatArgumentError):
-    """A rampup this run cannot follow; one line for the user."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +92,9 @@ def batch_plan(args: argparse.Namespace) -> BatchPlan:
     start, increment, samples = args.rampup_batch_size
     final = args.global_batch_size
     if start < 1 or increment < 1 or samples < 0:
-        raise RampupError("--rampup-batch-size needs START >= 1, INCREMENT >= 1, SAMPLES >= 0")
+        raise ConfigError("--rampup-batch-size needs START >= 1, INCREMENT >= 1, SAMPLES >= 0")
     if start > final or (final - start) % increment:
-        raise RampupError(f"--rampup-batch-size: --global-batch-size {final} minus START {start} must be a "
+        raise ConfigError(f"--rampup-batch-size: --global-batch-size {final} minus START {start} must be a "
                           f"non-negative multiple of INCREMENT {increment}")
     calculator = RampupBatchsizeNumMicroBatchesCalculator(
         final, args.micro_batch_size, args.data_parallel_size, False, 0, start, increment, samples)
@@ -122,21 +119,21 @@ def validate_rampup(args: argparse.Namespace) -> None:
         fixed = "plans from costs profiled once at the run's start (pass --zb-costs and --zb-profile-iters 0)"
     if fixed:
         ramping = [name for name, other in SCHEDULES.items() if _built_for_one_accumulation(other) is None]
-        raise RampupError(f"--rampup-batch-size: {args.pipeline_schedule} {fixed}, which a rampup changes "
+        raise ConfigError(f"--rampup-batch-size: {args.pipeline_schedule} {fixed}, which a rampup changes "
                           f"({', '.join(ramping)} ramp)")
     per_microbatch = args.micro_batch_size * args.data_parallel_size
     plan: BatchPlan = args.batch_plan
 
     for batch in sorted(set(plan.ramp[:args.train_iters])):
         if batch % per_microbatch:
-            raise RampupError(f"--rampup-batch-size: global batch {batch} of the ramp is not divisible by "
+            raise ConfigError(f"--rampup-batch-size: global batch {batch} of the ramp is not divisible by "
                               f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
                               f"{args.data_parallel_size}")
         config = dataclasses.replace(schedule_config(args), num_microbatches=batch // per_microbatch)
         try:
             cls.check_config(config)
         except ScheduleConfigError as exc:
-            raise RampupError(f"--rampup-batch-size: global batch {batch} of the ramp: {exc}") from None
+            raise ConfigError(f"--rampup-batch-size: global batch {batch} of the ramp: {exc}") from None
 
 
 def _built_for_one_accumulation(cls: type[Schedule]) -> str | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.run_config import schedule_config
 from megatron.trainer.config.schedule_args import chosen_schedule
 from megatron.trainer.models.recompute import GRANULARITIES, METHODS, SELECTIVE_MODULES
@@ -56,13 +56,13 @@ def _chunk_layer_counts(args: argparse.Namespace) -> list[int]:
 
 
 def validate_recompute_args(args: argparse.Namespace) -> None:
-    """One-line :class:`ArgumentError` for a combination Megatron-LM (or this runtime) refuses;
+    """One-line :class:`ConfigError` for a combination Megatron-LM (or this runtime) refuses;
     sets ``args.recompute_granularity`` from ``--recompute-activations``."""
     granularity = args.recompute_granularity
     if args.recompute_activations:
         if granularity == "full":
-            raise ArgumentError("--recompute-activations is selective recompute; it contradicts "
-                                "--recompute-granularity full (give one of them)")
+            raise ConfigError("--recompute-activations is selective recompute; it contradicts "
+                              "--recompute-granularity full (give one of them)")
         granularity = args.recompute_granularity = "selective"
     method, n = args.recompute_method, args.recompute_num_layers
     if granularity is None:
@@ -70,55 +70,55 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
                                 ("--recompute-modules", args.recompute_modules),
                                 ("--recompute-stash-weights", args.recompute_stash_weights)) if v]
         if given:
-            raise ArgumentError(f"{given[0]} needs --recompute-granularity full or selective")
+            raise ConfigError(f"{given[0]} needs --recompute-granularity full or selective")
         return
     if granularity == "selective":
         _validate_selective(args)
         return
     if args.recompute_modules is not None:
-        raise ArgumentError("--recompute-modules is for --recompute-granularity selective")
+        raise ConfigError("--recompute-modules is for --recompute-granularity selective")
     if method is None:
-        raise ArgumentError("--recompute-granularity full needs --recompute-method uniform or block")
+        raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
     if n is None:
-        raise ArgumentError("--recompute-granularity full needs --recompute-num-layers N")
-    if getattr(args, "zb_memory_limit", None) is not None:
-        raise ArgumentError("--zb-memory-limit cannot bound memory under --recompute-granularity full: the "
-                            "Zero Bubble search takes W to keep no more than F, and with full recompute it "
-                            "keeps more (use selective recompute, or drop the limit)")
-    if getattr(args, "pipeline_partition", None) in ("profiled", "balanced"):
-        raise ArgumentError("--recompute-granularity full needs the layer split up front; "
-                            f"--pipeline-partition {args.pipeline_partition} splits layers costed without recompute")
+        raise ConfigError("--recompute-granularity full needs --recompute-num-layers N")
+    if args.zb_memory_limit is not None:
+        raise ConfigError("--zb-memory-limit cannot bound memory under --recompute-granularity full: the "
+                          "Zero Bubble search takes W to keep no more than F, and with full recompute it "
+                          "keeps more (use selective recompute, or drop the limit)")
+    if args.pipeline_partition in ("profiled", "balanced"):
+        raise ConfigError("--recompute-granularity full needs the layer split up front; "
+                          f"--pipeline-partition {args.pipeline_partition} splits layers costed without recompute")
     counts = [c for c in _chunk_layer_counts(args) if c > 0]
     if method == "uniform":
         bad = [c for c in counts if c % n]
         if bad:
-            raise ArgumentError(f"--recompute-num-layers {n} must divide the layers of every model chunk "
-                                f"with --recompute-method uniform (a chunk has {bad[0]})")
+            raise ConfigError(f"--recompute-num-layers {n} must divide the layers of every model chunk "
+                              f"with --recompute-method uniform (a chunk has {bad[0]})")
     elif n > max(counts):
-        raise ArgumentError(f"--recompute-num-layers {n} exceeds the {max(counts)} layers per model chunk "
-                            "(--recompute-method block recomputes that many layers of each chunk)")
+        raise ConfigError(f"--recompute-num-layers {n} exceeds the {max(counts)} layers per model chunk "
+                          "(--recompute-method block recomputes that many layers of each chunk)")
 
 
 def _validate_selective(args: argparse.Namespace) -> None:
     if args.recompute_method is not None:
-        raise ArgumentError("--recompute-method is not supported with --recompute-granularity selective "
-                            "(Megatron-LM: selective recomputes core attention in every layer)")
+        raise ConfigError("--recompute-method is not supported with --recompute-granularity selective "
+                          "(Megatron-LM: selective recomputes core attention in every layer)")
     if args.recompute_num_layers is not None:
-        raise ArgumentError("--recompute-num-layers is for --recompute-granularity full "
-                            "(selective recomputes every layer's core attention)")
+        raise ConfigError("--recompute-num-layers is for --recompute-granularity full "
+                          "(selective recomputes every layer's core attention)")
     modules = args.recompute_modules or list(SELECTIVE_MODULES)
     unknown = [m for m in modules if m not in SELECTIVE_MODULES]
     if unknown:
-        raise ArgumentError(f"--recompute-modules {unknown[0]} is not implemented (only "
-                            f"{', '.join(SELECTIVE_MODULES)})")
+        raise ConfigError(f"--recompute-modules {unknown[0]} is not implemented (only "
+                          f"{', '.join(SELECTIVE_MODULES)})")
     if args.recompute_stash_weights:
-        raise ArgumentError("--recompute-stash-weights needs --recompute-granularity full (selective "
-                            "recomputes core attention, which has no weights)")
+        raise ConfigError("--recompute-stash-weights needs --recompute-granularity full (selective "
+                          "recomputes core attention, which has no weights)")
 
 
 def recompute_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`~megatron.trainer.models.stage.TransformerArgs` recompute fields of the flags."""
-    return dict(recompute_granularity=getattr(args, "recompute_granularity", None),
-                recompute_method=getattr(args, "recompute_method", None),
-                recompute_num_layers=getattr(args, "recompute_num_layers", None),
-                recompute_stash_weights=getattr(args, "recompute_stash_weights", False))
+    return dict(recompute_granularity=args.recompute_granularity,
+                recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers,
+                recompute_stash_weights=args.recompute_stash_weights)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron.trainer.config.run_control_args import RunControlError
+
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.launch.launcher import LAUNCHED_ENV
 
 
@@ -30,11 +31,11 @@ def validate_restart_args(args: argparse.Namespace) -> None:
     if not args.max_restarts:
         return
     if args.pipeline_executor == "emulator":
-        raise RunControlError("--max-restarts restarts the local launcher's ranks; the emulator runs in one "
-                              "process (rerun it with --load)")
+        raise ConfigError("--max-restarts restarts the local launcher's ranks; the emulator runs in one "
+                          "process (rerun it with --load)")
     if "RANK" in os.environ and LAUNCHED_ENV not in os.environ:
-        raise RunControlError("--max-restarts is the local launcher's: under torchrun pass torchrun --max-restarts, "
-                              "under Slurm requeue the job (examples/slurm, MAX_REQUEUES)")
+        raise ConfigError("--max-restarts is the local launcher's: under torchrun pass torchrun --max-restarts, "
+                          "under Slurm requeue the job (examples/slurm, MAX_REQUEUES)")
     if args.save is None or args.load is None or os.path.abspath(args.save) != os.path.abspath(args.load):
-        raise RunControlError("--max-restarts needs --save DIR --load DIR with the same DIR: a restart resumes "
-                              "from the last checkpoint saved there")
+        raise ConfigError("--max-restarts needs --save DIR --load DIR with the same DIR: a restart resumes "
+                          "from the last checkpoint saved there")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.pipeline.ir import PipelineLayout
-from megatron.pipeline.schedules import ScheduleConfig, schedule_class
+from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
 from megatron.pipeline.schedules.base import Schedule
 
 # Optimizers whose state is element-wise, so a schedule may shard it over stage replicas by
@@ -33,6 +33,20 @@ class RunConfig:
     tensor_parallel_size: int
     #: each stage replica's optimizer keeps only its share of the state (the schedule decides)
     shards_optimizer_state: bool = False
+    #: the schedule built (and so checked) from ``schedule`` while validating; this process's only
+    #: (a rank given the config builds its own once: it is not serialized)
+    built: Schedule | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "built": None}
+
+    def run_schedule(self, name: str) -> Schedule:
+        """The schedule ``name`` of this config: the one built while validating, else built now
+        (and kept); raises :class:`~megatron.pipeline.schedules.ScheduleConfigError`."""
+        if self.built is None or self.built.config != self.schedule:
+            object.__setattr__(self, "built", build_schedule(name, self.schedule))
+        assert self.built is not None
+        return self.built
 
     @property
     def asynchronous(self) -> bool:
@@ -44,7 +58,7 @@ class RunConfig:
         """Raises :class:`~megatron.pipeline.schedules.ScheduleConfigError` (one line)."""
         config = schedule_config(args)
         schedule_cls = schedule_class(args.pipeline_schedule)
-        shardable = getattr(args, "optimizer", SHARDABLE_OPTIMIZERS[0]) in SHARDABLE_OPTIMIZERS
+        shardable = args.optimizer in SHARDABLE_OPTIMIZERS
         return cls(schedule_cls=schedule_cls, schedule=config, layout=schedule_cls.layout_of(config),
                    pipeline_size=args.pipeline_model_parallel_size,
                    data_parallel_size=args.data_parallel_size,
@@ -65,8 +79,8 @@ def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
         num_stages=args.pipeline_model_parallel_size,
         num_microbatches=args.num_microbatches,
         num_iterations=args.train_iters,
-        num_chunks=getattr(args, "num_model_chunks", 1),
-        data_parallel_size=getattr(args, "data_parallel_size", None) or 1,
+        num_chunks=args.num_model_chunks,
+        data_parallel_size=args.data_parallel_size or 1,
     )
     return dataclasses.replace(base, options=schedule_cls.options_from_flags(schedule_flag_values(args, schedule_cls), base))
 
@@ -78,5 +92,5 @@ def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     """``args.run`` (set by ``parse_args``), or built now for a namespace made another way."""
-    run = getattr(args, "run", None)
+    run = args.run
     return run if isinstance(run, RunConfig) else RunConfig.from_args(args)

@@ -10,11 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.checkpointing.paths import CheckpointPathError, check_checkpoint_paths
-
-
-class RunControlError(ValueError):
-    """A bad evaluation / checkpoint / logging flag; one line for the user."""
 
 
 def add_run_control_args(p: argparse.ArgumentParser) -> None:
@@ -40,14 +37,14 @@ def validate_run_control_args(args: argparse.Namespace) -> None:
     for flag in ("eval_interval", "save_interval", "exit_interval"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise RunControlError(f"--{flag.replace('_', '-')} must be >= 1")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.eval_interval is not None and args.eval_iters < 1:
-        raise RunControlError("--eval-interval needs --eval-iters >= 1")
+        raise ConfigError("--eval-interval needs --eval-iters >= 1")
     if args.save_interval is not None and args.save is None:
-        raise RunControlError("--save-interval needs --save DIR")
+        raise ConfigError("--save-interval needs --save DIR")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
-        raise RunControlError("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
+        raise ConfigError("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
     try:
         check_checkpoint_paths(args)  # --save writable with room for a checkpoint, --load a directory
     except CheckpointPathError as exc:
-        raise RunControlError(str(exc)) from None
+        raise ConfigError(str(exc)) from None

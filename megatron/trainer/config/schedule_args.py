@@ -13,7 +13,7 @@ from megatron.pipeline.schedules import (
     ScheduleConfigError, chunked_schedules, flag_groups, schedule_class)
 from megatron.pipeline.ir import PipelineLayout, VShapeLayout
 from megatron.pipeline.schedules.base import Schedule
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.run_config import schedule_config
 
 
@@ -26,11 +26,11 @@ def add_schedule_args(parser: argparse.ArgumentParser) -> None:
 
 
 def chosen_schedule(args: argparse.Namespace) -> type[Schedule]:
-    """The class of ``--pipeline-schedule`` (one-line :class:`ArgumentError` for an unknown name)."""
+    """The class of ``--pipeline-schedule`` (one-line :class:`ConfigError` for an unknown name)."""
     try:
         return schedule_class(args.pipeline_schedule)
     except ScheduleConfigError as exc:
-        raise ArgumentError(f"--pipeline-schedule: {exc}") from None
+        raise ConfigError(f"--pipeline-schedule: {exc}") from None
 
 
 def validate_schedule_args(args: argparse.Namespace) -> None:
@@ -42,12 +42,12 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
         if given and group not in cls.flag_groups:
             which = (f"{group.requirement} --pipeline-schedule ({', '.join(takers)})" if group.requirement
                      else f"--pipeline-schedule {' or '.join(takers)}")
-            raise ArgumentError(f"{given[0].name} needs {which}; got {name}")
+            raise ConfigError(f"{given[0].name} needs {which}; got {name}")
     _validate_model_chunks(args, cls)
     try:
         config = schedule_config(args)  # the options from the flags: their values are checked here
     except ScheduleConfigError as exc:
-        raise ArgumentError(str(exc)) from None
+        raise ConfigError(str(exc)) from None
     _validate_part_split(args, cls.layout_of(config))
 
 
@@ -58,11 +58,11 @@ def _validate_part_split(args: argparse.Namespace, layout: PipelineLayout) -> No
     try:
         split = layout.part_layer_split(args.pipeline_layer_split)
     except ValueError as exc:
-        raise ArgumentError(str(exc)) from None
+        raise ConfigError(str(exc)) from None
     parts = layout.num_model_stages
     if isinstance(layout, VShapeLayout) and split is None and args.pipeline_layer_split is None \
             and args.num_layers % parts:
-        raise ArgumentError(
+        raise ConfigError(
             f"--num-layers {args.num_layers} does not split evenly into the {parts} model parts of "
             f"--pipeline-schedule {args.pipeline_schedule} (or pass --pipeline-layer-split)")
 
@@ -76,14 +76,14 @@ def _validate_model_chunks(args: argparse.Namespace, cls: type[Schedule]) -> Non
     if per_chunk is None:
         return
     if per_chunk < 1:
-        raise ArgumentError(f"{flag} must be >= 1")
+        raise ConfigError(f"{flag} must be >= 1")
     if args.pipeline_layer_split is not None:
-        raise ArgumentError(f"{flag} needs an even layer split; drop --pipeline-layer-split")
+        raise ConfigError(f"{flag} needs an even layer split; drop --pipeline-layer-split")
     if args.num_layers % (pp * per_chunk):
-        raise ArgumentError(
+        raise ConfigError(
             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
             f"{flag} {per_chunk}")
     if args.num_model_chunks > 1 and not cls.takes_model_chunks:
-        raise ArgumentError(
+        raise ConfigError(
             f"{flag} {per_chunk} gives {args.num_model_chunks} model chunks per stage, which only "
             f"--pipeline-schedule {' or '.join(chunked_schedules())} runs (not {args.pipeline_schedule})")

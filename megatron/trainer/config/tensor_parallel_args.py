@@ -21,37 +21,37 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 
 
 def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
-    """Raise :class:`ArgumentError` (one line) for a TP size this run cannot use; needs the
+    """Raise :class:`ConfigError` (one line) for a TP size this run cannot use; needs the
     padded vocabulary (after the data checks)."""
     tp = args.tensor_model_parallel_size
-    if getattr(args, "sequence_parallel", False):
+    if args.sequence_parallel:
         if tp == 1:
-            raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
-                                "over the tensor-parallel group)")
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
+                              "over the tensor-parallel group)")
         if args.seq_length % tp:
-            raise ArgumentError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
-                                f"--tensor-model-parallel-size {tp}")
+            raise ConfigError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
+                              f"--tensor-model-parallel-size {tp}")
     if tp == 1:
         return
     if args.pipeline_executor == "emulator":
-        raise ArgumentError(f"--tensor-model-parallel-size {tp} needs one process per tensor-parallel rank, which "
-                            "the emulator (one process) does not have: use --pipeline-executor distributed")
+        raise ConfigError(f"--tensor-model-parallel-size {tp} needs one process per tensor-parallel rank, which "
+                          "the emulator (one process) does not have: use --pipeline-executor distributed")
     from megatron.trainer.models.tensor_parallel import check_tensor_parallel_args
 
     try:
         check_tensor_parallel_args(args, tp)
     except ValueError as exc:
-        raise ArgumentError(str(exc)) from None
-    if getattr(args, "optimizer", "adamw") == "basis-rotation":
-        raise ArgumentError(f"--optimizer basis-rotation with --tensor-model-parallel-size {tp}: the rotation bases "
-                            "of a weight's shard are not those of the full weight (use --optimizer adamw)")
-    if getattr(args, "transformer_impl", "auto") == "transformer_engine":
-        raise ArgumentError(f"--transformer-impl transformer_engine with --tensor-model-parallel-size {tp}: TE's "
-                            "tensor-parallel layers are not mapped for sharded init and checkpoints (use local)")
-    if getattr(args, "pipeline_partition", None) == "profiled" and args.pipeline_layer_split is None:
-        raise ArgumentError(f"--pipeline-partition profiled with --tensor-model-parallel-size {tp}: rank 0 profiles "
-                            "layers alone, and a tensor-parallel layer needs its whole TP group (use balanced)")
+        raise ConfigError(str(exc)) from None
+    if args.optimizer == "basis-rotation":
+        raise ConfigError(f"--optimizer basis-rotation with --tensor-model-parallel-size {tp}: the rotation bases "
+                          "of a weight's shard are not those of the full weight (use --optimizer adamw)")
+    if args.transformer_impl == "transformer_engine":
+        raise ConfigError(f"--transformer-impl transformer_engine with --tensor-model-parallel-size {tp}: TE's "
+                          "tensor-parallel layers are not mapped for sharded init and checkpoints (use local)")
+    if args.pipeline_partition == "profiled" and args.pipeline_layer_split is None:
+        raise ConfigError(f"--pipeline-partition profiled with --tensor-model-parallel-size {tp}: rank 0 profiles "
+                          "layers alone, and a tensor-parallel layer needs its whole TP group (use balanced)")

@@ -40,15 +40,15 @@ def _untied_because(args: argparse.Namespace) -> str | None:
                 f"and tying would make the first and last stage meet at every update")
     if args.pipeline_model_parallel_size == 1:
         return None
-    if issubclass(cls, VShapeSchedule) and getattr(args, "overlap_grad_reduce", False):
+    if issubclass(cls, VShapeSchedule) and args.overlap_grad_reduce:
         return ("--overlap-grad-reduce reduces each V chunk's gradients on their own, and the two chunks "
                 "of stage 0 share the tied parameter")
-    if getattr(args, "enable_optimizer_post_validation", False) and not issubclass(cls, VShapeSchedule):
+    if args.enable_optimizer_post_validation and not issubclass(cls, VShapeSchedule):
         return "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
-    if getattr(args, "use_distributed_optimizer", False) and issubclass(cls, VShapeSchedule):
+    if args.use_distributed_optimizer and issubclass(cls, VShapeSchedule):
         return ("--use-distributed-optimizer on the V layout: its sharded step is not checked against the "
                 "shared tied parameter yet")
-    if getattr(args, "use_distributed_optimizer", False):
+    if args.use_distributed_optimizer:
         return ("--use-distributed-optimizer at --pipeline-model-parallel-size > 1 steps each replica's own range "
                 "of the two copies' gradients")
     return None

@@ -107,7 +107,7 @@ def build_bert_datasets(
         tokenizer = tokenizer_from_args(args)
     sizes = list(sizes) if sizes is not None else default_split_sizes(args)
     key = (tuple(args.data_path), args.split, args.seq_length, args.seed, tuple(sizes),
-           getattr(args, "data_cache_path", None), args.mask_prob, args.short_seq_prob,
+           args.data_cache_path, args.mask_prob, args.short_seq_prob,
            args.bert_binary_head, repr(dict(tokenizer.unique_identifiers)))
     if key not in _BUILT:
         usable = check_bert_data(args)

@@ -32,9 +32,10 @@ from typing import Any
 import numpy
 import torch
 
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.data.index_check import IndexFileError, read_index_header
 from megatron.trainer.data.samples import IndexedSamples
-from megatron.trainer.config.flag_checks import FlagError, parse_blend, parse_split_weights
+from megatron.trainer.config.flag_checks import parse_blend, parse_split_weights
 
 SplitMatrix = Sequence["tuple[float, float] | None"]
 
@@ -56,7 +57,7 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | 
     """
     try:
         return parse_blend(data_path)
-    except FlagError as exc:
+    except ConfigError as exc:
         raise DataError(str(exc)) from None
 
 
@@ -69,7 +70,7 @@ def parse_split(split: str) -> list[tuple[float, float] | None]:
 
     try:
         weights = parse_split_weights(split)
-    except FlagError as exc:
+    except ConfigError as exc:
         raise DataError(str(exc)) from None
     total = sum(weights)
     return convert_split_vector_to_split_matrix([w / total for w in weights])
@@ -188,7 +189,7 @@ def default_split_sizes(args: argparse.Namespace) -> list[int]:
     """Samples per split: the whole run for train; one global batch x ``--eval-iters`` (when a
     later evaluation feature defines it, else 1) for valid and test."""
     gbs = args.global_batch_size
-    eval_iters = max(1, int(getattr(args, "eval_iters", 1) or 1))
+    eval_iters = max(1, int(args.eval_iters or 1))
     return [args.train_iters * gbs, eval_iters * gbs, eval_iters * gbs]
 
 
@@ -200,7 +201,7 @@ def common_config_kwargs(args: argparse.Namespace, tokenizer: Any) -> dict[str, 
         sequence_length=args.seq_length,
         blend=(prefixes, weights),
         split=args.split,
-        path_to_cache=getattr(args, "data_cache_path", None),
+        path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
         mid_level_dataset_surplus=0.005,
     )
@@ -211,12 +212,12 @@ def gpt_dataset_config(args: argparse.Namespace, tokenizer: Any) -> Any:
 
     return GPTDatasetConfig(
         **common_config_kwargs(args, tokenizer),
-        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
-        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
-        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+        reset_position_ids=bool(args.reset_position_ids),
+        reset_attention_mask=bool(args.reset_attention_mask),
+        eod_mask_loss=bool(args.eod_mask_loss),
         # The full [s, s] mask is only needed when documents must not attend to each other;
         # otherwise our attention is causal by itself.
-        create_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+        create_attention_mask=bool(args.reset_attention_mask),
     )
 
 
@@ -238,8 +239,8 @@ def build_gpt_datasets(
         tokenizer = tokenizer_from_args(args)
     sizes = list(sizes) if sizes is not None else default_split_sizes(args)
     key = (tuple(args.data_path), args.split, args.seq_length, args.seed, tuple(sizes),
-           getattr(args, "data_cache_path", None), bool(getattr(args, "reset_position_ids", False)),
-           bool(getattr(args, "reset_attention_mask", False)), bool(getattr(args, "eod_mask_loss", False)),
+           args.data_cache_path, bool(args.reset_position_ids),
+           bool(args.reset_attention_mask), bool(args.eod_mask_loss),
            repr(dict(tokenizer.unique_identifiers)))
     if key in _BUILT:
         return _BUILT[key]

@@ -21,7 +21,7 @@ import argparse
 import dataclasses
 import math
 
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 
 
 def device_memory_limit(estimate: object, room: float, stages: list[int]) -> float:
@@ -35,12 +35,12 @@ def device_memory_limit(estimate: object, room: float, stages: list[int]) -> flo
 
 def apply_auto_memory_limit(args: argparse.Namespace) -> float | None:
     """Give an ``auto`` run without ``--zb-memory-limit`` the device's limit (after the memory
-    check ran; one-line :class:`ArgumentError` when no micro-batch fits). Returns the limit."""
+    check ran; one-line :class:`ConfigError` when no micro-batch fits). Returns the limit."""
     from megatron.pipeline.schedules import SELECTORS
 
-    run = getattr(args, "run", None)
-    room = getattr(args, "_memory_room", None)
-    estimate = getattr(args, "_memory_estimate", None)
+    run = args.run
+    room = args._memory_room
+    estimate = args._memory_estimate
     if args.pipeline_schedule not in SELECTORS or run is None or room is None or estimate is None \
             or not args.memory_check or run.schedule.options.get("memory_limit") is not None:
         return None
@@ -48,9 +48,9 @@ def apply_auto_memory_limit(args: argparse.Namespace) -> float | None:
     if math.isinf(limit):
         return None
     if limit < 1:
-        raise ArgumentError(f"--pipeline-schedule {args.pipeline_schedule}: the device memory left after "
-                            f"weights and optimizer state holds {limit:g} micro-batches of activations; "
-                            "at least 1 is needed")
+        raise ConfigError(f"--pipeline-schedule {args.pipeline_schedule}: the device memory left after "
+                          f"weights and optimizer state holds {limit:g} micro-batches of activations; "
+                          "at least 1 is needed")
     options = {**run.schedule.options, "memory_limit": float(limit)}
     args.run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, options=options))
     return float(limit)

@@ -208,7 +208,7 @@ class SignalForwarder:
 def launch_local(world_size: int, argv: Sequence[str], grace_seconds: float = 150.0,
                  target: Callable[[], int] | None = None,
                  forward_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
-                 max_restarts: int = 0) -> int:
+                 max_restarts: int = 0, env: dict[str, str] | None = None) -> int:
     """Run ``world_size`` ranks on this machine; return the launch's exit code.
 
     With ``target`` (and :func:`fork_is_safe`), ranks are forked and call ``target()``;
@@ -216,7 +216,8 @@ def launch_local(world_size: int, argv: Sequence[str], grace_seconds: float = 15
     go to every rank. When one of them stopped the ranks (any rank failed), the launcher then
     dies of that signal itself, as a program without a handler would: promptly (no interpreter
     teardown of torch) and with the status a shell expects (128 + N). Otherwise a failed
-    attempt is followed by a new one while ``max_restarts`` allows.
+    attempt is followed by a new one while ``max_restarts`` allows. ``env``: more variables for
+    every rank.
     """
     fork = target is not None and fork_is_safe()
     with SignalForwarder(forward_signals) as forwarder:
@@ -224,11 +225,11 @@ def launch_local(world_size: int, argv: Sequence[str], grace_seconds: float = 15
             port = free_port()  # the dead attempt's store went with its rank 0
             procs: list[RankProcess] = []
             for rank in range(world_size):
-                env = rank_environment(rank, world_size, port, attempt, max_restarts)
+                rank_env = {**(env or {}), **rank_environment(rank, world_size, port, attempt, max_restarts)}
                 if fork:
-                    procs.append(ForkedRank(target, env, forwarder.signals))  # type: ignore[arg-type]
+                    procs.append(ForkedRank(target, rank_env, forwarder.signals))  # type: ignore[arg-type]
                 else:
-                    procs.append(subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}))
+                    procs.append(subprocess.Popen([sys.executable, *argv], env={**os.environ, **rank_env}))
             code = supervise(procs, grace_seconds, forwarder)
             if code == 0 or forwarder.received or attempt == max_restarts:
                 break

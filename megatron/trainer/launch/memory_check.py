@@ -26,11 +26,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.launch.memory_estimate import GIB, MemoryEstimate, current_rss_bytes, estimate_memory
-
-
-class MemoryCheckError(ValueError):
-    """The run cannot fit; one line for the user."""
 
 
 def add_memory_check_args(p: argparse.ArgumentParser) -> None:
@@ -65,9 +62,9 @@ def local_stages(args: argparse.Namespace, in_worker: bool) -> list[int]:
     return [r // per_stage for r in range(first, min(first + count, args.world_size))]
 
 
-def _refusal(what: str, need: float, have: float, estimate: MemoryEstimate, where: str) -> MemoryCheckError:
+def _refusal(what: str, need: float, have: float, estimate: MemoryEstimate, where: str) -> ConfigError:
     top = estimate.peak_rank
-    return MemoryCheckError(
+    return ConfigError(
         f"memory: {what} need about {need / GIB:,.2f} GiB, {where} has {have / GIB:,.2f} GiB available "
         f"(largest rank: stage {top.stage}, {top.total / GIB:,.2f} GiB for {top.parameters:,} parameters "
         f"with gradients, optimizer state and activations); pass --no-memory-check to run anyway")
@@ -115,7 +112,7 @@ def check_gpu_memory(args: argparse.Namespace, in_worker: bool) -> MemoryEstimat
 def check_memory(args: argparse.Namespace, in_worker: bool, on_gpu: bool) -> MemoryEstimate | None:
     """Run the check that applies here; store the estimate as ``args._memory_estimate`` for the
     banner. None where this process does not check (the local launcher of GPU ranks: each rank
-    checks its own device). Raises :class:`MemoryCheckError`."""
+    checks its own device). Raises :class:`ConfigError`."""
     if not hasattr(args, "hidden_size") or hasattr(args, "synthetic_forward_ms"):
         return None  # a task without transformer layers: nothing to estimate
     if on_gpu and not in_worker and args.world_size > 1 and args.pipeline_executor != "emulator":

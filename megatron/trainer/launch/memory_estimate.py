@@ -123,16 +123,16 @@ def part_layer_counts(args: argparse.Namespace, parts: int) -> list[int]:
 
 
 def _recompute_kept(args: argparse.Namespace, shape: ModelShape, layers: int) -> float:
-    granularity = getattr(args, "recompute_granularity", None)
+    granularity = args.recompute_granularity
     if granularity is None or layers == 0:
         return 1.0
     layer_shape = LayerShape(shape.seq_length, shape.micro_batch, shape.hidden, shape.heads)
-    return recompute_fraction(layer_shape, layers, granularity, getattr(args, "recompute_method", None),
-                              getattr(args, "recompute_num_layers", None))
+    return recompute_fraction(layer_shape, layers, granularity, args.recompute_method,
+                              args.recompute_num_layers)
 
 
 def _optimizer_shards(args: argparse.Namespace, run_shards: bool, chunks: int) -> int:
-    dp = args.data_parallel_size if getattr(args, "use_distributed_optimizer", False) else 1
+    dp = args.data_parallel_size if args.use_distributed_optimizer else 1
     return dp * (chunks if run_shards else 1)
 
 
@@ -189,7 +189,7 @@ def memory_banner_line(args: argparse.Namespace) -> str | None:
     """The banner's estimate: the one the memory check used (``args._memory_estimate``), else made
     now (a run started without ``preflight``, or the GPU launcher's ranks); None for a task without
     transformer layers."""
-    estimate = getattr(args, "_memory_estimate", None)
+    estimate = args._memory_estimate
     if estimate is None:
         try:
             model_shape(args)

@@ -41,8 +41,8 @@ class CollectorPolicy:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, freeze_startup: bool) -> CollectorPolicy:
-        return cls(bool(getattr(args, "manual_gc", False)), int(getattr(args, "manual_gc_interval", 0) or 0),
-                   bool(getattr(args, "manual_gc_eval", True)), freeze_startup)
+        return cls(bool(args.manual_gc), int(args.manual_gc_interval or 0),
+                   bool(args.manual_gc_eval), freeze_startup)
 
     def _collect(self) -> None:
         gc.collect()

@@ -17,15 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatron.trainer.config.errors import ConfigError
 from megatron.pipeline.preflight import PreflightReplay, replay_first_iterations
 from megatron.pipeline.replay import ScheduleError
-from megatron.pipeline.schedules import build_schedule
 from megatron.trainer.config.run_config import run_config
 from megatron.trainer.launch.launcher import LAUNCHED_ENV
-
-
-class ScheduleCheckError(ValueError):
-    """The run's schedule cannot run; one line for the user."""
 
 
 def add_schedule_check_args(p: argparse.ArgumentParser) -> None:
@@ -37,12 +33,12 @@ def add_schedule_check_args(p: argparse.ArgumentParser) -> None:
 
 def check_schedule(args: argparse.Namespace) -> PreflightReplay | None:
     """Replay the run's schedule (module docstring); None where this process does not check.
-    Raises :class:`ScheduleCheckError`."""
+    Raises :class:`ConfigError`."""
     if not args.schedule_check or os.environ.get(LAUNCHED_ENV):
         return None
-    schedule = build_schedule(args.pipeline_schedule, run_config(args).schedule)
+    schedule = run_config(args).run_schedule(args.pipeline_schedule)  # validate_args built it
     try:
         return replay_first_iterations(schedule)
     except ScheduleError as exc:
-        raise ScheduleCheckError(f"--pipeline-schedule {args.pipeline_schedule}: the schedule cannot run "
-                                 f"its first iterations: {exc}") from None
+        raise ConfigError(f"--pipeline-schedule {args.pipeline_schedule}: the schedule cannot run "
+                          f"its first iterations: {exc}") from None

@@ -37,10 +37,10 @@ def argument_lines(args: argparse.Namespace) -> list[str]:
 
 def data_source_line(args: argparse.Namespace) -> str:
     """Where training samples come from; mock data as a loud warning."""
-    if getattr(args, "data_path", None) is None:
+    if args.data_path is None:
         return MOCK_DATA_WARNING
-    vocab = getattr(args, "tokenizer_vocab_size", None)
-    padded = getattr(args, "padded_vocab_size", None)
+    vocab = args.tokenizer_vocab_size
+    padded = args.padded_vocab_size
     return (f"data: --data-path {' '.join(args.data_path)} | --split {args.split} | tokenizer "
             f"{args.tokenizer_type} (vocabulary {vocab}, padded to {padded})")
 
@@ -59,7 +59,7 @@ def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int], exec
     memory = memory_banner_line(args)
     if memory:
         lines.append(memory)
-    if getattr(args, "embeddings_line", None):
+    if args.embeddings_line:
         lines.append(args.embeddings_line)
     lines.append(data_source_line(args))
     optional = optional_packages_line()

@@ -29,7 +29,7 @@ from megatron.trainer.tasks.task import Batch, PretrainTask
 
 def _tracer(args: argparse.Namespace, worker: StageWorker, dp_rank: int, executor: str) -> StageTracer | None:
     """This stage's tracer with ``--trace-dir`` (kept across segments), else None."""
-    if getattr(args, "trace_dir", None) is None:
+    if args.trace_dir is None:
         return None
     return StageTracer(worker.stage, dp_rank, worker.layout, executor, args.pipeline_schedule,
                        worker.setup.microbatches_per_update, worker.setup.device)

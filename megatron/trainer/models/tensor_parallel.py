@@ -191,7 +191,7 @@ def build_tensor_parallel_stage(
     """
     from megatron.core import parallel_state
 
-    tp_size = int(getattr(args, "tensor_model_parallel_size", 1))
+    tp_size = int(args.tensor_model_parallel_size)
     check_tensor_parallel_args(args, tp_size)
     if tp_size > 1 and parallel_state.get_tensor_model_parallel_world_size() != tp_size:
         raise RuntimeError(f"megatron's TP group has size "

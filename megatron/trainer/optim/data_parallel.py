@@ -16,7 +16,7 @@ from megatron.trainer.optim.registry import NamedParameters, build_optimizer
 def shard_over_data_parallel(args: argparse.Namespace, named: NamedParameters, stage: int,
                              dp_rank: int) -> DataParallelShardedOptimizer | None:
     """Stage ``stage``'s optimizer on replica ``dp_rank``, sharded; None without the flag or at DP=1."""
-    if not getattr(args, "use_distributed_optimizer", False):
+    if not args.use_distributed_optimizer:
         return None
     dp = args.data_parallel_size
     if dp == 1:

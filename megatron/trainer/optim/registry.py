@@ -25,8 +25,8 @@ def _hyperparameters(args: argparse.Namespace) -> dict:
 
 
 def _adamw(args: argparse.Namespace, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
-    return StageAdamW(named, exact=getattr(args, "optimizer_post_validation_exact", False), shards=shards,
-                      fused=getattr(args, "adam_kernel", "single-tensor") == "fused", **_hyperparameters(args))
+    return StageAdamW(named, exact=args.optimizer_post_validation_exact, shards=shards,
+                      fused=args.adam_kernel == "fused", **_hyperparameters(args))
 
 
 def _basis_rotation(args: argparse.Namespace, named: NamedParameters, stage: int,
@@ -49,4 +49,4 @@ OPTIMIZERS: dict[str, OptimizerBuilder] = {
 def build_optimizer(args: argparse.Namespace, named: NamedParameters, stage: int,
                     shards: Shards | None = None) -> StageAdamW:
     """The stage's optimizer for ``--optimizer`` (validated at parse time against the registry)."""
-    return OPTIMIZERS[getattr(args, "optimizer", "adamw")](args, named, stage, shards)
+    return OPTIMIZERS[args.optimizer](args, named, stage, shards)

@@ -188,12 +188,12 @@ def choose_split(task: object, args: argparse.Namespace, device: torch.device) -
 def apply_auto_partition(task: object, args: argparse.Namespace, device: torch.device) -> None:
     """With ``--pipeline-partition profiled``, set ``args.pipeline_layer_split`` (rank 0 decides under
     torch.distributed and broadcasts, so all ranks build the same stages)."""
-    if getattr(args, "pipeline_partition", None) != "profiled":
+    if args.pipeline_partition != "profiled":
         return
     if args.pipeline_layer_split is not None:  # resumed: the checkpoint's split (insight_args)
         import torch.distributed as dist
 
-        if getattr(args, "pipeline_partition_resumed", False) and (not dist.is_initialized() or dist.get_rank() == 0):
+        if args.pipeline_partition_resumed and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"[megatron-async] pipeline partition profiled: resuming with the checkpoint's layer split "
                   f"{args.pipeline_layer_split}", flush=True)
         return

@@ -27,15 +27,15 @@ def model_shape(args: argparse.Namespace) -> ModelShape | None:
     if hasattr(args, "synthetic_forward_ms"):  # the synthetic-cost benchmark: sleeps, no layers
         return None
     h, heads = args.hidden_size, args.num_attention_heads
-    half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-    learned = getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute"
+    half = bool(args.bf16 or args.fp16)
+    learned = args.position_embedding_type == "learned_absolute"
     bert = hasattr(args, "bert_binary_head")
     return ModelShape(
         num_layers=args.num_layers, hidden=h, ffn=args.ffn_hidden_size or 4 * h, heads=heads,
-        query_groups=getattr(args, "num_query_groups", None) or heads,
-        kv_channels=getattr(args, "kv_channels", None) or h // heads, seq_length=args.seq_length,
+        query_groups=args.num_query_groups or heads,
+        kv_channels=args.kv_channels or h // heads, seq_length=args.seq_length,
         micro_batch=args.micro_batch_size, vocab=args.vocab_size,
-        gated_mlp=bool(getattr(args, "swiglu", False)), bert=bert,
+        gated_mlp=bool(args.swiglu), bert=bert,
         binary_head=bert and bool(args.bert_binary_head),
         position_table=(args.max_position_embeddings or args.seq_length) if learned else 0,
         param_bytes=2 if half else 4, activation_bytes=2 if half else 4)
@@ -43,7 +43,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape | None:
 
 def one_part_per_stage(args: argparse.Namespace) -> bool:
     """Whether each stage holds exactly one consecutive part of the model (the split's premise)."""
-    if getattr(args, "num_model_chunks", 1) != 1:
+    if args.num_model_chunks != 1:
         return False
     from megatron.pipeline.schedules import schedule_class
     from megatron.trainer.config.run_config import schedule_config
@@ -60,7 +60,7 @@ def why_not_balanced(args: argparse.Namespace) -> str | None:
         return "this task has no transformer layers to count"
     if args.num_layers < args.pipeline_model_parallel_size:
         return f"--num-layers {args.num_layers} < --pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
-    if getattr(args, "recompute_granularity", None) == "full":
+    if args.recompute_granularity == "full":
         return "--recompute-granularity full needs the even split"
     if not one_part_per_stage(args):
         return f"--pipeline-schedule {args.pipeline_schedule} places several model chunks per stage (even split)"
@@ -117,7 +117,7 @@ def checkpoint_split(args: argparse.Namespace) -> tuple[bool, list[int] | None]:
     """(whether ``--load`` has a checkpoint to resume, the layer split it was saved with: None
     for the even split). A resumed run keeps its weights' split: profiling again could choose
     another one, and a checkpoint saved before the balanced default has the even split."""
-    if getattr(args, "load", None) is None:
+    if args.load is None:
         return False, None
     from megatron.trainer.checkpointing.checkpoint import CheckpointError, _read_metadata, find_resume_point
 
@@ -141,20 +141,20 @@ def layer_split_line(args: argparse.Namespace) -> str:
     pp = args.pipeline_model_parallel_size
     split = args.pipeline_layer_split
     counts = list(split) if split is not None else None
-    if counts is None and getattr(args, "num_model_chunks", 1) == 1 and args.num_layers % pp == 0:
+    if counts is None and args.num_model_chunks == 1 and args.num_layers % pp == 0:
         counts = even_counts(args.num_layers, pp)
-    mode = getattr(args, "pipeline_partition", "even")
-    how = {"explicit": getattr(args, "layer_split_source", None) or "--pipeline-layer-split",
+    mode = args.pipeline_partition
+    how = {"explicit": args.layer_split_source or "--pipeline-layer-split",
            "checkpoint": "the --load checkpoint's"}.get(mode, f"--pipeline-partition {mode}")
-    if counts is None and getattr(args, "layer_split_source", None):  # an even virtual layout
+    if counts is None and args.layer_split_source:  # an even virtual layout
         how = args.layer_split_source
     line = f"layer split: {counts if counts is not None else 'even over the model chunks'} ({how})"
-    if getattr(args, "pipeline_partition_feasible", True) is False:
+    if args.pipeline_partition_feasible is False:
         line += " WARNING: no split fits --pipeline-partition-memory-gb; least overshoot"
     return line
 
 
 def budget_bytes(args: argparse.Namespace) -> float:
     """``--pipeline-partition-memory-gb`` in bytes (unlimited without it)."""
-    gb = getattr(args, "pipeline_partition_memory_gb", None)
+    gb = args.pipeline_partition_memory_gb
     return math.inf if gb is None else gb * 2**30

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron.trainer.config.errors import ArgumentError
+from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.data.bert_dataset import BertDataSource, build_bert_datasets, check_bert_data
 from megatron.trainer.data.gpt_dataset import DataError
 from megatron.trainer.data.mock_bert import FIRST_WORD, MIN_SEQ_LENGTH, MockBertData
@@ -37,36 +37,36 @@ def check_bert_args(args: argparse.Namespace) -> None:
     """BERT's flag checks, run with the common ones before any rank starts: masking
     probabilities, a tokenizer with BERT's special tokens, and data that yields samples."""
     if not 0.0 < args.mask_prob < 1.0:
-        raise ArgumentError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
+        raise ConfigError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
     if not 0.0 <= args.short_seq_prob <= 1.0:
-        raise ArgumentError(f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
-    if getattr(args, "sequence_parallel", False):
-        raise ArgumentError("--sequence-parallel is implemented for GPT only (BERT's final norm, pooler and heads "
-                            "would need the sequence-shard handling GPT's have here)")
+        raise ConfigError(f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
+    if args.sequence_parallel:
+        raise ConfigError("--sequence-parallel is implemented for GPT only (BERT's final norm, pooler and heads "
+                          "would need the sequence-shard handling GPT's have here)")
     if args.seq_length < MIN_SEQ_LENGTH:
-        raise ArgumentError(f"BERT needs --seq-length >= {MIN_SEQ_LENGTH} ([CLS] A [SEP] B [SEP])")
+        raise ConfigError(f"BERT needs --seq-length >= {MIN_SEQ_LENGTH} ([CLS] A [SEP] B [SEP])")
     if args.data_path is None:
         if args.vocab_size < FIRST_WORD + 4:
-            raise ArgumentError(f"BERT mock data needs --vocab-size >= {FIRST_WORD + 4}")
+            raise ConfigError(f"BERT mock data needs --vocab-size >= {FIRST_WORD + 4}")
         return
     tokenizer = tokenizer_from_args(args)
     try:
         ids = {kind: getattr(tokenizer, kind) for kind in BERT_SPECIAL_TOKENS}
     except (NotImplementedError, TokenizerError) as exc:
-        raise ArgumentError(
+        raise ConfigError(
             f"--tokenizer-type {args.tokenizer_type}: BERT needs [CLS], [SEP], [MASK] and [PAD] "
             f"tokens ({exc})") from None
     if ids["pad"] == 1:
         # megatron-core's BERT dataset writes the pad id into its 0/1 padding mask.
-        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}: the [PAD] id must not be 1")
+        raise ConfigError(f"--tokenizer-type {args.tokenizer_type}: the [PAD] id must not be 1")
     try:
         usable = check_bert_data(args)
     except DataError as exc:
-        raise ArgumentError(str(exc)) from None
-    if getattr(args, "eval_interval", None) and not usable[1]:
+        raise ConfigError(str(exc)) from None
+    if args.eval_interval and not usable[1]:
         what = "two or more sentences" if args.bert_binary_head else "a sentence"
-        raise ArgumentError(f"--eval-interval: no document of the validation split of --split {args.split} has "
-                            f"{what}; give the validation split a larger share or drop --eval-interval")
+        raise ConfigError(f"--eval-interval: no document of the validation split of --split {args.split} has "
+                          f"{what}; give the validation split a larger share or drop --eval-interval")
 
 
 class BertTask:
@@ -95,7 +95,7 @@ class BertTask:
         """Mock masked-LM data without ``--data-path``; else megatron-core's BERT dataset
         (train split), built collectively on every rank like GPT's."""
         data: MockBertData | BertDataSource
-        if getattr(args, "data_path", None) is None:
+        if args.data_path is None:
             data = MockBertData(args.seq_length, args.vocab_size, split_seed(args.seed, split),
                                 binary_head=args.bert_binary_head, mask_prob=args.mask_prob)
         else:

@@ -34,7 +34,7 @@ class GPTTask:
         global names, so any split starts identically."""
         model_args = gpt_model_args(args)
         # With --reset-attention-mask every layer applies the batch's mask, middle stages too.
-        middle_keys = ("attention_mask",) if getattr(args, "reset_attention_mask", False) else ()
+        middle_keys = ("attention_mask",) if args.reset_attention_mask else ()
 
         def build(layers: range, first: bool, last: bool) -> torch.nn.Module:
             chunk = build_gpt_stage(model_args, layers, pre_process=first, post_process=last,
@@ -55,11 +55,11 @@ class GPTTask:
         index cache first), so every rank builds its source here, at the same point.
         """
         data: MockGPTData | GPTDataSource
-        if getattr(args, "data_path", None) is None:
+        if args.data_path is None:
             data = MockGPTData(args.seq_length, args.vocab_size, split_seed(args.seed, split))
         else:
             dataset = pick_split(build_gpt_datasets(args), split, args)
-            data = GPTDataSource(dataset, keep_attention_mask=bool(getattr(args, "reset_attention_mask", False)))
+            data = GPTDataSource(dataset, keep_attention_mask=bool(args.reset_attention_mask))
         return micro_batch_fn(data, args, dp_rank, device)
 
     def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:

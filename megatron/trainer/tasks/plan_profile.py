@@ -48,12 +48,13 @@ def profile_command(args: argparse.Namespace) -> list[str]:
     """The one-process emulator run that profiles ``args``' model (module docstring)."""
     script = Path(__file__).resolve().parents[3] / "pretrain_gpt.py"
     cmd = [sys.executable, str(script)]
+    flags = vars(args)  # the flags by dest
     for dest in MODEL_FLAGS:
-        value = getattr(args, dest, None)
+        value = flags.get(dest)
         if value is not None:
             cmd += ["--" + dest.replace("_", "-"), str(value)]
     for flag in ("bf16", "fp16", "swiglu"):
-        if getattr(args, flag, False):
+        if flags.get(flag):
             cmd.append("--" + flag)
     m = max(2, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size))
     return cmd + ["--global-batch-size", str(m * args.micro_batch_size), "--data-parallel-size", "1",

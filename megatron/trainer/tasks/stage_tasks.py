@@ -26,7 +26,7 @@ class BatchSource(Protocol):
 def transformer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """:class:`~megatron.trainer.models.stage.TransformerArgs` fields from Megatron's flags."""
     impl = {"auto": None, "local": False, "transformer_engine": True}[args.transformer_impl]
-    if impl is None and getattr(args, "tensor_model_parallel_size", 1) > 1:
+    if impl is None and args.tensor_model_parallel_size > 1:
         impl = False  # auto at TP > 1: the local spec (TE layers' shard layout is not mapped)
     return dict(
         num_layers=args.num_layers,
@@ -105,6 +105,6 @@ def hidden_activation_spec(args: argparse.Namespace) -> tuple[tuple[int, ...], t
     ``[s / T, b, h]`` with ``--sequence-parallel`` (each TP rank sends its own sequence shard
     to its TP-matched peer)."""
     seq = args.seq_length
-    if getattr(args, "sequence_parallel", False):
+    if args.sequence_parallel:
         seq //= args.tensor_model_parallel_size
     return (seq, args.micro_batch_size, args.hidden_size), model_dtype(args)

@@ -224,7 +224,7 @@ class SyntheticCostTask:
         A stage's cost per micro-batch stays T_F, T_B, T_W: each chunk sleeps the costs divided
         by the number of this stage's chunks one micro-batch passes through (V with V
         interleaved chunks; 1 with AMDP, where a micro-batch runs on one pipeline only)."""
-        wgrad_ms = getattr(args, "synthetic_wgrad_ms", 0.0)
+        wgrad_ms = args.synthetic_wgrad_ms
         if args.synthetic_forward_ms < 0 or args.synthetic_backward_ms < 0 or wgrad_ms < 0:
             raise ValueError("--synthetic-forward-ms, --synthetic-backward-ms and --synthetic-wgrad-ms must be >= 0")
         layout = run_config(args).layout

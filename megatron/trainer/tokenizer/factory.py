@@ -47,12 +47,12 @@ def tokenizer_from_args(args: Any) -> Tokenizer:
     For ``NullTokenizer`` the id count is ``args.null_vocab_size`` when the trainer has
     already replaced ``--vocab-size`` by the padded model vocabulary, else ``args.vocab_size``.
     """
-    null_size = getattr(args, "null_vocab_size", None) or getattr(args, "vocab_size", None)
+    null_size = args.null_vocab_size or args.vocab_size
     return build_tokenizer(
         args.tokenizer_type,
-        vocab_file=getattr(args, "vocab_file", None),
-        merge_file=getattr(args, "merge_file", None),
-        tokenizer_model=getattr(args, "tokenizer_model", None),
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
         vocab_size=null_size,
     )
 

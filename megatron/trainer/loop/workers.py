@@ -1,0 +1,112 @@
+"""A stage's worker from the run's config: model chunks, optimizer, LR schedule, data, loss
+scaling; and what is read off the workers at the end (parameter counts, dumps, drift)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.pipeline.ir import MultiPipelineLayout
+from megatron.pipeline.runtime.loss_scaling import StageLossScaler
+from megatron.pipeline.runtime.replicas import optimizer_shards
+from megatron.pipeline.runtime.tied_embeddings import counted
+from megatron.pipeline.runtime.weight_versions import build_weight_policy
+from megatron.pipeline.runtime.worker import StageSetup, StageWorker
+from megatron.trainer.config.mixed_precision_args import loss_scale_config
+from megatron.trainer.config.run_config import run_config
+from megatron.trainer.models.tensor_parallel import build_tensor_parallel_stage, full_shape, gather_full, shard_layout
+from megatron.trainer.optim.data_parallel import shard_over_data_parallel
+from megatron.trainer.optim.lr_schedule import LRSchedule
+from megatron.trainer.optim.registry import build_optimizer
+from megatron.trainer.tasks.task import PretrainTask
+
+
+def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
+                 device: torch.device, isolate_rng: bool) -> StageWorker:
+    chunks = build_tensor_parallel_stage(task, args, stage, device)
+    run = run_config(args)
+    layout = run.layout
+    if len(chunks) != layout.num_chunks:
+        raise ValueError(f"task {task.name} built {len(chunks)} model chunks for stage {stage}, "
+                         f"the pipeline layout has {layout.num_chunks}")
+    named = list(task.named_parameters(chunks))
+    shards = None
+    if run.shards_optimizer_state:
+        assert isinstance(layout, MultiPipelineLayout)
+        shards = optimizer_shards(layout, chunks, named)
+    optimizer = shard_over_data_parallel(args, named, stage, dp_rank) or build_optimizer(args, named, stage, shards)
+    schedule = LRSchedule(
+        max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
+        decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
+        wsd_decay_steps=args.lr_wsd_decay_iters or 0, wsd_decay_style=args.lr_wsd_decay_style,
+    )
+    shape, dtype = task.activation_spec(args)
+    # Asynchronous variants shape what a stage's passes read and its learning rate (2BW, PipeMare).
+    schedule_cls, config = run.schedule_cls, run.schedule
+    setup = StageSetup(
+        stage=stage,
+        layout=layout,
+        chunks=chunks,
+        optimizer=optimizer,
+        lr_schedule=schedule_cls.stage_lr_schedule(config, stage, schedule),
+        microbatches_per_update=args.num_microbatches,
+        batch_fn=task.batch_fn(args, dp_rank, device),
+        loss_fn=task.loss_fn,
+        activation_shape=shape,
+        activation_dtype=dtype,
+        device=device,
+        clip_grad=args.clip_grad,
+        seed=args.seed,
+        inject_nonfinite_updates=frozenset(args.nonfinite_injections.get(stage, ())),
+        inject_nonfinite_losses=frozenset(args.inject_nonfinite_loss),
+        weight_policy=build_weight_policy(schedule_cls.stage_weight_policy(config, stage), optimizer),
+        loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
+        report_params_norm=args.log_params_norm,
+        measure_activations=args.log_activation_memory,
+        aux_loss_fn=getattr(task, "aux_loss_fn", None),
+        tp_group=_tensor_parallel_group(run.tensor_parallel_size),
+    )
+    return StageWorker(setup, isolate_rng=isolate_rng)
+
+
+def _tensor_parallel_group(tp_size: int) -> dist.ProcessGroup | None:
+    """megatron's TP group of this rank (set by :func:`initialize_tensor_parallel`); None at TP = 1."""
+    if tp_size == 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _loss_scaler(args: argparse.Namespace, asynchronous: bool) -> StageLossScaler | None:
+    """``--fp16``: the stage's scaler, pipeline-wide for synchronous schedules, stage-local otherwise."""
+    config = loss_scale_config(args, asynchronous)
+    return None if config is None else StageLossScaler(config)
+
+
+def stage_parameter_count(worker: StageWorker, tp_size: int = 1) -> int:
+    """Parameters of one stage (all its model chunks), for the start banner: of the whole
+    stage, a TP shard counted at its full (unsharded) size."""
+    return sum(full_shape(p.shape, shard_layout(p), tp_size).numel()
+               for p in counted(p for chunk in worker.setup.chunks for p in chunk.parameters()))  # a tied embedding once
+
+
+def dump_parameters(task: PretrainTask, worker: StageWorker, directory: str, tp_rank: int = 0) -> None:
+    """``--dump-final-params``: the stage's full parameters (TP shards gathered: a collective
+    over the TP group), written by TP rank 0."""
+    group = worker.setup.tp_group
+    state = {name: gather_full(p.detach(), shard_layout(p), group).cpu().clone()
+             for name, p in task.named_parameters(worker.setup.chunks)}
+    if tp_rank:
+        return
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path / f"stage{worker.stage}.pt")
+
+
+def print_drift_histograms(workers: list[StageWorker]) -> None:
+    for w in workers:
+        hist = ", ".join(f"{d}: {n}" for d, n in sorted(w.drift_histogram.items()))
+        print(f" weight-version drift histogram, stage {w.stage}: {{{hist}}}", flush=True)
