@@ -8,6 +8,7 @@ from megatron.trainer.checkpointing.checkpoint import CheckpointError, ResumePoi
 from megatron.trainer.config.arguments import build_parser, parse_args
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_file import handed_config
+from megatron.trainer.launch.auto_cores import apply_auto_host_cores
 from megatron.trainer.launch.auto_memory import apply_auto_memory_limit
 from megatron.trainer.launch.host import runs_on_cpu
 from megatron.trainer.launch.launcher import is_worker_process
@@ -41,6 +42,7 @@ def preflight(task: PretrainTask, argv: list[str]) -> argparse.Namespace:
     try:  # a run that cannot fit memory, or whose schedule deadlocks: refused here, not inside a rank
         check_memory(args, is_worker_process(), not runs_on_cpu(args))
         apply_auto_memory_limit(args)  # auto: the memory left after the check bounds its choice
+        apply_auto_host_cores(args)  # auto on a CPU host with more ranks than cores: shared cores
         check_schedule(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
