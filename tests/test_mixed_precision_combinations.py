@@ -229,12 +229,19 @@ def test_every_schedule_trains_in_half_precision(tmp_path: Path, precision: str,
     ref_workers, ref_records = _emulate(tmp_path, schedule, *NO_DROPOUT, *flags, *inject, iters=6)
     assert _skips(ref_workers) == _skips(workers)
     rho = half_precision_noise(UNIT_ROUNDOFF[precision], _num_layers(flags), MICRO_BATCHES)
-    for got, want in zip(records, ref_records):
+    for i, (got, want) in enumerate(zip(records, ref_records)):
         assert abs(got["loss"] - want["loss"]) <= LOSS_TOLERANCE[precision], (got["iteration"], got["loss"], want["loss"])
-        # the (unscaled) gradient norms: Adam hides a wrongly scaled gradient, clipping would not
+        # The (unscaled) gradient norms: Adam hides a wrongly scaled gradient, clipping would not.
+        # The first iteration runs on the same weights up to their rounding to the half format:
+        # the per-op rounding bound holds. After updates the weights differ by what Adam made of
+        # those roundings (a near-zero gradient's element may step the other way), which no
+        # per-op bound covers; there the check is what a scaling bug shows: a power-of-two factor
+        # (the loss scale applied twice, never, or to half the micro-batches) moves a norm by at
+        # least 1/2 of itself, so any relative difference under 1/3 is no such bug.
+        bound = rho if i == 0 else 1 / 3
         for g, w in zip(got["grad_norm_per_stage"], want["grad_norm_per_stage"]):
-            assert math.isnan(g) == math.isnan(w) and not abs(g - w) > rho * w, \
-                (got["iteration"], rho, got["grad_norm_per_stage"], want["grad_norm_per_stage"])
+            assert math.isnan(g) == math.isnan(w) and not abs(g - w) > bound * w, \
+                (got["iteration"], bound, got["grad_norm_per_stage"], want["grad_norm_per_stage"])
 
 
 # -------------------------------------------------------------------------- B/W split
