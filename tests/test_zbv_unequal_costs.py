@@ -1,5 +1,5 @@
 """ZB-V's search with T_F, T_B, T_W unequal, against the controllable-memory paper's claims
-(/work/shared/specs/v_schedules.md) in the simulator.
+(``shared/specs/v_schedules.md`` next to the repository) in the simulator.
 
 * At 1F1B's activation memory (zb-v's default limit, ``2p`` chunk activations = ``p`` whole
   stages) its bubble rate is at most 1F1B-flush's. Costs are per V chunk; 1F1B's stage holds
