@@ -128,6 +128,27 @@ def test_survivors_fail_naming_stage_and_op_when_a_rank_is_killed(tmp_path: Path
         _stop(procs)
 
 
+def test_a_rank_ended_by_sigterm_says_where_it_was(tmp_path: Path) -> None:
+    """torchrun ends the survivors of a dead rank with SIGTERM, often before their own
+    receive has failed: a rank so ended must still name its stage, and its op when it was in
+    the pipeline, rather than vanish without a line (the default action of SIGTERM)."""
+    procs, errs, log_json = _start_ranks(tmp_path, FLAGS)
+    try:
+        _wait_for_training(log_json, procs, errs)
+        os.kill(procs[VICTIM].pid, signal.SIGTERM)
+        try:
+            code = procs[VICTIM].wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank {VICTIM} still running {EXIT_TIMEOUT_S}s after SIGTERM:\n{_tail(errs[VICTIM])}")
+        stderr = errs[VICTIM].read_text(errors="replace")
+        line = re.search(rf"\[megatron-async\] error: stage {VICTIM} \(rank {VICTIM}\)( at \S+)?: .*got SIGTERM", stderr)
+        assert code != 0 and line, stderr[-3000:]
+        assert "Traceback" not in stderr, stderr[-3000:]
+        _check_survivors(procs, errs, time.monotonic(), EXIT_TIMEOUT_S)
+    finally:
+        _stop(procs)
+
+
 def test_survivors_time_out_when_a_rank_hangs(tmp_path: Path) -> None:
     """A peer that stops answering (SIGSTOP: sockets stay open, so nothing reports a closed
     connection) must be detected by the timeouts: --pipeline-timeout-seconds for activations

@@ -36,6 +36,8 @@ ITERS, SAVE_INTERVAL, KILL_AT = 60, 10, 25
 PIPELINE_TIMEOUT_S = 10
 JOB_TIMEOUT_S = 420  # three starts of up to 4 ranks importing torch on 2 loaded cores, and training
 ERROR_LINE = re.compile(r"\[megatron-async\] error: stage (\d+) \(rank (\d+)\) at (F|BW|B|W|OPT)\S*")
+# A survivor torchrun ends (SIGTERM) between two iterations has no op to name.
+SURVIVOR_LINE = re.compile(r"\[megatron-async\] error: stage (\d+) \(rank (\d+)\)( at (F|BW|B|W|OPT)\S*)?: ")
 RESTART_LINE = re.compile(r"\[megatron-async\] restart (\d+) of (\d+): resuming from iteration (\d+) "
                           r"\(lost (\d+) iterations?\)")
 
@@ -168,7 +170,7 @@ def test_torchrun_restarts_after_a_killed_rank_and_matches_the_uninterrupted_run
         job.wait_for_iteration(KILL_AT)
         os.kill(pid, signal.SIGKILL)
         _check_recovered(job, reference, restarts=1)
-        assert ERROR_LINE.search(job.err.read_text()), "no survivor named its stage and op"
+        assert SURVIVOR_LINE.search(job.err.read_text()), "no survivor named its stage"
     finally:
         job.kill()
 

@@ -54,11 +54,29 @@ def stop_control(args: argparse.Namespace, decides_time: bool, agree: Agree | No
     return StopControl(args, decides_time, agree) if stops_early(args) else None
 
 
+class Terminated(Exception):
+    """SIGTERM reached a rank that does not take it as its ``--exit-signal``.
+
+    torchrun ends the surviving ranks with SIGTERM as soon as one rank dies, often before
+    their own receive from the dead peer has failed. Raised from the handler in the main
+    thread, it unwinds through the executor, which adds the stage and the op the rank was
+    at, so every survivor still says where it stood instead of vanishing without a word."""
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second delivery ends the process at once
+    raise Terminated(f"got {signal.Signals(signum).name}: the launcher is ending the job "
+                     "(a peer failed, or the job was cancelled)")
+
+
 def rank_signal_defaults(args: argparse.Namespace) -> None:
     """In a rank, SIGINT ends the process at once (unless it is the exit signal): the launcher
-    reports it, and N ranks printing KeyboardInterrupt tracebacks say nothing more."""
+    reports it, and N ranks printing KeyboardInterrupt tracebacks say nothing more. SIGTERM
+    (unless it is the exit signal, whose handler :class:`StopControl` installs afterwards)
+    raises :class:`Terminated`, so the rank reports its stage and op before it exits."""
     if exit_signal(args) != signal.SIGINT:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def launcher_signals(args: argparse.Namespace) -> tuple[int, ...]:

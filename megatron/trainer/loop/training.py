@@ -26,7 +26,7 @@ from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.config.run_config import run_config
 from megatron.trainer.launch import flight_recorder
-from megatron.trainer.launch.exit_control import StopControl, rank_signal_defaults, stop_control
+from megatron.trainer.launch.exit_control import StopControl, Terminated, rank_signal_defaults, stop_control
 from megatron.trainer.launch.host import prepare_host, resolve_device
 from megatron.trainer.launch.launcher import is_worker_process
 from megatron.trainer.launch.local import enter_process, launch_ranks
@@ -121,6 +121,8 @@ def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
         drive(task, args, transport, device, stop)
     except PipelineRuntimeError as exc:
         fail(f"[megatron-async] error: {exc}")
+    except Terminated as exc:  # outside the pipeline: between segments, saving, evaluating
+        fail(f"[megatron-async] error: stage {groups.stage} (rank {rank}): {exc}")
     except Exception as exc:  # noqa: BLE001 - any failure must end this rank, not hang it
         traceback.print_exc()
         fail(f"[megatron-async] error: stage {groups.stage} (rank {rank}): {type(exc).__name__}: {exc}")
