@@ -1,7 +1,6 @@
 """The checkpoint format's names and its run signature (what saving and loading share)."""
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -9,6 +8,7 @@ from typing import Any
 
 import torch
 
+from megatron.trainer.config.job_config import JobConfig, flag_values
 from megatron.trainer.config.megatron_compat_args import COMPAT_SIGNATURE_FLAGS
 from megatron.trainer.models.tensor_parallel import stage_tp_group, tp_rank_and_size
 from megatron.trainer.tasks.task import PretrainTask
@@ -36,14 +36,14 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def run_signature(task: PretrainTask, args: argparse.Namespace) -> dict[str, Any]:
+def run_signature(task: PretrainTask, config: JobConfig) -> dict[str, Any]:
     """What identifies a run's model and pipeline layout (checked on load)."""
-    flags = vars(args)  # the flags by dest
+    flags = flag_values(config)
     signature = {flag: flags.get(flag) for flag in SIGNATURE_FLAGS}
     signature["tensor_model_parallel_size"] = signature["tensor_model_parallel_size"] or 1
-    signature["tokenizer_vocab_size"] = args.tokenizer_vocab_size  # which vocab rows are padding
+    signature["tokenizer_vocab_size"] = config.model.tokenizer_vocab_size  # which vocab rows are padding
     signature["task"] = task.name
-    signature["tokenizer"] = tokenizer_record(args)  # for tools/export_hf.py and tools/generate.py
+    signature["tokenizer"] = tokenizer_record(config)  # for tools/export_hf.py and tools/generate.py
     return signature
 
 

@@ -3,7 +3,6 @@ rank's load of its stage (:func:`load_stage_state`, resharded through the metada
 the layout changed). Format and guarantees: :mod:`megatron.trainer.checkpointing.checkpoint`."""
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from megatron.trainer.checkpointing.reshard import (
     LAYOUT_FLAGS, VOCAB_FLAGS, ReshardError, ReshardPlan, check_vocab, merge_optimizer_states, plan,
     saved_signature, smallest_scale, tp_size, unchecked_flags)
 from megatron.trainer.checkpointing.shards import Region, ShardError
-from megatron.trainer.config.run_config import run_config
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.models.tensor_parallel import shard_layout
 from megatron.trainer.tasks.task import PretrainTask
 
@@ -60,7 +59,7 @@ def find_resume_point(root: str | Path) -> ResumePoint | None:
     return ResumePoint(iteration, directory)
 
 
-def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: bool = True) -> ResumePoint | None:
+def check_resume(task: PretrainTask, config: JobConfig, verify_files: bool = True) -> ResumePoint | None:
     """Validate ``--load`` before any rank starts; return where to resume (None: start fresh).
 
     A different model shape or precision, a layout change that cannot load correctly
@@ -69,19 +68,19 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
     data-parallel replica 0 files that are read; a rank checks each file it reads again in
     :func:`load_stage_state`): each is a one-line :class:`CheckpointError` naming the file.
     """
-    if args.load is None:
+    if config.checkpoint.load is None:
         return None
-    point = find_resume_point(args.load)
+    point = find_resume_point(config.checkpoint.load)
     if point is None:
         return None
     metadata = _read_metadata(point.directory)
     path = point.directory / METADATA
-    saved, ours = saved_signature(metadata), run_signature(task, args)
+    saved, ours = saved_signature(metadata), run_signature(task, config)
     try:
         vocab_padding = check_vocab(saved, ours, str(path))
     except ReshardError as exc:
         raise CheckpointError(str(exc)) from None
-    if saved.get("imported_from") and not args.finetune:
+    if saved.get("imported_from") and not config.checkpoint.finetune:
         raise CheckpointError(f"checkpoint {path} holds weights only (imported from {saved['imported_from']}): "
                               f"load it with --finetune")
     for key in ours:
@@ -99,32 +98,32 @@ def check_resume(task: PretrainTask, args: argparse.Namespace, verify_files: boo
     reshard = None
     if vocab_padding or any(saved.get(key) != ours[key] for key in LAYOUT_FLAGS):
         try:
-            reshard = plan(metadata, ours, args, str(path))
+            reshard = plan(metadata, ours, config, str(path))
         except ReshardError as exc:
             raise CheckpointError(str(exc)) from None
-    _check_sharded_optimizer(metadata, args, str(path))
+    _check_sharded_optimizer(metadata, config, str(path))
     checksums = metadata.get("sha256", {})
     if verify_files:
-        read = None if reshard is None else reshard.files_read(args.data_parallel_size, tp_size(ours))
+        read = None if reshard is None else reshard.files_read(config.parallel.data_parallel_size, tp_size(ours))
         for name, expected in checksums.items():
             if read is None or name in read:
                 _verify_checksum(point.directory / name, file_checksum(point.directory / name), expected)
-    if point.iteration >= args.train_iters and not args.finetune:
+    if point.iteration >= config.training.train_iters and not config.checkpoint.finetune:
         raise CheckpointError(f"checkpoint {point.directory} is at iteration {point.iteration}, "
-                              f"not before --train-iters {args.train_iters}: nothing left to train")
+                              f"not before --train-iters {config.training.train_iters}: nothing left to train")
     keeps_order = reshard is None or (reshard.keeps_rank_state and reshard.same_schedule)
     return ResumePoint(point.iteration, point.directory, checksums,
                        metadata.get("schedule_state") if keeps_order else None, reshard)
 
 
-def _check_sharded_optimizer(metadata: dict[str, Any], args: argparse.Namespace, where: str) -> None:
+def _check_sharded_optimizer(metadata: dict[str, Any], config: JobConfig, where: str) -> None:
     """Optimizer shards (files of AMDP or --use-distributed-optimizer written before their saves
     gathered the shards) load only into a run that shards its optimizer state the same way (a
     whole state, by contrast, is sliced into either)."""
-    if args.no_load_optim or args.finetune:
+    if config.checkpoint.no_load_optim or config.checkpoint.finetune:
         return
-    sharded_run = run_config(args).shards_optimizer_state or (
-        args.use_distributed_optimizer and args.data_parallel_size > 1)
+    sharded_run = config.run.shards_optimizer_state or (
+        config.parallel.use_distributed_optimizer and config.parallel.data_parallel_size > 1)
     if not sharded_run and any(e.get("optimizer_sharded") for e in (metadata.get("index") or {}).values()):
         raise CheckpointError(f"checkpoint {where} holds sharded optimizer state (saved with "
                               f"--use-distributed-optimizer or AMDP's sharded state, before saves gathered "

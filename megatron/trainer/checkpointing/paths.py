@@ -15,7 +15,6 @@ any rank starts:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -23,85 +22,86 @@ import shutil
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.v_shape import VShapeSchedule
 from megatron.trainer.checkpointing.writable import OutputPathError, check_output_flags, check_writable_directory
+from megatron.trainer.config.job_config import JobConfig
 
 
 class CheckpointPathError(ValueError):
     """An unusable ``--save`` / ``--load`` path; one line for the user."""
 
 
-def estimate_parameters(args: argparse.Namespace) -> int:
+def estimate_parameters(config: JobConfig) -> int:
     """Parameters of the whole model (all stages) from the flags: embeddings, the output layer
     unless tied to the embedding, per layer attention (QKV with query groups, projection), MLP
     and two norms."""
-    h, layers, vocab = args.hidden_size, args.num_layers, args.vocab_size
-    ffn = args.ffn_hidden_size or 4 * h
-    heads = args.num_attention_heads
-    groups = args.num_query_groups or heads
+    h, layers, vocab = config.model.hidden_size, config.model.num_layers, config.model.vocab_size
+    ffn = config.model.ffn_hidden_size or 4 * h
+    heads = config.model.num_attention_heads
+    groups = config.model.num_query_groups or heads
     kv = 2 * h * groups // heads
     attention = h * (h + kv) + (h + kv) + h * h + h
     mlp = 2 * h * ffn + ffn + h
     norms = 4 * h
-    positions = args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute" else 0
-    output = 0 if args.tie_embeddings else vocab * h
+    positions = config.model.max_position_embeddings * h if config.model.position_embedding_type == "learned_absolute" else 0
+    output = 0 if config.model.tie_embeddings else vocab * h
     return vocab * h + output + positions + layers * (attention + mlp + norms) + 2 * h
 
 
-def _v_layout(args: argparse.Namespace) -> bool:
-    return issubclass(schedule_class(args.pipeline_schedule), VShapeSchedule)
+def _v_layout(config: JobConfig) -> bool:
+    return issubclass(schedule_class(config.schedule.pipeline_schedule), VShapeSchedule)
 
 
-def estimate_checkpoint_bytes(args: argparse.Namespace) -> int:
+def estimate_checkpoint_bytes(config: JobConfig) -> int:
     """Bytes of one checkpoint: per parameter its value (2 bytes in bf16/fp16, else 4), AdamW's
     two fp32 moments and, in half precision, the fp32 master copy; every data-parallel replica
     writes its own files."""
-    half = args.bf16 or args.fp16
+    half = config.precision.bf16 or config.precision.fp16
     per_parameter = (2 + 8 + 4) if half else (4 + 8)
     # tied over several stages: the output layer's stage saves its copy of the embedding too
     # (not on a V, whose stage 0 holds both ends as one parameter)
-    copy = args.vocab_size * args.hidden_size if args.tie_embeddings and \
-        args.pipeline_model_parallel_size > 1 and not _v_layout(args) else 0
-    return (estimate_parameters(args) + copy) * per_parameter * args.data_parallel_size
+    copy = config.model.vocab_size * config.model.hidden_size if config.model.tie_embeddings and \
+        config.parallel.pipeline_model_parallel_size > 1 and not _v_layout(config) else 0
+    return (estimate_parameters(config) + copy) * per_parameter * config.parallel.data_parallel_size
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def check_save_path(args: argparse.Namespace) -> None:
-    save = args.save
+def check_save_path(config: JobConfig) -> None:
+    save = config.checkpoint.save
     try:
         existing = check_writable_directory(save, "--save")
     except OutputPathError as exc:
         raise CheckpointPathError(str(exc)) from None
-    need, free = estimate_checkpoint_bytes(args), shutil.disk_usage(existing).free
+    need, free = estimate_checkpoint_bytes(config), shutil.disk_usage(existing).free
     if free < need:
         raise CheckpointPathError(
             f"--save {save}: {_gb(free)} free, one checkpoint needs about {_gb(need)} "
-            f"({estimate_parameters(args):,} parameters with optimizer states)")
+            f"({estimate_parameters(config):,} parameters with optimizer states)")
 
 
-def check_load_path(args: argparse.Namespace) -> None:
-    load = args.load
+def check_load_path(config: JobConfig) -> None:
+    load = config.checkpoint.load
     if os.path.isdir(load):
         return
     if os.path.lexists(load):
         raise CheckpointPathError(f"--load {load}: not a directory (pass the checkpoint directory, the one "
                                   f"holding latest_checkpointed_iteration.txt)")
-    if args.save is not None and os.path.abspath(args.save) == os.path.abspath(load):
+    if config.checkpoint.save is not None and os.path.abspath(config.checkpoint.save) == os.path.abspath(load):
         return  # --load X --save X: nothing saved yet, start fresh
     raise CheckpointPathError(f"--load {load}: no such directory (to start fresh and resume later from the "
                               f"same place, pass the same path to --save)")
 
 
-def check_checkpoint_paths(args: argparse.Namespace) -> None:
+def check_checkpoint_paths(config: JobConfig) -> None:
     """Both checks, then the other output flags (``--log-json``, ``--tensorboard-dir``, ...);
     :class:`CheckpointPathError` for the first problem."""
-    if args.load is not None:
-        check_load_path(args)
-    if args.save is not None:
-        check_save_path(args)
+    if config.checkpoint.load is not None:
+        check_load_path(config)
+    if config.checkpoint.save is not None:
+        check_save_path(config)
     try:
-        check_output_flags(args)
+        check_output_flags(config)
     except OutputPathError as exc:
         raise CheckpointPathError(str(exc)) from None
 

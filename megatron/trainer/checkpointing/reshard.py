@@ -47,7 +47,6 @@ What does not follow a parameter is decided here, per item (``docs/checkpoints.m
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +54,7 @@ from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.base import ScheduleConfig
 from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
 from megatron.trainer.checkpointing.shards import Region, ShardError, plan_region, shard_entry
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.models.tensor_parallel import ShardLayout
 
 # Flags that describe the layout, not the model: they may differ between save and load.
@@ -226,12 +226,12 @@ class ReshardPlan:
         return None
 
 
-def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespace, where: str) -> ReshardPlan:
+def plan(metadata: dict[str, Any], ours: dict[str, Any], config: JobConfig, where: str) -> ReshardPlan:
     """Decide how to load ``metadata``'s checkpoint into the layout ``ours``; :class:`ReshardError`
     (one line naming ``where``) for what would resume wrongly. Called before any rank starts."""
     saved = saved_signature(metadata)
     vocab_padding = check_vocab(saved, ours, where)
-    finetune = getattr(args, "finetune", False)  # starts at iteration 0: no data position to continue
+    finetune = getattr(config, "finetune", False)  # starts at iteration 0: no data position to continue
     if not finetune and global_batch(saved) != global_batch(ours):
         raise ReshardError(f"checkpoint {where} was saved with a global batch of {global_batch(saved)} samples, "
                            f"this run has {global_batch(ours)} (the data position would not continue)")
@@ -244,7 +244,7 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
         raise ReshardError(f"checkpoint {where} has no parameter index (saved before reshardable checkpoints); "
                            f"load it with its own layout {describe(saved)}")
     if any(entry.get("optimizer_sharded") for entry in index.values()) and \
-            not (args.no_load_optim or args.finetune):
+            not (config.checkpoint.no_load_optim or config.checkpoint.finetune):
         raise ReshardError(f"checkpoint {where}: its optimizer state is sharded over replicas (saved before "
                            f"checkpoints gathered the shards); load it with its own layout {describe(saved)} "
                            f"or pass --no-load-optim")
@@ -258,8 +258,8 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], args: argparse.Namespac
     same_partition = partition(saved) == partition(ours)
     same_schedule = saved.get("pipeline_schedule") == ours.get("pipeline_schedule")
     same_tp = tp_size(saved) == tp_size(ours)
-    load_optimizer = not (args.no_load_optim or args.finetune)
-    if load_optimizer and not same_tp and args.optimizer == "basis-rotation":
+    load_optimizer = not (config.checkpoint.no_load_optim or config.checkpoint.finetune)
+    if load_optimizer and not same_tp and config.optimizer.optimizer == "basis-rotation":
         raise ReshardError(f"checkpoint {where}: basis rotation's bases belong to one tensor-parallel shard, "
                            f"they do not reshard from TP{tp_size(saved)} to TP{tp_size(ours)}; keep "
                            f"--tensor-model-parallel-size {tp_size(saved)} or pass --no-load-optim")

@@ -23,6 +23,7 @@ from megatron.trainer.optim.registry import OPTIMIZERS
 from megatron.trainer.launch.host_allocator import HOST_MALLOC_CHOICES
 from megatron.trainer.launch.core_binding import BIND_CORES_CHOICES
 from megatron.trainer.optim.fused_adamw import fused_adamw_available_in_torch
+from megatron.trainer.config.job_config import build_job_config
 from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import OneLineParser, check_flag_values
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
@@ -323,7 +324,7 @@ def validate_args(args: argparse.Namespace) -> None:
     except ConfigError as exc:
         raise ConfigError(str(exc)) from None
     for check in args.task_checks:  # a task's own flags (parser.set_defaults)
-        check(args)
+        check(build_job_config(args))
     try:
         args.run = RunConfig.from_args(args)  # the typed view every later step reads
         # Build it now: its checks run and a searched order (Zero Bubble) that cannot meet its
@@ -359,7 +360,7 @@ def _validate_data(args: argparse.Namespace) -> None:
         infos = []
         if args.data_path is not None:
             infos = check_data(parse_data_path(args.data_path)[0], parse_split(args.split), args.seq_length)
-        tokenizer = tokenizer_from_args(args)
+        tokenizer = tokenizer_from_args(build_job_config(args))
         check_token_ids(infos, tokenizer.vocab_size)
         if infos and args.eval_interval and not usable_splits(infos, args.seq_length)[1]:
             raise DataError(f"--eval-interval: --split {args.split} leaves no validation sample of "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import JobConfig
 
 #: Megatron-LM's DDP default bucket size in elements (its max(40M, 1M x DP) for DP <= 40).
 DEFAULT_BUCKET_SIZE = 40_000_000
@@ -57,6 +58,6 @@ def validate_ddp_args(args: argparse.Namespace) -> None:
         args.ddp_bucket_size = DEFAULT_BUCKET_SIZE
 
 
-def overlap_bucket_size(args: argparse.Namespace) -> int | None:
+def overlap_bucket_size(config: JobConfig) -> int | None:
     """What the distributed transport gets: the bucket size when overlapping, else None."""
-    return args.ddp_bucket_size if args.overlap_grad_reduce else None
+    return config.parallel.ddp_bucket_size if config.parallel.overlap_grad_reduce else None

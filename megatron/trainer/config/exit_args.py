@@ -20,6 +20,7 @@ import signal
 
 from megatron.trainer.config.errors import ConfigError
 from megatron.pipeline.schedules import SCHEDULES
+from megatron.trainer.config.job_config import JobConfig
 
 
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
@@ -39,16 +40,16 @@ def add_exit_args(p: argparse.ArgumentParser) -> None:
                         "boundaries, and this adds a pipeline drain every N iterations)")
 
 
-def exit_signal(args: argparse.Namespace) -> signal.Signals | None:
+def exit_signal(config: JobConfig) -> signal.Signals | None:
     """The signal that asks this run to save and stop (None without ``--exit-signal-handler``)."""
-    if not args.exit_signal_handler:
+    if not config.exit.exit_signal_handler:
         return None
-    return signal.Signals[args.exit_signal or "SIGTERM"]
+    return signal.Signals[config.exit.exit_signal or "SIGTERM"]
 
 
-def stops_early(args: argparse.Namespace) -> bool:
+def stops_early(config: JobConfig) -> bool:
     """Whether the run checks for a graceful stop between segments."""
-    return bool(args.exit_signal_handler) or args.exit_duration_in_mins is not None
+    return bool(config.exit.exit_signal_handler) or config.exit.exit_duration_in_mins is not None
 
 
 def validate_exit_args(args: argparse.Namespace) -> None:
@@ -59,7 +60,7 @@ def validate_exit_args(args: argparse.Namespace) -> None:
     if args.exit_signal is not None and not args.exit_signal_handler:
         raise ConfigError("--exit-signal needs --exit-signal-handler")
     # Ranges (finite, > 0, >= 1) are flag_checks.DOMAINS' job, checked before this.
-    if not stops_early(args):
+    if not (args.exit_signal_handler or args.exit_duration_in_mins is not None):  # stops_early
         if args.exit_check_interval is not None:
             raise ConfigError("--exit-check-interval needs --exit-signal-handler or --exit-duration-in-mins")
         return

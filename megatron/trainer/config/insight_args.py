@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import build_job_config
 
 
 PARTITIONS = ("balanced", "even", "profiled")
@@ -73,7 +74,7 @@ def validate_insight_args(args: argparse.Namespace) -> None:
         raise ConfigError("--pipeline-partition-profile-iters must be >= 1")
     from megatron.trainer.tasks.balanced_partition import checkpoint_split
 
-    _, split = checkpoint_split(args)  # resuming: keep the split the weights were saved with
+    _, split = checkpoint_split(build_job_config(args))  # resuming: keep the split the weights were saved with
     if split is not None and len(split) == pp and sum(split) == args.num_layers:
         args.pipeline_layer_split = split
         args.pipeline_partition_resumed = True
@@ -83,7 +84,7 @@ def _resolve_partition(args: argparse.Namespace) -> None:
     """The partition that applies: ``explicit`` for the user's ``--pipeline-layer-split``,
     ``checkpoint`` for a resumed run's, the default ``balanced`` where it applies, else ``even``;
     an explicit choice that cannot apply is refused."""
-    from megatron.trainer.tasks.balanced_partition import apply_balanced_split, checkpoint_split, why_not_balanced
+    from megatron.trainer.tasks.balanced_partition import balanced_split, checkpoint_split, why_not_balanced
 
     asked = args.pipeline_partition
     memory = args.pipeline_partition_memory_gb
@@ -96,14 +97,17 @@ def _resolve_partition(args: argparse.Namespace) -> None:
             raise ConfigError(f"--pipeline-partition {asked} chooses the split; drop --pipeline-layer-split")
         args.pipeline_partition = "explicit"
     elif asked in (None, "balanced"):
-        reason = why_not_balanced(args)
+        reason = why_not_balanced(build_job_config(args))
         if reason is not None and asked == "balanced":
             raise ConfigError(f"--pipeline-partition balanced cannot apply: {reason}")
         args.pipeline_partition = "even" if reason is not None else "balanced"
-        resumed, split = checkpoint_split(args) if asked is None and reason is None else (False, None)
+        resumed, split = checkpoint_split(build_job_config(args)) if asked is None and reason is None else (False, None)
         if resumed:  # the default keeps a checkpoint's split (even before the balanced default)
             args.pipeline_layer_split, args.pipeline_partition = split, "checkpoint"
         elif reason is None:
-            apply_balanced_split(args)
+            split, args.pipeline_partition_feasible = balanced_split(build_job_config(args))
+            if split is not None:
+                args.pipeline_layer_split = split
+                args._balanced_split = True  # not the user's: a second validation decides it again
     if memory is not None and args.pipeline_partition in ("even", "explicit"):
         raise ConfigError("--pipeline-partition-memory-gb needs --pipeline-partition balanced or profiled")

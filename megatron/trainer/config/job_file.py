@@ -8,7 +8,6 @@ from argv itself.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import shutil
@@ -16,35 +15,37 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from megatron.trainer.config.job_config import JobConfig
+
 JOB_CONFIG_ENV = "MEGATRON_ASYNC_JOB_CONFIG"
 
 
-def write_job_config(args: argparse.Namespace, path: str) -> None:
+def write_job_config(config: JobConfig, path: str) -> None:
     with open(path, "wb") as f:
-        pickle.dump(args, f, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump(config, f, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def read_job_config(path: str) -> argparse.Namespace:
+def read_job_config(path: str) -> JobConfig:
     with open(path, "rb") as f:
-        args = pickle.load(f)
-    if not isinstance(args, argparse.Namespace):
-        raise TypeError(f"{JOB_CONFIG_ENV}={path} holds a {type(args).__name__}, not a run configuration")
-    return args
+        config = pickle.load(f)
+    if not isinstance(config, JobConfig):
+        raise TypeError(f"{JOB_CONFIG_ENV}={path} holds a {type(config).__name__}, not a job configuration")
+    return config
 
 
-def handed_config() -> argparse.Namespace | None:
+def handed_config() -> JobConfig | None:
     """The launcher's configuration in one of its ranks; None elsewhere (parse argv)."""
     path = os.environ.get(JOB_CONFIG_ENV)
     return None if path is None else read_job_config(path)
 
 
 @contextmanager
-def job_config_file(args: argparse.Namespace) -> Iterator[dict[str, str]]:
-    """The environment that hands ``args`` to the ranks started inside the block."""
+def job_config_file(config: JobConfig) -> Iterator[dict[str, str]]:
+    """The environment that hands ``config`` to the ranks started inside the block."""
     directory = tempfile.mkdtemp(prefix="megatron-async-job-")
     path = os.path.join(directory, "job_config.pkl")
     try:
-        write_job_config(args, path)
+        write_job_config(config, path)
         yield {JOB_CONFIG_ENV: path}
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import JobConfig, flag_values
 from megatron.trainer.config.rampup_args import batch_plan, validate_rampup
 from megatron.trainer.optim.lr_schedule import WSD_DECAY_STYLES
 
@@ -229,40 +230,40 @@ def _validate_loading(args: argparse.Namespace) -> None:
         raise ConfigError("--no-load-optim/--finetune need --load DIR")
 
 
-def compat_model_kwargs(args: argparse.Namespace) -> dict[str, object]:
+def compat_model_kwargs(config: JobConfig) -> dict[str, object]:
     """The :class:`~megatron.trainer.models.stage.TransformerArgs` fields of these flags."""
-    return dict(swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, norm_epsilon=args.norm_epsilon,
-                kv_channels=args.kv_channels, rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
-                attention_backend=args.attention_backend, sequence_parallel=args.sequence_parallel,
-                tie_embeddings=args.tie_embeddings)
+    return dict(swiglu=config.model.swiglu, add_bias_linear=config.model.add_bias_linear, norm_epsilon=config.model.norm_epsilon,
+                kv_channels=config.model.kv_channels, rotary_base=config.model.rotary_base, rotary_percent=config.model.rotary_percent,
+                attention_backend=config.model.attention_backend, sequence_parallel=config.parallel.sequence_parallel,
+                tie_embeddings=config.model.tie_embeddings)
 
 
-def flops_per_iteration(args: argparse.Namespace, global_batch: int) -> float:
+def flops_per_iteration(config: JobConfig, global_batch: int) -> float:
     """Model FLOPs of one training iteration (forward + backward = 3 x forward).
 
     Forward per token: 2 x the multiply-adds of the layers' linears (QKV with GQA, output
     projection, MLP with SwiGLU's gate), the attention scores and weighted sum
     (2 x 2 x seq x kv-channels x heads per layer), and the output layer (2 x hidden x vocab).
     """
-    h, layers, s = args.hidden_size, args.num_layers, args.seq_length
-    heads = args.num_attention_heads
-    kv = args.kv_channels or h // heads
-    groups = args.num_query_groups or heads
-    ffn = args.ffn_hidden_size or 4 * h
+    h, layers, s = config.model.hidden_size, config.model.num_layers, config.model.seq_length
+    heads = config.model.num_attention_heads
+    kv = config.model.kv_channels or h // heads
+    groups = config.model.num_query_groups or heads
+    ffn = config.model.ffn_hidden_size or 4 * h
     qkv = h * kv * (heads + 2 * groups)
     proj = heads * kv * h
-    mlp = h * ffn * (3 if args.swiglu else 2)
+    mlp = h * ffn * (3 if config.model.swiglu else 2)
     attention = 2 * s * kv * heads
-    per_token = 2 * (layers * (qkv + proj + mlp + attention) + h * args.vocab_size)
+    per_token = 2 * (layers * (qkv + proj + mlp + attention) + h * config.model.vocab_size)
     return 3.0 * per_token * s * global_batch
 
 
-def wandb_run(args: argparse.Namespace):  # pragma: no cover - wandb is not installed in CI
+def wandb_run(config: JobConfig):  # pragma: no cover - wandb is not installed in CI
     """A Weights & Biases run for ``--wandb-project`` (None without it); rank 0 only."""
-    if args.wandb_project is None:
+    if config.logging.wandb_project is None:
         return None
     import wandb
 
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
-                      config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
+    return wandb.init(project=config.logging.wandb_project, name=config.logging.wandb_exp_name, dir=config.logging.wandb_save_dir,
+                      config={k: v for k, v in flag_values(config).items() if isinstance(v, (int, float, str, bool))})
 

@@ -17,6 +17,7 @@ import argparse
 from megatron.trainer.config.errors import ConfigError
 
 from megatron.pipeline.runtime.loss_scaling import LossScaleConfig
+from megatron.trainer.config.job_config import JobConfig
 
 _DYNAMIC_DEFAULTS = {"initial_loss_scale": 2.0**32, "min_loss_scale": 1.0, "loss_scale_window": 1000,
                      "hysteresis": 2}
@@ -91,11 +92,11 @@ def _resolve_rollback_mode(args: argparse.Namespace, error: type[Exception]) -> 
         args.optimizer_post_validation_exact = True
 
 
-def loss_scale_config(args: argparse.Namespace, asynchronous: bool) -> LossScaleConfig | None:
+def loss_scale_config(config: JobConfig, asynchronous: bool) -> LossScaleConfig | None:
     """The stages' loss scaling for this run (None without ``--fp16``)."""
-    if not args.fp16:
+    if not config.precision.fp16:
         return None
-    return LossScaleConfig(static_scale=args.loss_scale, initial_scale=args.initial_loss_scale,
-                           min_scale=args.min_loss_scale, window=args.loss_scale_window,
-                           hysteresis=args.hysteresis, stage_local=asynchronous)
+    return LossScaleConfig(static_scale=config.precision.loss_scale, initial_scale=config.precision.initial_loss_scale,
+                           min_scale=config.precision.min_loss_scale, window=config.precision.loss_scale_window,
+                           hysteresis=config.precision.hysteresis, stage_local=asynchronous)
 

@@ -20,6 +20,7 @@ import argparse
 from typing import Any
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.run_config import schedule_config
 from megatron.trainer.config.schedule_args import chosen_schedule
 from megatron.trainer.models.recompute import GRANULARITIES, METHODS, SELECTIVE_MODULES
@@ -116,9 +117,9 @@ def _validate_selective(args: argparse.Namespace) -> None:
                           "recomputes core attention, which has no weights)")
 
 
-def recompute_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def recompute_model_kwargs(config: JobConfig) -> dict[str, Any]:
     """The :class:`~megatron.trainer.models.stage.TransformerArgs` recompute fields of the flags."""
-    return dict(recompute_granularity=args.recompute_granularity,
-                recompute_method=args.recompute_method,
-                recompute_num_layers=args.recompute_num_layers,
-                recompute_stash_weights=args.recompute_stash_weights)
+    return dict(recompute_granularity=config.recompute.recompute_granularity,
+                recompute_method=config.recompute.recompute_method,
+                recompute_num_layers=config.recompute.recompute_num_layers,
+                recompute_stash_weights=config.recompute.recompute_stash_weights)

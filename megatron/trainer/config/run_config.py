@@ -15,6 +15,7 @@ from typing import Any
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
 from megatron.pipeline.schedules.base import Schedule
+from megatron.trainer.config.job_config import JobConfig
 
 # Optimizers whose state is element-wise, so a schedule may shard it over stage replicas by
 # ranges of elements (basis rotation rotates whole matrices; the sharded path is AdamW's).
@@ -75,14 +76,24 @@ def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
     """The schedule's config from the flags (its options included); raises
     :class:`~megatron.pipeline.schedules.ScheduleConfigError` for option values it cannot use."""
     schedule_cls = schedule_class(args.pipeline_schedule)
-    base = ScheduleConfig(
-        num_stages=args.pipeline_model_parallel_size,
-        num_microbatches=args.num_microbatches,
-        num_iterations=args.train_iters,
-        num_chunks=args.num_model_chunks,
-        data_parallel_size=args.data_parallel_size or 1,
-    )
-    return dataclasses.replace(base, options=schedule_cls.options_from_flags(schedule_flag_values(args, schedule_cls), base))
+    return _schedule_config(schedule_cls, args.pipeline_model_parallel_size, args.num_microbatches, args.train_iters,
+                            args.num_model_chunks, args.data_parallel_size, schedule_flag_values(args, schedule_cls))
+
+
+def job_schedule_config(config: JobConfig) -> ScheduleConfig:
+    """:func:`schedule_config` of a built (or provisional: the flag checks') job config."""
+    schedule_cls = schedule_class(config.schedule.pipeline_schedule)
+    flags = {flag.dest: config.schedule.flags[flag.dest] for group in schedule_cls.flag_groups for flag in group.flags}
+    return _schedule_config(schedule_cls, config.parallel.pipeline_model_parallel_size,
+                            config.training.num_microbatches, config.training.train_iters,
+                            config.parallel.num_model_chunks, config.parallel.data_parallel_size, flags)
+
+
+def _schedule_config(schedule_cls: type[Schedule], stages: int, microbatches: int, iterations: int, chunks: int,
+                     data_parallel: int | None, flags: dict[str, Any]) -> ScheduleConfig:
+    base = ScheduleConfig(num_stages=stages, num_microbatches=microbatches, num_iterations=iterations,
+                          num_chunks=chunks, data_parallel_size=data_parallel or 1)
+    return dataclasses.replace(base, options=schedule_cls.options_from_flags(flags, base))
 
 
 def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:
@@ -91,6 +102,6 @@ def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    """``args.run`` (set by ``parse_args``), or built now for a namespace made another way."""
+    """``args.run`` (set by ``parse_args``), or built now for a namespace still being checked."""
     run = args.run
     return run if isinstance(run, RunConfig) else RunConfig.from_args(args)

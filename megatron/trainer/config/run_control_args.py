@@ -12,6 +12,7 @@ import importlib.util
 
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.checkpointing.paths import CheckpointPathError, check_checkpoint_paths
+from megatron.trainer.config.job_config import build_job_config
 
 
 def add_run_control_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +46,6 @@ def validate_run_control_args(args: argparse.Namespace) -> None:
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
     try:
-        check_checkpoint_paths(args)  # --save writable with room for a checkpoint, --load a directory
+        check_checkpoint_paths(build_job_config(args))  # --save writable with room for a checkpoint, --load a directory
     except CheckpointPathError as exc:
         raise ConfigError(str(exc)) from None

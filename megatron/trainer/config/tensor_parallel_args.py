@@ -40,10 +40,11 @@ def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
     if args.pipeline_executor == "emulator":
         raise ConfigError(f"--tensor-model-parallel-size {tp} needs one process per tensor-parallel rank, which "
                           "the emulator (one process) does not have: use --pipeline-executor distributed")
+    from megatron.trainer.config.job_config import build_job_config
     from megatron.trainer.models.tensor_parallel import check_tensor_parallel_args
 
     try:
-        check_tensor_parallel_args(args, tp)
+        check_tensor_parallel_args(build_job_config(args).model, tp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if args.optimizer == "basis-rotation":

@@ -8,13 +8,13 @@ usability check and the sample -> micro-batch conversion.
 """
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from typing import Any
 
 import numpy
 import torch
 
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.data.gpt_dataset import (
     DataError,
     build_usable_splits,
@@ -61,33 +61,33 @@ def usable_bert_splits(prefixes: Sequence[str], split_matrix: Any, binary_head: 
     return usable
 
 
-def check_bert_data(args: argparse.Namespace) -> list[bool]:
+def check_bert_data(config: JobConfig) -> list[bool]:
     """One-line :class:`DataError` unless the training split can yield BERT samples."""
-    prefixes, _ = parse_data_path(args.data_path)
-    usable = usable_bert_splits(prefixes, parse_split(args.split), args.bert_binary_head)
+    prefixes, _ = parse_data_path(config.data.data_path)
+    usable = usable_bert_splits(prefixes, parse_split(config.data.split), config.task.bert_binary_head)
     if not usable[0]:
-        what = "two or more sentences" if args.bert_binary_head else "a sentence"
+        what = "two or more sentences" if config.task.bert_binary_head else "a sentence"
         raise DataError(
             f"--data-path: no document of the training split has {what} of at most "
             f"{LONG_SENTENCE_LEN} tokens (preprocess with --split-sentences"
-            f"{', or pass --bert-no-binary-head' if args.bert_binary_head else ''})")
+            f"{', or pass --bert-no-binary-head' if config.task.bert_binary_head else ''})")
     return usable
 
 
-def bert_dataset_config(args: argparse.Namespace, tokenizer: Any) -> Any:
+def bert_dataset_config(config: JobConfig, tokenizer: Any) -> Any:
     """Megatron-LM's BERT masking: whole words, n-grams up to 3, no permutation."""
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
 
     return BERTMaskedWordPieceDatasetConfig(
-        **common_config_kwargs(args, tokenizer),
-        masking_probability=args.mask_prob,
-        short_sequence_probability=args.short_seq_prob,
+        **common_config_kwargs(config, tokenizer),
+        masking_probability=config.task.mask_prob,
+        short_sequence_probability=config.task.short_seq_prob,
         masking_max_ngram=3,
         masking_do_full_word=True,
         masking_do_permutation=False,
         masking_use_longer_ngrams=False,
         masking_use_geometric_distribution=False,
-        classification_head=args.bert_binary_head,
+        classification_head=config.task.bert_binary_head,
     )
 
 
@@ -95,7 +95,7 @@ _BUILT: dict[tuple, tuple[Any, Any, Any]] = {}
 
 
 def build_bert_datasets(
-    args: argparse.Namespace, tokenizer: Any = None, sizes: Sequence[int] | None = None
+    config: JobConfig, tokenizer: Any = None, sizes: Sequence[int] | None = None
 ) -> tuple[Any, Any, Any]:
     """(train, valid, test) BERT datasets, valid/test None when unusable. Collective under
     ``torch.distributed`` (call on every rank); built once per process per configuration."""
@@ -104,15 +104,15 @@ def build_bert_datasets(
     if tokenizer is None:
         from megatron.trainer.tokenizer import tokenizer_from_args
 
-        tokenizer = tokenizer_from_args(args)
-    sizes = list(sizes) if sizes is not None else default_split_sizes(args)
-    key = (tuple(args.data_path), args.split, args.seq_length, args.seed, tuple(sizes),
-           args.data_cache_path, args.mask_prob, args.short_seq_prob,
-           args.bert_binary_head, repr(dict(tokenizer.unique_identifiers)))
+        tokenizer = tokenizer_from_args(config)
+    sizes = list(sizes) if sizes is not None else default_split_sizes(config)
+    key = (tuple(config.data.data_path), config.data.split, config.model.seq_length, config.training.seed, tuple(sizes),
+           config.data.data_cache_path, config.task.mask_prob, config.task.short_seq_prob,
+           config.task.bert_binary_head, repr(dict(tokenizer.unique_identifiers)))
     if key not in _BUILT:
-        usable = check_bert_data(args)
+        usable = check_bert_data(config)
         _BUILT[key] = build_usable_splits(
-            BERTMaskedWordPieceDataset, bert_dataset_config(args, tokenizer), sizes, usable)
+            BERTMaskedWordPieceDataset, bert_dataset_config(config, tokenizer), sizes, usable)
     return _BUILT[key]
 
 

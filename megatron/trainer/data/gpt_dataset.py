@@ -22,7 +22,6 @@ must be visible to all ranks, i.e. on a shared file system for multi-node runs.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import struct
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.data.index_check import IndexFileError, read_index_header
 from megatron.trainer.data.samples import IndexedSamples
 from megatron.trainer.config.flag_checks import parse_blend, parse_split_weights
+from megatron.trainer.config.job_config import JobConfig
 
 SplitMatrix = Sequence["tuple[float, float] | None"]
 
@@ -185,39 +185,39 @@ def usable_splits(infos: Sequence[PrefixInfo], seq_length: int) -> list[bool]:
 # Building (every rank)
 # --------------------------------------------------------------------------------------------
 
-def default_split_sizes(args: argparse.Namespace) -> list[int]:
+def default_split_sizes(config: JobConfig) -> list[int]:
     """Samples per split: the whole run for train; one global batch x ``--eval-iters`` (when a
     later evaluation feature defines it, else 1) for valid and test."""
-    gbs = args.global_batch_size
-    eval_iters = max(1, int(args.eval_iters or 1))
-    return [args.train_iters * gbs, eval_iters * gbs, eval_iters * gbs]
+    gbs = config.training.global_batch_size
+    eval_iters = max(1, int(config.training.eval_iters or 1))
+    return [config.training.train_iters * gbs, eval_iters * gbs, eval_iters * gbs]
 
 
-def common_config_kwargs(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+def common_config_kwargs(config: JobConfig, tokenizer: Any) -> dict[str, Any]:
     """The ``BlendedMegatronDatasetConfig`` fields every dataset family takes from the flags."""
-    prefixes, weights = parse_data_path(args.data_path)
+    prefixes, weights = parse_data_path(config.data.data_path)
     return dict(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
+        random_seed=config.training.seed,
+        sequence_length=config.model.seq_length,
         blend=(prefixes, weights),
-        split=args.split,
-        path_to_cache=args.data_cache_path,
+        split=config.data.split,
+        path_to_cache=config.data.data_cache_path,
         tokenizer=tokenizer,
         mid_level_dataset_surplus=0.005,
     )
 
 
-def gpt_dataset_config(args: argparse.Namespace, tokenizer: Any) -> Any:
+def gpt_dataset_config(config: JobConfig, tokenizer: Any) -> Any:
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     return GPTDatasetConfig(
-        **common_config_kwargs(args, tokenizer),
-        reset_position_ids=bool(args.reset_position_ids),
-        reset_attention_mask=bool(args.reset_attention_mask),
-        eod_mask_loss=bool(args.eod_mask_loss),
+        **common_config_kwargs(config, tokenizer),
+        reset_position_ids=bool(config.data.reset_position_ids),
+        reset_attention_mask=bool(config.data.reset_attention_mask),
+        eod_mask_loss=bool(config.data.eod_mask_loss),
         # The full [s, s] mask is only needed when documents must not attend to each other;
         # otherwise our attention is causal by itself.
-        create_attention_mask=bool(args.reset_attention_mask),
+        create_attention_mask=bool(config.data.reset_attention_mask),
     )
 
 
@@ -225,7 +225,7 @@ _BUILT: dict[tuple, tuple[Any, Any, Any]] = {}
 
 
 def build_gpt_datasets(
-    args: argparse.Namespace, tokenizer: Any = None, sizes: Sequence[int] | None = None
+    config: JobConfig, tokenizer: Any = None, sizes: Sequence[int] | None = None
 ) -> tuple[Any, Any, Any]:
     """(train, valid, test) megatron-core datasets; valid/test are None when their split is
     empty (for some prefix). Collective when ``torch.distributed`` is initialised: call on
@@ -236,18 +236,18 @@ def build_gpt_datasets(
     if tokenizer is None:
         from megatron.trainer.tokenizer import tokenizer_from_args
 
-        tokenizer = tokenizer_from_args(args)
-    sizes = list(sizes) if sizes is not None else default_split_sizes(args)
-    key = (tuple(args.data_path), args.split, args.seq_length, args.seed, tuple(sizes),
-           args.data_cache_path, bool(args.reset_position_ids),
-           bool(args.reset_attention_mask), bool(args.eod_mask_loss),
+        tokenizer = tokenizer_from_args(config)
+    sizes = list(sizes) if sizes is not None else default_split_sizes(config)
+    key = (tuple(config.data.data_path), config.data.split, config.model.seq_length, config.training.seed, tuple(sizes),
+           config.data.data_cache_path, bool(config.data.reset_position_ids),
+           bool(config.data.reset_attention_mask), bool(config.data.eod_mask_loss),
            repr(dict(tokenizer.unique_identifiers)))
     if key in _BUILT:
         return _BUILT[key]
-    prefixes, _ = parse_data_path(args.data_path)
-    infos = check_data(prefixes, parse_split(args.split), args.seq_length)
-    usable = usable_splits(infos, args.seq_length)
-    _BUILT[key] = build_usable_splits(GPTDataset, gpt_dataset_config(args, tokenizer), sizes, usable)
+    prefixes, _ = parse_data_path(config.data.data_path)
+    infos = check_data(prefixes, parse_split(config.data.split), config.model.seq_length)
+    usable = usable_splits(infos, config.model.seq_length)
+    _BUILT[key] = build_usable_splits(GPTDataset, gpt_dataset_config(config, tokenizer), sizes, usable)
     return _BUILT[key]
 
 

@@ -10,11 +10,10 @@ not a rank's own affinity mask, which core binding narrows), so every rank makes
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 
 from megatron.pipeline.planner.auto_schedule import HOST_CORES_OPTION
+from megatron.trainer.config.job_config import JobConfig, with_schedule_options
 from megatron.trainer.launch.host import runs_on_cpu
 
 
@@ -25,20 +24,19 @@ def pipeline_cores(cores: int, local_ranks: int, stages: int) -> float | None:
     return cores * stages / local_ranks
 
 
-def apply_auto_host_cores(args: argparse.Namespace) -> float | None:
-    """Give an ``auto`` run on a shared CPU host its pipeline's cores (option ``host_cores``)."""
+def apply_auto_host_cores(config: JobConfig) -> JobConfig:
+    """Give an ``auto`` run on a shared CPU host its pipeline's cores (option ``host_cores``):
+    the config with them."""
     from megatron.pipeline.schedules import SELECTORS
 
-    run = args.run
-    if args.pipeline_schedule not in SELECTORS or run is None or not runs_on_cpu(args) \
+    run = config.run
+    if config.schedule.pipeline_schedule not in SELECTORS or run is None or not runs_on_cpu(config) \
             or run.schedule.options.get(HOST_CORES_OPTION) is not None:
-        return None
-    stages = args.pipeline_model_parallel_size
-    ranks = stages * args.data_parallel_size * (args.tensor_model_parallel_size or 1)
+        return config
+    stages = config.parallel.pipeline_model_parallel_size
+    ranks = stages * config.parallel.data_parallel_size * (config.parallel.tensor_model_parallel_size or 1)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     cores = pipeline_cores(os.cpu_count() or 1, local, stages)
     if cores is None:
-        return None
-    options = {**run.schedule.options, HOST_CORES_OPTION: cores}
-    args.run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, options=options))
-    return cores
+        return config
+    return with_schedule_options(config, **{HOST_CORES_OPTION: cores})

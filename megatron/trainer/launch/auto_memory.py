@@ -17,11 +17,10 @@ profiling hook's every-rank fingerprint check reports as an error: pass ``--zb-m
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import math
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import JobConfig, with_schedule_options
 
 
 def device_memory_limit(estimate: object, room: float, stages: list[int]) -> float:
@@ -33,24 +32,22 @@ def device_memory_limit(estimate: object, room: float, stages: list[int]) -> flo
     return math.floor((room + sum(s.in_flight * s.per_microbatch for s in per)) / unit)
 
 
-def apply_auto_memory_limit(args: argparse.Namespace) -> float | None:
+def apply_auto_memory_limit(config: JobConfig) -> JobConfig:
     """Give an ``auto`` run without ``--zb-memory-limit`` the device's limit (after the memory
-    check ran; one-line :class:`ConfigError` when no micro-batch fits). Returns the limit."""
+    check ran; one-line :class:`ConfigError` when no micro-batch fits): the config with it."""
     from megatron.pipeline.schedules import SELECTORS
 
-    run = args.run
-    room = args._memory_room
-    estimate = args._memory_estimate
-    if args.pipeline_schedule not in SELECTORS or run is None or room is None or estimate is None \
-            or not args.memory_check or run.schedule.options.get("memory_limit") is not None:
-        return None
+    run = config.run
+    room = config.launch.memory_room
+    estimate = config.launch.memory_estimate
+    if config.schedule.pipeline_schedule not in SELECTORS or run is None or room is None or estimate is None \
+            or not config.launch.memory_check or run.schedule.options.get("memory_limit") is not None:
+        return config
     limit = device_memory_limit(estimate, *room)
     if math.isinf(limit):
-        return None
+        return config
     if limit < 1:
-        raise ConfigError(f"--pipeline-schedule {args.pipeline_schedule}: the device memory left after "
+        raise ConfigError(f"--pipeline-schedule {config.schedule.pipeline_schedule}: the device memory left after "
                           f"weights and optimizer state holds {limit:g} micro-batches of activations; "
                           "at least 1 is needed")
-    options = {**run.schedule.options, "memory_limit": float(limit)}
-    args.run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, options=options))
-    return float(limit)
+    return with_schedule_options(config, memory_limit=float(limit))

@@ -7,12 +7,12 @@ is up, stops all of them at the same iteration.
 """
 from __future__ import annotations
 
-import argparse
 import signal
 import time
 from collections.abc import Callable
 
 from megatron.trainer.config.exit_args import exit_signal, stops_early
+from megatron.trainer.config.job_config import JobConfig
 
 PROCESS_START = time.monotonic()  # --exit-duration-in-mins counts from the program's start
 
@@ -22,10 +22,10 @@ Agree = Callable[[list[float]], list[float]]  # element-wise MAX over every rank
 class StopControl:
     """Callable ``(iteration) -> reason | None``; the same answer on every rank."""
 
-    def __init__(self, args: argparse.Namespace, decides_time: bool, agree: Agree | None = None):
-        self.signal = exit_signal(args)
+    def __init__(self, config: JobConfig, decides_time: bool, agree: Agree | None = None):
+        self.signal = exit_signal(config)
         self.caught = False
-        minutes = args.exit_duration_in_mins
+        minutes = config.exit.exit_duration_in_mins
         self.deadline = PROCESS_START + 60.0 * minutes if minutes is not None and decides_time else None
         self.agree = agree
         self._previous = signal.signal(self.signal, self._catch) if self.signal is not None else None
@@ -49,9 +49,9 @@ class StopControl:
         return None
 
 
-def stop_control(args: argparse.Namespace, decides_time: bool, agree: Agree | None = None) -> StopControl | None:
+def stop_control(config: JobConfig, decides_time: bool, agree: Agree | None = None) -> StopControl | None:
     """The run's stop check, or None when neither exit flag is given."""
-    return StopControl(args, decides_time, agree) if stops_early(args) else None
+    return StopControl(config, decides_time, agree) if stops_early(config) else None
 
 
 class Terminated(Exception):
@@ -69,17 +69,17 @@ def _raise_terminated(signum: int, _frame: object) -> None:
                      "(a peer failed, or the job was cancelled)")
 
 
-def rank_signal_defaults(args: argparse.Namespace) -> None:
+def rank_signal_defaults(config: JobConfig) -> None:
     """In a rank, SIGINT ends the process at once (unless it is the exit signal): the launcher
     reports it, and N ranks printing KeyboardInterrupt tracebacks say nothing more. SIGTERM
     (unless it is the exit signal, whose handler :class:`StopControl` installs afterwards)
     raises :class:`Terminated`, so the rank reports its stage and op before it exits."""
-    if exit_signal(args) != signal.SIGINT:
+    if exit_signal(config) != signal.SIGINT:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, _raise_terminated)
 
 
-def launcher_signals(args: argparse.Namespace) -> tuple[int, ...]:
+def launcher_signals(config: JobConfig) -> tuple[int, ...]:
     """What the local launcher forwards to its ranks."""
-    extra = exit_signal(args)
+    extra = exit_signal(config)
     return (signal.SIGTERM, signal.SIGINT, *(() if extra is None else (extra,)))

@@ -1,39 +1,41 @@
 """This process's host and device: CUDA or CPU, cores, threads and the host allocator."""
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 
+from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.trainer.launch.core_binding import bind_cores
 from megatron.trainer.launch.host_allocator import apply_host_malloc
 
 
-def uses_cuda(args: argparse.Namespace) -> bool:
-    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+def uses_cuda(config: JobConfig) -> bool:
+    return config.launch.device == "cuda" or (config.launch.device == "auto" and torch.cuda.is_available())
 
 
-def resolve_device(args: argparse.Namespace, local_rank: int) -> torch.device:
-    if uses_cuda(args):
+def resolve_device(config: JobConfig, local_rank: int) -> torch.device:
+    if uses_cuda(config):
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def prepare_host(args: argparse.Namespace, local_processes: int, local_rank: int = 0) -> None:
+def prepare_host(config: JobConfig, local_processes: int, local_rank: int = 0) -> JobConfig:
     """This process's cores, CPU threads and host allocator policy, before any model is built
-    (and before any thread starts: threads inherit the core binding)."""
-    args.core_binding_effect = bind_cores(args.bind_cores, not uses_cuda(args), local_rank, local_processes)
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_processes))
+    (and before any thread starts: threads inherit the core binding); the config with what
+    they did, for the banner."""
+    binding = bind_cores(config.launch.bind_cores, not uses_cuda(config), local_rank, local_processes)
+    threads = config.launch.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_processes))
     torch.set_num_threads(threads)
-    args.host_malloc_effect = apply_host_malloc(args.host_malloc)  # shown in the banner
+    allocator = apply_host_malloc(config.launch.host_malloc)
+    return replace_in(config, "launch", core_binding_effect=binding, host_malloc_effect=allocator)
 
 
-def runs_on_cpu(args: argparse.Namespace) -> bool:
+def runs_on_cpu(config: JobConfig) -> bool:
     """Whether this run will use the CPU, asked without creating a CUDA context (fork-safe)."""
-    if args.device != "auto":
-        return args.device == "cpu"
+    if config.launch.device != "auto":
+        return config.launch.device == "cpu"
     previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # NVML query: does not initialise CUDA
     try:

@@ -7,10 +7,10 @@ parses argv again.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.job_file import job_config_file
 from megatron.trainer.launch.exit_control import launcher_signals
 from megatron.trainer.launch.host import runs_on_cpu
@@ -32,10 +32,10 @@ def enter_process() -> int | None:
     return None
 
 
-def launch_ranks(args: argparse.Namespace, command: Sequence[str], run_rank: Callable[[], int]) -> int:
-    """Run ``args.world_size`` local ranks of ``run_rank``: forked on CPU (imports already
+def launch_ranks(config: JobConfig, command: Sequence[str], run_rank: Callable[[], int]) -> int:
+    """Run ``config.parallel.world_size`` local ranks of ``run_rank``: forked on CPU (imports already
     paid), fresh ``python *command`` processes on GPU, which read ``args`` from a file."""
-    with job_config_file(args) as env:
-        return launch_local(args.world_size, list(command), grace_for(args.pipeline_timeout_seconds),
-                            target=run_rank if runs_on_cpu(args) else None,
-                            forward_signals=launcher_signals(args), max_restarts=args.max_restarts, env=env)
+    with job_config_file(config) as env:
+        return launch_local(config.parallel.world_size, list(command), grace_for(config.launch.pipeline_timeout_seconds),
+                            target=run_rank if runs_on_cpu(config) else None,
+                            forward_signals=launcher_signals(config), max_restarts=config.launch.max_restarts, env=env)

@@ -27,6 +27,7 @@ import argparse
 import os
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.trainer.launch.memory_estimate import GIB, MemoryEstimate, current_rss_bytes, estimate_memory
 
 
@@ -49,17 +50,17 @@ def host_available_bytes() -> float:
     return float("inf")
 
 
-def local_stages(args: argparse.Namespace, in_worker: bool) -> list[int]:
+def local_stages(config: JobConfig, in_worker: bool) -> list[int]:
     """The pipeline stage of each rank this host runs, one entry per rank (the emulator: its one
     process holds every stage). Ranks are numbered TP fastest, then DP, then PP."""
-    if args.pipeline_executor == "emulator":
-        return list(range(args.pipeline_model_parallel_size))
-    per_stage = args.world_size // args.pipeline_model_parallel_size
-    first, count = 0, args.world_size
+    if config.schedule.pipeline_executor == "emulator":
+        return list(range(config.parallel.pipeline_model_parallel_size))
+    per_stage = config.parallel.world_size // config.parallel.pipeline_model_parallel_size
+    first, count = 0, config.parallel.world_size
     if in_worker:  # torchrun / Slurm: this node's LOCAL_WORLD_SIZE consecutive ranks
         first = int(os.environ["RANK"]) - int(os.environ.get("LOCAL_RANK", 0))
         count = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return [r // per_stage for r in range(first, min(first + count, args.world_size))]
+    return [r // per_stage for r in range(first, min(first + count, config.parallel.world_size))]
 
 
 def _refusal(what: str, need: float, have: float, estimate: MemoryEstimate, where: str) -> ConfigError:
@@ -70,53 +71,55 @@ def _refusal(what: str, need: float, have: float, estimate: MemoryEstimate, wher
         f"with gradients, optimizer state and activations); pass --no-memory-check to run anyway")
 
 
-def check_host_memory(args: argparse.Namespace, in_worker: bool, available: float | None = None) -> MemoryEstimate:
-    """The CPU check (see the module docstring); returns the estimate it used."""
+Room = tuple[float, list[int]]  # (bytes left after the estimate, the stages it counted)
+
+
+def check_host_memory(config: JobConfig, in_worker: bool, available: float | None = None
+                      ) -> tuple[MemoryEstimate, Room]:
+    """The CPU check (see the module docstring); returns the estimate it used and the room left."""
     baseline = current_rss_bytes()
-    estimate = estimate_memory(args, baseline, "cpu")
-    stages = local_stages(args, in_worker)
+    estimate = estimate_memory(config, baseline, "cpu")
+    stages = local_stages(config, in_worker)
     need = estimate.ranks_total(stages)
-    if args.pipeline_executor == "emulator":
+    if config.schedule.pipeline_executor == "emulator":
         need -= baseline * (len(stages) - 1)  # one process, one baseline
     elif in_worker:
         need -= baseline * len(stages)  # the node's ranks are running: their baselines are resident
     have = host_available_bytes() if available is None else available
-    args._memory_room = (have - need, stages)
-    if args.memory_check and need > have:
-        what = ("the emulator's one process holding every stage" if args.pipeline_executor == "emulator"
+    if config.launch.memory_check and need > have:
+        what = ("the emulator's one process holding every stage" if config.schedule.pipeline_executor == "emulator"
                 else f"{len(stages)} rank(s) on this host")
         raise _refusal(what, need, have, estimate, "this host")
-    return estimate
+    return estimate, (have - need, stages)
 
 
-def check_gpu_memory(args: argparse.Namespace, in_worker: bool) -> MemoryEstimate:
+def check_gpu_memory(config: JobConfig, in_worker: bool) -> tuple[MemoryEstimate, Room]:
     """The GPU check, in a process that uses the device anyway (it creates the CUDA context):
     this rank's device against the ranks of this host that share it."""
     import torch
 
-    estimate = estimate_memory(args, 0.0, "cuda")
+    estimate = estimate_memory(config, 0.0, "cuda")
     count = torch.cuda.device_count()
     local = int(os.environ.get("LOCAL_RANK", 0)) if in_worker else 0
-    stages = local_stages(args, in_worker)
-    if args.pipeline_executor != "emulator":  # local rank i runs on device i % count
+    stages = local_stages(config, in_worker)
+    if config.schedule.pipeline_executor != "emulator":  # local rank i runs on device i % count
         stages = [s for i, s in enumerate(stages) if i % count == local % count]
     need = estimate.ranks_total(stages)
     free, _total = torch.cuda.mem_get_info(local % count)
-    args._memory_room = (free - need, stages)
-    if args.memory_check and need > free:
+    if config.launch.memory_check and need > free:
         raise _refusal(f"{len(stages)} rank(s) on GPU {local % count}", need, free, estimate,
                        f"GPU {local % count}")
-    return estimate
+    return estimate, (free - need, stages)
 
 
-def check_memory(args: argparse.Namespace, in_worker: bool, on_gpu: bool) -> MemoryEstimate | None:
-    """Run the check that applies here; store the estimate as ``args._memory_estimate`` for the
-    banner. None where this process does not check (the local launcher of GPU ranks: each rank
+def check_memory(config: JobConfig, in_worker: bool, on_gpu: bool) -> JobConfig:
+    """Run the check that applies here; the config with the estimate and the room it left
+    (``config.launch.memory_estimate``, ``memory_room``: the banner and ``auto`` read them),
+    unchanged where this process does not check (the local launcher of GPU ranks: each rank
     checks its own device). Raises :class:`ConfigError`."""
-    if not hasattr(args, "hidden_size") or hasattr(args, "synthetic_forward_ms"):
-        return None  # a task without transformer layers: nothing to estimate
-    if on_gpu and not in_worker and args.world_size > 1 and args.pipeline_executor != "emulator":
-        return None
-    estimate = check_gpu_memory(args, in_worker) if on_gpu else check_host_memory(args, in_worker)
-    args._memory_estimate = estimate
-    return estimate
+    if config.task.model_family == "synthetic":
+        return config  # a task without transformer layers: nothing to estimate
+    if on_gpu and not in_worker and config.parallel.world_size > 1 and config.schedule.pipeline_executor != "emulator":
+        return config
+    estimate, room = check_gpu_memory(config, in_worker) if on_gpu else check_host_memory(config, in_worker)
+    return replace_in(config, "launch", memory_estimate=estimate, memory_room=room)

@@ -44,13 +44,13 @@ not measured here: no GPU on the machine this was written on).
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from megatron.pipeline.activation_memory import LayerShape, recompute_fraction
 from megatron.pipeline.cost_model import ModelShape, layer_activation_elements
 from megatron.pipeline.planner.memory import stage_memory
 from megatron.pipeline.planner.stages import part_activation_bytes, part_parameters
+from megatron.trainer.config.job_config import JobConfig
 
 #: CPU: peak RSS per in-flight micro-batch / the cost model's activation bytes (module docstring)
 HOST_HEAP_FACTOR = 1.8
@@ -103,51 +103,50 @@ class MemoryEstimate:
         return f"memory per rank (estimate, MiB, {self.device}) per stage: [{per}] | stage {top.stage}: {parts}"
 
 
-def model_shape(args: argparse.Namespace) -> ModelShape:
+def model_shape(config: JobConfig) -> ModelShape:
     """The cost model's view of the flags (the balanced split's, so both count the same model)."""
     from megatron.trainer.tasks.balanced_partition import model_shape as partition_shape
 
-    shape = partition_shape(args)
+    shape = partition_shape(config)
     if shape is None:  # a task without transformer layers (the synthetic benchmark): nothing to count
         raise ValueError("this task has no transformer layers to estimate")
     return shape
 
 
-def part_layer_counts(args: argparse.Namespace, parts: int) -> list[int]:
+def part_layer_counts(config: JobConfig, parts: int) -> list[int]:
     """Layers of each consecutive model part (the split the stage builder uses)."""
-    split = args.pipeline_layer_split
+    split = config.parallel.pipeline_layer_split
     if split is not None and len(split) == parts:
         return [int(c) for c in split]
-    base, extra = divmod(args.num_layers, parts)
+    base, extra = divmod(config.model.num_layers, parts)
     return [base + (1 if p < extra else 0) for p in range(parts)]
 
 
-def _recompute_kept(args: argparse.Namespace, shape: ModelShape, layers: int) -> float:
-    granularity = args.recompute_granularity
+def _recompute_kept(config: JobConfig, shape: ModelShape, layers: int) -> float:
+    granularity = config.recompute.recompute_granularity
     if granularity is None or layers == 0:
         return 1.0
     layer_shape = LayerShape(shape.seq_length, shape.micro_batch, shape.hidden, shape.heads)
-    return recompute_fraction(layer_shape, layers, granularity, args.recompute_method,
-                              args.recompute_num_layers)
+    return recompute_fraction(layer_shape, layers, granularity, config.recompute.recompute_method,
+                              config.recompute.recompute_num_layers)
 
 
-def _optimizer_shards(args: argparse.Namespace, run_shards: bool, chunks: int) -> int:
-    dp = args.data_parallel_size if args.use_distributed_optimizer else 1
+def _optimizer_shards(config: JobConfig, run_shards: bool, chunks: int) -> int:
+    dp = config.parallel.data_parallel_size if config.parallel.use_distributed_optimizer else 1
     return dp * (chunks if run_shards else 1)
 
 
-def estimate_memory(args: argparse.Namespace, baseline_bytes: float = 0.0, device: str = "cpu") -> MemoryEstimate:
+def estimate_memory(config: JobConfig, baseline_bytes: float = 0.0, device: str = "cpu") -> MemoryEstimate:
     """Every stage's per-rank peak bytes for validated ``args`` (``parse_args``'s namespace);
     ``baseline_bytes`` is added to each rank (see the module docstring)."""
     from megatron.pipeline.schedules import schedule_class
-    from megatron.trainer.config.run_config import run_config
     from megatron.trainer.tasks.balanced_partition import schedule_in_flight
 
-    shape, run = model_shape(args), run_config(args)
-    layout, tp = run.layout, max(1, args.tensor_model_parallel_size)
+    shape, run = model_shape(config), config.run
+    layout, tp = run.layout, max(1, config.parallel.tensor_model_parallel_size)
     parts = layout.num_model_stages
-    counts = part_layer_counts(args, parts)
-    in_flight = schedule_in_flight(args)
+    counts = part_layer_counts(config, parts)
+    in_flight = schedule_in_flight(config)
     factor = HOST_HEAP_FACTOR if device == "cpu" else 1.0
     tokens = shape.seq_length * shape.micro_batch
     stages = []
@@ -155,11 +154,11 @@ def estimate_memory(args: argparse.Namespace, baseline_bytes: float = 0.0, devic
         held = [layout.model_stage(stage, c) for c in range(layout.num_chunks)]
         params = sum(part_parameters(shape, counts[p], p == 0, p == parts - 1) for p in held) / tp
         per_mb = sum(part_activation_bytes(shape, counts[p], p == 0, p == parts - 1,
-                                           _recompute_kept(args, shape, counts[p])) for p in held) / tp
+                                           _recompute_kept(config, shape, counts[p])) for p in held) / tp
         has_layers = any(counts[p] for p in held)
         working = layer_activation_elements(shape) * shape.activation_bytes / tp if has_layers else 0.0
-        copies = schedule_class(args.pipeline_schedule).weight_copies(run.schedule, stage)
-        shards = _optimizer_shards(args, run.shards_optimizer_state, layout.num_chunks)
+        copies = schedule_class(config.schedule.pipeline_schedule).weight_copies(run.schedule, stage)
+        shards = _optimizer_shards(config, run.shards_optimizer_state, layout.num_chunks)
         last = (parts - 1) in held
         one = factor * per_mb / layout.num_chunks
         static = stage_memory(params, shape.param_bytes, copies - 1, shards, 0.0, 0.0)  # the planner's model
@@ -185,18 +184,18 @@ def current_rss_bytes() -> float:
 
 
 
-def memory_banner_line(args: argparse.Namespace) -> str | None:
-    """The banner's estimate: the one the memory check used (``args._memory_estimate``), else made
+def memory_banner_line(config: JobConfig) -> str | None:
+    """The banner's estimate: the one the memory check used (``config.launch.memory_estimate``), else made
     now (a run started without ``preflight``, or the GPU launcher's ranks); None for a task without
     transformer layers."""
-    estimate = args._memory_estimate
+    estimate = config.launch.memory_estimate
     if estimate is None:
         try:
-            model_shape(args)
+            model_shape(config)
         except (ValueError, AttributeError):
             return None
         import torch
 
-        gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        estimate = estimate_memory(args, 0.0 if gpu else current_rss_bytes(), "cuda" if gpu else "cpu")
+        gpu = config.launch.device == "cuda" or (config.launch.device == "auto" and torch.cuda.is_available())
+        estimate = estimate_memory(config, 0.0 if gpu else current_rss_bytes(), "cuda" if gpu else "cpu")
     return estimate.banner_line()

@@ -19,10 +19,10 @@ holds up every stage waiting on it. Two measures, Megatron-LM's and one of ours:
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 from collections.abc import Iterator
+from megatron.trainer.config.job_config import JobConfig
 
 
 class CollectorPolicy:
@@ -40,9 +40,9 @@ class CollectorPolicy:
         self.collections = 0  # manual collections during training (start-up and evaluation included)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, freeze_startup: bool) -> CollectorPolicy:
-        return cls(bool(args.manual_gc), int(args.manual_gc_interval or 0),
-                   bool(args.manual_gc_eval), freeze_startup)
+    def from_args(cls, config: JobConfig, freeze_startup: bool) -> CollectorPolicy:
+        return cls(bool(config.launch.manual_gc), int(config.launch.manual_gc_interval or 0),
+                   bool(config.launch.manual_gc_eval), freeze_startup)
 
     def _collect(self) -> None:
         gc.collect()

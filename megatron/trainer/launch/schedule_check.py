@@ -20,7 +20,7 @@ import os
 from megatron.trainer.config.errors import ConfigError
 from megatron.pipeline.preflight import PreflightReplay, replay_first_iterations
 from megatron.pipeline.replay import ScheduleError
-from megatron.trainer.config.run_config import run_config
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.launch.launcher import LAUNCHED_ENV
 
 
@@ -31,14 +31,14 @@ def add_schedule_check_args(p: argparse.ArgumentParser) -> None:
                         "validator (a deadlock or a mismatched message then shows as a pipeline timeout)")
 
 
-def check_schedule(args: argparse.Namespace) -> PreflightReplay | None:
+def check_schedule(config: JobConfig) -> PreflightReplay | None:
     """Replay the run's schedule (module docstring); None where this process does not check.
     Raises :class:`ConfigError`."""
-    if not args.schedule_check or os.environ.get(LAUNCHED_ENV):
+    if not config.schedule.schedule_check or os.environ.get(LAUNCHED_ENV):
         return None
-    schedule = run_config(args).run_schedule(args.pipeline_schedule)  # validate_args built it
+    schedule = config.run.run_schedule(config.schedule.pipeline_schedule)  # validate_args built it
     try:
         return replay_first_iterations(schedule)
     except ScheduleError as exc:
-        raise ConfigError(f"--pipeline-schedule {args.pipeline_schedule}: the schedule cannot run "
+        raise ConfigError(f"--pipeline-schedule {config.schedule.pipeline_schedule}: the schedule cannot run "
                           f"its first iterations: {exc}") from None

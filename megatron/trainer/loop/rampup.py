@@ -6,26 +6,26 @@ segment gets the schedule built for its ``a``, and the workers read the right da
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.runtime.worker import StageWorker
+from megatron.trainer.config.job_config import JobConfig
 
 
-def segment_boundaries(args: argparse.Namespace) -> list[int]:
+def segment_boundaries(config: JobConfig) -> list[int]:
     """Iterations where the batch changes (a segment must end there)."""
-    return args.batch_plan.changes(args.train_iters)
+    return config.training.batch_plan.changes(config.training.train_iters)
 
 
-def microbatches_before(args: argparse.Namespace, iteration: int) -> int:
+def microbatches_before(config: JobConfig, iteration: int) -> int:
     """Micro-batches per data-parallel replica consumed by iterations ``[0, iteration)``."""
-    return args.batch_plan.consumed_before(iteration) // (args.micro_batch_size * args.data_parallel_size)
+    return config.training.batch_plan.consumed_before(iteration) // (config.training.micro_batch_size * config.parallel.data_parallel_size)
 
 
-def segment_schedules(args: argparse.Namespace, base: Schedule,
+def segment_schedules(config: JobConfig, base: Schedule,
                       workers: Sequence[StageWorker]) -> Callable[[int, int], Schedule] | None:
     """``(first, count) -> schedule`` of a segment, and the workers set up for it.
 
@@ -35,18 +35,19 @@ def segment_schedules(args: argparse.Namespace, base: Schedule,
     ``1 / a``. Each segment continues the previous segment's schedule of the same ``a``, so
     what a schedule decides while running carries over, as without a rampup.
     """
-    if args.rampup_batch_size is None:
+    if config.training.rampup_batch_size is None:
         return None
     data = [w.setup.batch_fn for w in workers]
     built: dict[int, Schedule] = {}
-    per_microbatch = args.micro_batch_size * args.data_parallel_size
+    per_microbatch = config.training.micro_batch_size * config.parallel.data_parallel_size
 
     def schedule_for(first: int, count: int) -> Schedule:
-        a = args.batch_plan.global_batch(first) // per_microbatch
+        a = config.training.batch_plan.global_batch(first) // per_microbatch
         if a not in built:
-            config = dataclasses.replace(base.config, num_microbatches=a)
-            built[a] = base if a == base.config.num_microbatches else build_schedule(args.pipeline_schedule, config)
-        offset = microbatches_before(args, first) - first * a
+            segment_config = dataclasses.replace(base.config, num_microbatches=a)
+            built[a] = (base if a == base.config.num_microbatches
+                        else build_schedule(config.schedule.pipeline_schedule, segment_config))
+        offset = microbatches_before(config, first) - first * a
         for worker, batch_fn in zip(workers, data):
             worker.setup.microbatches_per_update = a
             worker.setup.batch_fn = (lambda fn: lambda mb: fn(mb + offset))(batch_fn)

@@ -1,7 +1,6 @@
 """A rank's process group, stage groups and transport (the runtime's; the emulator needs none)."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
@@ -13,7 +12,7 @@ import torch.distributed as dist
 from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
 from megatron.pipeline.runtime.transport.distributed import DistributedTransport
 from megatron.trainer.config.ddp_args import overlap_bucket_size
-from megatron.trainer.config.run_config import run_config
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.launch import flight_recorder
 from megatron.trainer.launch.rendezvous import rank_store
 from megatron.trainer.models.tensor_parallel import initialize_tensor_parallel
@@ -30,12 +29,12 @@ def _init_megatron_parallel_state() -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
-def init_rank_process_group(args: argparse.Namespace, device: torch.device, rank: int) -> None:
+def init_rank_process_group(config: JobConfig, device: torch.device, rank: int) -> None:
     """The default process group of this rank (``--distributed-backend``, its timeout)."""
-    backend = args.distributed_backend
+    backend = config.launch.distributed_backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    timeout = timedelta(minutes=config.launch.distributed_timeout_minutes)
     flight_recorder.disable_unless_requested()  # its ring grew the logging rank's heap by ~1 MB
     device_id = device if device.type == "cuda" else None
     world = int(os.environ["WORLD_SIZE"])
@@ -47,23 +46,24 @@ def init_rank_process_group(args: argparse.Namespace, device: torch.device, rank
                                 timeout=timeout, device_id=device_id)
 
 
-def rank_transport(task: PretrainTask, args: argparse.Namespace,
-                   device: torch.device) -> tuple[StageGroups, DistributedTransport]:
+def rank_transport(task: PretrainTask, config: JobConfig,
+                   device: torch.device) -> tuple[JobConfig, StageGroups, DistributedTransport]:
     """This rank's groups and transport on the initialised default process group (collective:
-    every rank calls it). A process may call it again for another run of the same world."""
-    layout = RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size, args.tensor_model_parallel_size)
+    every rank calls it), and the config with the profiled layer split where one was asked
+    for. A process may call it again for another run of the same world."""
+    layout = RankLayout(config.parallel.pipeline_model_parallel_size, config.parallel.data_parallel_size, config.parallel.tensor_model_parallel_size)
     # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
     # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
-    p2p_timeout = timedelta(seconds=args.pipeline_timeout_seconds)
-    stage_layout = run_config(args).layout  # P2P groups per link direction; AMDP's replica groups
-    groups = StageGroups.create(layout, p2p_timeout, stage_layout, tied_embeddings=args.tie_embeddings)
+    p2p_timeout = timedelta(seconds=config.launch.pipeline_timeout_seconds)
+    stage_layout = config.run.layout  # P2P groups per link direction; AMDP's replica groups
+    groups = StageGroups.create(layout, p2p_timeout, stage_layout, tied_embeddings=config.model.tie_embeddings)
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         # megatron's TP groups (T consecutive ranks, its pipeline size 1) are this layout's.
-        initialize_tensor_parallel(args.tensor_model_parallel_size)
+        initialize_tensor_parallel(config.parallel.tensor_model_parallel_size)
         if device.type == "cpu":  # its advice on CUDA streams (TP linears) means nothing on a CPU
             warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
-    apply_auto_partition(task, args, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
-    return groups, DistributedTransport(groups, stage_layout, p2p_timeout, overlap_bucket_size(args))
+    config = apply_auto_partition(task, config, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
+    return config, groups, DistributedTransport(groups, stage_layout, p2p_timeout, overlap_bucket_size(config))
 
 
 def fail(message: str) -> None:

@@ -8,10 +8,10 @@ that silently trains on synthetic tokens wastes its allocation.
 """
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from typing import IO
 
+from megatron.trainer.config.job_config import JobConfig, flag_values
 from megatron.trainer.launch.optional_packages import optional_packages_line
 from megatron.trainer.launch.memory_estimate import memory_banner_line
 from megatron.trainer.tasks.balanced_partition import layer_split_line
@@ -22,12 +22,13 @@ _WIDTH = 48  # Megatron-LM's dotted column
 _PLAIN = (str, int, float, bool, type(None), list, tuple, dict, set, frozenset)
 
 
-def argument_lines(args: argparse.Namespace) -> list[str]:
+def argument_lines(config: JobConfig) -> list[str]:
     """Every parsed and derived flag, sorted by name, one per line (Megatron-LM's layout)."""
     lines = ["------------------------ arguments ------------------------"]
-    for name in sorted(vars(args)):
-        value = getattr(args, name)
-        if name.startswith("_") or not isinstance(value, _PLAIN):  # derived objects (args.run, checks)
+    values = flag_values(config)
+    for name in sorted(values):
+        value = values[name]
+        if not isinstance(value, _PLAIN):  # derived objects (the schedule's run config, the batch plan)
             continue
         dots = "." * max(1, _WIDTH - len(name))
         lines.append(f"  {name} {dots} {value}")
@@ -35,14 +36,14 @@ def argument_lines(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def data_source_line(args: argparse.Namespace) -> str:
+def data_source_line(config: JobConfig) -> str:
     """Where training samples come from; mock data as a loud warning."""
-    if args.data_path is None:
+    if config.data.data_path is None:
         return MOCK_DATA_WARNING
-    vocab = args.tokenizer_vocab_size
-    padded = args.padded_vocab_size
-    return (f"data: --data-path {' '.join(args.data_path)} | --split {args.split} | tokenizer "
-            f"{args.tokenizer_type} (vocabulary {vocab}, padded to {padded})")
+    vocab = config.model.tokenizer_vocab_size
+    padded = config.model.padded_vocab_size
+    return (f"data: --data-path {' '.join(config.data.data_path)} | --split {config.data.split} | tokenizer "
+            f"{config.data.tokenizer_type} (vocabulary {vocab}, padded to {padded})")
 
 
 def parameter_line(params_per_stage: Sequence[int]) -> str:
@@ -51,23 +52,23 @@ def parameter_line(params_per_stage: Sequence[int]) -> str:
     return f"parameters per stage: [{per_stage}] | total: {sum(params_per_stage):,}"
 
 
-def banner_lines(args: argparse.Namespace, params_per_stage: Sequence[int], executor: str) -> list[str]:
-    lines = argument_lines(args)
-    lines.append(f"{args.pipeline_schedule} on {args.pipeline_model_parallel_size} stages "
+def banner_lines(config: JobConfig, params_per_stage: Sequence[int], executor: str) -> list[str]:
+    lines = argument_lines(config)
+    lines.append(f"{config.schedule.pipeline_schedule} on {config.parallel.pipeline_model_parallel_size} stages "
                  f"({executor}) | {parameter_line(params_per_stage)}")
-    lines.append(layer_split_line(args))
-    memory = memory_banner_line(args)
+    lines.append(layer_split_line(config))
+    memory = memory_banner_line(config)
     if memory:
         lines.append(memory)
-    if args.embeddings_line:
-        lines.append(args.embeddings_line)
-    lines.append(data_source_line(args))
+    if config.model.embeddings_line:
+        lines.append(config.model.embeddings_line)
+    lines.append(data_source_line(config))
     optional = optional_packages_line()
     if optional:
         lines.append(optional)
     return lines
 
 
-def print_banner(args: argparse.Namespace, params_per_stage: Sequence[int], executor: str, stream: IO[str]) -> None:
+def print_banner(config: JobConfig, params_per_stage: Sequence[int], executor: str, stream: IO[str]) -> None:
     """``executor`` says what runs the stages: the emulator, or one process per rank."""
-    print("\n".join(banner_lines(args, params_per_stage, executor)), file=stream, flush=True)
+    print("\n".join(banner_lines(config, params_per_stage, executor)), file=stream, flush=True)

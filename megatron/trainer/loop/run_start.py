@@ -3,7 +3,6 @@ resume from ``--load``, the start banner, the logger (and the restart record), t
 from the first iteration and the plan of segments."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from collections.abc import Callable
@@ -14,8 +13,8 @@ from megatron.pipeline.runtime.worker import StageWorker
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import ResumePoint, load_stage_state, restore_schedule_state
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
-from megatron.trainer.config.run_config import run_config
 from megatron.trainer.loop.logger import TrainingLogger
 from megatron.trainer.loop.rampup import segment_boundaries
 from megatron.trainer.loop.restart_report import ProgressRecord, read_progress, restart_line
@@ -25,7 +24,7 @@ from megatron.trainer.loop.workers import stage_parameter_count
 from megatron.trainer.tasks.task import PretrainTask
 
 
-def resume_workers(task: PretrainTask, args: argparse.Namespace, workers: list[StageWorker], dp_rank: int,
+def resume_workers(task: PretrainTask, config: JobConfig, workers: list[StageWorker], dp_rank: int,
             point: ResumePoint | None, say: bool = True) -> int:
     """Load ``point`` into ``workers``; return the iteration training starts at.
 
@@ -34,57 +33,57 @@ def resume_workers(task: PretrainTask, args: argparse.Namespace, workers: list[S
     """
     if point is None:
         return 0
-    fresh_optimizer = args.no_load_optim or args.finetune
+    fresh_optimizer = config.checkpoint.no_load_optim or config.checkpoint.finetune
     for w in workers:
-        load_stage_state(task, w, point, dp_rank, optimizer=not fresh_optimizer, rng=not args.finetune)
-    start = 0 if args.finetune else point.iteration
+        load_stage_state(task, w, point, dp_rank, optimizer=not fresh_optimizer, rng=not config.checkpoint.finetune)
+    start = 0 if config.checkpoint.finetune else point.iteration
     if say:  # the logging rank (not every TP rank of stage 0)
-        fresh = " (weights only, from iteration 0)" if args.finetune else \
-            " (fresh optimizer and LR schedule)" if args.no_load_optim else ""
+        fresh = " (weights only, from iteration 0)" if config.checkpoint.finetune else \
+            " (fresh optimizer and LR schedule)" if config.checkpoint.no_load_optim else ""
         print(f"[megatron-async] resumed from {point.directory} at iteration {point.iteration}{fresh}", flush=True)
     return start
 
 
-def start_banner(args: argparse.Namespace, transport: Transport, workers: list[StageWorker]) -> None:
+def start_banner(config: JobConfig, transport: Transport, workers: list[StageWorker]) -> None:
     """The run's first lines, with every stage's parameter count (gathered: a rank has one stage)."""
-    tp_size = run_config(args).tensor_parallel_size
+    tp_size = config.run.tensor_parallel_size
     counts = transport.gather_rows({w.stage: [stage_parameter_count(w, tp_size)] for w in workers})
     if transport.is_coordinator:
         per_stage = {s: int(n) for s, (n,) in reversed(counts)}  # data-parallel replicas agree
-        print_banner(args, [per_stage[s] for s in sorted(per_stage)], transport.describe(), sys.stdout)
+        print_banner(config, [per_stage[s] for s in sorted(per_stage)], transport.describe(), sys.stdout)
 
 
-def make_logger(args: argparse.Namespace, start_iteration: int = 0, task: PretrainTask | None = None) -> TrainingLogger:
+def make_logger(config: JobConfig, start_iteration: int = 0, task: PretrainTask | None = None) -> TrainingLogger:
     return TrainingLogger(
-        num_stages=args.pipeline_model_parallel_size,
-        train_iters=args.train_iters,
-        samples_per_iteration=args.global_batch_size,
-        tokens_per_iteration=args.global_batch_size * args.seq_length,
-        log_drift=args.log_weight_version_drift,
-        json_path=args.log_json,
+        num_stages=config.parallel.pipeline_model_parallel_size,
+        train_iters=config.training.train_iters,
+        samples_per_iteration=config.training.global_batch_size,
+        tokens_per_iteration=config.training.global_batch_size * config.model.seq_length,
+        log_drift=config.logging.log_weight_version_drift,
+        json_path=config.logging.log_json,
         start_iteration=start_iteration,
-        tensorboard_dir=args.tensorboard_dir,
-        samples_before=args.batch_plan.consumed_before,
-        flops_per_sample=flops_per_iteration(args, 1) if args.log_throughput else 0.0,
-        num_gpus=args.world_size,
-        log_params_norm=args.log_params_norm,
-        log_activation_memory=args.log_activation_memory,
-        wandb=wandb_run(args),
-        per_stage_optimizer=run_config(args).asynchronous,
+        tensorboard_dir=config.logging.tensorboard_dir,
+        samples_before=config.training.batch_plan.consumed_before,
+        flops_per_sample=flops_per_iteration(config, 1) if config.logging.log_throughput else 0.0,
+        num_gpus=config.parallel.world_size,
+        log_params_norm=config.logging.log_params_norm,
+        log_activation_memory=config.logging.log_activation_memory,
+        wandb=wandb_run(config),
+        per_stage_optimizer=config.run.asynchronous,
         aux_loss_name=getattr(task, "aux_loss_name", None),
     )
 
 
-def on_logged(args: argparse.Namespace, start: int,
+def on_logged(config: JobConfig, start: int,
                logger: TrainingLogger) -> Callable[[int, list[StageReport]], None]:
     """The logging rank's per-update callback: the logger, and with ``--save`` the progress
     record a restart reads to say how many iterations it lost (after saying it, if this is one)."""
-    if args.save is None:
+    if config.checkpoint.save is None:
         return logger.log_update
-    line = restart_line(start, read_progress(args.save))
+    line = restart_line(start, read_progress(config.checkpoint.save))
     if line is not None:
         print(line, flush=True)
-    progress = ProgressRecord(args.save)
+    progress = ProgressRecord(config.checkpoint.save)
     progress.record(start)  # a dead attempt that logged nothing lost nothing after `start`
 
     def log_and_record(update: int, reports: list[StageReport]) -> None:
@@ -93,22 +92,22 @@ def on_logged(args: argparse.Namespace, start: int,
     return log_and_record
 
 
-def run_schedule(args: argparse.Namespace, start: int, resume: ResumePoint | None = None) -> Schedule:
+def run_schedule(config: JobConfig, start: int, resume: ResumePoint | None = None) -> Schedule:
     """The run's schedule from iteration ``start`` (0, or a checkpoint's iteration) to the end,
     with what the checkpoint's run decided (zb's profiled order) restored. From iteration 0 it is
     a copy of the schedule validation built (built once per process); a resumed run starts its
     schedule at the checkpoint's iteration."""
-    run = run_config(args)
+    run = config.run
     if start == 0:
-        schedule = run.run_schedule(args.pipeline_schedule).segment(0, args.train_iters)
+        schedule = run.run_schedule(config.schedule.pipeline_schedule).segment(0, config.training.train_iters)
     else:
-        config = dataclasses.replace(run.schedule, first_iteration=start, num_iterations=args.train_iters - start)
-        schedule = build_schedule(args.pipeline_schedule, config)
+        resumed = dataclasses.replace(run.schedule, first_iteration=start, num_iterations=config.training.train_iters - start)
+        schedule = build_schedule(config.schedule.pipeline_schedule, resumed)
     restore_schedule_state(schedule, resume)
     return schedule
 
 
-def run_plan(args: argparse.Namespace, start: int) -> list[Segment]:
-    return plan_segments(start, args.train_iters, args.eval_interval, args.save_interval, args.exit_interval,
-                         saving=args.save is not None, check_interval=args.exit_check_every,
-                         boundaries=segment_boundaries(args))
+def run_plan(config: JobConfig, start: int) -> list[Segment]:
+    return plan_segments(start, config.training.train_iters, config.training.eval_interval, config.checkpoint.save_interval, config.exit.exit_interval,
+                         saving=config.checkpoint.save is not None, check_interval=config.exit.exit_check_every,
+                         boundaries=segment_boundaries(config))

@@ -7,7 +7,6 @@ coordinates checkpoint writers.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 from collections.abc import Callable, Iterator
 
@@ -23,20 +22,21 @@ from megatron.pipeline.runtime.tracing import StageTracer
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.tasks.task import Batch, PretrainTask
 
 
-def _tracer(args: argparse.Namespace, worker: StageWorker, dp_rank: int, executor: str) -> StageTracer | None:
+def _tracer(config: JobConfig, worker: StageWorker, dp_rank: int, executor: str) -> StageTracer | None:
     """This stage's tracer with ``--trace-dir`` (kept across segments), else None."""
-    if args.trace_dir is None:
+    if config.logging.trace_dir is None:
         return None
-    return StageTracer(worker.stage, dp_rank, worker.layout, executor, args.pipeline_schedule,
+    return StageTracer(worker.stage, dp_rank, worker.layout, executor, config.schedule.pipeline_schedule,
                        worker.setup.microbatches_per_update, worker.setup.device)
 
 
 @contextlib.contextmanager
-def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], args: argparse.Namespace,
+def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], config: JobConfig,
              writes: bool) -> Iterator[None]:
     """Trace training segments only (evaluation is not part of the schedule's timeline); write the
     cumulative trace files at the end of each segment, so a run that stops early still leaves them.
@@ -54,16 +54,16 @@ def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], args
             w.tracer = None
             assert t is not None
             if writes:
-                t.write(args.trace_dir)
+                t.write(config.logging.trace_dir)
 
 
 class EvaluationData:
     """Batch functions of the validation and test splits, built once (None: no data)."""
 
-    def __init__(self, task: PretrainTask, args: argparse.Namespace, dp_rank: int, device: torch.device):
-        self._build = lambda split: task.batch_fn(args, dp_rank, device, split=split)
+    def __init__(self, task: PretrainTask, config: JobConfig, dp_rank: int, device: torch.device):
+        self._build = lambda split: task.batch_fn(config, dp_rank, device, split=split)
         self._fns: dict[str, Callable[[int], Batch] | None] = {}
-        self.num_microbatches = args.eval_iters * args.num_microbatches  # per data-parallel replica
+        self.num_microbatches = config.training.eval_iters * config.training.num_microbatches  # per data-parallel replica
 
     def batch_fn(self, split: str) -> Callable[[int], Batch] | None:
         if split not in self._fns:
@@ -78,14 +78,14 @@ class PipelineRunner:
     """The local stages (all of them in the emulator, this rank's in the runtime); the other
     processes, if any, run the same calls."""
 
-    def __init__(self, task: PretrainTask, args: argparse.Namespace, transport: Transport,
+    def __init__(self, task: PretrainTask, config: JobConfig, transport: Transport,
                  workers: list[StageWorker], cadence: ReportCadence, sink: ReportSink,
                  collector: CollectorPolicy | None = None):
-        self.task, self.args, self.transport, self.workers = task, args, transport, workers
+        self.task, self.args, self.transport, self.workers = task, config, transport, workers
         self.cadence, self.sink = cadence, sink
         self.collector = collector or CollectorPolicy()
-        self.data = EvaluationData(task, args, transport.dp_rank, workers[0].setup.device)
-        self.tracers = [_tracer(args, w, transport.dp_rank, transport.name) for w in workers]
+        self.data = EvaluationData(task, config, transport.dp_rank, workers[0].setup.device)
+        self.tracers = [_tracer(config, w, transport.dp_rank, transport.name) for w in workers]
 
     def train(self, schedule: Schedule) -> None:
         self.schedule = schedule  # what it decides while training (zb's profiled order) is checkpointed

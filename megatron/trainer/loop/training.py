@@ -9,7 +9,6 @@ Run assembly lives beside this module: :mod:`.workers` (a stage's worker), :mod:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import traceback
@@ -24,7 +23,7 @@ from megatron.pipeline.runtime.profiling import log_fixed_choice
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 from megatron.pipeline.runtime.worker import StageWorker
-from megatron.trainer.config.run_config import run_config
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.launch import flight_recorder
 from megatron.trainer.launch.exit_control import StopControl, Terminated, rank_signal_defaults, stop_control
 from megatron.trainer.launch.host import prepare_host, resolve_device
@@ -46,79 +45,79 @@ __all__ = ["build_worker", "drive", "emulate", "preflight", "prepare_host", "pre
            "run_distributed", "_init_megatron_parallel_state"]
 
 
-def drive(task: PretrainTask, args: argparse.Namespace, transport: Transport, device: torch.device,
+def drive(task: PretrainTask, config: JobConfig, transport: Transport, device: torch.device,
           stop: StopControl | None) -> list[StageWorker]:
     """Train the transport's local stages: workers, resume, banner, logger, schedule, segments,
     summary and dumps; the same for the emulator and every rank of the runtime. Returns the
     local stage workers (weights, statistics)."""
-    resume = check_resume_or_exit(task, args, verify_files=False)  # each process verifies the files it loads
-    workers = [build_worker(task, args, s, transport.dp_rank, device, isolate_rng=transport.in_process)
+    resume = check_resume_or_exit(task, config, verify_files=False)  # each process verifies the files it loads
+    workers = [build_worker(task, config, s, transport.dp_rank, device, isolate_rng=transport.in_process)
                for s in transport.stages]
     for w in workers:
         transport.attach(w)  # the distributed optimizer's group, overlapped gradient buckets
-    start = resume_workers(task, args, workers, transport.dp_rank, resume, say=transport.is_coordinator)
-    start_banner(args, transport, workers)
+    start = resume_workers(task, config, workers, transport.dp_rank, resume, say=transport.is_coordinator)
+    start_banner(config, transport, workers)
     coordinator = transport.is_coordinator
-    logger = make_logger(args, start, task) if coordinator else None
-    collector = ReportCollector(transport.num_reporters, on_logged(args, start, logger)) if logger else None
+    logger = make_logger(config, start, task) if coordinator else None
+    collector = ReportCollector(transport.num_reporters, on_logged(config, start, logger)) if logger else None
     sink = transport.report_sink(collector)
-    schedule = run_schedule(args, start, resume)
-    cadence = ReportCadence(args.log_interval, final_update=args.train_iters - 1)
+    schedule = run_schedule(config, start, resume)
+    cadence = ReportCadence(config.logging.log_interval, final_update=config.training.train_iters - 1)
     if coordinator:
         log_fixed_choice(schedule)
     if stop is not None:
         stop.agree = transport.all_max
-    gc_policy = CollectorPolicy.from_args(args, freeze_startup=not transport.in_process)
+    gc_policy = CollectorPolicy.from_args(config, freeze_startup=not transport.in_process)
     with gc_policy.training():
-        run_segments(schedule, run_plan(args, start),
-                     PipelineRunner(task, args, transport, workers, cadence, sink, gc_policy),
+        run_segments(schedule, run_plan(config, start),
+                     PipelineRunner(task, config, transport, workers, cadence, sink, gc_policy),
                      logger, say=lambda line: print(line, flush=True) if coordinator else None, stop=stop,
-                     schedule_for=segment_schedules(args, schedule, workers))
+                     schedule_for=segment_schedules(config, schedule, workers))
     transport.flush()
     if logger:
         logger.log_summary()
         logger.close()
-    if args.log_weight_version_drift and transport.dp_rank == 0 and transport.tp_rank == 0:
+    if config.logging.log_weight_version_drift and transport.dp_rank == 0 and transport.tp_rank == 0:
         print_drift_histograms(workers)
-    if args.dump_final_params and transport.dp_rank == 0:
+    if config.logging.dump_final_params and transport.dp_rank == 0:
         for w in workers:
-            dump_parameters(task, w, args.dump_final_params, transport.tp_rank)
+            dump_parameters(task, w, config.logging.dump_final_params, transport.tp_rank)
     return workers
 
 
-def emulate(task: PretrainTask, args: argparse.Namespace) -> list[StageWorker]:
+def emulate(task: PretrainTask, config: JobConfig) -> list[StageWorker]:
     """Train all stages in this process; return the stage workers (weights, statistics)."""
-    prepare_host(args, 1)
-    stop = stop_control(args, decides_time=True)  # --exit-signal-handler: the handler goes in first
+    config = prepare_host(config, 1)
+    stop = stop_control(config, decides_time=True)  # --exit-signal-handler: the handler goes in first
     if not dist.is_initialized():
         flight_recorder.disable_unless_requested()
         # One process: an in-memory store, no port (a probed free port can be taken by another
         # process before the store binds it: two emulator runs at once failed with EADDRINUSE).
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+                                timeout=timedelta(minutes=config.launch.distributed_timeout_minutes))
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
-    device = resolve_device(args, 0)
-    apply_auto_partition(task, args, device)  # --pipeline-partition auto: profile, then split
+    device = resolve_device(config, 0)
+    config = apply_auto_partition(task, config, device)  # --pipeline-partition auto: profile, then split
     try:
-        return drive(task, args, InProcessTransport(run_config(args).layout), device, stop)
+        return drive(task, config, InProcessTransport(config.run.layout), device, stop)
     finally:
         if stop is not None:
             stop.restore()
 
 
-def run_distributed(task: PretrainTask, args: argparse.Namespace) -> int:
+def run_distributed(task: PretrainTask, config: JobConfig) -> int:
     """This rank's stage: process group, transport, then :func:`drive`; exit code 0 (a failure
     ends the process at once, naming the stage)."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
-    rank_signal_defaults(args)
-    stop = stop_control(args, decides_time=rank == 0)  # the handler goes in before the rendezvous
-    prepare_host(args, int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)), local_rank)
-    device = resolve_device(args, local_rank)
-    init_rank_process_group(args, device, rank)
-    groups, transport = rank_transport(task, args, device)
+    rank_signal_defaults(config)
+    stop = stop_control(config, decides_time=rank == 0)  # the handler goes in before the rendezvous
+    config = prepare_host(config, int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.world_size)), local_rank)
+    device = resolve_device(config, local_rank)
+    init_rank_process_group(config, device, rank)
+    config, groups, transport = rank_transport(task, config, device)
     try:
-        drive(task, args, transport, device, stop)
+        drive(task, config, transport, device, stop)
     except PipelineRuntimeError as exc:
         fail(f"[megatron-async] error: {exc}")
     except Terminated as exc:  # outside the pipeline: between segments, saving, evaluating
@@ -137,13 +136,13 @@ def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | No
     code = enter_process()
     if code is not None:
         return code
-    args = preflight(task, argv)  # a rank our launcher started: the launcher's config, argv unread
-    if args.pipeline_executor == "emulator":
-        emulate(task, args)
+    config = preflight(task, argv)  # a rank our launcher started: the launcher's config, argv unread
+    if config.schedule.pipeline_executor == "emulator":
+        emulate(task, config)
         return 0
     if is_worker_process():
-        return run_distributed(task, args)
-    if args.world_size == 1 and not args.max_restarts:  # one rank, nothing to restart: run it here
+        return run_distributed(task, config)
+    if config.parallel.world_size == 1 and not config.launch.max_restarts:  # one rank, nothing to restart: run it here
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        return run_distributed(task, args)
-    return launch_ranks(args, [script or sys.argv[0], *argv], lambda: run_distributed(task, args))
+        return run_distributed(task, config)
+    return launch_ranks(config, [script or sys.argv[0], *argv], lambda: run_distributed(task, config))

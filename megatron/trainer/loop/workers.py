@@ -2,7 +2,6 @@
 scaling; and what is read off the workers at the end (parameter counts, dumps, drift)."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -14,8 +13,8 @@ from megatron.pipeline.runtime.replicas import optimizer_shards
 from megatron.pipeline.runtime.tied_embeddings import counted
 from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.mixed_precision_args import loss_scale_config
-from megatron.trainer.config.run_config import run_config
 from megatron.trainer.models.tensor_parallel import build_tensor_parallel_stage, full_shape, gather_full, shard_layout
 from megatron.trainer.optim.data_parallel import shard_over_data_parallel
 from megatron.trainer.optim.lr_schedule import LRSchedule
@@ -23,10 +22,10 @@ from megatron.trainer.optim.registry import build_optimizer
 from megatron.trainer.tasks.task import PretrainTask
 
 
-def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_rank: int,
+def build_worker(task: PretrainTask, config: JobConfig, stage: int, dp_rank: int,
                  device: torch.device, isolate_rng: bool) -> StageWorker:
-    chunks = build_tensor_parallel_stage(task, args, stage, device)
-    run = run_config(args)
+    chunks = build_tensor_parallel_stage(task, config, stage, device)
+    run = config.run
     layout = run.layout
     if len(chunks) != layout.num_chunks:
         raise ValueError(f"task {task.name} built {len(chunks)} model chunks for stage {stage}, "
@@ -36,35 +35,35 @@ def build_worker(task: PretrainTask, args: argparse.Namespace, stage: int, dp_ra
     if run.shards_optimizer_state:
         assert isinstance(layout, MultiPipelineLayout)
         shards = optimizer_shards(layout, chunks, named)
-    optimizer = shard_over_data_parallel(args, named, stage, dp_rank) or build_optimizer(args, named, stage, shards)
+    optimizer = shard_over_data_parallel(config, named, stage, dp_rank) or build_optimizer(config, named, stage, shards)
     schedule = LRSchedule(
-        max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
-        decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
-        wsd_decay_steps=args.lr_wsd_decay_iters or 0, wsd_decay_style=args.lr_wsd_decay_style,
+        max_lr=config.optimizer.lr, min_lr=config.optimizer.min_lr, warmup_steps=config.optimizer.lr_warmup_iters,
+        decay_steps=config.optimizer.lr_decay_iters, decay_style=config.optimizer.lr_decay_style,
+        wsd_decay_steps=config.optimizer.lr_wsd_decay_iters or 0, wsd_decay_style=config.optimizer.lr_wsd_decay_style,
     )
-    shape, dtype = task.activation_spec(args)
+    shape, dtype = task.activation_spec(config)
     # Asynchronous variants shape what a stage's passes read and its learning rate (2BW, PipeMare).
-    schedule_cls, config = run.schedule_cls, run.schedule
+    schedule_cls, schedule_config = run.schedule_cls, run.schedule
     setup = StageSetup(
         stage=stage,
         layout=layout,
         chunks=chunks,
         optimizer=optimizer,
-        lr_schedule=schedule_cls.stage_lr_schedule(config, stage, schedule),
-        microbatches_per_update=args.num_microbatches,
-        batch_fn=task.batch_fn(args, dp_rank, device),
+        lr_schedule=schedule_cls.stage_lr_schedule(schedule_config, stage, schedule),
+        microbatches_per_update=config.training.num_microbatches,
+        batch_fn=task.batch_fn(config, dp_rank, device),
         loss_fn=task.loss_fn,
         activation_shape=shape,
         activation_dtype=dtype,
         device=device,
-        clip_grad=args.clip_grad,
-        seed=args.seed,
-        inject_nonfinite_updates=frozenset(args.nonfinite_injections.get(stage, ())),
-        inject_nonfinite_losses=frozenset(args.inject_nonfinite_loss),
-        weight_policy=build_weight_policy(schedule_cls.stage_weight_policy(config, stage), optimizer),
-        loss_scaler=_loss_scaler(args, schedule_cls.asynchronous),
-        report_params_norm=args.log_params_norm,
-        measure_activations=args.log_activation_memory,
+        clip_grad=config.optimizer.clip_grad,
+        seed=config.training.seed,
+        inject_nonfinite_updates=frozenset(config.logging.nonfinite_injections.get(stage, ())),
+        inject_nonfinite_losses=frozenset(config.logging.inject_nonfinite_loss),
+        weight_policy=build_weight_policy(schedule_cls.stage_weight_policy(schedule_config, stage), optimizer),
+        loss_scaler=_loss_scaler(config, schedule_cls.asynchronous),
+        report_params_norm=config.logging.log_params_norm,
+        measure_activations=config.logging.log_activation_memory,
         aux_loss_fn=getattr(task, "aux_loss_fn", None),
         tp_group=_tensor_parallel_group(run.tensor_parallel_size),
     )
@@ -80,10 +79,10 @@ def _tensor_parallel_group(tp_size: int) -> dist.ProcessGroup | None:
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def _loss_scaler(args: argparse.Namespace, asynchronous: bool) -> StageLossScaler | None:
+def _loss_scaler(config: JobConfig, asynchronous: bool) -> StageLossScaler | None:
     """``--fp16``: the stage's scaler, pipeline-wide for synchronous schedules, stage-local otherwise."""
-    config = loss_scale_config(args, asynchronous)
-    return None if config is None else StageLossScaler(config)
+    scaling = loss_scale_config(config, asynchronous)
+    return None if scaling is None else StageLossScaler(scaling)
 
 
 def stage_parameter_count(worker: StageWorker, tp_size: int = 1) -> int:

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 from megatron.pipeline.runtime.tied_embeddings import mark_tied
+from megatron.trainer.config.job_config import PrecisionConfig
 from megatron.trainer.models.recompute import RecomputeSettings, install_recompute
 from megatron.trainer.models.rope import make_rotary_device_agnostic
 from megatron.trainer.models.sdpa_attention import SDPAAttention
@@ -91,7 +92,7 @@ class TransformerArgs:
                                  self.recompute_num_layers, self.recompute_stash_weights)
 
 
-def model_dtype(args: TransformerArgs) -> torch.dtype:
+def model_dtype(args: TransformerArgs | PrecisionConfig) -> torch.dtype:
     """The dtype of a stage's weights and of the activations it sends: bf16, fp16 or fp32."""
     if args.bf16:
         return torch.bfloat16

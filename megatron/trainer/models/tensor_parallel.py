@@ -25,11 +25,15 @@ and TP = T start from identical weights.
 """
 from __future__ import annotations
 
-import argparse
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from megatron.trainer.config.job_config import JobConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from megatron.trainer.models.stage import TransformerArgs
 
 
 class ShardLayout(NamedTuple):
@@ -141,15 +145,15 @@ def gathered_parameters(stage: Any, grads: bool = False) -> dict[str, torch.Tens
     return result
 
 
-def check_tensor_parallel_args(args: Any, tp_size: int) -> None:
+def check_tensor_parallel_args(model: ModelConfig | TransformerArgs, tp_size: int) -> None:
     """Raise ValueError with one line when the model cannot be sharded ``tp_size`` ways."""
     if tp_size < 1:
         raise ValueError(f"tensor-parallel size must be >= 1, got {tp_size}")
-    groups = args.num_query_groups or args.num_attention_heads
-    ffn = args.ffn_hidden_size or 4 * args.hidden_size
-    for what, value in (("--num-attention-heads", args.num_attention_heads),
+    groups = model.num_query_groups or model.num_attention_heads
+    ffn = model.ffn_hidden_size or 4 * model.hidden_size
+    for what, value in (("--num-attention-heads", model.num_attention_heads),
                         ("--num-query-groups", groups), ("--ffn-hidden-size", ffn),
-                        ("--vocab-size (padded)", args.vocab_size)):
+                        ("--vocab-size (padded)", model.vocab_size)):
         if value % tp_size:
             raise ValueError(f"{what} {value} is not divisible by --tensor-model-parallel-size {tp_size}")
 
@@ -181,7 +185,7 @@ def initialize_tensor_parallel(tp_size: int) -> None:
 
 
 def build_tensor_parallel_stage(
-    task: Any, args: argparse.Namespace, stage: int, device: torch.device
+    task: Any, config: JobConfig, stage: int, device: torch.device
 ) -> list[torch.nn.Module]:
     """The runtime's entry point: stage ``stage``'s model chunks sharded over this rank's TP
     group (set up by :func:`initialize_tensor_parallel` after ``init_process_group``).
@@ -191,10 +195,10 @@ def build_tensor_parallel_stage(
     """
     from megatron.core import parallel_state
 
-    tp_size = int(args.tensor_model_parallel_size)
-    check_tensor_parallel_args(args, tp_size)
+    tp_size = int(config.parallel.tensor_model_parallel_size)
+    check_tensor_parallel_args(config.model, tp_size)
     if tp_size > 1 and parallel_state.get_tensor_model_parallel_world_size() != tp_size:
         raise RuntimeError(f"megatron's TP group has size "
                            f"{parallel_state.get_tensor_model_parallel_world_size()}, expected {tp_size}: "
                            "call initialize_tensor_parallel first")
-    return task.build_stage(args, stage, device)
+    return task.build_stage(config, stage, device)

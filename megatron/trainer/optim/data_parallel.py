@@ -7,22 +7,22 @@ collectives. With one replica there is nothing to shard: the plain optimizer, an
 """
 from __future__ import annotations
 
-import argparse
 
 from megatron.pipeline.runtime.distributed_optimizer import DataParallelShardedOptimizer, data_parallel_shards
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.optim.registry import NamedParameters, build_optimizer
 
 
-def shard_over_data_parallel(args: argparse.Namespace, named: NamedParameters, stage: int,
+def shard_over_data_parallel(config: JobConfig, named: NamedParameters, stage: int,
                              dp_rank: int) -> DataParallelShardedOptimizer | None:
     """Stage ``stage``'s optimizer on replica ``dp_rank``, sharded; None without the flag or at DP=1."""
-    if not args.use_distributed_optimizer:
+    if not config.parallel.use_distributed_optimizer:
         return None
-    dp = args.data_parallel_size
+    dp = config.parallel.data_parallel_size
     if dp == 1:
         if stage == 0:
             print("[megatron-async] --use-distributed-optimizer: one data-parallel replica, nothing to shard "
                   "(no-op)", flush=True)
         return None
-    inner = build_optimizer(args, named, stage, data_parallel_shards(named, dp, dp_rank))
-    return DataParallelShardedOptimizer(inner, dp_rank, dp, overlap_param_gather=args.overlap_param_gather)
+    inner = build_optimizer(config, named, stage, data_parallel_shards(named, dp, dp_rank))
+    return DataParallelShardedOptimizer(inner, dp_rank, dp, overlap_param_gather=config.parallel.overlap_param_gather)

@@ -7,36 +7,36 @@ post-validation rollback). Adding an optimizer is one builder and one line here.
 """
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 
 import torch
 
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.optim.adamw import Shards, StageAdamW
 from megatron.trainer.optim.basis_rotation import BasisRotationAdamW, RotationConfig
 
 NamedParameters = list[tuple[str, torch.nn.Parameter]]
-OptimizerBuilder = Callable[[argparse.Namespace, NamedParameters, int, "Shards | None"], StageAdamW]
+OptimizerBuilder = Callable[[JobConfig, NamedParameters, int, "Shards | None"], StageAdamW]
 
 
-def _hyperparameters(args: argparse.Namespace) -> dict:
-    return dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-                eps=args.adam_eps)
+def _hyperparameters(config: JobConfig) -> dict:
+    return dict(lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay, betas=(config.optimizer.adam_beta1, config.optimizer.adam_beta2),
+                eps=config.optimizer.adam_eps)
 
 
-def _adamw(args: argparse.Namespace, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
-    return StageAdamW(named, exact=args.optimizer_post_validation_exact, shards=shards,
-                      fused=args.adam_kernel == "fused", **_hyperparameters(args))
+def _adamw(config: JobConfig, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
+    return StageAdamW(named, exact=config.schedule.flag("optimizer_post_validation_exact"), shards=shards,
+                      fused=config.optimizer.adam_kernel == "fused", **_hyperparameters(config))
 
 
-def _basis_rotation(args: argparse.Namespace, named: NamedParameters, stage: int,
+def _basis_rotation(config: JobConfig, named: NamedParameters, stage: int,
                     shards: Shards | None) -> StageAdamW:
     """Gets the stage index and the pipeline depth: the stage-aware refresh budget depends on them."""
     rotation = RotationConfig(
-        geometry=args.rotation_geometry, source=args.rotation_source,
-        refresh_interval=args.rotation_refresh_interval, stage_aware=args.rotation_stage_aware,
-        stage=stage, num_stages=args.pipeline_model_parallel_size)
-    return BasisRotationAdamW(named, rotation=rotation, **_hyperparameters(args))
+        geometry=config.optimizer.rotation_geometry, source=config.optimizer.rotation_source,
+        refresh_interval=config.optimizer.rotation_refresh_interval, stage_aware=config.optimizer.rotation_stage_aware,
+        stage=stage, num_stages=config.parallel.pipeline_model_parallel_size)
+    return BasisRotationAdamW(named, rotation=rotation, **_hyperparameters(config))
 
 
 OPTIMIZERS: dict[str, OptimizerBuilder] = {
@@ -46,7 +46,7 @@ OPTIMIZERS: dict[str, OptimizerBuilder] = {
 }
 
 
-def build_optimizer(args: argparse.Namespace, named: NamedParameters, stage: int,
+def build_optimizer(config: JobConfig, named: NamedParameters, stage: int,
                     shards: Shards | None = None) -> StageAdamW:
     """The stage's optimizer for ``--optimizer`` (validated at parse time against the registry)."""
-    return OPTIMIZERS[args.optimizer](args, named, stage, shards)
+    return OPTIMIZERS[config.optimizer.optimizer](config, named, stage, shards)

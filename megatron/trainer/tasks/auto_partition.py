@@ -23,7 +23,6 @@ Every rank must use the same split: under torch.distributed rank 0 profiles and 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import statistics
@@ -35,6 +34,7 @@ import torch
 
 from megatron.pipeline.runtime.memory import ActivationMeter
 from megatron.pipeline.partition import Partition, partition_layers
+from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.trainer.models.gpt import build_gpt_stage
 from megatron.trainer.tasks.balanced_partition import schedule_in_flight
 from megatron.trainer.tasks.gpt import gpt_model_args
@@ -74,11 +74,11 @@ def _synchronised(device: torch.device) -> Iterator[None]:
         torch.cuda.synchronize(device)
 
 
-def profile_part(chunk: torch.nn.Module, task: object, args: argparse.Namespace, device: torch.device,
+def profile_part(chunk: torch.nn.Module, task: object, config: JobConfig, device: torch.device,
                  first: bool, last: bool, iters: int) -> PartProfile:
     """Time and memory of one stage-shaped part on one micro-batch (see the module docstring)."""
-    batch = task.batch_fn(args, 0, device)(0)  # type: ignore[attr-defined]
-    shape, dtype = task.activation_spec(args)  # type: ignore[attr-defined]
+    batch = task.batch_fn(config, 0, device)(0)  # type: ignore[attr-defined]
+    shape, dtype = task.activation_spec(config)  # type: ignore[attr-defined]
     x = None if first else torch.randn(shape, device=device).to(dtype).requires_grad_(True)
     meter = ActivationMeter(chunk.parameters())
 
@@ -105,7 +105,7 @@ def profile_part(chunk: torch.nn.Module, task: object, args: argparse.Namespace,
     return PartProfile(statistics.median(times), static_bytes(chunk), float(meter.run_peak_bytes))
 
 
-def _stage_builder(task_name: str) -> tuple[Callable[[argparse.Namespace], object], Callable[..., torch.nn.Module]]:
+def _stage_builder(task_name: str) -> tuple[Callable[[JobConfig], object], Callable[..., torch.nn.Module]]:
     """The task's model arguments and stage builder (the trainer's own)."""
     if task_name == "bert":
         from megatron.trainer.models.bert import build_bert_stage
@@ -115,29 +115,29 @@ def _stage_builder(task_name: str) -> tuple[Callable[[argparse.Namespace], objec
     return gpt_model_args, build_gpt_stage
 
 
-def profile_parts(task: object, args: argparse.Namespace, device: torch.device) -> dict[str, PartProfile]:
+def profile_parts(task: object, config: JobConfig, device: torch.device) -> dict[str, PartProfile]:
     """Per-part profiles: ``layer`` (one transformer layer), ``embedding``, ``head`` (norm, output
     heads, loss)."""
     model_args_of, build_stage = _stage_builder(getattr(task, "name", "gpt"))
-    model_args = model_args_of(args)
-    iters = args.pipeline_partition_profile_iters
+    model_args = model_args_of(config)
+    iters = config.parallel.pipeline_partition_profile_iters
     one = range(0, 1)
     measured = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for name, first, last in (("layer", False, False), ("embedding+layer", True, False), ("layer+head", False, True)):
-            chunk = build_stage(model_args, one, pre_process=first, post_process=last, seed=args.seed, device=device)
+            chunk = build_stage(model_args, one, pre_process=first, post_process=last, seed=config.training.seed, device=device)
             chunk.train()
-            measured[name] = profile_part(chunk, task, args, device, first, last, iters)
+            measured[name] = profile_part(chunk, task, config, device, first, last, iters)
             del chunk
     layer = measured["layer"]
     return {"layer": layer, "embedding": measured["embedding+layer"].minus(layer),
             "head": measured["layer+head"].minus(layer)}
 
 
-def memory_budget(args: argparse.Namespace, device: torch.device) -> float:
+def memory_budget(config: JobConfig, device: torch.device) -> float:
     """Bytes per stage: the flag, else the device's memory on GPU, else unlimited."""
-    if args.pipeline_partition_memory_gb is not None:
-        return args.pipeline_partition_memory_gb * 2**30
+    if config.parallel.pipeline_partition_memory_gb is not None:
+        return config.parallel.pipeline_partition_memory_gb * 2**30
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     return math.inf
@@ -173,36 +173,37 @@ def describe(parts: dict[str, PartProfile], partition: Partition, in_flight: lis
     return "\n".join(f"[megatron-async] {line}" for line in lines)
 
 
-def choose_split(task: object, args: argparse.Namespace, device: torch.device) -> list[int]:
+def choose_split(task: object, config: JobConfig, device: torch.device) -> list[int]:
     """Profile, solve, print; return the layer counts per stage."""
     if getattr(task, "name", None) not in ("gpt", "bert"):
         raise SystemExit(f"error: --pipeline-partition profiled profiles GPT and BERT models only "
                          f"(task {getattr(task, 'name', '?')})")
-    parts = profile_parts(task, args, device)
-    in_flight = schedule_in_flight(args)
-    partition = solve(parts, args.num_layers, in_flight, memory_budget(args, device))
+    parts = profile_parts(task, config, device)
+    in_flight = schedule_in_flight(config)
+    partition = solve(parts, config.model.num_layers, in_flight, memory_budget(config, device))
     print(describe(parts, partition, in_flight), flush=True)
     return list(partition.counts)
 
 
-def apply_auto_partition(task: object, args: argparse.Namespace, device: torch.device) -> None:
-    """With ``--pipeline-partition profiled``, set ``args.pipeline_layer_split`` (rank 0 decides under
-    torch.distributed and broadcasts, so all ranks build the same stages)."""
-    if args.pipeline_partition != "profiled":
-        return
-    if args.pipeline_layer_split is not None:  # resumed: the checkpoint's split (insight_args)
+def apply_auto_partition(task: object, config: JobConfig, device: torch.device) -> JobConfig:
+    """With ``--pipeline-partition profiled``, the config with the profiled
+    ``pipeline_layer_split`` (rank 0 decides under torch.distributed and broadcasts, so all
+    ranks build the same stages); else ``config``."""
+    if config.parallel.pipeline_partition != "profiled":
+        return config
+    if config.parallel.pipeline_layer_split is not None:  # resumed: the checkpoint's split (insight_args)
         import torch.distributed as dist
 
-        if args.pipeline_partition_resumed and (not dist.is_initialized() or dist.get_rank() == 0):
+        if config.parallel.pipeline_partition_resumed and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"[megatron-async] pipeline partition profiled: resuming with the checkpoint's layer split "
-                  f"{args.pipeline_layer_split}", flush=True)
-        return
+                  f"{config.parallel.pipeline_layer_split}", flush=True)
+        return config
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box: list[object] = [choose_split(task, args, device) if dist.get_rank() == 0 else None]
+        box: list[object] = [choose_split(task, config, device) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
         split = box[0]
     else:
-        split = choose_split(task, args, device)
-    args.pipeline_layer_split = [int(c) for c in split]  # type: ignore[union-attr]
+        split = choose_split(task, config, device)
+    return replace_in(config, "parallel", pipeline_layer_split=[int(c) for c in split])  # type: ignore[union-attr]

@@ -25,7 +25,6 @@ replica's micro-batches per update, so its batch per update is ``1/D`` of the fu
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 from megatron.pipeline.planner.evaluate import CandidateResult
 from megatron.pipeline.planner.report import flags as candidate_flags
 from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
+from megatron.trainer.config.job_config import JobConfig
 
 WIDTH_DIVISOR = 4  # the probe's hidden size and heads: the user's over this
 MIN_HIDDEN = 32
@@ -103,26 +103,26 @@ def probe_candidates(ranked_sync: Sequence[CandidateResult], ranked_async: Seque
     return [first, *picked.values()]
 
 
-def width_flags(args: argparse.Namespace) -> list[str]:
+def width_flags(config: JobConfig) -> list[str]:
     """The reduced width: hidden and heads over :data:`WIDTH_DIVISOR` (heads dividing hidden)."""
-    heads = max(1, args.num_attention_heads // WIDTH_DIVISOR)
-    hidden = max(MIN_HIDDEN, args.hidden_size // WIDTH_DIVISOR)
+    heads = max(1, config.model.num_attention_heads // WIDTH_DIVISOR)
+    hidden = max(MIN_HIDDEN, config.model.hidden_size // WIDTH_DIVISOR)
     hidden = -(-hidden // heads) * heads
     out = ["--hidden-size", str(hidden), "--num-attention-heads", str(heads), "--ffn-hidden-size", str(4 * hidden),
            "--kv-channels", str(hidden // heads)]
-    if args.group_query_attention:
-        groups = math.gcd(heads, args.num_query_groups)
+    if config.model.group_query_attention:
+        groups = math.gcd(heads, config.model.num_query_groups)
         out += ["--num-query-groups", str(groups)]
     return out
 
 
-def run_probe(user_argv: Sequence[str], args: argparse.Namespace, result: CandidateResult, updates: int,
+def run_probe(user_argv: Sequence[str], config: JobConfig, result: CandidateResult, updates: int,
               workdir: Path) -> ProbeResult:
     """Train ``result``'s candidate at the reduced width for ``updates`` updates on the emulator."""
     cand = result.candidate
     log = workdir / f"probe-{cand.schedule}-{cand.pipeline_model_parallel_size}.jsonl"
     script = Path(__file__).resolve().parents[3] / "pretrain_gpt.py"
-    command = [sys.executable, str(script), *user_argv, *width_flags(args), *candidate_flags(cand, args.num_layers),
+    command = [sys.executable, str(script), *user_argv, *width_flags(config), *candidate_flags(cand, config.model.num_layers),
                "--data-parallel-size", "1", "--tensor-model-parallel-size", "1",
                "--global-batch-size", str(cand.microbatches * cand.micro_batch_size),
                "--pipeline-executor", "emulator", "--train-iters", str(updates), "--log-interval", "1",
@@ -134,14 +134,14 @@ def run_probe(user_argv: Sequence[str], args: argparse.Namespace, result: Candid
     records = [json.loads(line) for line in log.read_text().splitlines()]
     losses = [float(r["loss"]) for r in records if "loss" in r and "eval_split" not in r]
     return ProbeResult(cand.schedule, cand.pipeline_model_parallel_size, cand.microbatches, losses,
-                       cand.microbatches * cand.micro_batch_size * args.seq_length, result.tokens_per_s)
+                       cand.microbatches * cand.micro_batch_size * config.model.seq_length, result.tokens_per_s)
 
 
-def probe(user_argv: Sequence[str], args: argparse.Namespace, ranked_sync: Sequence[CandidateResult],
+def probe(user_argv: Sequence[str], config: JobConfig, ranked_sync: Sequence[CandidateResult],
           ranked_async: Sequence[CandidateResult], updates: int) -> list[dict]:
     """The probe's rows (module docstring), 1F1B first."""
     with tempfile.TemporaryDirectory() as tmp:
-        probes = [run_probe(user_argv, args, r, updates, Path(tmp))
+        probes = [run_probe(user_argv, config, r, updates, Path(tmp))
                   for r in probe_candidates(ranked_sync, ranked_async)]
     return summary(probes)
 

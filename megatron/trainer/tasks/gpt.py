@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.data.gpt_dataset import GPTDataSource, build_gpt_datasets
 from megatron.trainer.data.mock import MockGPTData
 from megatron.trainer.models.gpt import GPTModelArgs, build_gpt_stage, gpt_loss
@@ -19,8 +20,8 @@ from megatron.trainer.tasks.stage_tasks import (
 from megatron.trainer.tasks.task import Batch, pick_split, split_seed
 
 
-def gpt_model_args(args: argparse.Namespace) -> GPTModelArgs:
-    return GPTModelArgs(**transformer_kwargs(args))
+def gpt_model_args(config: JobConfig) -> GPTModelArgs:
+    return GPTModelArgs(**transformer_kwargs(config))
 
 
 class GPTTask:
@@ -29,25 +30,25 @@ class GPTTask:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         return None
 
-    def build_stage(self, args: argparse.Namespace, stage: int, device: torch.device) -> list[torch.nn.Module]:
+    def build_stage(self, config: JobConfig, stage: int, device: torch.device) -> list[torch.nn.Module]:
         """The stage's model chunks (see :func:`build_chunks`). Initial weights depend only on
         global names, so any split starts identically."""
-        model_args = gpt_model_args(args)
+        model_args = gpt_model_args(config)
         # With --reset-attention-mask every layer applies the batch's mask, middle stages too.
-        middle_keys = ("attention_mask",) if args.reset_attention_mask else ()
+        middle_keys = ("attention_mask",) if config.data.reset_attention_mask else ()
 
         def build(layers: range, first: bool, last: bool) -> torch.nn.Module:
             chunk = build_gpt_stage(model_args, layers, pre_process=first, post_process=last,
-                                    seed=args.seed, device=device)
+                                    seed=config.training.seed, device=device)
             chunk.middle_batch_keys = middle_keys
             return chunk
 
-        return build_chunks(args, stage, build)
+        return build_chunks(config, stage, build)
 
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return global_named_parameters(chunks)
 
-    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device,
+    def batch_fn(self, config: JobConfig, dp_rank: int, device: torch.device,
                  split: str = "train") -> Callable[[int], Batch]:
         """Mock data without ``--data-path``; else megatron-core's GPTDataset (train split).
 
@@ -55,15 +56,15 @@ class GPTTask:
         index cache first), so every rank builds its source here, at the same point.
         """
         data: MockGPTData | GPTDataSource
-        if args.data_path is None:
-            data = MockGPTData(args.seq_length, args.vocab_size, split_seed(args.seed, split))
+        if config.data.data_path is None:
+            data = MockGPTData(config.model.seq_length, config.model.vocab_size, split_seed(config.training.seed, split))
         else:
-            dataset = pick_split(build_gpt_datasets(args), split, args)
-            data = GPTDataSource(dataset, keep_attention_mask=bool(args.reset_attention_mask))
-        return micro_batch_fn(data, args, dp_rank, device)
+            dataset = pick_split(build_gpt_datasets(config), split, config)
+            data = GPTDataSource(dataset, keep_attention_mask=bool(config.data.reset_attention_mask))
+        return micro_batch_fn(data, config, dp_rank, device)
 
     def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
         return gpt_loss(output, batch)
 
-    def activation_spec(self, args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
-        return hidden_activation_spec(args)
+    def activation_spec(self, config: JobConfig) -> tuple[tuple[int, ...], torch.dtype]:
+        return hidden_activation_spec(config)

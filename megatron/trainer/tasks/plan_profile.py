@@ -15,7 +15,6 @@ which the planner models (:mod:`megatron.pipeline.planner.shared_cores`).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -35,6 +34,7 @@ from megatron.pipeline.simulator import OpCosts, simulate_schedule
 from megatron.pipeline.trace_analysis import load_traces
 from megatron.trainer.tasks.balanced_partition import model_shape
 from megatron.pipeline.schedules.zb_1p import ZB1P
+from megatron.trainer.config.job_config import JobConfig, flag_values
 
 PROFILE_ITERS = 2
 MARKER = "zero-bubble-schedule "
@@ -44,11 +44,11 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "micro_batch_size")
 
 
-def profile_command(args: argparse.Namespace) -> list[str]:
+def profile_command(config: JobConfig) -> list[str]:
     """The one-process emulator run that profiles ``args``' model (module docstring)."""
     script = Path(__file__).resolve().parents[3] / "pretrain_gpt.py"
     cmd = [sys.executable, str(script)]
-    flags = vars(args)  # the flags by dest
+    flags = flag_values(config)
     for dest in MODEL_FLAGS:
         value = flags.get(dest)
         if value is not None:
@@ -56,8 +56,8 @@ def profile_command(args: argparse.Namespace) -> list[str]:
     for flag in ("bf16", "fp16", "swiglu"):
         if flags.get(flag):
             cmd.append("--" + flag)
-    m = max(2, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size))
-    return cmd + ["--global-batch-size", str(m * args.micro_batch_size), "--data-parallel-size", "1",
+    m = max(2, config.training.global_batch_size // (config.training.micro_batch_size * config.parallel.data_parallel_size))
+    return cmd + ["--global-batch-size", str(m * config.training.micro_batch_size), "--data-parallel-size", "1",
                   "--pipeline-model-parallel-size", "2", "--pipeline-schedule", ZB1P.name,
                   "--zb-profile-iters", str(PROFILE_ITERS), "--pipeline-executor", "emulator",
                   "--train-iters", str(PROFILE_ITERS + 1), "--mock-data", "--pipeline-partition", "even",
@@ -91,8 +91,8 @@ def measured_activations(decision: dict, records: list[dict], layers: int
     if not peaks:
         return None
     costs = tuple(OpCosts.from_dict(c) for c in decision["costs"])
-    config = ScheduleConfig(num_stages=2, num_microbatches=int(decision["num_microbatches"]))
-    units = simulate_schedule(build_schedule(ZBH1.name, config), costs).peak_memory
+    zb_h1 = ScheduleConfig(num_stages=2, num_microbatches=int(decision["num_microbatches"]))
+    units = simulate_schedule(build_schedule(ZBH1.name, zb_h1), costs).peak_memory
     per_mb = [max(p[s] for p in peaks) * 2**20 / units[s] for s in range(2)]
     kept = [costs[s].m_w * per_mb[s] for s in range(2)]
 
@@ -103,12 +103,12 @@ def measured_activations(decision: dict, records: list[dict], layers: int
     return split(per_mb), split(kept)
 
 
-def optimizer_ms_per_param(args: argparse.Namespace, trace_dir: Path) -> float:
+def optimizer_ms_per_param(config: JobConfig, trace_dir: Path) -> float:
     """The optimizer step's time per parameter (ms): each stage's median traced OPT span (the
     emulator runs a stage's step alone: no collective waits inside it) over its parameters, the
     larger of the two stages (the slower one sets a synchronous step's pace)."""
-    shape = model_shape(args)
-    half = args.num_layers // 2
+    shape = model_shape(config)
+    half = config.model.num_layers // 2
     rates = []
     for trace in load_traces(trace_dir):
         steps = [span.end - span.start for span in trace.spans if span.op.kind is OpKind.OPT]
@@ -124,26 +124,26 @@ def rank_threads(ranks: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, ranks))
 
 
-def profile_unit_costs(args: argparse.Namespace, threads: int) -> UnitCosts:
+def profile_unit_costs(config: JobConfig, threads: int) -> UnitCosts:
     """Run the profile and read its costs; ValueError (one line) when the run gives none.
 
     ``threads``: the CPU threads per rank of the runs being planned (:func:`rank_threads` of
     their local ranks). The emulator is one process and would otherwise take every core, timing
     ops several times faster than a rank that shares the host with the others."""
-    if args.num_layers % 2:
-        raise ValueError(f"--profile splits the model over 2 stages evenly; --num-layers {args.num_layers} is odd")
+    if config.model.num_layers % 2:
+        raise ValueError(f"--profile splits the model over 2 stages evenly; --num-layers {config.model.num_layers} is odd")
     with tempfile.TemporaryDirectory() as tmp:
         log, trace = Path(tmp) / "profile.jsonl", Path(tmp) / "trace"
-        command = profile_command(args) + ["--num-threads", str(threads), "--log-activation-memory",
+        command = profile_command(config) + ["--num-threads", str(threads), "--log-activation-memory",
                                            "--log-json", str(log), "--trace-dir", str(trace)]
         run = subprocess.run(command, capture_output=True, text=True)
         records = [json.loads(r) for r in log.read_text().splitlines()] if log.exists() else []
-        step = optimizer_ms_per_param(args, trace) if trace.is_dir() and any(trace.iterdir()) else 0.0
+        step = optimizer_ms_per_param(config, trace) if trace.is_dir() and any(trace.iterdir()) else 0.0
     for line in run.stdout.splitlines():
         if MARKER in line:
             decision = json.loads(line.split(MARKER, 1)[1])
-            half = args.num_layers // 2
-            unit = from_two_stage_profile(decision["costs"], (half, half), args.micro_batch_size,
+            half = config.model.num_layers // 2
+            unit = from_two_stage_profile(decision["costs"], (half, half), config.training.micro_batch_size,
                                           source="profiled:this host")
             measured = measured_activations(decision, records, half)
             return dataclasses.replace(unit, host_cores=host_cores(), optimizer_per_param=step,

@@ -5,14 +5,13 @@ They differ only in the model built per virtual stage, the data source and the l
 """
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 
 from megatron.pipeline.runtime.tied_embeddings import share_local_ends
-from megatron.trainer.config.run_config import run_config
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.megatron_compat_args import compat_model_kwargs
 from megatron.trainer.config.recompute_args import recompute_model_kwargs
 from megatron.trainer.models.stage import PipelineStage, model_dtype, split_layers
@@ -23,35 +22,35 @@ class BatchSource(Protocol):
     def micro_batch(self, sample_indices: list[int]) -> Batch: ...
 
 
-def transformer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def transformer_kwargs(config: JobConfig) -> dict[str, Any]:
     """:class:`~megatron.trainer.models.stage.TransformerArgs` fields from Megatron's flags."""
-    impl = {"auto": None, "local": False, "transformer_engine": True}[args.transformer_impl]
-    if impl is None and args.tensor_model_parallel_size > 1:
+    impl = {"auto": None, "local": False, "transformer_engine": True}[config.model.transformer_impl]
+    if impl is None and config.parallel.tensor_model_parallel_size > 1:
         impl = False  # auto at TP > 1: the local spec (TE layers' shard layout is not mapped)
     return dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings,
-        vocab_size=args.vocab_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        normalization=args.normalization,
-        position_embedding_type=args.position_embedding_type,
-        bf16=args.bf16,
-        fp16=args.fp16,
+        num_layers=config.model.num_layers,
+        hidden_size=config.model.hidden_size,
+        num_attention_heads=config.model.num_attention_heads,
+        seq_length=config.model.seq_length,
+        max_position_embeddings=config.model.max_position_embeddings,
+        vocab_size=config.model.vocab_size,
+        ffn_hidden_size=config.model.ffn_hidden_size,
+        num_query_groups=config.model.num_query_groups,
+        hidden_dropout=config.model.hidden_dropout,
+        attention_dropout=config.model.attention_dropout,
+        init_method_std=config.model.init_method_std,
+        normalization=config.model.normalization,
+        position_embedding_type=config.model.position_embedding_type,
+        bf16=config.precision.bf16,
+        fp16=config.precision.fp16,
         use_transformer_engine=impl,
-        **compat_model_kwargs(args),
-        **recompute_model_kwargs(args),
+        **compat_model_kwargs(config),
+        **recompute_model_kwargs(config),
     )
 
 
 def build_chunks(
-    args: argparse.Namespace, stage: int, build: Callable[[range, bool, bool], PipelineStage]
+    config: JobConfig, stage: int, build: Callable[[range, bool, bool], PipelineStage]
 ) -> list[torch.nn.Module]:
     """The chunks of ``stage``, each owning the global layers of its part of the model.
 
@@ -62,13 +61,13 @@ def build_chunks(
     ``build(layers, pre_process, post_process)`` builds one part, the embedding on part 0
     only, the output heads and loss on the last one.
     """
-    layout = run_config(args).layout
+    layout = config.run.layout
     parts = layout.num_model_stages
-    split = layout.part_layer_split(args.pipeline_layer_split)  # per part (a V halves each stage's)
-    part_layers = split_layers(args.num_layers, parts, split)
+    split = layout.part_layer_split(config.parallel.pipeline_layer_split)  # per part (a V halves each stage's)
+    part_layers = split_layers(config.model.num_layers, parts, split)
     model_stages = [layout.model_stage(stage, c) for c in range(layout.num_chunks)]
     chunks = [build(part_layers[j], j == 0, j == parts - 1) for j in model_stages]
-    if args.tie_embeddings and parts > 1 and 0 in model_stages and parts - 1 in model_stages:
+    if config.model.tie_embeddings and parts > 1 and 0 in model_stages and parts - 1 in model_stages:
         # Both ends on this stage (a V's stage 0): one parameter, as at PP = 1.
         first, last = chunks[model_stages.index(0)], chunks[model_stages.index(parts - 1)]
         share_local_ends(last.model.output_layer, first.model.embedding.word_embeddings.weight)
@@ -88,10 +87,10 @@ def global_named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str
 
 
 def micro_batch_fn(
-    data: BatchSource, args: argparse.Namespace, dp_rank: int, device: torch.device
+    data: BatchSource, config: JobConfig, dp_rank: int, device: torch.device
 ) -> Callable[[int], Batch]:
     """Global micro-batch index -> this data-parallel replica's samples on ``device``."""
-    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    mbs, dp = config.training.micro_batch_size, config.parallel.data_parallel_size
 
     def get(microbatch: int) -> Batch:
         batch = data.micro_batch(microbatch_sample_indices(microbatch, mbs, dp_rank, dp))
@@ -100,11 +99,11 @@ def micro_batch_fn(
     return get
 
 
-def hidden_activation_spec(args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
+def hidden_activation_spec(config: JobConfig) -> tuple[tuple[int, ...], torch.dtype]:
     """Hidden states ``[s, b, h]`` cross stage boundaries, bf16/fp16 with ``--bf16``/``--fp16``;
     ``[s / T, b, h]`` with ``--sequence-parallel`` (each TP rank sends its own sequence shard
     to its TP-matched peer)."""
-    seq = args.seq_length
-    if args.sequence_parallel:
-        seq //= args.tensor_model_parallel_size
-    return (seq, args.micro_batch_size, args.hidden_size), model_dtype(args)
+    seq = config.model.seq_length
+    if config.parallel.sequence_parallel:
+        seq //= config.parallel.tensor_model_parallel_size
+    return (seq, config.training.micro_batch_size, config.model.hidden_size), model_dtype(config.precision)

@@ -39,12 +39,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from megatron.pipeline.runtime.wgrad import accumulate_grad, active_deferral
-from megatron.trainer.config.run_config import run_config
+from megatron.trainer.config.job_config import JobConfig, TaskOptions
 from megatron.trainer.tasks.task import Batch, split_seed
 
 
@@ -197,6 +198,16 @@ class SyntheticCostStage(torch.nn.Module):
         return SleepCost.apply(self.linear(x), self.forward_s, self.backward_s, start)
 
 
+@dataclass(frozen=True)
+class SyntheticCostOptions(TaskOptions):
+    """The synthetic-cost benchmark's sleep times (``config.task``)."""
+
+    model_family: ClassVar[str] = "synthetic"
+    synthetic_forward_ms: float
+    synthetic_backward_ms: float
+    synthetic_wgrad_ms: float
+
+
 class SyntheticCostTask:
     """``PretrainTask`` of the synthetic-cost benchmark (see the module docstring)."""
 
@@ -215,8 +226,9 @@ class SyntheticCostTask:
         g.add_argument("--synthetic-wgrad-ms", type=float, default=0.0,
                        help="wall time each stage's weight gradient of one micro-batch sleeps (T_W: op W "
                             "of a B/W split; a fused backward sleeps T_B + T_W)")
+        parser.set_defaults(task_options=SyntheticCostOptions)
 
-    def build_stage(self, args: argparse.Namespace, stage: int, device: torch.device) -> list[torch.nn.Module]:
+    def build_stage(self, config: JobConfig, stage: int, device: torch.device) -> list[torch.nn.Module]:
         """One module per model chunk, placed by the schedule's layout (``layout.model_stage``):
         virtual stage ``c * PP + stage`` for interleaving, logical stage of pipeline ``c`` for
         AMDP (whose replicas of a logical stage then share names and initial weights).
@@ -224,15 +236,15 @@ class SyntheticCostTask:
         A stage's cost per micro-batch stays T_F, T_B, T_W: each chunk sleeps the costs divided
         by the number of this stage's chunks one micro-batch passes through (V with V
         interleaved chunks; 1 with AMDP, where a micro-batch runs on one pipeline only)."""
-        wgrad_ms = args.synthetic_wgrad_ms
-        if args.synthetic_forward_ms < 0 or args.synthetic_backward_ms < 0 or wgrad_ms < 0:
+        wgrad_ms = config.task.synthetic_wgrad_ms
+        if config.task.synthetic_forward_ms < 0 or config.task.synthetic_backward_ms < 0 or wgrad_ms < 0:
             raise ValueError("--synthetic-forward-ms, --synthetic-backward-ms and --synthetic-wgrad-ms must be >= 0")
-        layout = run_config(args).layout
+        layout = config.run.layout
         share = len(layout.microbatch_chunks(0))
         return [
-            SyntheticCostStage(j, args.hidden_size, args.synthetic_forward_ms / share,
-                               args.synthetic_backward_ms / share, is_first=j == 0,
-                               seed=args.seed, device=device, wgrad_ms=wgrad_ms / share)
+            SyntheticCostStage(j, config.model.hidden_size, config.task.synthetic_forward_ms / share,
+                               config.task.synthetic_backward_ms / share, is_first=j == 0,
+                               seed=config.training.seed, device=device, wgrad_ms=wgrad_ms / share)
             for j in (layout.model_stage(stage, c) for c in range(layout.num_chunks))
         ]
 
@@ -242,10 +254,10 @@ class SyntheticCostTask:
             for name, p in chunk.named_parameters():
                 yield f"synthetic_stage{chunk.stage}.{name}", p  # model stage index: global names
 
-    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device,
+    def batch_fn(self, config: JobConfig, dp_rank: int, device: torch.device,
                  split: str = "train") -> Callable[[int], Batch]:
-        shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
-        seed, dp = split_seed(args.seed, split), args.data_parallel_size
+        shape = (config.model.seq_length, config.training.micro_batch_size, config.model.hidden_size)
+        seed, dp = split_seed(config.training.seed, split), config.parallel.data_parallel_size
 
         def get(microbatch: int) -> Batch:
             gen = torch.Generator().manual_seed(seed + microbatch * dp + dp_rank)
@@ -256,5 +268,5 @@ class SyntheticCostTask:
     def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
         return output.float().pow(2).mean(), output.shape[0] * output.shape[1]
 
-    def activation_spec(self, args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
-        return (args.seq_length, args.micro_batch_size, args.hidden_size), torch.float32
+    def activation_spec(self, config: JobConfig) -> tuple[tuple[int, ...], torch.dtype]:
+        return (config.model.seq_length, config.training.micro_batch_size, config.model.hidden_size), torch.float32

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
+from megatron.trainer.config.job_config import JobConfig
 
 Batch = dict[str, torch.Tensor]
 
@@ -18,13 +19,13 @@ class PretrainTask(Protocol):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Model-family flags beyond the common ones (may do nothing)."""
 
-    def build_stage(self, args: argparse.Namespace, stage: int, device: torch.device) -> list[torch.nn.Module]:
+    def build_stage(self, config: JobConfig, stage: int, device: torch.device) -> list[torch.nn.Module]:
         """The model chunks of one stage, chunk c being virtual stage c * PP + stage."""
 
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Parameters by name in the unsplit model (checkpoints, comparisons)."""
 
-    def batch_fn(self, args: argparse.Namespace, dp_rank: int, device: torch.device,
+    def batch_fn(self, config: JobConfig, dp_rank: int, device: torch.device,
                  split: str = "train") -> Callable[[int], Batch]:
         """Global micro-batch index -> this data-parallel replica's micro-batch of ``split``
         ("train", "valid" or "test")."""
@@ -32,7 +33,7 @@ class PretrainTask(Protocol):
     def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
         """Last stage's output -> (mean loss of the micro-batch, tokens counted)."""
 
-    def activation_spec(self, args: argparse.Namespace) -> tuple[tuple[int, ...], torch.dtype]:
+    def activation_spec(self, config: JobConfig) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of tensors crossing stage boundaries."""
 
 
@@ -51,9 +52,9 @@ def split_seed(seed: int, split: str) -> int:
     return seed + 1_000_003 * SPLITS.index(split)
 
 
-def pick_split(datasets: tuple[object | None, object | None, object | None], split: str, args: argparse.Namespace) -> object:
+def pick_split(datasets: tuple[object | None, object | None, object | None], split: str, config: JobConfig) -> object:
     """The dataset of ``split`` from megatron-core's (train, valid, test); one-line error if empty."""
     dataset = datasets[SPLITS.index(split)]
     if dataset is None:
-        raise ValueError(f"--split {args.split} leaves no {split} data in --data-path {' '.join(args.data_path)}")
+        raise ValueError(f"--split {config.data.split} leaves no {split} data in --data-path {' '.join(config.data.data_path)}")
     return dataset

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.tokenizer.core_backed import core_tokenizer
 from megatron.trainer.tokenizer.tokenizer import (
     TOKENIZER_TYPES,
@@ -41,18 +42,18 @@ def build_tokenizer(
     raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
-def tokenizer_from_args(args: Any) -> Tokenizer:
-    """:func:`build_tokenizer` from Megatron's flag names on an ``argparse.Namespace``.
+def tokenizer_from_args(config: Any) -> Tokenizer:
+    """:func:`build_tokenizer` from Megatron's flag names on an ``JobConfig``.
 
-    For ``NullTokenizer`` the id count is ``args.null_vocab_size`` when the trainer has
-    already replaced ``--vocab-size`` by the padded model vocabulary, else ``args.vocab_size``.
+    For ``NullTokenizer`` the id count is ``config.model.null_vocab_size`` when the trainer has
+    already replaced ``--vocab-size`` by the padded model vocabulary, else ``config.model.vocab_size``.
     """
-    null_size = args.null_vocab_size or args.vocab_size
+    null_size = config.model.null_vocab_size or config.model.vocab_size
     return build_tokenizer(
-        args.tokenizer_type,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
+        config.data.tokenizer_type,
+        vocab_file=config.data.vocab_file,
+        merge_file=config.data.merge_file,
+        tokenizer_model=config.data.tokenizer_model,
         vocab_size=null_size,
     )
 
@@ -61,13 +62,15 @@ def tokenizer_from_args(args: Any) -> Tokenizer:
 TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "null_vocab_size")
 
 
-def tokenizer_record(args: Any) -> dict[str, Any] | None:
+def tokenizer_record(config: JobConfig) -> dict[str, Any] | None:
     """The run's tokenizer flags for its checkpoints (None: no tokenizer, mock data), so tools
     that use a checkpoint outside its run (export, generation) find the same tokenizer. Paths
     are made absolute: the tools rarely run from the training run's directory."""
-    if getattr(args, "tokenizer_type", None) is None:
+    data = config.data
+    if data.tokenizer_type is None:
         return None
-    record = {flag: getattr(args, flag, None) for flag in TOKENIZER_FLAGS}
+    record = {"tokenizer_type": data.tokenizer_type, "vocab_file": data.vocab_file, "merge_file": data.merge_file,
+              "tokenizer_model": data.tokenizer_model, "null_vocab_size": config.model.null_vocab_size}
     for flag in ("vocab_file", "merge_file", "tokenizer_model"):
         if record[flag]:
             record[flag] = os.path.abspath(record[flag])

@@ -1,0 +1,388 @@
+"""The job's configuration: frozen dataclasses, one per concern, built once from argv.
+
+``parse_args`` turns Megatron-LM's flags into a validated namespace (every flag, every refusal
+and every derived value stays where Megatron-LM users expect it); :func:`build_job_config`
+then files each value into the section of its concern and checks that none is left over, so a
+flag added without a home fails the tests, not a run. Everything below ``config/`` reads the
+sections' fields: ``config.model.hidden_size``, ``config.parallel.pipeline_model_parallel_size``.
+
+The sections are frozen: a later decision (a profiled layer split, a memory limit for
+``auto``, a host's core binding) makes a new config with :func:`dataclasses.replace` that its
+caller passes on, so what a function read is what the run used. Field names are the flags'
+``dest`` names, so a flag's documentation is ``--help``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    from megatron.trainer.config.run_config import RunConfig
+    from megatron.trainer.launch.memory_estimate import MemoryEstimate
+    from megatron.trainer.loop.rampup import BatchPlan
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The network: sizes, vocabulary, normalization, positions, tying."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int | None
+    num_attention_heads: int
+    num_query_groups: int | None
+    group_query_attention: bool
+    kv_channels: int | None
+    seq_length: int
+    max_position_embeddings: int
+    #: the model's vocabulary: the tokenizer's padded like Megatron-LM, else ``--vocab-size``
+    vocab_size: int
+    padded_vocab_size: int
+    #: the tokenizer's own size (None without a tokenizer)
+    tokenizer_vocab_size: int | None
+    #: NullTokenizer's size (its EOD id is that size)
+    null_vocab_size: int | None
+    make_vocab_size_divisible_by: int
+    hidden_dropout: float
+    attention_dropout: float
+    init_method_std: float
+    normalization: str
+    norm_epsilon: float
+    position_embedding_type: str
+    rotary_base: int
+    rotary_percent: float
+    swiglu: bool
+    add_bias_linear: bool
+    transformer_impl: str
+    attention_backend: str
+    untie_embeddings_and_output_weights: bool
+    #: whether this run ties the output layer to the embedding (decided with the schedule)
+    tie_embeddings: bool
+    #: the banner's line saying why embeddings are (un)tied
+    embeddings_line: str | None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the parallel dimensions, the layer split, data-parallel gradient reduction."""
+
+    pipeline_model_parallel_size: int
+    tensor_model_parallel_size: int
+    data_parallel_size: int
+    world_size: int
+    sequence_parallel: bool
+    num_layers_per_virtual_pipeline_stage: int | None
+    #: model chunks per stage (Megatron's virtual pipeline size)
+    num_model_chunks: int
+    pipeline_layer_split: list[int] | None
+    #: the flags the layer split came from (banner)
+    layer_split_source: str | None
+    decoder_first_pipeline_num_layers: int | None
+    decoder_last_pipeline_num_layers: int | None
+    account_for_embedding_in_pipeline_split: bool
+    account_for_loss_in_pipeline_split: bool
+    pipeline_model_parallel_layout: str | None
+    distribute_saved_activations: bool
+    pipeline_partition: str | None
+    pipeline_partition_memory_gb: float | None
+    pipeline_partition_profile_iters: int
+    #: the split was resumed from the checkpoint
+    pipeline_partition_resumed: bool
+    #: the balanced split fits the memory budget
+    pipeline_partition_feasible: bool
+    #: the split was computed by the balanced partitioner, not given by the user
+    balanced_split: bool
+    overlap_grad_reduce: bool
+    ddp_bucket_size: int | None
+    use_distributed_optimizer: bool
+    overlap_param_gather: bool
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """Which schedule runs, on which executor, and its own flags (read into ``run``)."""
+
+    pipeline_schedule: str
+    pipeline_executor: str
+    #: schedule class, its config (options from its flags) and the layout
+    run: RunConfig
+    schedule_check: bool
+    #: every registered schedule's own flags by ``dest`` (``Schedule.flag_groups``)
+    flags: dict[str, Any]
+
+    def flag(self, dest: str) -> Any:
+        """One schedule flag's value (a :class:`KeyError` names an unknown one)."""
+        return self.flags[dest]
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Batch, length, seed, evaluation."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    train_samples: int | None
+    seed: int
+    rampup_batch_size: list[int] | None
+    #: global batch per iteration (constant without rampup)
+    batch_plan: BatchPlan
+    num_microbatches: int
+    eval_interval: int | None
+    eval_iters: int
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The update rule and its learning-rate schedule."""
+
+    optimizer: str
+    lr: float
+    min_lr: float
+    lr_warmup_iters: int
+    lr_decay_iters: int
+    lr_decay_style: str
+    lr_warmup_samples: int
+    lr_decay_samples: int | None
+    lr_warmup_fraction: float | None
+    lr_wsd_decay_style: str
+    lr_wsd_decay_iters: int | None
+    lr_wsd_decay_samples: int | None
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    #: what runs (``auto`` resolved)
+    adam_kernel: str
+    rotation_geometry: str
+    rotation_source: str
+    rotation_refresh_interval: int
+    rotation_stage_aware: bool
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Half precision and loss scaling."""
+
+    bf16: bool
+    fp16: bool
+    loss_scale: float | None
+    initial_loss_scale: float | None
+    min_loss_scale: float | None
+    loss_scale_window: int | None
+    hysteresis: int | None
+    optimizer_post_validation_in_place: bool
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recompute (Megatron-LM's rules)."""
+
+    recompute_activations: bool
+    recompute_granularity: str | None
+    recompute_method: str | None
+    recompute_num_layers: int | None
+    recompute_modules: list[str] | None
+    recompute_stash_weights: bool
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Datasets and tokenizer."""
+
+    mock_data: bool
+    data_path: list[str] | None
+    split: str
+    data_cache_path: str | None
+    tokenizer_type: str | None
+    vocab_file: str | None
+    merge_file: str | None
+    tokenizer_model: str | None
+    reset_position_ids: bool
+    reset_attention_mask: bool
+    eod_mask_loss: bool
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and loading."""
+
+    save: str | None
+    save_interval: int | None
+    load: str | None
+    no_load_optim: bool
+    finetune: bool
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    """Graceful stops: an iteration count, a signal, a wall-time budget."""
+
+    exit_interval: int | None
+    exit_signal_handler: bool
+    exit_signal: str | None
+    exit_duration_in_mins: float | None
+    exit_check_interval: int | None
+    #: iterations between stop checks (None: no check)
+    exit_check_every: int | None
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the run reports, and the fault injections of the tests."""
+
+    log_interval: int
+    log_json: str | None
+    log_throughput: bool
+    log_params_norm: bool
+    log_weight_version_drift: bool
+    log_activation_memory: bool
+    trace_dir: str | None
+    tensorboard_dir: str | None
+    wandb_project: str | None
+    wandb_exp_name: str | None
+    wandb_save_dir: str | None
+    dump_final_params: str | None
+    inject_nonfinite_grad: list[str]
+    inject_nonfinite_loss: list[int]
+    #: ``--inject-nonfinite-grad`` parsed: stage -> local updates to poison
+    nonfinite_injections: dict[int, set[int]]
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Processes and devices: backend, timeouts, threads, memory, restarts, host set-up."""
+
+    device: str
+    distributed_backend: str
+    distributed_timeout_minutes: float
+    pipeline_timeout_seconds: float
+    num_threads: int | None
+    host_malloc: str
+    bind_cores: str
+    manual_gc: bool
+    manual_gc_interval: int
+    manual_gc_eval: bool
+    max_restarts: int
+    memory_check: bool
+    #: the per-rank memory estimate of the preflight check (banner)
+    memory_estimate: MemoryEstimate | None = None
+    #: (bytes left after the estimate, stages per device) where the check ran
+    memory_room: tuple[int, int] | None = None
+    #: what ``--bind-cores`` did on this rank (banner)
+    core_binding_effect: str | None = None
+    #: what ``--host-malloc`` did on this rank (banner)
+    host_malloc_effect: str | None = None
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """A model family's own flags (``PretrainTask.add_arguments``, which names its subclass with
+    ``parser.set_defaults(task_options=...)``); GPT has none."""
+
+    #: what the cost models count: "gpt", "bert" (a pooler and heads) or "synthetic" (no layers)
+    model_family: ClassVar[str] = "gpt"
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything a run was asked to do, by concern."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    schedule: ScheduleSettings
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    precision: PrecisionConfig
+    recompute: RecomputeConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    exit: ExitConfig
+    logging: LoggingConfig
+    launch: LaunchConfig
+    task: TaskOptions = field(default_factory=TaskOptions)
+
+    @property
+    def run(self) -> RunConfig:
+        """The schedule class, its config and the layout (``schedule.run``)."""
+        return self.schedule.run
+
+
+S = TypeVar("S")
+
+
+def replace_in(config: JobConfig, section: str, **values: Any) -> JobConfig:
+    """A copy of ``config`` with fields of one section replaced: the one way to change a built
+    config (``replace_in(config, "parallel", pipeline_layer_split=[3, 5])``)."""
+    return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
+
+
+SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "schedule": ScheduleSettings, "training": TrainingConfig,
+    "optimizer": OptimizerConfig, "precision": PrecisionConfig, "recompute": RecomputeConfig, "data": DataConfig,
+    "checkpoint": CheckpointConfig, "exit": ExitConfig, "logging": LoggingConfig, "launch": LaunchConfig,
+}
+# Namespace attributes with another name in the config (the namespace's are private).
+RENAMED = {"_balanced_split": "balanced_split", "_memory_estimate": "memory_estimate", "_memory_room": "memory_room"}
+# Namespace attributes that are not configuration: the task's validation hooks.
+NOT_CONFIG = frozenset({"task_checks", "task_options"})
+
+
+def with_schedule_options(config: JobConfig, **options: Any) -> JobConfig:
+    """A copy whose schedule config has ``options`` added (a launch-time decision for ``auto``)."""
+    run = config.run
+    schedule = dataclasses.replace(run.schedule, options={**run.schedule.options, **options})
+    return replace_in(config, "schedule", run=dataclasses.replace(run, schedule=schedule, built=None))
+
+
+def flag_values(config: JobConfig) -> dict[str, Any]:
+    """Every field of every section (the task's and the schedule's flags included) by its
+    flag's ``dest``: the banner's argument list, and what a derived command line forwards."""
+    values: dict[str, Any] = {}
+    for section in (*(getattr(config, name) for name in SECTION_TYPES), config.task):
+        values.update((f.name, getattr(section, f.name)) for f in dataclasses.fields(section))
+    values.update(config.schedule.flags)
+    return values
+
+
+class UnplacedFlagError(RuntimeError):
+    """A namespace value no section has a field for (a programming error, found by the tests)."""
+
+
+def build_job_config(args: argparse.Namespace) -> JobConfig:
+    """File every value of the validated namespace ``args`` into its section; raises
+    :class:`UnplacedFlagError` for a value without a field, so none is silently dropped.
+
+    The flag checks also call it on a namespace still being validated, to hand the functions
+    they share with the run (tokenizer, data, layer split) the same typed view."""
+    from megatron.pipeline.schedules import flag_groups
+
+    task_options: type[TaskOptions] = vars(args).get("task_options", TaskOptions)
+    values = {RENAMED.get(k, k): v for k, v in vars(args).items() if k not in NOT_CONFIG}
+    schedule_dests = {flag.dest for group in flag_groups() for flag in group.flags}
+    placed: set[str] = set()
+
+    def take(cls: type[S]) -> S:
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        kwargs = {name: values[name] for name in names if name in values}
+        placed.update(kwargs)
+        return cls(**kwargs)
+
+    flags = {dest: values[dest] for dest in schedule_dests if dest in values}
+    placed.update(flags)
+    sections: dict[str, Any] = {}
+    for name, cls in SECTION_TYPES.items():
+        if cls is ScheduleSettings:
+            placed.update(("pipeline_schedule", "pipeline_executor", "run", "schedule_check"))
+            sections[name] = ScheduleSettings(values["pipeline_schedule"], values["pipeline_executor"],
+                                              values["run"], values["schedule_check"], flags)
+        else:
+            sections[name] = take(cls)
+    sections["task"] = take(task_options)
+    left = sorted(set(values) - placed)
+    if left:
+        raise UnplacedFlagError(f"no JobConfig section has a field for {', '.join(left)}")
+    return JobConfig(**sections)
