@@ -49,6 +49,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.pipeline.comm_volume import (CommShapes, analytic_p2p_bytes, ring_all_gather_bytes,  # noqa: E402
                                            ring_all_reduce_bytes, step_comm_volume)
 from megatron.pipeline.ir import PipelineLayout  # noqa: E402
+from megatron.trainer.config.job_config import JobConfig  # noqa: E402
 
 COUNT_DIR_ENV = "MEGATRON_ASYNC_COMM_COUNT_DIR"
 #: which positional argument of a wrapped call is its payload (input) tensor or tensor list
@@ -216,25 +217,25 @@ def shapes_for(model: Model, layout: PipelineLayout, dp: int, vocab: int, act_by
                       grad_bytes=act_bytes, param_bytes=act_bytes)
 
 
-def parsed(argv: list[str]) -> argparse.Namespace:
-    from megatron.trainer.config.arguments import build_parser, parse_args
+def parsed(argv: list[str]) -> JobConfig:
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
 
     parser = build_parser()
     GPTTask().add_arguments(parser)
-    return parse_args(argv, parser)
+    return parse_job_config(argv, parser)
 
 
-def theory(args: argparse.Namespace, model: Model) -> tuple[list[dict[str, float]], list[dict[str, float]],
+def theory(config: JobConfig, model: Model) -> tuple[list[dict[str, float]], list[dict[str, float]],
                                                             list[tuple[float, float]]]:
     """Per stage: the schedule-derived volumes (post-validation: no update replays, and every
     update replays), and the closed-form (activation, gradient) bytes."""
     from megatron.pipeline.schedules import build_schedule
 
-    config = args.run.schedule
-    schedule = build_schedule(args.pipeline_schedule, config)
-    shapes = shapes_for(model, schedule.layout, config.data_parallel_size, model.vocab)
-    closed = [analytic_p2p_bytes(schedule.layout, s, config.num_microbatches, shapes.message_bytes)
+    schedule_config = config.run.schedule
+    schedule = build_schedule(config.schedule.pipeline_schedule, schedule_config)
+    shapes = shapes_for(model, schedule.layout, schedule_config.data_parallel_size, model.vocab)
+    closed = [analytic_p2p_bytes(schedule.layout, s, schedule_config.num_microbatches, shapes.message_bytes)
               for s in range(schedule.layout.num_stages)]
     return step_comm_volume(schedule, shapes), step_comm_volume(schedule, shapes, replays=True), closed
 
@@ -266,8 +267,7 @@ def run_case(model: Model, name: str, pp: int, dp: int) -> list[dict[str, Any]]:
     schedule, extra = SCHEDULES[name]
     extra = tuple(str(model.layers // (2 * pp)) if e == "LPV" else e for e in extra)
     argv = model.argv(pp, dp, schedule, extra)
-    args = parsed(argv)
-    per_step, replaying, closed = theory(args, model)
+    per_step, replaying, closed = theory(parsed(argv), model)
     counts = measure(argv)
     ranks = RankLayout(pp, dp)
     rows = []

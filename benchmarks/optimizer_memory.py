@@ -65,9 +65,8 @@ def _rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
 
     from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
     from megatron.pipeline.runtime.transport.distributed import DistributedTransport
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.config.ddp_args import overlap_bucket_size
-    from megatron.trainer.config.run_config import run_config
     from megatron.trainer.loop.training import _init_megatron_parallel_state, drive
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -75,15 +74,16 @@ def _rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
     task = GPTTask()
     parser = build_parser()
     task.add_arguments(parser)
-    args = parse_args(argv, parser)
-    timeout = timedelta(seconds=args.pipeline_timeout_seconds)
+    config = parse_job_config(argv, parser)
+    timeout = timedelta(seconds=config.launch.pipeline_timeout_seconds)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    groups = StageGroups.create(RankLayout(args.pipeline_model_parallel_size, args.data_parallel_size), timeout,
-                                run_config(args).layout)
+    parallel = config.parallel
+    groups = StageGroups.create(RankLayout(parallel.pipeline_model_parallel_size, parallel.data_parallel_size),
+                                timeout, config.run.layout)
     _init_megatron_parallel_state()
-    transport = DistributedTransport(groups, run_config(args).layout, timeout, overlap_bucket_size(args))
+    transport = DistributedTransport(groups, config.run.layout, timeout, overlap_bucket_size(config))
     with contextlib.redirect_stdout(io.StringIO()):
-        (worker,) = drive(task, args, transport, torch.device("cpu"), None)
+        (worker,) = drive(task, config, transport, torch.device("cpu"), None)
     params = worker.setup.optimizer.parameters()
     row = {"rank": rank, "stage": worker.stage, "dp_rank": transport.dp_rank,
            "stage_params": sum(p.numel() for p in params),

@@ -244,7 +244,7 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_job_config
     from megatron.trainer.tasks.gpt import gpt_model_args
     from megatron.trainer.models.gpt import build_gpt_stage
     from megatron.trainer.models.stage import split_layers
@@ -258,8 +258,8 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     _init_megatron_parallel_state()
-    args = parse_args(model_flags(w) + ["--pipeline-model-parallel-size", "1"])
-    model_args = gpt_model_args(args)
+    config = parse_job_config(model_flags(w) + ["--pipeline-model-parallel-size", "1"])
+    model_args, seed = gpt_model_args(config), config.training.seed
     parts = 2 * world if schedule in MULTI_CHUNK else world
     layers = split_layers(w["num_layers"], parts, split)
     labels: collections.deque = collections.deque()
@@ -271,7 +271,7 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
         def __init__(self, part: int) -> None:
             super().__init__()
             self.stage = build_gpt_stage(model_args, layers[part], pre_process=part == 0,
-                                         post_process=part == parts - 1, seed=args.seed, device="cpu")
+                                         post_process=part == parts - 1, seed=seed, device="cpu")
             self.first, self.last = part == 0, part == parts - 1
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -313,7 +313,7 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
         for stage in stages:
             recorder.wrap(stage)
 
-    data = MockGPTData(w["seq"], w["vocab"], args.seed)
+    data = MockGPTData(w["seq"], w["vocab"], seed)
     holds_first, holds_last = 0 in mine, parts - 1 in mine
     times = []
     for it in range(iters):
@@ -385,11 +385,11 @@ def layer_split(w: dict, stages: int, how: str) -> list[int]:
     ``even``. Both sides of a single-chunk comparison get these counts, so only the runtime differs."""
     if how == "even":
         return [w["num_layers"] // stages] * stages
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_job_config
 
-    args = parse_args(model_flags(w) + ["--pipeline-model-parallel-size", str(stages), "--pipeline-schedule", "1f1b",
-                                        "--global-batch-size", str(w["mbs"] * stages)])
-    return list(args.pipeline_layer_split or [w["num_layers"] // stages] * stages)
+    config = parse_job_config(model_flags(w) + ["--pipeline-model-parallel-size", str(stages), "--pipeline-schedule",
+                                                "1f1b", "--global-batch-size", str(w["mbs"] * stages)])
+    return list(config.parallel.pipeline_layer_split or [w["num_layers"] // stages] * stages)
 
 
 def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iters: int, tmp: Path,

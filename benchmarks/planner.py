@@ -168,11 +168,11 @@ def measure_auto(n: int, m: int, iters: int, skip: int, workdir: Path) -> tuple[
 def runtime(args: argparse.Namespace) -> int:
     """``runtime``: the planner's predictions against measured runs on this machine."""
     from megatron.pipeline.planner.unit_costs import load_unit_costs
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.tasks.balanced_partition import model_shape
 
     print(f"load average before: {os.getloadavg()}")
-    base = parse_args([*MODEL, "--global-batch-size", "4", "--mock-data"], build_parser())
+    base = parse_job_config([*MODEL, "--global-batch-size", "4", "--mock-data"], build_parser())
     shape = model_shape(base)
     if args.costs:
         unit = load_unit_costs(args.costs)

@@ -34,11 +34,11 @@ def tiny_args(num_stages: int, schedule: str, accumulation: int, iters: int, *ex
 
 
 def _parse(argv: list[str], task):
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
 
     parser = build_parser()
     task.add_arguments(parser)
-    return parse_args(argv, parser)
+    return parse_job_config(argv, parser)
 
 
 def emulate(argv: list[str], task=None):
@@ -68,10 +68,11 @@ def emulated_reference(argv: list[str], log: Path) -> Reference:
     from megatron.trainer.tasks.gpt import GPTTask
 
     argv = [*argv, "--pipeline-executor", "emulator", "--log-json", str(log)]
-    args = _parse(argv, GPTTask())
-    rho = gpt_gradient_noise(args.num_layers, args.hidden_size, args.ffn_hidden_size or 4 * args.hidden_size,
-                             args.padded_vocab_size,
-                             args.seq_length * args.global_batch_size)
+    config = _parse(argv, GPTTask())
+    model = config.model
+    rho = gpt_gradient_noise(model.num_layers, model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size,
+                             model.padded_vocab_size,
+                             model.seq_length * config.training.global_batch_size)
     with trace_adam() as trace:
         workers = emulate(argv)
     bounds = {name: trace.bound(name, p, rho) for w in workers for name, p in named_parameters(w)}

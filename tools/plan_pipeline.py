@@ -28,6 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import JobConfig, build_job_config  # noqa: E402
 from megatron.pipeline.planner.candidates import RECOMPUTES, SPLITS, enumerate_candidates  # noqa: E402
 from megatron.pipeline.planner.devices import DEVICES, analytic_unit_costs  # noqa: E402
 from megatron.pipeline.planner.evaluate import Problem, evaluate  # noqa: E402
@@ -96,6 +97,12 @@ def planner_options(parser: argparse.ArgumentParser) -> dict[str, bool]:
     return {opt: a.nargs != 0 for a in group._group_actions for opt in a.option_strings}
 
 
+def planner_dests(parser: argparse.ArgumentParser) -> set[str]:
+    """The ``dest`` of every planner flag (the rest of the namespace is the trainer's)."""
+    group = next(g for g in parser._action_groups if g.title == "planner")
+    return {a.dest for a in group._group_actions} - {"device"}  # --device replaces the trainer's
+
+
 def trainer_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """``argv`` without the planner's own flags: what the user's ``pretrain_gpt.py`` command had."""
     options, out, skip = planner_options(parser), [], False
@@ -143,14 +150,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def unit_costs(args: argparse.Namespace, shape):
+def unit_costs(args: argparse.Namespace, config: JobConfig, shape):
     if args.costs:
         return load_unit_costs(args.costs)
     if args.profile:
         from megatron.trainer.tasks.plan_profile import profile_unit_costs, rank_threads
 
         ranks = min(args.pipeline_sizes) * args.data_parallel_size * args.tensor_model_parallel_size
-        return profile_unit_costs(args, rank_threads(ranks))  # as many threads as the smallest plan's ranks get
+        return profile_unit_costs(config, rank_threads(ranks))  # as many threads as the smallest plan's ranks get
     return analytic_unit_costs(shape, DEVICES[args.device], args.tensor_model_parallel_size)
 
 
@@ -187,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.trainer.tasks.balanced_partition import model_shape
 
     args = parse(argv)
-    shape = model_shape(args)
+    config = build_job_config(args, ignore=planner_dests(build_parser()))  # the trainer's flags, typed
+    shape = model_shape(config)
     try:
-        unit = unit_costs(args, shape)
+        unit = unit_costs(args, config, shape)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = args.device_memory_gb or (DEVICES[args.device].memory_gb if args.device else None)
     problem = Problem(shape, unit, args.global_batch_size,
                       Parallelism(args.data_parallel_size, args.tensor_model_parallel_size,
-                                  bool(getattr(args, "use_distributed_optimizer", False))),
+                                  config.parallel.use_distributed_optimizer),
                       None if memory is None else memory * 1e9)
     results, refused = [], []
     for cand, reason in enumerate_candidates(shape, args.pipeline_sizes, args.global_batch_size,
@@ -220,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
         argv = sys.argv[1:] if argv is None else argv
         try:
-            probe_rows = probe(trainer_argv(argv, build_parser()), args, sync, asyn, args.probe_convergence)
+            probe_rows = probe(trainer_argv(argv, build_parser()), config, sync, asyn, args.probe_convergence)
         except (RuntimeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -38,7 +38,7 @@ def summarise(records: list[dict], warmup: int) -> dict:
 def run_one(argv: list[str], warmup: int, workdir: Path) -> dict:
     import torch
 
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.loop.training import emulate
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -47,14 +47,14 @@ def run_one(argv: list[str], warmup: int, workdir: Path) -> dict:
     task = GPTTask()
     parser = build_parser()
     task.add_arguments(parser)
-    args = parse_args([*argv, "--pipeline-executor", "emulator", "--log-json", str(log)], parser)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    config = parse_job_config([*argv, "--pipeline-executor", "emulator", "--log-json", str(log)], parser)
+    cuda = config.launch.device == "cuda" or (config.launch.device == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     printed = io.StringIO()
     start = time.monotonic()
     with contextlib.redirect_stdout(printed):
-        emulate(task, args)
+        emulate(task, config)
     out = summarise([json.loads(line) for line in log.read_text().splitlines()], warmup)
     out["wall_s"] = round(time.monotonic() - start, 2)
     if cuda:

@@ -24,28 +24,29 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
 
     warmup, flags = int(argv[0]), argv[argv.index("--") + 1:]
     task = GPTTask()
     parser = build_parser()
     task.add_arguments(parser)
-    args = parse_args(flags, parser)
+    config = parse_job_config(flags, parser)
+    optim, training = config.optimizer, config.training
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(minutes=5))
     parallel_state.initialize_model_parallel(1, 1)
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if config.launch.device == "cuda" or (config.launch.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    (model,) = task.build_stage(args, 0, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+    (model,) = task.build_stage(config, 0, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
+                                  betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
                                   fused=device.type == "cuda")
-    micro = args.global_batch_size // args.micro_batch_size
-    batches = task.batch_fn(args, 0, device)
+    micro = training.global_batch_size // training.micro_batch_size
+    batches = task.batch_fn(config, 0, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     losses, seconds = [], []
-    for it in range(args.train_iters):
+    for it in range(training.train_iters):
         sync()
         start = time.perf_counter()
         total = 0.0
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
         sync()
         seconds.append(time.perf_counter() - start)
         losses.append(total)
-    tokens = args.global_batch_size * args.seq_length
+    tokens = training.global_batch_size * config.model.seq_length
     out = {"losses": losses, "tokens_per_s": tokens / statistics.median(seconds[warmup:] or seconds)}
     if device.type == "cuda":
         out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20

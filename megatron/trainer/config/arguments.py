@@ -23,7 +23,7 @@ from megatron.trainer.optim.registry import OPTIMIZERS
 from megatron.trainer.launch.host_allocator import HOST_MALLOC_CHOICES
 from megatron.trainer.launch.core_binding import BIND_CORES_CHOICES
 from megatron.trainer.optim.fused_adamw import fused_adamw_available_in_torch
-from megatron.trainer.config.job_config import build_job_config
+from megatron.trainer.config.job_config import JobConfig, build_job_config
 from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import OneLineParser, check_flag_values
 from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
@@ -392,3 +392,8 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     return args
+
+
+def parse_job_config(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> JobConfig:
+    """:func:`parse_args`, then the typed config the run reads (tools and tests that drive a run)."""
+    return build_job_config(parse_args(argv, parser))

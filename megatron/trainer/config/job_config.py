@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -352,16 +353,18 @@ class UnplacedFlagError(RuntimeError):
     """A namespace value no section has a field for (a programming error, found by the tests)."""
 
 
-def build_job_config(args: argparse.Namespace) -> JobConfig:
+def build_job_config(args: argparse.Namespace, ignore: Iterable[str] = ()) -> JobConfig:
     """File every value of the validated namespace ``args`` into its section; raises
     :class:`UnplacedFlagError` for a value without a field, so none is silently dropped.
 
     The flag checks also call it on a namespace still being validated, to hand the functions
-    they share with the run (tokenizer, data, layer split) the same typed view."""
+    they share with the run (tokenizer, data, layer split) the same typed view. ``ignore``:
+    a tool's own flags on top of the trainer's (the planner's)."""
     from megatron.pipeline.schedules import flag_groups
 
     task_options: type[TaskOptions] = vars(args).get("task_options", TaskOptions)
-    values = {RENAMED.get(k, k): v for k, v in vars(args).items() if k not in NOT_CONFIG}
+    skip = NOT_CONFIG | set(ignore)
+    values = {RENAMED.get(k, k): v for k, v in vars(args).items() if k not in skip}
     schedule_dests = {flag.dest for group in flag_groups() for flag in group.flags}
     placed: set[str] = set()
 
