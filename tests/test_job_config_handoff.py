@@ -6,7 +6,7 @@ parser) by process id; a 2-rank run must build exactly one, in the launcher.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import subprocess
 import sys
@@ -67,13 +67,14 @@ def test_two_rank_run_builds_one_parser(tmp_path: Path, fresh: bool) -> None:
 
 
 def test_handed_config_is_the_launchers(tmp_path: Path, monkeypatch) -> None:
-    """What a rank reads is what the launcher validated, derived values included."""
-    args = preflight(GPTTask(), ["--pipeline-model-parallel-size", "2", "--num-layers", "4"])
-    with job_config_file(args) as env:
+    """What a rank reads is what the launcher validated, derived values included, and frozen."""
+    config = preflight(GPTTask(), ["--pipeline-model-parallel-size", "2", "--num-layers", "4"])
+    with job_config_file(config) as env:
         handed = read_job_config(env[JOB_CONFIG_ENV])
         path = Path(env[JOB_CONFIG_ENV])
     assert not path.exists()
-    assert vars(handed).keys() == vars(args).keys()
-    assert handed.run == args.run and handed.batch_plan == args.batch_plan
-    assert handed.padded_vocab_size == args.padded_vocab_size
-    assert json.dumps(sorted(vars(handed))) == json.dumps(sorted(vars(args)))
+    assert handed == config  # every section, field by field
+    assert handed.run == config.run and handed.training.batch_plan == config.training.batch_plan
+    assert handed.model.padded_vocab_size == config.model.padded_vocab_size
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        handed.model.hidden_size = 8  # type: ignore[misc]

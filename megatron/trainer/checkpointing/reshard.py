@@ -231,7 +231,7 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], config: JobConfig, wher
     (one line naming ``where``) for what would resume wrongly. Called before any rank starts."""
     saved = saved_signature(metadata)
     vocab_padding = check_vocab(saved, ours, where)
-    finetune = getattr(config, "finetune", False)  # starts at iteration 0: no data position to continue
+    finetune = config.checkpoint.finetune  # starts at iteration 0: no data position to continue
     if not finetune and global_batch(saved) != global_batch(ours):
         raise ReshardError(f"checkpoint {where} was saved with a global batch of {global_batch(saved)} samples, "
                            f"this run has {global_batch(ours)} (the data position would not continue)")
