@@ -16,7 +16,7 @@ What is replayed, bounded so that large ``N`` and ``m`` stay cheap (the ops grow
   refill of an unbounded stream (:mod:`megatron.trainer.loop.segments`);
 * the first segment: two iterations of a synchronous schedule (an iteration boundary, and
   post-validation's step validated by the next iteration, under every outcome pattern of
-  :data:`~megatron.pipeline.schedule_check.REPLAY_POLICIES`); a profiled Zero Bubble schedule's
+  :data:`~megatron.pipeline.schedule_check.RERUN_POLICIES`); a profiled Zero Bubble schedule's
   profiling iterations and one of its target order, decided from the placeholder costs (the
   run decides from measured ones); ``ceil(S / a) + 1`` updates of an asynchronous schedule
   (``S`` virtual stages, ``a`` micro-batches per update), enough for the fill to reach the
@@ -56,7 +56,7 @@ class PreflightReplay:
 class _ChainedSegments:
     """Consecutive segments of one schedule, seen by :func:`check_schedule` as one schedule:
     each stage's stream is its segments' streams in order, and post-validation's outcomes are
-    shared (VALIDATE and its replay are keyed by the global update)."""
+    shared (VALIDATE and its rerun are keyed by the global update)."""
 
     def __init__(self, segments: list[Schedule]):
         self.segments = segments

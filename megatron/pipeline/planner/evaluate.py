@@ -99,7 +99,7 @@ def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSize
 
 def activation_peaks(result: SimulationResult, layout: object, parts: list[st.PartSizes],
                      per_part: list[OpCosts]) -> list[float]:
-    """Each stage's activation peak in bytes, replaying its ops in order with each op's own
+    """Each stage's activation peak in bytes, walking its ops in order with each op's own
     part's bytes (``M_B`` of that part times its op's memory delta). Why not the simulator's
     peak in ``M_B`` units times a stage's mean ``M_B``: a stage hosting several parts of unequal
     size (a V's stage 0 holds the embedding's part and the head's) peaks at a mix the mean
