@@ -147,7 +147,7 @@ def evaluate(problem: Problem, cand: Candidate) -> CandidateResult:
     k = update_count(cand)
     busy = max(result.busy) / k
     copies = [schedule.weight_copies(schedule.config, s) for s in range(layout.num_stages)]
-    own = layout.num_chunks if st.hosts_replicas(layout) else 1
+    own = layout.num_pipelines if st.hosts_replicas(layout) else 1  # AMDP: one stage replica per pipeline
     shards = par.data_parallel if par.distributed_optimizer else 1
     peaks = activation_peaks(result, layout, parts, per_part) if not st.hosts_replicas(layout) else \
         [result.peak_memory[s] * st.stage_activation_unit(layout, parts, s) for s in range(layout.num_stages)]
