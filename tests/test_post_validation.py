@@ -1,6 +1,6 @@
-"""Optimizer post-validation (Zero Bubble §4): streams, validator, emulator, runtime.
+"""Optimizer post-validation (Zero Bubble §4): streams, schedule check, emulator, runtime.
 
-* The validator accepts the post-validated streams of 1F1B, ZB-H1, ZB-2p and interleaved 1F1B
+* The schedule check accepts the post-validated streams of 1F1B, ZB-H1, ZB-2p and interleaved 1F1B
   on 2..6 stages under every outcome pattern (no rerun, rerun after every VALIDATE,
   alternating), and rejects hand-broken ones.
 * Trained with post-validation, 1F1B and the ZB schedules reproduce 1F1B-flush without it:
@@ -52,7 +52,7 @@ def pv_schedule(name: str, n: int, m: int, iters: int = 3, chunks: int = 1, **ou
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-2p", "interleaved-1f1b"])
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
-def test_validator_accepts_post_validated_streams(name: str, n: int) -> None:
+def test_schedule_check_accepts_post_validated_streams(name: str, n: int) -> None:
     if name == "interleaved-1f1b":
         configs = [(m, v) for m in (n, 2 * n) for v in (2, 3)]
     else:
@@ -108,7 +108,7 @@ def _reject(streams, n: int, policy: str = "always") -> str:
     return str(info.value)
 
 
-def test_validator_rejects_a_backward_before_validate() -> None:
+def test_schedule_check_rejects_a_backward_before_validate() -> None:
     """On the last stage: elsewhere the FIFO order already refuses it (the global state
     arrives ahead of the gradient that backward needs)."""
     streams = [list(s) for s in pv_schedule("1f1b", 3, 6, 2, assume=False).streams()]
@@ -120,7 +120,7 @@ def test_validator_rejects_a_backward_before_validate() -> None:
     assert f"stage 2: {ops[v]} runs between PSTEP #0 and its VALIDATE" in msg, msg
 
 
-def test_validator_rejects_a_missing_drain_or_discard() -> None:
+def test_schedule_check_rejects_a_missing_drain_or_discard() -> None:
     streams = _materialised("zb-h1", 3, 6)
     streams[2].remove(next(op for op in streams[2] if op.kind is OpKind.DRAIN))
     msg = _reject(streams, 3)

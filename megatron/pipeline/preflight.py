@@ -3,7 +3,7 @@
 Why: a schedule that deadlocks or mismatches a message is otherwise found on a live run, after
 ``--pipeline-timeout-seconds`` (300 s by default) with every rank blocked and no op named. The
 schedule check (:mod:`megatron.pipeline.schedule_check`) finds the same fault from the op streams alone,
-without tensors, and names the stage and the op. Tests validate the registered schedules on small
+without tensors, and names the stage and the op. Tests check the registered schedules on small
 configs; this replays the schedule the run actually built (its stages, micro-batches, chunks and
 options, a schedule registered by the user included) and refuses it in seconds.
 

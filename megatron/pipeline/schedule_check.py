@@ -170,9 +170,9 @@ def check_streams(
 
 
 def check_schedule(schedule: Any, rerun_policies: Iterable[str] | None = None) -> list[int]:
-    """Validate a :class:`~megatron.pipeline.schedules.base.Schedule` (finite config).
+    """Check a :class:`~megatron.pipeline.schedules.base.Schedule` (finite config).
 
-    A post-validated schedule is validated once per outcome pattern (by default every
+    A post-validated schedule is checked once per outcome pattern (by default every
     pattern in :data:`RERUN_POLICIES`); the op counts of the first are returned.
     """
     if not schedule.post_validated:
