@@ -86,6 +86,7 @@ class PipelineRunner:
         self.collector = collector or CollectorPolicy()
         self.data = EvaluationData(task, args, transport.dp_rank, workers[0].setup.device)
         self.tracers = [_tracer(args, w, transport.dp_rank, transport.name) for w in workers]
+        self.schedule: Schedule | None = None  # the last one trained (None: nothing trained yet)
 
     def train(self, schedule: Schedule) -> None:
         self.schedule = schedule  # what it decides while training (zb's profiled order) is checkpointed
@@ -131,5 +132,5 @@ class PipelineRunner:
         if transport.is_coordinator:
             ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.args),
                          transport.pipeline_size, transport.data_parallel_size,
-                         ckpt.schedule_state(getattr(self, "schedule", None)))
+                         ckpt.schedule_state(self.schedule))
         transport.barrier()
