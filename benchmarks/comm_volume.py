@@ -228,8 +228,8 @@ def parsed(argv: list[str]) -> JobConfig:
 
 def theory(config: JobConfig, model: Model) -> tuple[list[dict[str, float]], list[dict[str, float]],
                                                             list[tuple[float, float]]]:
-    """Per stage: the schedule-derived volumes (post-validation: no update replays, and every
-    update replays), and the closed-form (activation, gradient) bytes."""
+    """Per stage: the schedule-derived volumes (post-validation: no update re-runs, and every
+    update re-runs), and the closed-form (activation, gradient) bytes."""
     from megatron.pipeline.schedules import build_schedule
 
     schedule_config = config.run.schedule
@@ -237,7 +237,7 @@ def theory(config: JobConfig, model: Model) -> tuple[list[dict[str, float]], lis
     shapes = shapes_for(model, schedule.layout, schedule_config.data_parallel_size, model.vocab)
     closed = [analytic_p2p_bytes(schedule.layout, s, schedule_config.num_microbatches, shapes.message_bytes)
               for s in range(schedule.layout.num_stages)]
-    return step_comm_volume(schedule, shapes), step_comm_volume(schedule, shapes, replays=True), closed
+    return step_comm_volume(schedule, shapes), step_comm_volume(schedule, shapes, reruns=True), closed
 
 
 def measure(argv: list[str]) -> dict[int, dict[str, Any]]:
@@ -267,7 +267,7 @@ def run_case(model: Model, name: str, pp: int, dp: int) -> list[dict[str, Any]]:
     schedule, extra = SCHEDULES[name]
     extra = tuple(str(model.layers // (2 * pp)) if e == "LPV" else e for e in extra)
     argv = model.argv(pp, dp, schedule, extra)
-    per_step, replaying, closed = theory(parsed(argv), model)
+    per_step, rerunning, closed = theory(parsed(argv), model)
     counts = measure(argv)
     ranks = RankLayout(pp, dp)
     rows = []
@@ -280,12 +280,12 @@ def run_case(model: Model, name: str, pp: int, dp: int) -> list[dict[str, Any]]:
                 continue
             rows.append({"case": name, "pp": pp, "dp": dp, "stage": stage, "kind": kind,
                          "measured": max(values), "spread": max(values) - min(values), "theory": want,
-                         "theory_all_replay": replaying[stage].get(kind, 0.0),
+                         "theory_all_rerun": rerunning[stage].get(kind, 0.0),
                          "closed_form": dict(zip(("p2p_act", "p2p_grad"), closed[stage])).get(kind),
                          "wire": _wire(kind, want, dp, pp, schedule)})
         control = sum(v for c in mine for k, v in c["bytes"].items() if k.startswith("control:")) / dp
         rows.append({"case": name, "pp": pp, "dp": dp, "stage": stage, "kind": "control (whole run)",
-                     "measured": control, "spread": 0.0, "theory": None, "theory_all_replay": None,
+                     "measured": control, "spread": 0.0, "theory": None, "theory_all_rerun": None,
                      "closed_form": None, "wire": None})
     return rows
 
@@ -308,8 +308,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         wire = f"{r['wire']:.0f}" if r["wire"] else ""
         theory = f"{r['theory']:.0f}" if r["theory"] is not None else ""
         note = f"  (DP ranks differ by {r['spread']:.0f})" if r["spread"] else ""
-        if r["theory_all_replay"] not in (None, r["theory"]):
-            note += f"  (every update replaying: {r['theory_all_replay']:.0f})"
+        if r["theory_all_rerun"] not in (None, r["theory"]):
+            note += f"  (every update re-running: {r['theory_all_rerun']:.0f})"
         print(f"{r['case']:21} {r['pp']}x{r['dp']:<3} {r['stage']:>2} {r['kind']:20} {r['measured']:>15.0f} "
               f"{theory:>12} {ratio:>6} {closed:>12} {wire:>12}{note}")
 

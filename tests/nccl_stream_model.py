@@ -3,7 +3,7 @@
 gloo lets a posted receive wait without holding anything back. NCCL runs every operation of a
 communicator on that communicator's single stream, in posting order, and a kernel finishes only
 when its counterpart runs (``ProcessGroupNCCL::pointToPoint``: one stream per communicator key;
-a receive at the head of a stream holds back every later send on it). This module replays the
+a receive at the head of a stream holds back every later send on it). This module runs the
 runtime's *posting order* -- the same prefetch window, barriers and op-to-message mapping as
 :class:`~megatron.pipeline.runtime.executors.distributed.DistributedExecutor` -- against that stream
 model, under a choice of communicator per message:
@@ -15,7 +15,7 @@ model, under a choice of communicator per message:
 Matching is rendezvous: a send and its receive complete together when both are at the head of
 their streams (NCCL may buffer small sends, which only ever helps a *send* at a head; the
 cycles this model reports have receives at the heads). Synchronous steps are collectives on a
-separate communicator per sync group. Schedules with repeated message names (post-validation replays) are
+separate communicator per sync group. Schedules with repeated message names (post-validation reruns) are
 out of scope.
 """
 from __future__ import annotations

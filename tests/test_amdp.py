@@ -5,7 +5,7 @@ Independent references:
   directions over neighbouring devices, every device hosting each pipeline once with
   distinct logical stages, the released code's tables for D = 4 and 8 (spec B.2.4), and sync
   groups that are closed under replicas and partition the devices;
-- the streams: the validator replays them (D in {2, 4, 6, 8}); at most K = 2 micro-batches
+- the streams: the schedule check replays them (D in {2, 4, 6, 8}); at most K = 2 micro-batches
   between forward and backward on every chunk; drift counted from the streams' own OPTs
   at most K - 1 = 1 (spec Lemma 3.1) and 0 outside the first D micro-batches of a window.
   (The Lemma's tighter min(K, D - s) - 1 = 0 on the last stage assumes per-micro-batch
@@ -144,7 +144,7 @@ def stream_drift(schedule: AMDP) -> dict[tuple[int, int], int]:
 
 
 @pytest.mark.parametrize("d", [2, 4, 6, 8])
-def test_validator_accepts_amdp(d: int) -> None:
+def test_schedule_check_accepts_amdp(d: int) -> None:
     for t in (d, 2 * d):
         assert check_schedule(amdp(d, t))
     assert check_schedule(amdp(d, d, iterations=4, drain_every=2))

@@ -63,14 +63,14 @@ def test_data_parallel_volume_is_one_reduction_of_the_stage_per_update() -> None
     assert ring_all_gather_bytes(100.0, 4) == 300.0
 
 
-def test_post_validation_sends_norms_and_replays_resend_activations() -> None:
+def test_post_validation_sends_norms_and_reruns_resend_activations() -> None:
     config = ScheduleConfig(num_stages=3, num_microbatches=4, num_iterations=2, options={POST_VALIDATION: True})
     schedule = build_schedule("1f1b", config)
     kept = step_comm_volume(schedule, _shapes(schedule))
-    replayed = step_comm_volume(schedule, _shapes(schedule), replays=True)
+    rerun = step_comm_volume(schedule, _shapes(schedule), reruns=True)
     assert [v.get("p2p_partial_state", 0) for v in kept] == [24, 24, 0]  # 3 float64 norms, s -> s + 1
     assert [v.get("p2p_global_state", 0) for v in kept] == [0, 24, 24]
-    assert kept[0]["p2p_act"] == 4 * MESSAGE and replayed[0]["p2p_act"] > kept[0]["p2p_act"]
+    assert kept[0]["p2p_act"] == 4 * MESSAGE and rerun[0]["p2p_act"] > kept[0]["p2p_act"]
     assert all("sync_norms" in v and v["sync_norms"] == 0 for v in kept)  # no synchronous OPT left
 
 

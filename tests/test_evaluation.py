@@ -85,7 +85,7 @@ def test_evaluation_does_not_perturb_training(megatron_world1, tmp_path: Path) -
 
 
 @pytest.mark.parametrize("stages,chunks", [(n, c) for n in range(2, 9) for c in (1, 2, 3)])
-def test_validator_accepts_evaluation_streams(stages: int, chunks: int) -> None:
+def test_schedule_check_accepts_evaluation_streams(stages: int, chunks: int) -> None:
     layout = PipelineLayout(stages, chunks)
     counts = check_streams(evaluation_streams(layout, 5), layout, forward_only=True)
     assert counts == [5 * chunks] * stages

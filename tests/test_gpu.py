@@ -2,7 +2,7 @@
 CPU/gloo (``docs/gpu.md`` explains each one and names the torch source behind it).
 
 Every test here but the parameter-count check and the NCCL stream model (``nccl_stream_model``,
-a CPU replay of the runtime's posting order against NCCL's one-stream-per-communicator
+a CPU run of the runtime's posting order against NCCL's one-stream-per-communicator
 execution) carries the ``gpu`` marker, so ``tests/conftest.py`` skips it without CUDA.
 Two-rank NCCL tests also need two GPUs (NCCL does not allow two ranks of one communicator on
 one device); the Transformer Engine test needs ``transformer_engine``. Runs are tiny except
@@ -117,7 +117,7 @@ def test_emulator_on_cuda_matches_cpu(megatron_world1, tmp_path: Path):
     gpu, pytest.mark.xfail(strict=True, reason="docs/gpu.md F3: the emulator does not swap the CUDA RNG")])])
 def test_emulator_rng_rewind_repeats_dropout_masks(megatron_world1, device: str):
     """An emulator stage (``isolate_rng=True``) rewound to a saved RNG state draws the same
-    dropout masks again, as post-validation's replays and resumed runs require. Holds on CPU;
+    dropout masks again, as post-validation's reruns and resumed runs require. Holds on CPU;
     on CUDA the masks come from the CUDA generator, which the emulator does not swap
     (docs/gpu.md F3): the cuda case is a strict xfail, so fixing F3 turns it into a failure
     that asks for the mark to go."""

@@ -1,7 +1,7 @@
 """The schedule layer is pure: importing it loads the standard library and itself, nothing else.
 
 The pure part of :mod:`megatron.pipeline` is every module directly in ``megatron/pipeline/``
-and ``megatron/pipeline/schedules/`` (IR, comm, schedules, validator, simulator, replay,
+and ``megatron/pipeline/schedules/`` (IR, comm, schedules, schedule check, simulator, replay,
 partition, trace analysis, post-validation's streams and decisions, weight-policy specs).
 Everything that needs tensors lives in ``megatron/pipeline/runtime/``.
 

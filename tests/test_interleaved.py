@@ -1,7 +1,7 @@
 """Interleaved 1F1B (Megatron-LM's virtual pipeline stages).
 
 - the order is Megatron's: the schedule table, the warm-up count, hand-checked streams;
-- the validator accepts every generated configuration Megatron allows and the schedule
+- the schedule check accepts every generated configuration Megatron allows and the schedule
   refuses the others with one line;
 - the per-stage peak of in-flight (micro-batch, chunk) activations is ``min(w + 1, m V)``
   with Megatron's warm-up ``w``: from the streams, the emulator and the distributed runtime;
@@ -82,10 +82,10 @@ def test_second_iteration_uses_global_microbatch_indices() -> None:
         [(op.kind, op.microbatch, op.chunk) for op in first[:-1]]
 
 
-# ------------------------------------------------------------------ (a) validator
+# ------------------------------------------------------------------ (a) schedule check
 
 
-def test_validator_accepts_every_allowed_configuration() -> None:
+def test_schedule_check_accepts_every_allowed_configuration() -> None:
     checked = 0
     for n in range(2, 9):
         for v in (2, 3):
@@ -108,7 +108,7 @@ def test_microbatches_not_a_multiple_of_stages_are_a_config_error() -> None:
 
 
 @pytest.mark.parametrize("n,m,v,group", [(3, 8, 2, 4), (4, 10, 2, 5), (4, 10, 3, 6), (5, 12, 2, 7)])
-def test_validator_accepts_larger_microbatch_groups(n: int, m: int, v: int, group: int) -> None:
+def test_schedule_check_accepts_larger_microbatch_groups(n: int, m: int, v: int, group: int) -> None:
     """Megatron's general case: N <= G <= m, remainder m mod G zero or >= N."""
     check_schedule(build_schedule(NAME, config(n, m, v, group)))
 

@@ -196,7 +196,7 @@ import os, pickle, sys
 import torch, torch.distributed as dist
 from megatron.trainer.launch import flight_recorder
 flight_recorder.disable_unless_requested()
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 norms = [torch.zeros(1)]
 for _ in range(10):  # the synchronous step's grad-norm all-gather, once per iteration
     dist.all_gather(norms, torch.ones(1))
@@ -206,7 +206,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("user_size, entries", [(None, 0), ("2000", 10)])
-def test_flight_recorder_keeps_no_collectives_unless_asked(user_size, entries, monkeypatch) -> None:
+def test_flight_recorder_keeps_no_collectives_unless_asked(user_size, entries, monkeypatch, tmp_path) -> None:
     """torch's c10d flight recorder kept a ~0.5 KB entry per collective (2000 by default),
     growing the logging rank's heap for its first ~2000 iterations; the trainer turns it off
     before creating process groups, unless the user set a buffer size (then it is kept)."""
@@ -214,12 +214,13 @@ def test_flight_recorder_keeps_no_collectives_unless_asked(user_size, entries, m
     import sys
 
     from megatron.trainer.launch.flight_recorder import BUFFER_SIZE_VARS
-    from megatron.trainer.launch.launcher import free_port
 
     for var in BUFFER_SIZE_VARS:
         monkeypatch.delenv(var, raising=False)
     if user_size is not None:
         monkeypatch.setenv(BUFFER_SIZE_VARS[0], user_size)
-    out = subprocess.run([sys.executable, "-c", _RECORDED_ENTRIES, str(free_port())], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    assert int(out.split()[-1]) == entries, out
+    # A file store, not a probed free port: another test's process can take the port first.
+    proc = subprocess.run([sys.executable, "-c", _RECORDED_ENTRIES, str(tmp_path / "store")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) == entries, proc.stdout

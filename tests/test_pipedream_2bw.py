@@ -14,7 +14,7 @@ from tests.async_helpers import assert_runtime_equals_emulator, emulate, tiny_ar
 
 
 @pytest.mark.parametrize("num_stages", range(2, 9))
-def test_validator_accepts_generated_streams(num_stages: int) -> None:
+def test_schedule_check_accepts_generated_streams(num_stages: int) -> None:
     for a in (num_stages - 1, num_stages, 2 * num_stages):
         for drain_every in (None, 1, 3):
             check_schedule(build_schedule("pipedream-2bw", ScheduleConfig(num_stages, a, 5, drain_every=drain_every)))

@@ -31,7 +31,7 @@ def _config(n: int, a: int, iterations: int | None, first: int = 0, drain_every:
 
 
 @pytest.mark.parametrize("num_stages", range(2, 9))
-def test_validator_accepts_generated_streams(num_stages: int) -> None:
+def test_schedule_check_accepts_generated_streams(num_stages: int) -> None:
     for a in (1, num_stages, 2 * num_stages):
         for warmup in (0, 2):
             for drain_every in (None, 3):

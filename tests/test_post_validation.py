@@ -1,15 +1,15 @@
-"""Optimizer post-validation (Zero Bubble §4): streams, validator, emulator, runtime.
+"""Optimizer post-validation (Zero Bubble §4): streams, schedule check, emulator, runtime.
 
-* The validator accepts the post-validated streams of 1F1B, ZB-H1, ZB-2p and interleaved 1F1B
-  on 2..6 stages under every outcome pattern (no replay, replay after every VALIDATE,
+* The schedule check accepts the post-validated streams of 1F1B, ZB-H1, ZB-2p and interleaved 1F1B
+  on 2..6 stages under every outcome pattern (no rerun, rerun after every VALIDATE,
   alternating), and rejects hand-broken ones.
 * Trained with post-validation, 1F1B and the ZB schedules reproduce 1F1B-flush without it:
   bitwise with the exact (backup) rollback, within 1e-6 with the in-place one. The clip
-  threshold makes some iterations clip (rollback, redo and the replay of the warm-up forwards
-  all run) and others not; dropout is on, so the replay must also rewind each stage's RNG.
+  threshold makes some iterations clip (rollback, redo and the rerun of the warm-up forwards
+  all run) and others not; dropout is on, so the rerun must also rewind each stage's RNG.
 * A NaN loss skips the step on every stage and training goes on; a NaN gradient on the last
   stage makes the others roll their optimistic step back.
-* The distributed runtime equals the emulator bitwise on a clipping, replaying run.
+* The distributed runtime equals the emulator bitwise on a clipping, re-running run.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from megatron.pipeline.schedules import (
     build_schedule,
 )
 from megatron.pipeline.schedule_check import (
-    REPLAY_POLICIES,
+    RERUN_POLICIES,
     check_schedule,
     check_streams,
 )
@@ -52,14 +52,14 @@ def pv_schedule(name: str, n: int, m: int, iters: int = 3, chunks: int = 1, **ou
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-2p", "interleaved-1f1b"])
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
-def test_validator_accepts_post_validated_streams(name: str, n: int) -> None:
+def test_schedule_check_accepts_post_validated_streams(name: str, n: int) -> None:
     if name == "interleaved-1f1b":
         configs = [(m, v) for m in (n, 2 * n) for v in (2, 3)]
     else:
         configs = [(m, 1) for m in sorted({1, 2, n, 2 * n + 1})]
     for m, v in configs:
-        counts = check_schedule(pv_schedule(name, n, m, chunks=v))  # all REPLAY_POLICIES
-        # never replaying: F and backward per micro-batch and chunk, PSTEP and VALIDATE per update
+        counts = check_schedule(pv_schedule(name, n, m, chunks=v))  # all RERUN_POLICIES
+        # never re-running: F and backward per micro-batch and chunk, PSTEP and VALIDATE per update
         per_iteration = 2 * m * v + (m * v if name.startswith("zb-") else 0) + 2
         assert counts == [3 * per_iteration] * n, (name, n, m, v)
 
@@ -82,7 +82,7 @@ def test_validate_sits_before_the_first_backward_and_replaces_the_sync_step(name
 
 
 @pytest.mark.parametrize("name,extra_per_stage", [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 2)])
-def test_replay_drains_what_the_upstream_stage_sent_ahead(name: str, extra_per_stage: int) -> None:
+def test_rerun_drains_what_the_upstream_stage_sent_ahead(name: str, extra_per_stage: int) -> None:
     """Upstream pre-validation forwards minus own: 1F1B and ZB-H1 run N - s forwards before
     their first backward, ZB-H2 2(N - s) - 1, so each stage drains one resp. two activations."""
     n, m = 4, 8
@@ -104,11 +104,11 @@ def _materialised(name: str, n: int, m: int) -> list[list]:
 
 def _reject(streams, n: int, policy: str = "always") -> str:
     with pytest.raises(ScheduleError) as info:
-        check_streams(streams, PipelineLayout(n), replay_policy=REPLAY_POLICIES[policy])
+        check_streams(streams, PipelineLayout(n), rerun_policy=RERUN_POLICIES[policy])
     return str(info.value)
 
 
-def test_validator_rejects_a_backward_before_validate() -> None:
+def test_schedule_check_rejects_a_backward_before_validate() -> None:
     """On the last stage: elsewhere the FIFO order already refuses it (the global state
     arrives ahead of the gradient that backward needs)."""
     streams = [list(s) for s in pv_schedule("1f1b", 3, 6, 2, assume=False).streams()]
@@ -120,14 +120,14 @@ def test_validator_rejects_a_backward_before_validate() -> None:
     assert f"stage 2: {ops[v]} runs between PSTEP #0 and its VALIDATE" in msg, msg
 
 
-def test_validator_rejects_a_missing_drain_or_discard() -> None:
+def test_schedule_check_rejects_a_missing_drain_or_discard() -> None:
     streams = _materialised("zb-h1", 3, 6)
     streams[2].remove(next(op for op in streams[2] if op.kind is OpKind.DRAIN))
     msg = _reject(streams, 3)
     assert "stage 2" in msg and "act(mb" in msg, msg
     streams = _materialised("zb-h1", 3, 6)
     streams[1].remove(next(op for op in streams[1] if op.kind is OpKind.DISCARD))
-    assert "before the replay discarded" in _reject(streams, 3)
+    assert "before the rerun discarded" in _reject(streams, 3)
 
 
 def test_reading_an_outcome_before_validate_ran_is_an_error() -> None:
@@ -202,14 +202,14 @@ def assert_same_training(got, want, exact: bool) -> None:
 
 
 def assert_paths_exercised(workers, records) -> None:
-    """Some iterations clipped (every stage's step redone, the replay ran, the stages that
+    """Some iterations clipped (every stage's step redone, the rerun ran, the stages that
     stepped optimistically rolled back), others not."""
     norms = [r["grad_norm"] for r in records]
     clipped = sum(x > float(CLIP) for x in norms)
     assert 0 < clipped < len(norms), norms
     for w in workers:
         pv = w.post_validation
-        assert pv.redos == pv.replays == clipped, (w.stage, pv)
+        assert pv.redos == pv.reruns == clipped, (w.stage, pv)
         assert pv.optimistic_steps == len(norms) - clipped + pv.rollbacks, (w.stage, pv)
     assert workers[0].post_validation.rollbacks > 0
     assert workers[-1].post_validation.rollbacks == 0  # the last stage knows the global state
@@ -259,8 +259,8 @@ def test_nonfinite_loss_skips_the_step_on_every_stage_and_training_continues(meg
         assert [e["skipped"] for e in w.update_log] == [i == 1 for i in range(iters)]
         assert all(torch.isfinite(p).all() for p in w.setup.optimizer.parameters())
     # A NaN loss poisons every stage's gradients: no stage steps optimistically, so nothing
-    # is rolled back or replayed for it.
-    assert all(not e["stepped"] and not e["replay"] for w in workers for e in w.post_validation.log if e["update"] == 1)
+    # is rolled back or re-run for it.
+    assert all(not e["stepped"] and not e["rerun"] for w in workers for e in w.post_validation.log if e["update"] == 1)
     # Same numbers as the synchronous step with the same NaN.
     want = _train(n, "zb-h1", "--inject-nonfinite-loss", str(poisoned), iters=iters, tmp_path=tmp_path, tag="sync")
     assert_same_training((workers, records), want, exact=True)
@@ -278,14 +278,14 @@ def test_nonfinite_gradient_on_the_last_stage_rolls_the_others_back(megatron_wor
     for w in workers:
         entry = next(e for e in w.post_validation.log if e["update"] == 1)
         assert entry["stepped"] == (w.stage < n - 1) and entry["rolled_back"] == (w.stage < n - 1)
-        assert entry["replay"] and not entry["redone"]
+        assert entry["rerun"] and not entry["redone"]
     want = _train(n, "1f1b", *flags, iters=iters, tmp_path=tmp_path, tag="sync")
     assert_same_training(got, want, exact)
 
 
 def test_distributed_runtime_equals_emulator_bitwise(megatron_world1, tmp_path) -> None:
     """ZB-H1 on 3 processes, dropout on, clipping in some iterations (rollback, redo and the
-    replay with drained and re-sent activations all cross process boundaries)."""
+    rerun with drained and re-sent activations all cross process boundaries)."""
     argv = tiny_args(3, "zb-h1", 6, 6, "--clip-grad", CLIP, "--hidden-dropout", "0.1",
                      "--attention-dropout", "0.1", "--enable-optimizer-post-validation")
     records, dist_params = run_pretrain(argv, tmp_path / "dist", timeout=400)

@@ -198,7 +198,7 @@ def test_tensor_parallel_bad_inputs_refused_with_one_line(argv, says, capsys, tm
 
 def test_attention_dropout_at_tp2_repeats_under_recompute(tmp_path):
     """Attention dropout at TP = 2 draws per-TP-rank masks from the stage stream
-    (``sdpa_attention.tensor_parallel_dropout_stream``): full recompute replays them exactly,
+    (``sdpa_attention.tensor_parallel_dropout_stream``): full recompute redraws them exactly,
     so it trains bitwise like no recompute."""
     dropout = ["--num-layers", "2", "--attention-dropout", "0.3", "--hidden-dropout", "0.1"]
     runs = [("1f1b", dropout), ("1f1b", [*dropout, "--recompute-granularity", "full",

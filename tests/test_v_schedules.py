@@ -2,7 +2,7 @@
 the controllable-memory paper's table in the simulator, and training like 1F1B.
 
 References, independent of the schedules' code:
-* the validator replays every stream (deadlocks, FIFO lanes, B before W, every op once);
+* the schedule check replays every stream (deadlocks, FIFO lanes, B before W, every op once);
 * DualPipe's README bubble ``(P/2 - 1)(F&B + B - 3W)`` and ``P + 1`` chunk activations;
 * the paper's memory budgets ``p``, ``(p + 2) // 2``, ``(p + 4) // 3`` whole-stage activations,
   its leading-order bubbles and the ZB fork's exact V-Half / V-Min bubbles;
@@ -54,18 +54,18 @@ def test_the_turn_is_a_local_message_and_every_other_hop_crosses_one_link() -> N
     assert all(abs(m.src_stage - m.dst_stage) == 1 for m in msgs if not m.local)
 
 
-# ------------------------------------------------------------------------------ validator
+# ------------------------------------------------------------------------------ schedule check
 @pytest.mark.parametrize("name", V_SCHEDULES)
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("k", [2, 4])
-def test_validator_accepts(name: str, p: int, k: int) -> None:
+def test_schedule_check_accepts(name: str, p: int, k: int) -> None:
     counts = check_schedule(_schedule(name, p, k * p, iterations=2))
     per_iteration = 6 * k * p + 1  # 2 chunks x m x (F, B, W) + OPT; a fused BW counts for B and W
     assert all(c <= 2 * per_iteration for c in counts)
 
 
 @pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
-def test_validator_accepts_post_validation(name: str) -> None:
+def test_schedule_check_accepts_post_validation(name: str) -> None:
     check_schedule(_schedule(name, 4, 8, iterations=3, post_validation=True))
 
 

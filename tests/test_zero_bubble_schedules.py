@@ -25,7 +25,7 @@ def test_registered() -> None:
 
 
 @pytest.mark.parametrize("name", ZB_SCHEDULES)
-def test_validator_accepts_every_generated_schedule(name: str) -> None:
+def test_schedule_check_accepts_every_generated_schedule(name: str) -> None:
     checked = 0
     for n in range(2, 9):
         for m in range(n, 4 * n + 1):

@@ -74,7 +74,7 @@ def fifo_channel(msg: Message) -> Hashable:
 
 def directed_lanes(layout: PipelineLayout) -> list[tuple[int, int, Lane]]:
     """Every (src stage, dst stage, lane) a message travels, sorted: activations along each
-    chunk's next hop, gradients back (evaluation, replays and post-validation's states use the
+    chunk's next hop, gradients back (evaluation, post-validation reruns and states use the
     same lanes of a chain's links); local hops need none."""
     lanes = set()
     for stage in range(layout.num_stages):

@@ -128,18 +128,18 @@ def stream_volume(ops: Iterable[Op], layout: PipelineLayout, shapes: CommShapes)
     return volume
 
 
-def step_comm_volume(schedule: "Schedule", shapes: CommShapes, replays: bool = False) -> list[dict[str, float]]:
+def step_comm_volume(schedule: "Schedule", shapes: CommShapes, reruns: bool = False) -> list[dict[str, float]]:
     """Per stage, the payload bytes one of its ranks sends per training step (iteration),
     averaged over the schedule's ``num_iterations`` (asynchronous schedules fill and drain
-    once per stream, which the average includes). Under post-validation, ``replays`` is what
-    every VALIDATE decides (False: no rollback, the common case; True: every update replays
+    once per stream, which the average includes). Under post-validation, ``reruns`` is what
+    every VALIDATE decides (False: no rollback, the common case; True: every update re-runs
     its pre-validation forwards, the most traffic)."""
     iterations = schedule.config.num_iterations
     if iterations is None:
         raise ValueError("step_comm_volume needs a finite number of iterations")
     if schedule.config.options.get(POST_VALIDATION):  # walk a copy: outcomes are per stream
         schedule = schedule.segment(schedule.config.first_iteration, iterations)
-        schedule.validation_outcomes = ValidationOutcomes(assume=replays)  # type: ignore[attr-defined]
+        schedule.validation_outcomes = ValidationOutcomes(assume=reruns)  # type: ignore[attr-defined]
     layout = schedule.layout
     return [stream_volume(schedule.stage_ops(s), layout, shapes).scaled(1.0 / iterations)
             for s in range(layout.num_stages)]

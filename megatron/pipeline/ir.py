@@ -184,7 +184,9 @@ class PipelineLayout:
 class MultiPipelineLayout(PipelineLayout):
     """``num_chunks`` = P whole-model pipelines over the same ``num_stages`` = D devices (AMDP).
 
-    Pipeline ``p`` is chunk ``p`` on every device and a chain of its own: its logical stage
+    Pipeline ``p`` takes the chunk slot ``p`` on every device (in the chain API's
+    ``(stage, chunk)`` arguments and hops, and in an op's ``chunk`` field, ``chunk`` is the
+    pipeline index) and is a chain of its own: its logical stage
     ``j`` (model part ``j`` of ``D``) lives on device :meth:`device`\ ``(p, j)``, and its
     messages flow from the device of ``j`` to that of ``j + 1``. Pipelines are replicas of
     the whole model: logical stage ``j`` of every pipeline has the same layers and weights.
@@ -229,11 +231,12 @@ class MultiPipelineLayout(PipelineLayout):
             return (logical_stage + 2 * pipeline) % d
         return (d - 1 - logical_stage + 2 * (pipeline - 1)) % d
 
-    def logical_stage(self, stage: int, chunk: int) -> int:
+    def logical_stage(self, stage: int, pipeline: int) -> int:
+        """Which logical stage of ``pipeline`` device ``stage`` hosts (inverse of :meth:`device`)."""
         d = self.num_stages
-        if self.runs_down(chunk):
-            return (stage - 2 * chunk) % d
-        return (d - 1 - stage + 2 * (chunk - 1)) % d
+        if self.runs_down(pipeline):
+            return (stage - 2 * pipeline) % d
+        return (d - 1 - stage + 2 * (pipeline - 1)) % d
 
     @property
     def num_model_stages(self) -> int:
@@ -255,15 +258,15 @@ class MultiPipelineLayout(PipelineLayout):
         return range(p, p + 1)
 
     def replicas(self, logical_stage: int) -> list[Hop]:
-        """(device, chunk) of logical stage ``logical_stage`` in every pipeline, pipeline order."""
+        """(device, pipeline) of logical stage ``logical_stage`` in every pipeline, pipeline order."""
         return [(self.device(p, logical_stage), p) for p in range(self.num_pipelines)]
 
     def sync_group(self, stage: int) -> tuple[int, ...]:
         group, frontier = {stage}, [stage]
         while frontier:
             s = frontier.pop()
-            for chunk in range(self.num_chunks):
-                for device, _ in self.replicas(self.logical_stage(s, chunk)):
+            for pipe in range(self.num_pipelines):
+                for device, _ in self.replicas(self.logical_stage(s, pipe)):
                     if device not in group:
                         group.add(device)
                         frontier.append(device)

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron.pipeline.ir import OpKind
+from megatron.pipeline.comm import op_sends
+from megatron.pipeline.ir import Op, OpKind, PipelineLayout
 
 #: ``OpCosts()``'s ``m_w``: the Zero Bubble reference scheduler's units (F = +2, B = -1, W = -1),
 #: in which the papers' memory and bubble tables are stated and reproduced (tests/test_simulator.py,
@@ -98,6 +99,25 @@ class OpCosts:
 
 
 CostsLike = OpCosts | Sequence[OpCosts] | Mapping[str, Any] | None
+
+
+def priced_part(layout: PipelineLayout, op: Op) -> int:
+    """Which entry of the per-stage costs (:func:`stage_costs`) prices ``op``: its model part
+    where the layout splits the model into as many parts as stages (one chain, or AMDP's
+    replicated pipelines, whose devices pay the logical stage they run), else its stage (a
+    chunked layout's stage costs cover all its parts). The simulator's rule and the shared-core
+    model's."""
+    if layout.num_model_stages == layout.num_stages:
+        return layout.model_stage(op.stage, op.chunk)
+    return op.stage
+
+
+def send_time(costs: OpCosts, op: Op, layout: PipelineLayout) -> float:
+    """What handing ``op``'s messages to the transport costs its stage: ``t_send`` per message
+    to another stage (a V's turn on its own stage sends nothing over the wire)."""
+    if not costs.t_send:
+        return 0.0
+    return costs.t_send * sum(1 for msg in op_sends(op, layout) if msg.dst_stage != op.stage)
 
 
 def stage_costs(costs: CostsLike, num_stages: int) -> tuple[OpCosts, ...]:

@@ -30,27 +30,27 @@ makes the global state demand clipping or a skip.
 so every stage can tell from it alone what each stage did at its PSTEP (it recomputes each
 prefix sum) and whether any stage's weights change at validation. If one does (a rollback,
 a redo, or both), the forwards of iteration k + 1 that ran before VALIDATE used invalid
-weights, on that stage or upstream, and *every* stage replays them. After yielding
+weights, on that stage or upstream, and *every* stage re-runs them. After yielding
 ``VALIDATE #k`` a post-validated stream reads the recorded outcome
 (:class:`ValidationOutcomes`; executors record it when they run the VALIDATE and must not
-pull ops past a VALIDATE before running it) and, on a replay, yields
+pull ops past a VALIDATE before running it) and, on a rerun, yields
 
 1. ``DISCARD`` for each of its pre-validation forwards (stash, weight version and loss of
    that micro-batch are dropped; the stage's dropout RNG is rewound to where it was at the
-   PSTEP, so the replay draws the same masks a synchronous run draws);
+   PSTEP, so the rerun draws the same masks a synchronous run draws);
 2. ``DRAIN`` for each activation an upstream stage sent before its own VALIDATE that this
    stage had not consumed before its VALIDATE -- the upstream stage sends it again when it
-   replays, so the stale copy is received and dropped. The list follows from the schedule
+   re-runs, so the stale copy is received and dropped. The list follows from the schedule
    (upstream pre-validation sends minus own pre-validation receives, in send order);
 3. the pre-validation forwards again, receiving what the upstream stage re-sends.
 
 All of it is ordinary ops with messages derived in :mod:`megatron.pipeline.comm`, so the
 replay engine, the schedule check and both executors see exactly the same thing; the schedule check
 drives the outcomes itself (:func:`megatron.pipeline.schedule_check.check_schedule` checks
-the never / always / alternating replay patterns).
+the never / always / alternating rerun patterns).
 
 When no stage's weights change (no clipping, all finite; or non-finite gradients with no
-stage having stepped, e.g. a NaN loss, which poisons every stage) nothing is replayed.
+stage having stepped, e.g. a NaN loss, which poisons every stage) nothing is re-run.
 
 This module is the schedule half and loads no torch: the streams, the outcomes and the
 decisions (:func:`decide`, :func:`global_outcome`), all plain floats, so the schedule check and
@@ -85,7 +85,7 @@ POST_VALIDATION = "post_validation"
 
 
 class ValidationOutcomes:
-    """Whether each update's VALIDATE replays the pre-validation forwards.
+    """Whether each update's VALIDATE re-runs the pre-validation forwards.
 
     Written by the executor that runs ``VALIDATE #k`` (every stage writes the same value),
     read by the stream generators right after they yielded it. ``assume`` answers for
@@ -96,19 +96,19 @@ class ValidationOutcomes:
 
     def __init__(self, assume: bool | None = None):
         self.assume = assume
-        self._replay: dict[int, bool] = {}
+        self._rerun: dict[int, bool] = {}
 
-    def record(self, update: int, replay: bool) -> None:
-        known = self._replay.get(update)
-        if known is not None and known != replay:
+    def record(self, update: int, rerun: bool) -> None:
+        known = self._rerun.get(update)
+        if known is not None and known != rerun:
             raise RuntimeError(
-                f"post-validation: stages disagree whether update {update} replays its "
-                f"pre-validation forwards ({known} vs {replay})")
-        self._replay[update] = replay
+                f"post-validation: stages disagree whether update {update} re-runs its "
+                f"pre-validation forwards ({known} vs {rerun})")
+        self._rerun[update] = rerun
 
-    def replay(self, update: int) -> bool:
-        if update in self._replay:
-            return self._replay[update]
+    def rerun(self, update: int) -> bool:
+        if update in self._rerun:
+            return self._rerun[update]
         if self.assume is not None:
             return self.assume
         raise RuntimeError(
@@ -116,7 +116,7 @@ class ValidationOutcomes:
             f"executor must run a VALIDATE before pulling the ops that follow it")
 
     def __repr__(self) -> str:
-        return f"ValidationOutcomes({self._replay}, assume={self.assume})"
+        return f"ValidationOutcomes({self._rerun}, assume={self.assume})"
 
 
 # ------------------------------------------------------------------------------ streams
@@ -140,7 +140,7 @@ def stale_activations(
     layout: PipelineLayout,
 ) -> list[Message]:
     """Activations sent to ``stage`` by pre-validation forwards (of other stages, or its own on a
-    V's local turn, which it re-sends on the replay as well) that ``stage``'s own pre-validation
+    V's local turn, which it re-sends on the rerun as well) that ``stage``'s own pre-validation
     forwards did not receive, in the order each sender sent them."""
     received: set[Message] = {m for op in prefixes[stage] for m in op_recvs(op, layout)}
     stale = []
@@ -168,7 +168,7 @@ def post_validated_stream(
     """One stage's stream of a synchronous schedule with post-validation (module docstring).
 
     ``iteration_ops(stage, microbatches)`` is the schedule's iteration body; it is called for
-    other stages too (only on a replay) to know which activations they sent before validation.
+    other stages too (only on a rerun) to know which activations they sent before validation.
     ``iterations`` are global indices (a segment of the run); those below
     ``synchronous_iterations`` end with the synchronous ``OPT`` instead. The stream ends
     with the VALIDATE of its last step, so nothing is left pending at its end.
@@ -188,7 +188,7 @@ def post_validated_stream(
             prefix = _prefix_forwards(ops)
             yield from prefix
             yield VALIDATE(stage, it - 1)
-            if outcomes.replay(it - 1):
+            if outcomes.rerun(it - 1):
                 for op in prefix:
                     yield DISCARD(stage, op.microbatch, op.chunk)
                 prefixes = [
@@ -240,7 +240,7 @@ class GlobalOutcome:
 
     decision: StateDecision
     stepped: tuple[bool, ...]  # stage t stepped optimistically at its PSTEP
-    replay: bool  # some stage's weights change at validation: re-run pre-validation forwards
+    rerun: bool  # some stage's weights change at validation: re-run pre-validation forwards
 
 
 def global_outcome(sq_norms: Sequence[float], clip_grad: float, clip_coef: Callable[[float, float], float]) -> GlobalOutcome:
@@ -248,8 +248,8 @@ def global_outcome(sq_norms: Sequence[float], clip_grad: float, clip_coef: Calla
     stepped = tuple(decide(sq_norms[: t + 1], clip_grad, clip_coef).clean for t in range(len(sq_norms)))
     # Weights change on stage t unless the optimistic step stands (clean) or, with non-finite
     # gradients, the stage held back (a skip leaves its weights as they were at the PSTEP).
-    replay = not g.clean and (g.finite or any(stepped))
-    return GlobalOutcome(g, stepped, replay)
+    rerun = not g.clean and (g.finite or any(stepped))
+    return GlobalOutcome(g, stepped, rerun)
 
 
 def is_state_message(msg: Message) -> bool:

@@ -3,7 +3,7 @@
 Why: a schedule that deadlocks or mismatches a message is otherwise found on a live run, after
 ``--pipeline-timeout-seconds`` (300 s by default) with every rank blocked and no op named. The
 schedule check (:mod:`megatron.pipeline.schedule_check`) finds the same fault from the op streams alone,
-without tensors, and names the stage and the op. Tests validate the registered schedules on small
+without tensors, and names the stage and the op. Tests check the registered schedules on small
 configs; this replays the schedule the run actually built (its stages, micro-batches, chunks and
 options, a schedule registered by the user included) and refuses it in seconds.
 
@@ -16,7 +16,7 @@ What is replayed, bounded so that large ``N`` and ``m`` stay cheap (the ops grow
   refill of an unbounded stream (:mod:`megatron.trainer.loop.segments`);
 * the first segment: two iterations of a synchronous schedule (an iteration boundary, and
   post-validation's step validated by the next iteration, under every outcome pattern of
-  :data:`~megatron.pipeline.schedule_check.REPLAY_POLICIES`); a profiled Zero Bubble schedule's
+  :data:`~megatron.pipeline.schedule_check.RERUN_POLICIES`); a profiled Zero Bubble schedule's
   profiling iterations and one of its target order, decided from the placeholder costs (the
   run decides from measured ones); ``ceil(S / a) + 1`` updates of an asynchronous schedule
   (``S`` virtual stages, ``a`` micro-batches per update), enough for the fill to reach the
@@ -56,7 +56,7 @@ class PreflightReplay:
 class _ChainedSegments:
     """Consecutive segments of one schedule, seen by :func:`check_schedule` as one schedule:
     each stage's stream is its segments' streams in order, and post-validation's outcomes are
-    shared (VALIDATE and its replay are keyed by the global update)."""
+    shared (VALIDATE and its rerun are keyed by the global update)."""
 
     def __init__(self, segments: list[Schedule]):
         self.segments = segments

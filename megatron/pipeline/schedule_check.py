@@ -7,7 +7,7 @@ naming the stage and the op.
 
 Post-validated streams (:mod:`megatron.pipeline.post_validation`) are checked too: only
 forwards run between a stage's PSTEP and its VALIDATE (nothing may touch the gradients the
-validation needs), a replaying VALIDATE is followed by a DISCARD of exactly those forwards
+validation needs), a re-running VALIDATE is followed by a DISCARD of exactly those forwards
 before anything else, and the DRAINs and re-sent activations line up FIFO (the replay
 engine checks that). The schedule check decides the outcome of every VALIDATE itself.
 """
@@ -21,10 +21,10 @@ from megatron.pipeline.ir import Op, OpKind, PipelineLayout
 from megatron.pipeline.post_validation import ValidationOutcomes
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
 
-ReplayPolicy = Callable[[int], bool]  # update -> whether its VALIDATE replays
+RerunPolicy = Callable[[int], bool]  # update -> whether its VALIDATE re-runs the forwards
 
 #: outcome patterns :func:`check_schedule` checks a post-validated schedule under
-REPLAY_POLICIES: dict[str, ReplayPolicy] = {
+RERUN_POLICIES: dict[str, RerunPolicy] = {
     "never": lambda update: False,
     "always": lambda update: True,
     "alternating": lambda update: update % 2 == 0,
@@ -45,10 +45,10 @@ class _StageChecker:
         # post-validation
         self.pending: int | None = None  # update stepped (PSTEP) but not validated yet
         self.prevalidation: list[tuple[int, int]] = []  # forwards run since that PSTEP
-        self.must_discard: set[tuple[int, int]] = set()  # after a replaying VALIDATE
-        self.replaying = False  # between a replaying VALIDATE and the next backward
+        self.must_discard: set[tuple[int, int]] = set()  # after a re-running VALIDATE
+        self.rerunning = False  # between a re-running VALIDATE and the next backward
 
-    def check(self, op: Op, replay: bool = False) -> None:
+    def check(self, op: Op, rerun: bool = False) -> None:
         key = (op.microbatch, op.chunk)
 
         def fail(why: str) -> None:
@@ -56,12 +56,12 @@ class _StageChecker:
 
         if self.must_discard and op.kind is not OpKind.DISCARD:
             pending = sorted(self.must_discard)[0]
-            fail(f"runs before the replay discarded the pre-validation forward of micro-batch {pending[0]}")
+            fail(f"runs before the rerun discarded the pre-validation forward of micro-batch {pending[0]}")
         if self.pending is not None and op.kind not in (OpKind.F, OpKind.VALIDATE):
             fail(f"runs between PSTEP #{self.pending} and its VALIDATE (only forwards may: the "
                  f"validation needs the gradients and the weights of that update)")
         if op.kind in (OpKind.B, OpKind.BW, OpKind.W, OpKind.OPT, OpKind.PSTEP):
-            self.replaying = False
+            self.rerunning = False
 
         if op.kind is OpKind.EVAL:
             if key in self.evaluated:
@@ -75,12 +75,12 @@ class _StageChecker:
                 self.prevalidation.append(key)
         elif op.kind is OpKind.DISCARD:
             if key not in self.must_discard:
-                fail("discards a forward that is not a pre-validation forward of a replaying VALIDATE")
+                fail("discards a forward that is not a pre-validation forward of a re-running VALIDATE")
             self.must_discard.discard(key)
             self.forwarded.discard(key)
         elif op.kind is OpKind.DRAIN:
-            if not self.replaying:
-                fail("drains an activation outside the replay after a VALIDATE")
+            if not self.rerunning:
+                fail("drains an activation outside the rerun after a VALIDATE")
         elif op.kind is OpKind.PSTEP:
             self._step(op, fail)
             self.pending = op.update
@@ -89,9 +89,9 @@ class _StageChecker:
             if self.pending != op.update:
                 fail(f"but the update awaiting validation is {self.pending}")
             self.pending = None
-            if replay:
+            if rerun:
                 self.must_discard = set(self.prevalidation)
-                self.replaying = True
+                self.rerunning = True
             self.prevalidation = []
         elif op.kind in (OpKind.B, OpKind.BW):
             if key not in self.forwarded:
@@ -138,24 +138,24 @@ def check_streams(
     layout: PipelineLayout,
     forward_only: bool = False,
     outcomes: ValidationOutcomes | None = None,
-    replay_policy: ReplayPolicy | None = None,
+    rerun_policy: RerunPolicy | None = None,
 ) -> list[int]:
     """Replay the streams; raise :class:`ScheduleError` on any violation.
 
     Returns the number of ops per stage. Streams must be finite. For post-validated streams
     pass the ``outcomes`` object their generators read: each VALIDATE records
-    ``replay_policy(update)`` (default: never replay) before the stream moves on.
+    ``rerun_policy(update)`` (default: never re-run) before the stream moves on.
     """
     checkers = [_StageChecker(s) for s in range(layout.num_stages)]
-    policy = replay_policy or REPLAY_POLICIES["never"]
+    policy = rerun_policy or RERUN_POLICIES["never"]
 
     def execute(op: Op, inputs: dict[Message, Any]) -> dict[Message, Any]:
-        replay = False
+        rerun = False
         if op.kind is OpKind.VALIDATE:
-            replay = policy(op.update)
+            rerun = policy(op.update)
             if outcomes is not None:
-                outcomes.record(op.update, replay)
-        checkers[op.stage].check(op, replay)
+                outcomes.record(op.update, rerun)
+        checkers[op.stage].check(op, rerun)
         return {msg: None for msg in op_sends(op, layout)}
 
     def execute_sync(ops: list[Op]) -> None:
@@ -169,24 +169,24 @@ def check_streams(
     return engine.ops_executed
 
 
-def check_schedule(schedule: Any, replay_policies: Iterable[str] | None = None) -> list[int]:
-    """Validate a :class:`~megatron.pipeline.schedules.base.Schedule` (finite config).
+def check_schedule(schedule: Any, rerun_policies: Iterable[str] | None = None) -> list[int]:
+    """Check a :class:`~megatron.pipeline.schedules.base.Schedule` (finite config).
 
-    A post-validated schedule is validated once per outcome pattern (by default every
-    pattern in :data:`REPLAY_POLICIES`); the op counts of the first are returned.
+    A post-validated schedule is checked once per outcome pattern (by default every
+    pattern in :data:`RERUN_POLICIES`); the op counts of the first are returned.
     """
     if not schedule.post_validated:
         return check_streams(schedule.streams(), schedule.layout)
     original = schedule.validation_outcomes
     counts: list[int] | None = None
     try:
-        for name in replay_policies or REPLAY_POLICIES:
+        for name in rerun_policies or RERUN_POLICIES:
             outcomes = schedule.validation_outcomes = ValidationOutcomes()
             try:
                 got = check_streams(schedule.streams(), schedule.layout, outcomes=outcomes,
-                                       replay_policy=REPLAY_POLICIES[name])
+                                       rerun_policy=RERUN_POLICIES[name])
             except ScheduleError as exc:
-                raise ScheduleError(f"{exc} (post-validation outcomes: {name} replay)") from exc
+                raise ScheduleError(f"{exc} (post-validation outcomes: {name} rerun)") from exc
             counts = got if counts is None else counts
     finally:
         schedule.validation_outcomes = original

@@ -71,9 +71,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from megatron.pipeline.comm import Message, op_sends
+from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
-from megatron.pipeline.op_costs import CostsLike, OpCosts, costs_from_profile, load_profile, stage_costs
+from megatron.pipeline.op_costs import (
+    CostsLike, OpCosts, costs_from_profile, load_profile, priced_part, send_time, stage_costs)
 from megatron.pipeline.overlap import check_overlap, overlap_saving
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
 
@@ -268,15 +269,13 @@ def simulate_streams(
     version_at_f: list[dict[tuple[int, int], int]] = [{} for _ in range(n)]
     drift: list[dict[int, int]] = [{} for _ in range(n)]
     comm = [c.t_comm for c in per_stage]
-    send_cost = [c.t_send for c in per_stage]
 
     durations = [{k: c.duration(k) for k in OpKind} for c in per_stage]
     deltas = [{k: c.memory_delta(k) for k in OpKind} for c in per_stage]
-    by_part = layout.num_model_stages == n  # costs follow the model part (AMDP: logical stage)
 
     def execute(op: Op, inputs: dict[Message, Any]) -> _SameForEvery:
         s = op.stage
-        part = layout.model_stage(s, op.chunk) if by_part else s
+        part = priced_part(layout, op)  # costs follow the model part (AMDP: logical stage)
         start = free[s]
         for arrival in inputs.values():
             if arrival > start:
@@ -288,8 +287,7 @@ def simulate_streams(
             duration -= overlap_saving(overlap, forward.start, forward.end,
                                        max(inputs.values(), default=forward.start), duration)
         end = start + duration
-        if send_cost[part]:
-            duration += send_cost[part] * sum(1 for msg in op_sends(op, layout) if msg.dst_stage != s)
+        duration += send_time(per_stage[part], op, layout)
         free[s] = start + duration
         busy[s] += duration
         spans[s].append(OpSpan(start, free[s], op))

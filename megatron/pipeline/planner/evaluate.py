@@ -99,7 +99,7 @@ def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSize
 
 def activation_peaks(result: SimulationResult, layout: object, parts: list[st.PartSizes],
                      per_part: list[OpCosts]) -> list[float]:
-    """Each stage's activation peak in bytes, replaying its ops in order with each op's own
+    """Each stage's activation peak in bytes, walking its ops in order with each op's own
     part's bytes (``M_B`` of that part times its op's memory delta). Why not the simulator's
     peak in ``M_B`` units times a stage's mean ``M_B``: a stage hosting several parts of unequal
     size (a V's stage 0 holds the embedding's part and the head's) peaks at a mix the mean
@@ -147,7 +147,7 @@ def evaluate(problem: Problem, cand: Candidate) -> CandidateResult:
     k = update_count(cand)
     busy = max(result.busy) / k
     copies = [schedule.weight_copies(schedule.config, s) for s in range(layout.num_stages)]
-    own = layout.num_chunks if st.hosts_replicas(layout) else 1
+    own = layout.num_pipelines if st.hosts_replicas(layout) else 1  # AMDP: one stage replica per pipeline
     shards = par.data_parallel if par.distributed_optimizer else 1
     peaks = activation_peaks(result, layout, parts, per_part) if not st.hosts_replicas(layout) else \
         [result.peak_memory[s] * st.stage_activation_unit(layout, parts, s) for s in range(layout.num_stages)]

@@ -35,10 +35,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron.pipeline.comm import Message, op_sends
+from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine
-from megatron.pipeline.op_costs import CostsLike, stage_costs
+from megatron.pipeline.op_costs import CostsLike, priced_part, send_time, stage_costs
 
 _EPS = 1e-9
 
@@ -74,7 +74,6 @@ def op_graph(streams: Sequence[Any], layout: PipelineLayout,
     """(nodes, each stage's node ids in order, each collective's node ids) of ``streams``."""
     n = layout.num_stages
     per_stage = stage_costs(costs, n)
-    by_part = layout.num_model_stages == n  # the simulator's rule: costs follow the model part
     nodes: list[_Node] = []
     order: list[list[int]] = [[] for _ in range(n)]
     groups: list[list[int]] = []
@@ -86,10 +85,8 @@ def op_graph(streams: Sequence[Any], layout: PipelineLayout,
 
     def execute(op: Op, inputs: dict[Message, Any]) -> _Sent:
         s = op.stage
-        c = per_stage[layout.model_stage(s, op.chunk) if by_part else s]
-        work = c.duration(op.kind)
-        if c.t_send:
-            work += c.t_send * sum(1 for msg in op_sends(op, layout) if msg.dst_stage != s)
+        c = per_stage[priced_part(layout, op)]  # the simulator's costs and send time
+        work = c.duration(op.kind) + send_time(c, op, layout)
         node = add(_Node(s, work, list(inputs.values())))
         return _Sent(node, c.t_comm)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from megatron.pipeline.activation_memory import LayerShape, recompute_costs
 from megatron.pipeline.comm_volume import ring_all_reduce_bytes
@@ -164,6 +165,6 @@ def stage_params(layout: PipelineLayout, parts: Sequence[PartSizes], stage: int)
     return sum(parts[p].params for p in stage_parts(layout, stage))
 
 
-def hosts_replicas(layout: PipelineLayout) -> bool:
-    """Whether the layout's chunks are whole-model replicas' parts (AMDP) rather than a chain."""
+def hosts_replicas(layout: PipelineLayout) -> TypeGuard[MultiPipelineLayout]:
+    """Whether the layout places replicated whole-model pipelines (AMDP) rather than one chain."""
     return isinstance(layout, MultiPipelineLayout)

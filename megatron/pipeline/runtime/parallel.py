@@ -160,7 +160,7 @@ class StageGroups:
 
 def directed_links(stage_layout: PipelineLayout) -> list[tuple[int, int]]:
     """Every (src stage, dst stage) pair a message travels between, sorted: activations along
-    each chunk's next hop and gradients back (evaluation and replays use the same hops)."""
+    each chunk's next hop and gradients back (evaluation and post-validation reruns use the same hops)."""
     return sorted({(src, dst) for src, dst, _ in directed_lanes(stage_layout)})
 
 

@@ -49,7 +49,7 @@ def validate(worker: StageWorker, op: Op, received: torch.Tensor | None) -> tupl
     """VALIDATE: amend the optimistic step from the global state; zero the grads.
 
     Returns (the global state to send to the previous stage or None on stage 0, whether the
-    pre-validation forwards replay).
+    pre-validation forwards re-run).
     """
     pv = worker.post_validation
     pending = pv.pending
@@ -83,14 +83,14 @@ def validate(worker: StageWorker, op: Op, received: torch.Tensor | None) -> tupl
     # backward (the last stage's VALIDATE precedes its first backward of the next iteration).
     worker.update_loss_scale(not g.finite)
     opt.zero_grad()
-    if outcome.replay:
+    if outcome.rerun:
         worker.set_rng_state(pending.rng)
-        pv.replays += 1
+        pv.reruns += 1
     pv.log.append({"update": op.update, "stepped": pending.stepped, "rolled_back": rolled_back,
-                   "redone": redone, "replay": outcome.replay, "coef": g.coef, "finite": g.finite})
+                   "redone": redone, "rerun": outcome.rerun, "coef": g.coef, "finite": g.finite})
     pv.pending = None
     send = None if worker.stage == 0 else state_tensor(sq_norms, worker.setup.device)
-    return send, outcome.replay
+    return send, outcome.rerun
 
 
 def run_post_validation_op(
@@ -112,8 +112,8 @@ def run_post_validation_op(
     elif op.kind is OpKind.VALIDATE:
         if outcomes is None:
             raise RuntimeError(f"stage {worker.stage}: {op} needs the schedule's ValidationOutcomes")
-        out, replay = validate(worker, op, tensor)
-        outcomes.record(op.update, replay)
+        out, rerun = validate(worker, op, tensor)
+        outcomes.record(op.update, rerun)
     elif op.kind is OpKind.DISCARD:
         worker.discard_forward(op)
     elif op.kind is OpKind.DRAIN:

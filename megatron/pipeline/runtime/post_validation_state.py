@@ -40,7 +40,7 @@ class PostValidationState:
     optimistic_steps: int = 0
     rollbacks: int = 0
     redos: int = 0
-    replays: int = 0
+    reruns: int = 0
     log: list[dict[str, Any]] = field(default_factory=list)
 
 

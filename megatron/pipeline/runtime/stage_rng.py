@@ -40,7 +40,7 @@ class StageRNG:
             torch.set_rng_state(outer)
 
     def state(self) -> dict[str, Any]:
-        """The state to rewind to (post-validation's replay) or to save (checkpoints)."""
+        """The state to rewind to (post-validation's rerun) or to save (checkpoints)."""
         if self.isolate:
             return {"cpu": self._cpu.clone()}
         state: dict[str, Any] = {"cpu": torch.get_rng_state()}

@@ -182,7 +182,7 @@ class StageWorker:
         self.setup.optimizer.wait_params()
 
     def rng_state(self) -> Any:
-        """This stage's dropout RNG state (post-validation rewinds it for a replay; checkpoints
+        """This stage's dropout RNG state (post-validation rewinds it for a rerun; checkpoints
         save it). The same form in the emulator and the runtime, so either can resume the other."""
         return self._rng.state()
 
@@ -257,7 +257,7 @@ class StageWorker:
         return self._eval_loss_sum, self._eval_tokens
 
     def discard_forward(self, op: Op) -> None:
-        """DISCARD: forget a forward that ran on invalid weights (post-validation replays it)."""
+        """DISCARD: forget a forward that ran on invalid weights (post-validation re-runs it)."""
         key = (op.microbatch, op.chunk)
         if key not in self._stash:
             raise RuntimeError(f"stage {self.stage}: {op} but micro-batch {op.microbatch} "

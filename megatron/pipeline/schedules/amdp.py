@@ -1,7 +1,9 @@
 """AMDP: D/2 replicated pipelines in alternating directions, windowed updates (PART B of the spec).
 
+An op's ``chunk`` field carries the index of its pipeline (AMDP has no model chunks).
+
 Placement (:class:`~megatron.pipeline.ir.MultiPipelineLayout`): D devices host P = D/2
-pipelines, chunk ``p`` of every device is one logical stage of pipeline ``p``; even pipelines
+pipelines, every device one logical stage of each pipeline ``p``; even pipelines
 run down the devices, odd ones up (Chimera-style, the AMDP code's mapping for D = 4, 8 and
 the same formula for any even D). Every pipeline is a replica of the whole model. Micro-batch
 ``m`` runs on pipeline ``m mod P`` (2 of every block of D consecutive micro-batches).
@@ -102,7 +104,7 @@ class _Device:
     last_backward: float = 0.0
     waiting: bool = False  # entered its step, blocked until the group is there
     out: deque[Op] = field(default_factory=deque)
-    local: deque[tuple[int, int, float]] = field(default_factory=deque)  # last stage: (mb, chunk, F end)
+    local: deque[tuple[int, int, float]] = field(default_factory=deque)  # last stage: (mb, pipeline, F end)
 
 
 class _Plan:
@@ -127,7 +129,7 @@ class _Plan:
         return w == dev.applied or (w == dev.applied + 1 and mb % self.window < self.layout.num_stages)
 
     def _candidates(self, s: int) -> list[tuple[float, int, int, Op]]:
-        """(ready, kind rank, chunk, op) of every op device ``s`` may start."""
+        """(ready, kind rank, pipeline, op) of every op device ``s`` may start."""
         dev, layout, found = self.devices[s], self.layout, []
         for (src, dst), queue in self.queues.items():
             if dst == s and queue:
@@ -137,14 +139,14 @@ class _Plan:
                 if ok:
                     found.append((arrival, 0 if op.kind is OpKind.BW else 1, op.chunk, op))
         if dev.local:
-            mb, chunk, ready = dev.local[0]
+            mb, pipe, ready = dev.local[0]
             if mb // self.window == dev.applied:
-                found.append((ready, 0, chunk, BW(s, mb, chunk)))
-        for chunk in range(layout.num_pipelines):
-            mb = self.next_mb[chunk]
-            if (layout.logical_stage(s, chunk) == 0 and self.in_flight[chunk] < K + PRELOAD
+                found.append((ready, 0, pipe, BW(s, mb, pipe)))
+        for pipe in range(layout.num_pipelines):
+            mb = self.next_mb[pipe]
+            if (layout.logical_stage(s, pipe) == 0 and self.in_flight[pipe] < K + PRELOAD
                     and (self.end is None or mb < self.end) and self._may_forward(dev, mb)):
-                found.append((self.admit_ready[chunk], 1, chunk, F(s, mb, chunk)))
+                found.append((self.admit_ready[pipe], 1, pipe, F(s, mb, pipe)))
         if dev.backwards == self.window and not dev.waiting:
             found.append((dev.last_backward, 2, 0, OPT(s, dev.applied, sync=True)))
         return found
@@ -156,8 +158,8 @@ class _Plan:
         for s, dev in enumerate(self.devices):
             if dev.waiting:
                 continue
-            for ready, rank, chunk, op in self._candidates(s):
-                key = (max(ready, dev.free_at), rank, op.microbatch, s, chunk)
+            for ready, rank, pipe, op in self._candidates(s):
+                key = (max(ready, dev.free_at), rank, op.microbatch, s, pipe)
                 if best is None or key < best[0]:
                     best = (key, op)
         if best is None:
@@ -180,20 +182,21 @@ class _Plan:
             self.entered[s] = start
             self._maybe_step(layout.sync_group(s))
             return
-        here = (s, op.chunk)
-        j = layout.logical_stage(s, op.chunk)
+        pipe = op.chunk
+        here = (s, pipe)
+        j = layout.logical_stage(s, pipe)
         if op.kind is OpKind.F:
             end = dev.free_at = start + T_F
             if j == 0:
-                self.next_mb[op.chunk] += layout.num_pipelines
-                self.in_flight[op.chunk] += 1
+                self.next_mb[pipe] += layout.num_pipelines
+                self.in_flight[pipe] += 1
             if j > 0:
                 self.queues[(layout.prev_hop(*here)[0], s)].popleft()  # type: ignore[index]
             nxt = layout.next_hop(*here)
             if nxt is None:
-                dev.local.append((op.microbatch, op.chunk, end))
+                dev.local.append((op.microbatch, pipe, end))
             else:
-                self.queues.setdefault((s, nxt[0]), deque()).append((F(nxt[0], op.microbatch, op.chunk), end))
+                self.queues.setdefault((s, nxt[0]), deque()).append((F(nxt[0], op.microbatch, pipe), end))
             return
         end = dev.free_at = start + T_B
         dev.backwards += 1
@@ -204,10 +207,10 @@ class _Plan:
         else:
             self.queues[(nxt[0], s)].popleft()
         if prev is None:
-            self.in_flight[op.chunk] -= 1
-            self.admit_ready[op.chunk] = end
+            self.in_flight[pipe] -= 1
+            self.admit_ready[pipe] = end
         else:
-            self.queues.setdefault((s, prev[0]), deque()).append((BW(prev[0], op.microbatch, op.chunk), end))
+            self.queues.setdefault((s, prev[0]), deque()).append((BW(prev[0], op.microbatch, pipe), end))
 
     def _maybe_step(self, group: tuple[int, ...]) -> None:
         if not all(g in self.entered for g in group):

@@ -55,6 +55,7 @@ import torch
 from megatron.pipeline.runtime.replicas import whole_optimizer_states
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
+from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
 from megatron.trainer.checkpointing.paths import rank_file_name
 from megatron.trainer.checkpointing.reshard import file_index, tp_size
@@ -99,7 +100,7 @@ def stage_state(task: PretrainTask, worker: StageWorker,
     _check_drained(worker)
     optimizer = worker.setup.optimizer
     if optimizer_state is None:
-        optimizer_state = getattr(optimizer, "full_state_dict", optimizer.state_dict)()
+        optimizer_state = optimizer.full_state_dict()
     named = list(task.named_parameters(worker.setup.chunks))
     tp_rank, tp_size_ = tensor_parallel_rank(worker.setup.chunks)
     layouts = {name: list(layout) for name, p in named if (layout := shard_layout(p)) is not None}
@@ -199,11 +200,10 @@ def write_rank_file(root: str | Path, iteration: int, stage: int, dp_rank: int, 
     write_durable_text(path.with_name(path.name + CHECKSUM_SUFFIX), writer.hash.hexdigest())
 
 
-def schedule_state(schedule: object) -> dict[str, Any] | None:
+def schedule_state(schedule: Schedule | None) -> dict[str, Any] | None:
     """What ``schedule`` decided during the run and must keep on resume (zb-1p/zb-2p's profiled
-    costs), or None."""
-    state = getattr(schedule, "checkpoint_state", None)
-    return state() if state is not None else None
+    costs), or None (also without a schedule: a save before any training segment)."""
+    return None if schedule is None else schedule.checkpoint_state()
 
 
 def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_stages: int, dp_size: int,

@@ -13,6 +13,7 @@ import torch
 
 from megatron.pipeline.runtime.replicas import owned_optimizer_state
 from megatron.pipeline.runtime.worker import StageWorker
+from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.format import (
     METADATA, POINTER, CheckpointError, _read_metadata, file_checksum, iteration_dir, run_signature,
     tensor_parallel_rank)
@@ -26,13 +27,12 @@ from megatron.trainer.models.tensor_parallel import shard_layout
 from megatron.trainer.tasks.task import PretrainTask
 
 
-def restore_schedule_state(schedule: object, point: "ResumePoint | None") -> None:
+def restore_schedule_state(schedule: Schedule, point: "ResumePoint | None") -> None:
     """Hand a checkpoint's :func:`schedule_state` back to the resumed run's schedule. A schedule
     that decides nothing at run time ignores it (e.g. zb-2p resumed with ``--zb-costs``: the
     user fixed the order on purpose)."""
-    restore = getattr(schedule, "restore_checkpoint_state", None)
-    if point is not None and point.schedule_state is not None and restore is not None:
-        restore(point.schedule_state)
+    if point is not None and point.schedule_state is not None:
+        schedule.restore_checkpoint_state(point.schedule_state)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ LONG_SENTENCE_LEN = 512
 
 
 def min_sentences(binary_head: bool) -> int:
-    """Sentences a document needs to yield BERT samples (A and B segments need two)."""
+    """Sentences a document needs to yield BERT samples (a sample's two spans A and B need two)."""
     return 2 if binary_head else 1
 
 

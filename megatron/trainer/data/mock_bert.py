@@ -38,7 +38,7 @@ class MockBertData(StackedSamples):
         self.mask_prob = mask_prob
         self._words = MockGPTData(seq_length - 3, vocab_size - FIRST_WORD, seed)
 
-    def _segments(self, words: torch.Tensor, generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
+    def _pieces(self, words: torch.Tensor, generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
         """``[CLS] A [SEP] (B [SEP])`` pieces and whether A and B were swapped."""
         special = lambda t: torch.tensor([t])  # noqa: E731
         if not self.binary_head:
@@ -55,7 +55,7 @@ class MockBertData(StackedSamples):
         generator = torch.Generator(device="cpu").manual_seed(_sample_seed(self.seed, index, "bert"))
         words = self._words.sample(index)["tokens"] + FIRST_WORD
         content = int(torch.randint(max(2, len(words) // 2), len(words) + 1, (), generator=generator))
-        pieces, swapped = self._segments(words[:content], generator)
+        pieces, swapped = self._pieces(words[:content], generator)
         real = torch.cat(pieces)
         types = torch.cat([torch.full((len(p),), int(i >= 3)) for i, p in enumerate(pieces)])
         s, n = self.seq_length, len(real)

@@ -3,7 +3,7 @@
 Why: a schedule whose streams deadlock or send a message its peer does not expect next hangs
 every rank of a live run until ``--pipeline-timeout-seconds`` (300 s by default) and then names
 no op. :func:`megatron.pipeline.preflight.replay_first_iterations` replays the run's first
-iterations, across a segment boundary, through the schedule validator in this process before
+iterations, across a segment boundary, through the schedule check in this process before
 any rank starts (the local launcher, the emulator, a single-rank run, and under torchrun or
 Slurm each rank before its process group exists), and the fault is refused with one ``error:``
 line naming the stage and the op.
@@ -28,7 +28,7 @@ def add_schedule_check_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("schedule check")
     g.add_argument("--no-schedule-check", dest="schedule_check", action="store_false",
                    help="start without replaying the schedule's first iterations through the schedule "
-                        "validator (a deadlock or a mismatched message then shows as a pipeline timeout)")
+                        "check (a deadlock or a mismatched message then shows as a pipeline timeout)")
 
 
 def check_schedule(config: JobConfig) -> PreflightReplay | None:

@@ -51,7 +51,7 @@ def tensor_parallel_dropout_stream(device: torch.device, tp_rank: int) -> Iterat
     drawn from the device's current generator (the stage's stream, advanced identically on
     every TP rank, so the replicated region's dropout stays equal across TP ranks) and seeds
     ``value + tp_rank`` for the duration. Everything that restores the stage stream (resume,
-    recompute's RNG replay, the emulator's per-stage isolation) therefore repeats these masks
+    recompute's RNG restore, the emulator's per-stage isolation) therefore repeats these masks
     too, with no extra state to checkpoint.
     """
     base = int(torch.randint(0, 2**62, (1,), device=device).item())

@@ -62,7 +62,7 @@ class P2PChannel:
         self.groups = groups
         self.timeout = timeout
         self.buffers = ReceiveBuffers(reuse=self.reuse_receive_buffers)
-        # Posted receives per message, oldest first: a post-validation replay receives the
+        # Posted receives per message, oldest first: a post-validation rerun receives the
         # same activation twice (a stale copy to DRAIN, then the re-sent one).
         self._posted: dict[Message, deque[tuple[dist.Work | None, torch.Tensor]]] = {}
         self._local: dict[Message, torch.Tensor] = {}  # stage sending to itself

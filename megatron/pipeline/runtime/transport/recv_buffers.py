@@ -8,7 +8,7 @@ A pipeline receives the same few shapes over and over, so buffers can be reused.
 Why it is not simply "reuse after the op": a received activation is kept by autograd until its
 backward (the worker stashes ``received.detach().requires_grad_(True)``, and the graph saves
 it), a received gradient can be held by deferred weight gradients until W, a stage whose chunk
-returns its input sends a view of it, and post-validation replays may stash copies. Rather than
+returns its input sends a view of it, and post-validation reruns may stash copies. Rather than
 asking every holder to say when it is done, the pool hands out an *alias* (a new tensor over the
 buffer's storage) and keeps the buffer itself private; every tensor anyone derives from the alias
 (views, ``detach``, autograd's saved tensors) holds a reference to the same storage. A buffer is

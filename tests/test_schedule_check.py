@@ -1,4 +1,4 @@
-"""The static schedule validator: accepts every generated synchronous schedule, rejects
+"""The static schedule check: accepts every generated synchronous schedule, rejects
 hand-broken ones with a message naming the stage and the op, and the replay reproduces the
 textbook in-flight activation counts of 1F1B and GPipe.
 
@@ -28,7 +28,7 @@ def generated(name: str, num_stages: int, m: int, iterations: int = ITERATIONS) 
 
 
 def reject(streams: list[list[Op]], num_stages: int) -> str:
-    """Validate, expect a ScheduleError, return its message."""
+    """Check, expect a ScheduleError, return its message."""
     with pytest.raises(ScheduleError) as info:
         check_streams(streams, PipelineLayout(num_stages))
     return str(info.value)
