@@ -33,16 +33,17 @@ def estimate_parameters(config: JobConfig) -> int:
     """Parameters of the whole model (all stages) from the flags: embeddings, the output layer
     unless tied to the embedding, per layer attention (QKV with query groups, projection), MLP
     and two norms."""
-    h, layers, vocab = config.model.hidden_size, config.model.num_layers, config.model.vocab_size
-    ffn = config.model.ffn_hidden_size or 4 * h
-    heads = config.model.num_attention_heads
-    groups = config.model.num_query_groups or heads
+    model = config.model
+    h, layers, vocab = model.hidden_size, model.num_layers, model.vocab_size
+    ffn = model.ffn_hidden_size or 4 * h
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
     kv = 2 * h * groups // heads
     attention = h * (h + kv) + (h + kv) + h * h + h
     mlp = 2 * h * ffn + ffn + h
     norms = 4 * h
-    positions = config.model.max_position_embeddings * h if config.model.position_embedding_type == "learned_absolute" else 0
-    output = 0 if config.model.tie_embeddings else vocab * h
+    positions = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
+    output = 0 if model.tie_embeddings else vocab * h
     return vocab * h + output + positions + layers * (attention + mlp + norms) + 2 * h
 
 

@@ -232,10 +232,11 @@ def _validate_loading(args: argparse.Namespace) -> None:
 
 def compat_model_kwargs(config: JobConfig) -> dict[str, object]:
     """The :class:`~megatron.trainer.models.stage.TransformerArgs` fields of these flags."""
-    return dict(swiglu=config.model.swiglu, add_bias_linear=config.model.add_bias_linear, norm_epsilon=config.model.norm_epsilon,
-                kv_channels=config.model.kv_channels, rotary_base=config.model.rotary_base, rotary_percent=config.model.rotary_percent,
-                attention_backend=config.model.attention_backend, sequence_parallel=config.parallel.sequence_parallel,
-                tie_embeddings=config.model.tie_embeddings)
+    model = config.model
+    return dict(swiglu=model.swiglu, add_bias_linear=model.add_bias_linear, norm_epsilon=model.norm_epsilon,
+                kv_channels=model.kv_channels, rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
+                attention_backend=model.attention_backend, sequence_parallel=config.parallel.sequence_parallel,
+                tie_embeddings=model.tie_embeddings)
 
 
 def flops_per_iteration(config: JobConfig, global_batch: int) -> float:
@@ -260,10 +261,11 @@ def flops_per_iteration(config: JobConfig, global_batch: int) -> float:
 
 def wandb_run(config: JobConfig):  # pragma: no cover - wandb is not installed in CI
     """A Weights & Biases run for ``--wandb-project`` (None without it); rank 0 only."""
-    if config.logging.wandb_project is None:
+    log = config.logging
+    if log.wandb_project is None:
         return None
     import wandb
 
-    return wandb.init(project=config.logging.wandb_project, name=config.logging.wandb_exp_name, dir=config.logging.wandb_save_dir,
+    return wandb.init(project=log.wandb_project, name=log.wandb_exp_name, dir=log.wandb_save_dir,
                       config={k: v for k, v in flag_values(config).items() if isinstance(v, (int, float, str, bool))})
 

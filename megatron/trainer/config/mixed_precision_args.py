@@ -94,9 +94,10 @@ def _resolve_rollback_mode(args: argparse.Namespace, error: type[Exception]) -> 
 
 def loss_scale_config(config: JobConfig, asynchronous: bool) -> LossScaleConfig | None:
     """The stages' loss scaling for this run (None without ``--fp16``)."""
-    if not config.precision.fp16:
+    precision = config.precision
+    if not precision.fp16:
         return None
-    return LossScaleConfig(static_scale=config.precision.loss_scale, initial_scale=config.precision.initial_loss_scale,
-                           min_scale=config.precision.min_loss_scale, window=config.precision.loss_scale_window,
-                           hysteresis=config.precision.hysteresis, stage_local=asynchronous)
+    return LossScaleConfig(static_scale=precision.loss_scale, initial_scale=precision.initial_loss_scale,
+                           min_scale=precision.min_loss_scale, window=precision.loss_scale_window,
+                           hysteresis=precision.hysteresis, stage_local=asynchronous)
 

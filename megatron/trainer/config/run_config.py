@@ -82,11 +82,12 @@ def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
 
 def job_schedule_config(config: JobConfig) -> ScheduleConfig:
     """:func:`schedule_config` of a built (or provisional: the flag checks') job config."""
-    schedule_cls = schedule_class(config.schedule.pipeline_schedule)
-    flags = {flag.dest: config.schedule.flags[flag.dest] for group in schedule_cls.flag_groups for flag in group.flags}
-    return _schedule_config(schedule_cls, config.parallel.pipeline_model_parallel_size,
-                            config.training.num_microbatches, config.training.train_iters,
-                            config.parallel.num_model_chunks, config.parallel.data_parallel_size, flags)
+    parallel, schedule, training = config.parallel, config.schedule, config.training
+    schedule_cls = schedule_class(schedule.pipeline_schedule)
+    flags = {flag.dest: schedule.flags[flag.dest] for group in schedule_cls.flag_groups for flag in group.flags}
+    return _schedule_config(schedule_cls, parallel.pipeline_model_parallel_size,
+                            training.num_microbatches, training.train_iters,
+                            parallel.num_model_chunks, parallel.data_parallel_size, flags)
 
 
 def _schedule_config(schedule_cls: type[Schedule], stages: int, microbatches: int, iterations: int, chunks: int,

@@ -99,6 +99,7 @@ def build_bert_datasets(
 ) -> tuple[Any, Any, Any]:
     """(train, valid, test) BERT datasets, valid/test None when unusable. Collective under
     ``torch.distributed`` (call on every rank); built once per process per configuration."""
+    data, task = config.data, config.task
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
 
     if tokenizer is None:
@@ -106,9 +107,9 @@ def build_bert_datasets(
 
         tokenizer = tokenizer_from_args(config)
     sizes = list(sizes) if sizes is not None else default_split_sizes(config)
-    key = (tuple(config.data.data_path), config.data.split, config.model.seq_length, config.training.seed, tuple(sizes),
-           config.data.data_cache_path, config.task.mask_prob, config.task.short_seq_prob,
-           config.task.bert_binary_head, repr(dict(tokenizer.unique_identifiers)))
+    key = (tuple(data.data_path), data.split, config.model.seq_length, config.training.seed, tuple(sizes),
+           data.data_cache_path, task.mask_prob, task.short_seq_prob,
+           task.bert_binary_head, repr(dict(tokenizer.unique_identifiers)))
     if key not in _BUILT:
         usable = check_bert_data(config)
         _BUILT[key] = build_usable_splits(

@@ -231,6 +231,7 @@ def build_gpt_datasets(
     empty (for some prefix). Collective when ``torch.distributed`` is initialised: call on
     every rank. Built once per process for the same arguments (the emulator builds all
     stages in one process)."""
+    model, data = config.model, config.data
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     if tokenizer is None:
@@ -238,15 +239,15 @@ def build_gpt_datasets(
 
         tokenizer = tokenizer_from_args(config)
     sizes = list(sizes) if sizes is not None else default_split_sizes(config)
-    key = (tuple(config.data.data_path), config.data.split, config.model.seq_length, config.training.seed, tuple(sizes),
-           config.data.data_cache_path, bool(config.data.reset_position_ids),
-           bool(config.data.reset_attention_mask), bool(config.data.eod_mask_loss),
+    key = (tuple(data.data_path), data.split, model.seq_length, config.training.seed, tuple(sizes),
+           data.data_cache_path, bool(data.reset_position_ids),
+           bool(data.reset_attention_mask), bool(data.eod_mask_loss),
            repr(dict(tokenizer.unique_identifiers)))
     if key in _BUILT:
         return _BUILT[key]
-    prefixes, _ = parse_data_path(config.data.data_path)
-    infos = check_data(prefixes, parse_split(config.data.split), config.model.seq_length)
-    usable = usable_splits(infos, config.model.seq_length)
+    prefixes, _ = parse_data_path(data.data_path)
+    infos = check_data(prefixes, parse_split(data.split), model.seq_length)
+    usable = usable_splits(infos, model.seq_length)
     _BUILT[key] = build_usable_splits(GPTDataset, gpt_dataset_config(config, tokenizer), sizes, usable)
     return _BUILT[key]
 

@@ -35,7 +35,8 @@ def enter_process() -> int | None:
 def launch_ranks(config: JobConfig, command: Sequence[str], run_rank: Callable[[], int]) -> int:
     """Run ``config.parallel.world_size`` local ranks of ``run_rank``: forked on CPU (imports already
     paid), fresh ``python *command`` processes on GPU, which read ``args`` from a file."""
+    launch = config.launch
     with job_config_file(config) as env:
-        return launch_local(config.parallel.world_size, list(command), grace_for(config.launch.pipeline_timeout_seconds),
+        return launch_local(config.parallel.world_size, list(command), grace_for(launch.pipeline_timeout_seconds),
                             target=run_rank if runs_on_cpu(config) else None,
-                            forward_signals=launcher_signals(config), max_restarts=config.launch.max_restarts, env=env)
+                            forward_signals=launcher_signals(config), max_restarts=launch.max_restarts, env=env)

@@ -22,7 +22,8 @@ def segment_boundaries(config: JobConfig) -> list[int]:
 
 def microbatches_before(config: JobConfig, iteration: int) -> int:
     """Micro-batches per data-parallel replica consumed by iterations ``[0, iteration)``."""
-    return config.training.batch_plan.consumed_before(iteration) // (config.training.micro_batch_size * config.parallel.data_parallel_size)
+    training = config.training
+    return training.batch_plan.consumed_before(iteration) // (training.micro_batch_size * config.parallel.data_parallel_size)
 
 
 def segment_schedules(config: JobConfig, base: Schedule,

@@ -51,7 +51,8 @@ def rank_transport(task: PretrainTask, config: JobConfig,
     """This rank's groups and transport on the initialised default process group (collective:
     every rank calls it), and the config with the profiled layer split where one was asked
     for. A process may call it again for another run of the same world."""
-    layout = RankLayout(config.parallel.pipeline_model_parallel_size, config.parallel.data_parallel_size, config.parallel.tensor_model_parallel_size)
+    parallel = config.parallel
+    layout = RankLayout(parallel.pipeline_model_parallel_size, parallel.data_parallel_size, parallel.tensor_model_parallel_size)
     # Stage-level collectives (sync optimizer step, DP all-reduce, statistics) fail as fast as
     # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
     p2p_timeout = timedelta(seconds=config.launch.pipeline_timeout_seconds)
@@ -59,7 +60,7 @@ def rank_transport(task: PretrainTask, config: JobConfig,
     groups = StageGroups.create(layout, p2p_timeout, stage_layout, tied_embeddings=config.model.tie_embeddings)
     if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
         # megatron's TP groups (T consecutive ranks, its pipeline size 1) are this layout's.
-        initialize_tensor_parallel(config.parallel.tensor_model_parallel_size)
+        initialize_tensor_parallel(parallel.tensor_model_parallel_size)
         if device.type == "cpu":  # its advice on CUDA streams (TP linears) means nothing on a CPU
             warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
     config = apply_auto_partition(task, config, device)  # --pipeline-partition auto: rank 0 profiles and decides for all

@@ -97,17 +97,19 @@ def run_schedule(config: JobConfig, start: int, resume: ResumePoint | None = Non
     with what the checkpoint's run decided (zb's profiled order) restored. From iteration 0 it is
     a copy of the schedule validation built (built once per process); a resumed run starts its
     schedule at the checkpoint's iteration."""
+    training = config.training
     run = config.run
     if start == 0:
-        schedule = run.run_schedule(config.schedule.pipeline_schedule).segment(0, config.training.train_iters)
+        schedule = run.run_schedule(config.schedule.pipeline_schedule).segment(0, training.train_iters)
     else:
-        resumed = dataclasses.replace(run.schedule, first_iteration=start, num_iterations=config.training.train_iters - start)
+        resumed = dataclasses.replace(run.schedule, first_iteration=start, num_iterations=training.train_iters - start)
         schedule = build_schedule(config.schedule.pipeline_schedule, resumed)
     restore_schedule_state(schedule, resume)
     return schedule
 
 
 def run_plan(config: JobConfig, start: int) -> list[Segment]:
-    return plan_segments(start, config.training.train_iters, config.training.eval_interval, config.checkpoint.save_interval, config.exit.exit_interval,
-                         saving=config.checkpoint.save is not None, check_interval=config.exit.exit_check_every,
+    training, checkpoint, stops = config.training, config.checkpoint, config.exit
+    return plan_segments(start, training.train_iters, training.eval_interval, checkpoint.save_interval, stops.exit_interval,
+                         saving=checkpoint.save is not None, check_interval=stops.exit_check_every,
                          boundaries=segment_boundaries(config))

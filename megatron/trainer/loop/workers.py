@@ -24,6 +24,7 @@ from megatron.trainer.tasks.task import PretrainTask
 
 def build_worker(task: PretrainTask, config: JobConfig, stage: int, dp_rank: int,
                  device: torch.device, isolate_rng: bool) -> StageWorker:
+    training, logging = config.training, config.logging
     chunks = build_tensor_parallel_stage(task, config, stage, device)
     run = config.run
     layout = run.layout
@@ -50,20 +51,20 @@ def build_worker(task: PretrainTask, config: JobConfig, stage: int, dp_rank: int
         chunks=chunks,
         optimizer=optimizer,
         lr_schedule=schedule_cls.stage_lr_schedule(schedule_config, stage, schedule),
-        microbatches_per_update=config.training.num_microbatches,
+        microbatches_per_update=training.num_microbatches,
         batch_fn=task.batch_fn(config, dp_rank, device),
         loss_fn=task.loss_fn,
         activation_shape=shape,
         activation_dtype=dtype,
         device=device,
         clip_grad=config.optimizer.clip_grad,
-        seed=config.training.seed,
-        inject_nonfinite_updates=frozenset(config.logging.nonfinite_injections.get(stage, ())),
-        inject_nonfinite_losses=frozenset(config.logging.inject_nonfinite_loss),
+        seed=training.seed,
+        inject_nonfinite_updates=frozenset(logging.nonfinite_injections.get(stage, ())),
+        inject_nonfinite_losses=frozenset(logging.inject_nonfinite_loss),
         weight_policy=build_weight_policy(schedule_cls.stage_weight_policy(schedule_config, stage), optimizer),
         loss_scaler=_loss_scaler(config, schedule_cls.asynchronous),
-        report_params_norm=config.logging.log_params_norm,
-        measure_activations=config.logging.log_activation_memory,
+        report_params_norm=logging.log_params_norm,
+        measure_activations=logging.log_activation_memory,
         aux_loss_fn=getattr(task, "aux_loss_fn", None),
         tp_group=_tensor_parallel_group(run.tensor_parallel_size),
     )

@@ -20,8 +20,9 @@ OptimizerBuilder = Callable[[JobConfig, NamedParameters, int, "Shards | None"], 
 
 
 def _hyperparameters(config: JobConfig) -> dict:
-    return dict(lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay, betas=(config.optimizer.adam_beta1, config.optimizer.adam_beta2),
-                eps=config.optimizer.adam_eps)
+    optimizer = config.optimizer
+    return dict(lr=optimizer.lr, weight_decay=optimizer.weight_decay, betas=(optimizer.adam_beta1, optimizer.adam_beta2),
+                eps=optimizer.adam_eps)
 
 
 def _adamw(config: JobConfig, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
@@ -32,9 +33,10 @@ def _adamw(config: JobConfig, named: NamedParameters, stage: int, shards: Shards
 def _basis_rotation(config: JobConfig, named: NamedParameters, stage: int,
                     shards: Shards | None) -> StageAdamW:
     """Gets the stage index and the pipeline depth: the stage-aware refresh budget depends on them."""
+    optimizer = config.optimizer
     rotation = RotationConfig(
-        geometry=config.optimizer.rotation_geometry, source=config.optimizer.rotation_source,
-        refresh_interval=config.optimizer.rotation_refresh_interval, stage_aware=config.optimizer.rotation_stage_aware,
+        geometry=optimizer.rotation_geometry, source=optimizer.rotation_source,
+        refresh_interval=optimizer.rotation_refresh_interval, stage_aware=optimizer.rotation_stage_aware,
         stage=stage, num_stages=config.parallel.pipeline_model_parallel_size)
     return BasisRotationAdamW(named, rotation=rotation, **_hyperparameters(config))
 

@@ -54,12 +54,13 @@ def one_part_per_stage(config: JobConfig) -> bool:
 
 def why_not_balanced(config: JobConfig) -> str | None:
     """Why the balanced split cannot apply to this run (None: it can)."""
-    if config.parallel.pipeline_model_parallel_size < 2:
+    model, parallel = config.model, config.parallel
+    if parallel.pipeline_model_parallel_size < 2:
         return "one stage has nothing to balance"
     if model_shape(config) is None:
         return "this task has no transformer layers to count"
-    if config.model.num_layers < config.parallel.pipeline_model_parallel_size:
-        return f"--num-layers {config.model.num_layers} < --pipeline-model-parallel-size {config.parallel.pipeline_model_parallel_size}"
+    if model.num_layers < parallel.pipeline_model_parallel_size:
+        return f"--num-layers {model.num_layers} < --pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}"
     if config.recompute.recompute_granularity == "full":
         return "--recompute-granularity full needs the even split"
     if not one_part_per_stage(config):

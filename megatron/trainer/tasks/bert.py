@@ -107,13 +107,14 @@ class BertTask:
                  split: str = "train") -> Callable[[int], Batch]:
         """Mock masked-LM data without ``--data-path``; else megatron-core's BERT dataset
         (train split), built collectively on every rank like GPT's."""
+        model, task = config.model, config.task
         data: MockBertData | BertDataSource
         if config.data.data_path is None:
-            data = MockBertData(config.model.seq_length, config.model.vocab_size, split_seed(config.training.seed, split),
-                                binary_head=config.task.bert_binary_head, mask_prob=config.task.mask_prob)
+            data = MockBertData(model.seq_length, model.vocab_size, split_seed(config.training.seed, split),
+                                binary_head=task.bert_binary_head, mask_prob=task.mask_prob)
         else:
             dataset = pick_split(build_bert_datasets(config), split, config)
-            data = BertDataSource(dataset, binary_head=config.task.bert_binary_head)
+            data = BertDataSource(dataset, binary_head=task.bert_binary_head)
         return micro_batch_fn(data, config, dp_rank, device)
 
     def loss_fn(self, output: BertOutput, batch: Batch) -> tuple[torch.Tensor, int]:

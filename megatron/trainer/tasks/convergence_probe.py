@@ -119,10 +119,11 @@ def width_flags(config: JobConfig) -> list[str]:
 def run_probe(user_argv: Sequence[str], config: JobConfig, result: CandidateResult, updates: int,
               workdir: Path) -> ProbeResult:
     """Train ``result``'s candidate at the reduced width for ``updates`` updates on the emulator."""
+    model = config.model
     cand = result.candidate
     log = workdir / f"probe-{cand.schedule}-{cand.pipeline_model_parallel_size}.jsonl"
     script = Path(__file__).resolve().parents[3] / "pretrain_gpt.py"
-    command = [sys.executable, str(script), *user_argv, *width_flags(config), *candidate_flags(cand, config.model.num_layers),
+    command = [sys.executable, str(script), *user_argv, *width_flags(config), *candidate_flags(cand, model.num_layers),
                "--data-parallel-size", "1", "--tensor-model-parallel-size", "1",
                "--global-batch-size", str(cand.microbatches * cand.micro_batch_size),
                "--pipeline-executor", "emulator", "--train-iters", str(updates), "--log-interval", "1",
@@ -134,7 +135,7 @@ def run_probe(user_argv: Sequence[str], config: JobConfig, result: CandidateResu
     records = [json.loads(line) for line in log.read_text().splitlines()]
     losses = [float(r["loss"]) for r in records if "loss" in r and "eval_split" not in r]
     return ProbeResult(cand.schedule, cand.pipeline_model_parallel_size, cand.microbatches, losses,
-                       cand.microbatches * cand.micro_batch_size * config.model.seq_length, result.tokens_per_s)
+                       cand.microbatches * cand.micro_batch_size * model.seq_length, result.tokens_per_s)
 
 
 def probe(user_argv: Sequence[str], config: JobConfig, ranked_sync: Sequence[CandidateResult],

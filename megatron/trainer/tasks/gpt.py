@@ -55,9 +55,10 @@ class GPTTask:
         Building the real dataset is collective under torch.distributed (rank 0 writes the
         index cache first), so every rank builds its source here, at the same point.
         """
+        model = config.model
         data: MockGPTData | GPTDataSource
         if config.data.data_path is None:
-            data = MockGPTData(config.model.seq_length, config.model.vocab_size, split_seed(config.training.seed, split))
+            data = MockGPTData(model.seq_length, model.vocab_size, split_seed(config.training.seed, split))
         else:
             dataset = pick_split(build_gpt_datasets(config), split, config)
             data = GPTDataSource(dataset, keep_attention_mask=bool(config.data.reset_attention_mask))

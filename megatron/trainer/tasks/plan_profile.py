@@ -46,6 +46,7 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 
 def profile_command(config: JobConfig) -> list[str]:
     """The one-process emulator run that profiles ``args``' model (module docstring)."""
+    training = config.training
     script = Path(__file__).resolve().parents[3] / "pretrain_gpt.py"
     cmd = [sys.executable, str(script)]
     flags = flag_values(config)
@@ -56,8 +57,8 @@ def profile_command(config: JobConfig) -> list[str]:
     for flag in ("bf16", "fp16", "swiglu"):
         if flags.get(flag):
             cmd.append("--" + flag)
-    m = max(2, config.training.global_batch_size // (config.training.micro_batch_size * config.parallel.data_parallel_size))
-    return cmd + ["--global-batch-size", str(m * config.training.micro_batch_size), "--data-parallel-size", "1",
+    m = max(2, training.global_batch_size // (training.micro_batch_size * config.parallel.data_parallel_size))
+    return cmd + ["--global-batch-size", str(m * training.micro_batch_size), "--data-parallel-size", "1",
                   "--pipeline-model-parallel-size", "2", "--pipeline-schedule", ZB1P.name,
                   "--zb-profile-iters", str(PROFILE_ITERS), "--pipeline-executor", "emulator",
                   "--train-iters", str(PROFILE_ITERS + 1), "--mock-data", "--pipeline-partition", "even",
@@ -130,8 +131,9 @@ def profile_unit_costs(config: JobConfig, threads: int) -> UnitCosts:
     ``threads``: the CPU threads per rank of the runs being planned (:func:`rank_threads` of
     their local ranks). The emulator is one process and would otherwise take every core, timing
     ops several times faster than a rank that shares the host with the others."""
-    if config.model.num_layers % 2:
-        raise ValueError(f"--profile splits the model over 2 stages evenly; --num-layers {config.model.num_layers} is odd")
+    model = config.model
+    if model.num_layers % 2:
+        raise ValueError(f"--profile splits the model over 2 stages evenly; --num-layers {model.num_layers} is odd")
     with tempfile.TemporaryDirectory() as tmp:
         log, trace = Path(tmp) / "profile.jsonl", Path(tmp) / "trace"
         command = profile_command(config) + ["--num-threads", str(threads), "--log-activation-memory",
@@ -142,7 +144,7 @@ def profile_unit_costs(config: JobConfig, threads: int) -> UnitCosts:
     for line in run.stdout.splitlines():
         if MARKER in line:
             decision = json.loads(line.split(MARKER, 1)[1])
-            half = config.model.num_layers // 2
+            half = model.num_layers // 2
             unit = from_two_stage_profile(decision["costs"], (half, half), config.training.micro_batch_size,
                                           source="profiled:this host")
             measured = measured_activations(decision, records, half)

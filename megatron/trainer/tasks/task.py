@@ -54,7 +54,8 @@ def split_seed(seed: int, split: str) -> int:
 
 def pick_split(datasets: tuple[object | None, object | None, object | None], split: str, config: JobConfig) -> object:
     """The dataset of ``split`` from megatron-core's (train, valid, test); one-line error if empty."""
+    data = config.data
     dataset = datasets[SPLITS.index(split)]
     if dataset is None:
-        raise ValueError(f"--split {config.data.split} leaves no {split} data in --data-path {' '.join(config.data.data_path)}")
+        raise ValueError(f"--split {data.split} leaves no {split} data in --data-path {' '.join(data.data_path)}")
     return dataset
