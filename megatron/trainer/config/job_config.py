@@ -328,6 +328,9 @@ SECTION_TYPES: dict[str, type] = {
 }
 # Namespace attributes with another name in the config (the namespace's are private).
 RENAMED = {"_balanced_split": "balanced_split", "_memory_estimate": "memory_estimate", "_memory_room": "memory_room"}
+# Fields that are no flag's value: the schedule's flag dict itself, and the launch checks'
+# bookkeeping (private on the namespace, so the banner never listed them).
+NOT_FLAGS = frozenset({"flags", *RENAMED.values()})
 # Namespace attributes that are not configuration: the task's validation hooks.
 NOT_CONFIG = frozenset({"task_checks", "task_options"})
 
@@ -344,7 +347,8 @@ def flag_values(config: JobConfig) -> dict[str, Any]:
     flag's ``dest``: the banner's argument list, and what a derived command line forwards."""
     values: dict[str, Any] = {}
     for section in (*(getattr(config, name) for name in SECTION_TYPES), config.task):
-        values.update((f.name, getattr(section, f.name)) for f in dataclasses.fields(section))
+        values.update((f.name, getattr(section, f.name)) for f in dataclasses.fields(section)
+                      if f.name not in NOT_FLAGS)
     values.update(config.schedule.flags)
     return values
 
