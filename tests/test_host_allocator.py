@@ -53,18 +53,18 @@ def test_retain_without_glibc_says_it_did_nothing(monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_flag_reaches_the_banner_arguments() -> None:
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_job_config
     from megatron.trainer.loop.run_banner import argument_lines
 
-    args = parse_args(["--mock-data", "--host-malloc", "system"])
+    config = parse_job_config(["--mock-data", "--host-malloc", "system"])
     from megatron.trainer.loop.training import prepare_host
 
     import torch
     threads = torch.get_num_threads()
     try:
-        prepare_host(args, 1)
+        config = prepare_host(config, 1)
     finally:
         torch.set_num_threads(threads)
-    lines = argument_lines(args)
+    lines = argument_lines(config)
     assert any(line.split()[0] == "host_malloc" and line.endswith(" system") for line in lines)
     assert any(line.split()[0] == "host_malloc_effect" and "system" in line for line in lines)

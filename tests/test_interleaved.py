@@ -21,7 +21,7 @@ from megatron.pipeline.ir import BW, F, OPT, OpKind, PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.interleaved import Interleaved1F1B, forward_slots, warmup_forwards
 from megatron.pipeline.schedule_check import check_schedule, check_streams
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.config.arguments import parse_args, parse_job_config
 from tests.async_helpers import Reference, assert_trains_like, emulate, emulated_reference, final_params, run_pretrain, tiny_args
 
 NAME = "interleaved-1f1b"
@@ -222,9 +222,10 @@ def test_bad_interleaving_flags_exit_2_with_one_line(case: str, capsys: pytest.C
 def test_chunks_hold_the_layers_of_their_virtual_stages(megatron_world1: None, no_torchrun_env: None) -> None:
     from megatron.trainer.tasks.gpt import GPTTask
 
-    args = parse_args([*tiny_args(2, NAME, 2, 1), "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"])
+    config = parse_job_config([*tiny_args(2, NAME, 2, 1), "--num-layers", "8",
+                               "--num-layers-per-virtual-pipeline-stage", "2"])
     task = GPTTask()
-    stages = [task.build_stage(args, s, torch.device("cpu")) for s in range(2)]
+    stages = [task.build_stage(config, s, torch.device("cpu")) for s in range(2)]
     assert [[c.layers for c in chunks] for chunks in stages] == [[range(0, 2), range(4, 6)], [range(2, 4), range(6, 8)]]
     assert [[(c.is_first, c.is_last) for c in chunks] for chunks in stages] == \
         [[(True, False), (False, False)], [(False, False), (False, True)]]

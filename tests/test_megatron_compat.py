@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.config.arguments import build_parser, parse_args, parse_job_config
+from megatron.trainer.config.job_config import build_job_config
 from megatron.trainer.tasks.bert import BertTask
 from megatron.trainer.config.megatron_compat_args import DEFAULT_BEHAVIOUR_FLAGS, REFUSED_FLAGS
 from megatron.trainer.tasks.synthetic import SyntheticCostTask
@@ -203,10 +204,11 @@ def test_rampup_segments_read_each_sample_once_per_calculator(schedule):
     assert len(set(expected)) > 1
     assert [args.batch_plan.global_batch(i) for i in range(6)] == expected
     workers = [types.SimpleNamespace(setup=types.SimpleNamespace(batch_fn=lambda mb: mb, microbatches_per_update=0))]
+    config = build_job_config(args)
     base = build_schedule(schedule, schedule_config(args))
-    schedule_for = segment_schedules(args, base, workers)
+    schedule_for = segment_schedules(config, base, workers)
     read, consumed = [], 0
-    for seg in plan_segments(0, 6, boundaries=segment_boundaries(args)):
+    for seg in plan_segments(0, 6, boundaries=segment_boundaries(config)):
         current = schedule_for(seg.first, seg.end - seg.first)
         assert workers[0].setup.microbatches_per_update == expected[seg.first]
         ops = [op for s in range(pp) for op in current.stage_ops(s)]
@@ -326,13 +328,13 @@ def test_params_norm_and_throughput_are_logged(tmp_path):
     assert last["tflops_per_gpu"] > 0
     # 6 x matrix parameters x tokens is the usual estimate; ours also counts attention scores
     # and leaves out the input embedding (a lookup, no multiply).
-    args = parse_args(argv)
+    config = parse_job_config(argv)
     matrices = {n: p for w in workers for n, p in GPTTask().named_parameters(w.setup.chunks)
                 if p.dim() == 2 and "embedding" not in n}
     matrices["output_layer"] = matrices.get("embedding.word_embeddings.weight", workers[0].setup.chunks[0].model
                                             .embedding.word_embeddings.weight)  # tied: the output multiplies it
-    assert flops_per_iteration(args, 1) == pytest.approx(6 * sum(p.numel() for p in matrices.values())
-                                                         * args.seq_length, rel=0.3)
+    assert flops_per_iteration(config, 1) == pytest.approx(6 * sum(p.numel() for p in matrices.values())
+                                                           * config.model.seq_length, rel=0.3)
 
 
 def test_wandb_receives_every_logged_record():

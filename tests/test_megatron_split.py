@@ -13,6 +13,7 @@ import pytest
 
 from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import build_job_config
 from megatron.trainer.config.megatron_split_args import accounted_split, layout_split, parse_layout, uneven_split
 from megatron.trainer.tasks.balanced_partition import layer_split_line
 
@@ -80,7 +81,7 @@ def test_flags_set_the_split_and_the_banner_names_them() -> None:
     first_last = _args("--num-layers", "12", "--pipeline-model-parallel-size", "4",
                        "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2")
     assert first_last.pipeline_layer_split == [2, 4, 4, 2]
-    assert layer_split_line(first_last) == ("layer split: [2, 4, 4, 2] (--decoder-first-pipeline-num-layers "
+    assert layer_split_line(build_job_config(first_last)) == ("layer split: [2, 4, 4, 2] (--decoder-first-pipeline-num-layers "
                                             "--decoder-last-pipeline-num-layers)")
     accounted = _args("--num-layers", "14", "--pipeline-model-parallel-size", "4",
                       "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
@@ -92,7 +93,7 @@ def test_flags_set_the_split_and_the_banner_names_them() -> None:
     virtual = _args("--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
                     "--pipeline-schedule", "interleaved-1f1b", "--pipeline-model-parallel-layout", "Ett|(tt|)*2,ttL")
     assert virtual.num_model_chunks == 2 and virtual.num_layers_per_virtual_pipeline_stage == 2
-    assert layer_split_line(virtual).endswith("(--pipeline-model-parallel-layout)")
+    assert layer_split_line(build_job_config(virtual)).endswith("(--pipeline-model-parallel-layout)")
 
 
 def test_a_layout_split_trains(megatron_world1) -> None:

@@ -101,16 +101,16 @@ class LastUseTracker:
 
 
 def _workers(num_stages: int, microbatches: int):
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_job_config
     from megatron.trainer.loop.training import build_worker
     from megatron.trainer.tasks.gpt import GPTTask
 
-    args = parse_args([
+    config = parse_job_config([
         *TINY_GPT, "--num-layers", str(2 * num_stages), "--pipeline-model-parallel-size", str(num_stages),
         "--global-batch-size", str(microbatches), "--train-iters", "2", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--pipeline-executor", "emulator", "--device", "cpu",
     ])
-    return [build_worker(GPTTask(), args, s, 0, torch.device("cpu"), isolate_rng=True) for s in range(num_stages)]
+    return [build_worker(GPTTask(), config, s, 0, torch.device("cpu"), isolate_rng=True) for s in range(num_stages)]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

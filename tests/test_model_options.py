@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.config.arguments import build_parser, parse_job_config
 from megatron.trainer.tasks.bert import BertTask
 from megatron.trainer.tasks.gpt import GPTTask
 from tests.adam_bounds import assert_within_bounds, gpt_gradient_noise, trace_adam
@@ -29,8 +29,8 @@ def _build(task, *flags: str) -> dict[str, torch.nn.Module | torch.Tensor]:
     """The single stage's megatron-core model and its parameters by global name."""
     parser = build_parser()
     task.add_arguments(parser)
-    args = parse_args([*BASE, *flags], parser)
-    (chunk,) = task.build_stage(args, 0, torch.device("cpu"))
+    config = parse_job_config([*BASE, *flags], parser)
+    (chunk,) = task.build_stage(config, 0, torch.device("cpu"))
     return {"model": chunk.model, **{name: p for name, p in chunk.global_named_parameters()}}
 
 

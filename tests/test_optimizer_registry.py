@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.config.arguments import parse_args, parse_job_config
 from megatron.trainer.optim.registry import OPTIMIZERS, build_optimizer
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_registered_optimizer_parses_builds_and_steps_through_data(name):
-    args = parse_args(["--mock-data", "--optimizer", name, "--pipeline-executor", "emulator"])
+    config = parse_job_config(["--mock-data", "--optimizer", name, "--pipeline-executor", "emulator"])
     weight = torch.nn.Parameter(torch.ones(4, 3))
-    optimizer = build_optimizer(args, [("layer.weight", weight)], stage=0)
+    optimizer = build_optimizer(config, [("layer.weight", weight)], stage=0)
     weight.grad = torch.full_like(weight, 0.5)
     version = weight._version
     optimizer.step(lr=1e-2)
