@@ -17,7 +17,7 @@ from async_helpers import emulate, read_log, tiny_args
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules.evaluation import evaluation_streams
 from megatron.pipeline.schedule_check import check_streams
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.config.arguments import parse_args, parse_job_config
 from megatron.trainer.tasks.gpt import GPTTask
 from megatron.trainer.loop.segments import Segment, plan_segments
 
@@ -27,19 +27,19 @@ EVAL_ITERS = 2
 def _run(tmp_path: Path, name: str, stages: int, schedule: str, *extra: str):
     log = tmp_path / f"{name}.jsonl"
     argv = [*tiny_args(stages, schedule, 4, 10, "--num-layers", "4"), "--log-json", str(log), *extra]
-    return emulate(argv), read_log(log), parse_args(argv)
+    return emulate(argv), read_log(log), parse_job_config(argv)
 
 
-def _direct_loss(workers, args, split: str) -> float:
+def _direct_loss(workers, config, split: str) -> float:
     """Token-weighted loss of ``split``'s first --eval-iters batches, chaining the chunks by hand."""
     task = GPTTask()
-    batch_fn = task.batch_fn(args, 0, torch.device("cpu"), split=split)
+    batch_fn = task.batch_fn(config, 0, torch.device("cpu"), split=split)
     loss_sum, tokens = 0.0, 0
     for w in workers:
         for chunk in w.setup.chunks:
             chunk.eval()
     with torch.no_grad():
-        for mb in range(EVAL_ITERS * args.num_microbatches):
+        for mb in range(EVAL_ITERS * config.training.num_microbatches):
             batch, x = batch_fn(mb), None
             for w in workers:
                 x = w.setup.chunks[0](x, batch)
@@ -55,12 +55,12 @@ def _evals(records: list[dict], split: str = "valid") -> dict[int, float]:
 
 @pytest.mark.parametrize("schedule", ["1f1b", "paci"])
 def test_pipeline_evaluation_equals_direct_evaluation(megatron_world1, tmp_path: Path, schedule: str) -> None:
-    workers, records, args = _run(tmp_path, "run", 4, schedule, "--eval-interval", "4",
+    workers, records, config = _run(tmp_path, "run", 4, schedule, "--eval-interval", "4",
                                   "--eval-iters", str(EVAL_ITERS))
     valid, test = _evals(records), _evals(records, "test")
     assert sorted(valid) == [4, 8, 10] and sorted(test) == [10]
-    assert valid[10] == pytest.approx(_direct_loss(workers, args, "valid"), rel=1e-6)
-    assert test[10] == pytest.approx(_direct_loss(workers, args, "test"), rel=1e-6)
+    assert valid[10] == pytest.approx(_direct_loss(workers, config, "valid"), rel=1e-6)
+    assert test[10] == pytest.approx(_direct_loss(workers, config, "test"), rel=1e-6)
     assert valid[10] != test[10]  # different data
     final = [r for r in records if r.get("eval_split") == "valid" and r["iteration"] == 10][0]
     assert final["eval_ppl"] == pytest.approx(math.exp(final["eval_loss"]))
