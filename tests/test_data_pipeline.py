@@ -16,7 +16,8 @@ import numpy
 import pytest
 import torch
 
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.config.arguments import parse_args, parse_job_config
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.data.corpus import pydoc_corpus, write_jsonl
 from megatron.trainer.tokenizer import TokenizerError, build_tokenizer
 
@@ -281,40 +282,40 @@ def test_vocab_size_comes_from_the_tokenizer(corpus, capsys, _no_torchrun_env) -
 
 # -- (d) datasets, blending ------------------------------------------------------------------
 
-def _data_args(corpus: argparse.Namespace, *data: str, extra: tuple[str, ...] = ()) -> argparse.Namespace:
-    return parse_args([*_train_flags(corpus, *data), "--train-iters", "10", *extra])
+def _data_config(corpus: argparse.Namespace, *data: str, extra: tuple[str, ...] = ()) -> JobConfig:
+    return parse_job_config([*_train_flags(corpus, *data), "--train-iters", "10", *extra])
 
 
 def test_samples_are_a_pure_function_of_the_index(corpus, megatron_world1, _no_torchrun_env) -> None:
     from megatron.trainer.data import gpt_dataset
     from megatron.trainer.tasks.gpt import GPTTask
 
-    args = _data_args(corpus, corpus.topics_prefix)
-    train, valid, test = gpt_dataset.build_gpt_datasets(args)
+    config = _data_config(corpus, corpus.topics_prefix)
+    train, valid, test = gpt_dataset.build_gpt_datasets(config)
     assert len(train) >= 10 * 8 and valid is not None
     assert test is None  # 969,30,1 of 79 documents leaves no test document
-    batch = GPTTask().batch_fn(args, 0, torch.device("cpu"))(3)
+    batch = GPTTask().batch_fn(config, 0, torch.device("cpu"))(3)
     assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
     assert batch["tokens"].shape == (2, 32) and batch["tokens"].dtype == torch.int64
     assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
     assert int(batch["tokens"].max()) < 600
     gpt_dataset._BUILT.clear()  # a fresh build (from the cache) gives the same micro-batch
-    again = GPTTask().batch_fn(args, 0, torch.device("cpu"))(3)
+    again = GPTTask().batch_fn(config, 0, torch.device("cpu"))(3)
     assert all(torch.equal(batch[k], again[k]) for k in batch)
     # Data-parallel replicas read disjoint samples of the same global micro-batch.
-    dp_args = _data_args(corpus, corpus.topics_prefix, extra=("--data-parallel-size", "2", "--global-batch-size", "8"))
-    r0 = GPTTask().batch_fn(dp_args, 0, torch.device("cpu"))(1)
-    r1 = GPTTask().batch_fn(dp_args, 1, torch.device("cpu"))(1)
+    dp_config = _data_config(corpus, corpus.topics_prefix, extra=("--data-parallel-size", "2", "--global-batch-size", "8"))
+    r0 = GPTTask().batch_fn(dp_config, 0, torch.device("cpu"))(1)
+    r1 = GPTTask().batch_fn(dp_config, 1, torch.device("cpu"))(1)
     assert not torch.equal(r0["tokens"], r1["tokens"])
 
 
 def test_eod_flags_reset_positions_mask_loss_and_attention(corpus, megatron_world1, _no_torchrun_env) -> None:
     from megatron.trainer.data.gpt_dataset import GPTDataSource, build_gpt_datasets
 
-    args = _data_args(corpus, corpus.paragraphs_prefix, extra=(
+    config = _data_config(corpus, corpus.paragraphs_prefix, extra=(
         "--reset-position-ids", "--eod-mask-loss", "--reset-attention-mask"))
     eod = _gpt2(corpus).eod
-    source = GPTDataSource(build_gpt_datasets(args)[0], keep_attention_mask=True)
+    source = GPTDataSource(build_gpt_datasets(config)[0], keep_attention_mask=True)
     batch = source.micro_batch(range(8))
     assert batch["attention_mask"].shape == (8, 1, 32, 32) and batch["attention_mask"].dtype == torch.bool
     b, i = (batch["tokens"] == eod).nonzero()[0].tolist()  # paragraphs are short: EODs abound
@@ -328,9 +329,9 @@ def test_blending_two_prefixes_with_weights(corpus, megatron_world1, _no_torchru
     from megatron.core.datasets.blended_dataset import BlendedDataset
     from megatron.trainer.data.gpt_dataset import GPTDataSource, build_gpt_datasets
 
-    args = _data_args(corpus, "3", corpus.topics_prefix, "1", corpus.paragraphs_prefix,
-                      extra=("--split", "90,10,0", "--train-iters", "50"))
-    train, valid, test = build_gpt_datasets(args)
+    config = _data_config(corpus, "3", corpus.topics_prefix, "1", corpus.paragraphs_prefix,
+                        extra=("--split", "90,10,0", "--train-iters", "50"))
+    train, valid, test = build_gpt_datasets(config)
     assert isinstance(train, BlendedDataset) and isinstance(valid, BlendedDataset) and test is None
     assert len(train) == 50 * 8
     ids = numpy.array([int(train[i]["dataset_id"]) for i in range(len(train))])
