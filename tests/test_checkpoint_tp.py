@@ -12,7 +12,6 @@ through ``pretrain_gpt.py`` (its TP half skips while the runtime refuses TP).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -29,7 +28,8 @@ from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.checkpointing import reshard
 from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
 from megatron.trainer.checkpointing.shards import ShardError, plan_region, shard_entry
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.config.arguments import parse_args, parse_job_config
+from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.trainer.models.tensor_parallel import ShardLayout, take_shard
 
 REL_TOL = 1e-5
@@ -136,7 +136,7 @@ def test_plan_across_tp_sizes(tmp_path: Path) -> None:
     state is reset (notice); basis rotation's per-shard bases are refused unless --no-load-optim."""
     metadata = _tp2_metadata()
     ours = {**metadata["signature"], "tensor_model_parallel_size": 1}
-    plan = reshard.plan(metadata, ours, parse_args(MODEL), "here")
+    plan = reshard.plan(metadata, ours, parse_job_config(MODEL), "here")
     assert plan.holders["w"] == (rank_file_name(0, 0, 0, 2), rank_file_name(0, 0, 1, 2))
     assert plan.region("b", None, 0, 1, (2,)).files == [rank_file_name(0, 0, 0, 2)]
     assert plan.region("w", ShardLayout(0, 1), 0, 1, (8, 2)).files == list(plan.holders["w"])
@@ -145,10 +145,10 @@ def test_plan_across_tp_sizes(tmp_path: Path) -> None:
     assert "tensor-parallel size changed: dropout RNG streams restart" in plan.notices[1]
     rotation = ("--optimizer", "basis-rotation", "--load", str(tmp_path))
     with pytest.raises(reshard.ReshardError, match="basis rotation's bases belong to one tensor-parallel shard"):
-        reshard.plan(metadata, ours, parse_args([*MODEL, *rotation]), "here")
-    assert not reshard.plan(metadata, ours, parse_args([*MODEL, *rotation, "--no-load-optim"]), "here").load_optimizer
+        reshard.plan(metadata, ours, parse_job_config([*MODEL, *rotation]), "here")
+    assert not reshard.plan(metadata, ours, parse_job_config([*MODEL, *rotation, "--no-load-optim"]), "here").load_optimizer
     same = reshard.plan(metadata, {**ours, "tensor_model_parallel_size": 2, "num_microbatches": 1,
-                                   "micro_batch_size": 2}, parse_args(MODEL), "here")
+                                   "micro_batch_size": 2}, parse_job_config(MODEL), "here")
     assert same.keeps_rank_state and same.stage_file(0, 0, 1) == rank_file_name(0, 0, 1, 2)
     assert same.region("w", ShardLayout(0, 1), 1, 2, (4, 2)).files == [rank_file_name(0, 0, 1, 2)]
 
@@ -161,7 +161,7 @@ def test_plan_reshards_vocabulary_padding() -> None:
     metadata["index"] = {f: {**entry, "params": {"emb": shard_entry((32, 2), ShardLayout(0, 1), r, 2)}}
                          for r, (f, entry) in enumerate(sorted(metadata["index"].items()))}
     ours = {**metadata["signature"], "tensor_model_parallel_size": 4, "vocab_size": 128}
-    plan = reshard.plan(metadata, ours, parse_args(MODEL), "here")
+    plan = reshard.plan(metadata, ours, parse_job_config(MODEL), "here")
     assert plan.vocab == (64, 128) and any("padded vocabulary 64 -> 128" in n for n in plan.notices)
     assert plan.region("emb", ShardLayout(0, 1), 1, 4, (32, 2)).files == [rank_file_name(0, 0, 1, 2)]
     assert plan.region("emb", ShardLayout(0, 1), 2, 4, (32, 2)).files == []  # rows 64..95: all padding
@@ -174,18 +174,17 @@ def test_checkpoints_before_tp_are_tp1() -> None:
 
 # -- real TP stages on two gloo ranks -----------------------------------------------------------
 
-def _args(tp: int, pp: int = 1, *more: str) -> argparse.Namespace:
+def _config(tp: int, pp: int = 1, *more: str) -> JobConfig:
     """Parsed at TP 1 (the runtime's parser refuses TP until it runs TP), then set to ``tp``."""
-    args = parse_args([*MODEL, "--pipeline-model-parallel-size", str(pp), *more])
-    args.tensor_model_parallel_size = tp
-    return args
+    config = parse_job_config([*MODEL, "--pipeline-model-parallel-size", str(pp), *more])
+    return replace_in(config, "parallel", tensor_model_parallel_size=tp)
 
 
-def _worker(args: argparse.Namespace, stage: int = 0):
+def _worker(config: JobConfig, stage: int = 0):
     from megatron.trainer.loop.training import build_worker
     from megatron.trainer.tasks.gpt import GPTTask
 
-    return build_worker(GPTTask(), args, stage, 0, torch.device("cpu"), isolate_rng=True)
+    return build_worker(GPTTask(), config, stage, 0, torch.device("cpu"), isolate_rng=True)
 
 
 def _loss(workers: list, batch: dict) -> torch.Tensor:
@@ -206,7 +205,7 @@ def _train_step(worker, batch: dict) -> None:
         p.grad = None
 
 
-def _save(workers: list, args: argparse.Namespace, root: Path, iteration: int, rank: int, writers: int) -> None:
+def _save(workers: list, config: JobConfig, root: Path, iteration: int, rank: int, writers: int) -> None:
     """The runtime's save sequence: staging by the coordinator, each TP rank's files, publish."""
     import torch.distributed as dist
     from megatron.trainer.tasks.gpt import GPTTask
@@ -218,17 +217,17 @@ def _save(workers: list, args: argparse.Namespace, root: Path, iteration: int, r
         ckpt.write_rank_file(root, iteration, worker.stage, 0, ckpt.stage_state(GPTTask(), worker))
     dist.barrier()
     if rank == 0:
-        ckpt.publish(root, iteration, ckpt.run_signature(GPTTask(), args), args.pipeline_model_parallel_size, 1)
+        ckpt.publish(root, iteration, ckpt.run_signature(GPTTask(), config), config.parallel.pipeline_model_parallel_size, 1)
     dist.barrier()
 
 
-def _load(args: argparse.Namespace, root: Path, stages: int = 1) -> tuple[list, ckpt.ResumePoint]:
+def _load(config: JobConfig, root: Path, stages: int = 1) -> tuple[list, ckpt.ResumePoint]:
     from megatron.trainer.tasks.gpt import GPTTask
 
-    args.load = str(root)
-    point = ckpt.check_resume(GPTTask(), args)
+    config = replace_in(config, "checkpoint", load=str(root))
+    point = ckpt.check_resume(GPTTask(), config)
     assert point is not None
-    workers = [_worker(args, s) for s in range(stages)]
+    workers = [_worker(config, s) for s in range(stages)]
     for w in workers:
         ckpt.load_stage_state(GPTTask(), w, point, 0)
     return workers, point
@@ -276,14 +275,14 @@ def _tp_ranks(rank: int, out: str) -> None:
 
     root = Path(out)
     task = GPTTask()
-    batches = [task.batch_fn(_args(1), 0, torch.device("cpu"))(m) for m in range(3)]
+    batches = [task.batch_fn(_config(1), 0, torch.device("cpu"))(m) for m in range(3)]
 
     # TP 2: two updates (moments non-zero), saved at "iteration 2"; the next batch's loss.
     initialize_tensor_parallel(2)
-    w2 = _worker(_args(2))
+    w2 = _worker(_config(2))
     for batch in batches[:2]:
         _train_step(w2, batch)
-    _save([w2], _args(2), root / "tp2", 2, rank, writers=2)
+    _save([w2], _config(2), root / "tp2", 2, rank, writers=2)
     full2, shards2 = _full_state(w2), {n: p.detach().clone() for n, p in task.named_parameters(w2.setup.chunks)}
     with torch.no_grad():
         next_loss2 = _loss([w2], batches[2])
@@ -293,7 +292,7 @@ def _tp_ranks(rank: int, out: str) -> None:
     assert fc1["tensor_parallel"] == {"dim": 0, "stride": 2, "rank": 1, "size": 2}, fc1
 
     # The same layout: file for file (no reshard plan), bitwise.
-    same, point = _load(_args(2), root / "tp2")
+    same, point = _load(_config(2), root / "tp2")
     assert point.reshard is None
     for name, p in task.named_parameters(same[0].setup.chunks):
         assert torch.equal(p.detach(), shards2[name]), name
@@ -301,7 +300,7 @@ def _tp_ranks(rank: int, out: str) -> None:
     # TP 2 -> TP 1, one stage and split over two stages: the gathered tensors, the same loss.
     initialize_tensor_parallel(1)
     for stages in (1, 2):
-        workers, point = _load(_args(1, stages), root / "tp2", stages)
+        workers, point = _load(_config(1, stages), root / "tp2", stages)
         assert point.reshard is not None and not point.reshard.same_tp
         loaded = {k: v for w in workers for k, v in _full_state(w).items()}
         assert loaded.keys() == full2.keys()
@@ -310,14 +309,14 @@ def _tp_ranks(rank: int, out: str) -> None:
         assert all(w.setup.optimizer.step_count == 2 for w in workers)
         with torch.no_grad():
             assert _close(_loss(workers, batches[2]), next_loss2), "first loss after loading at TP1"
-    _save(workers, _args(1, 2), root / "tp1pp2", 2, rank, writers=1)  # (TP1, PP2), for TP2 x PP1 below
-    fresh, load = _worker(_args(1)), _args(1, 1, "--load", str(root / "tp2"), "--no-load-optim")
+    _save(workers, _config(1, 2), root / "tp1pp2", 2, rank, writers=1)  # (TP1, PP2), for TP2 x PP1 below
+    fresh, load = _worker(_config(1)), _config(1, 1, "--load", str(root / "tp2"), "--no-load-optim")
     ckpt.load_stage_state(task, fresh, ckpt.check_resume(task, load), 0, optimizer=False)  # weights only
     assert fresh.setup.optimizer.step_count == 0
     assert all(torch.equal(v, full2[k]) for k, v in _full_state(fresh).items() if "/" not in k)
-    w1 = _load(_args(1), root / "tp2")[0][0]
+    w1 = _load(_config(1), root / "tp2")[0][0]
     _train_step(w1, batches[2])  # TP 1 moves on, then saves (rank 0 writes, TP 1 has one file)
-    _save([w1], _args(1), root / "tp1", 3, rank, writers=1)
+    _save([w1], _config(1), root / "tp1", 3, rank, writers=1)
     full1 = _full_state(w1)
     with torch.no_grad():
         loss1 = _loss([w1], batches[0])
@@ -326,7 +325,7 @@ def _tp_ranks(rank: int, out: str) -> None:
     # from one stage and from two (stage files joined and cut into TP shards at once).
     initialize_tensor_parallel(2)
     for checkpoint, full, batch, loss in (("tp1", full1, batches[0], loss1), ("tp1pp2", full2, batches[2], next_loss2)):
-        (w2b,), point = _load(_args(2), root / checkpoint)
+        (w2b,), point = _load(_config(2), root / checkpoint)
         assert point.reshard is not None
         _assert_shards_of(task, w2b, full, rank)
         with torch.no_grad():
