@@ -56,7 +56,7 @@ def _evals(records: list[dict], split: str = "valid") -> dict[int, float]:
 @pytest.mark.parametrize("schedule", ["1f1b", "paci"])
 def test_pipeline_evaluation_equals_direct_evaluation(megatron_world1, tmp_path: Path, schedule: str) -> None:
     workers, records, config = _run(tmp_path, "run", 4, schedule, "--eval-interval", "4",
-                                  "--eval-iters", str(EVAL_ITERS))
+                                    "--eval-iters", str(EVAL_ITERS))
     valid, test = _evals(records), _evals(records, "test")
     assert sorted(valid) == [4, 8, 10] and sorted(test) == [10]
     assert valid[10] == pytest.approx(_direct_loss(workers, config, "valid"), rel=1e-6)
