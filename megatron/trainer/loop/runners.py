@@ -120,7 +120,7 @@ class PipelineRunner:
         return loss_sum, int(tokens)
 
     def save(self, iteration: int) -> None:
-        root, transport = self.args.save, self.transport
+        root, transport = self.args.checkpoint.save, self.transport
         if transport.is_coordinator:
             ckpt.prepare_staging(root, iteration)
         transport.barrier()
