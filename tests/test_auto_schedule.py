@@ -178,16 +178,24 @@ def test_auto_on_a_cpu_host_with_more_ranks_than_cores_gets_the_shared_cores(mon
     """4 stages x 2 replicas on 4 cores: each pipeline's 4 stages share 4 * 4 / 8 = 2 cores; with
     a core per rank there is no sharing (None); a non-auto schedule is left alone."""
     from megatron.pipeline.planner.auto_schedule import HOST_CORES_OPTION
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_job_config
     from megatron.trainer.launch.auto_cores import apply_auto_host_cores, pipeline_cores
+
+    def host_cores(argv: list[str]) -> float | None:
+        """The cores apply_auto_host_cores gives the run (its config's option; None: left alone)."""
+        config = parse_job_config(argv)
+        applied = apply_auto_host_cores(config)
+        assert config.run.schedule.options.get(HOST_CORES_OPTION) is None  # the parsed config is not changed
+        cores = applied.run.schedule.options.get(HOST_CORES_OPTION)
+        assert (cores is None) == (applied is config)
+        return cores
 
     assert pipeline_cores(4, 8, 4) == 2.0 and pipeline_cores(8, 8, 4) is None
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     flags = [*TINY_GPT, "--num-layers", "4", "--pipeline-model-parallel-size", "4", "--data-parallel-size", "2",
              "--global-batch-size", "16", "--mock-data", "--device", "cpu"]
-    args = parse_args([*flags, "--pipeline-schedule", "auto"])
-    assert apply_auto_host_cores(args) == 2.0 and args.run.schedule.options[HOST_CORES_OPTION] == 2.0
-    assert apply_auto_host_cores(parse_args([*flags, "--pipeline-schedule", "1f1b"])) is None
+    assert host_cores([*flags, "--pipeline-schedule", "auto"]) == 2.0
+    assert host_cores([*flags, "--pipeline-schedule", "1f1b"]) is None
     monkeypatch.setattr("os.cpu_count", lambda: 8)
-    assert apply_auto_host_cores(parse_args([*flags, "--pipeline-schedule", "auto"])) is None
+    assert host_cores([*flags, "--pipeline-schedule", "auto"]) is None

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from megatron.pipeline.cost_model import head_flops, layer_flops
-from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.config.arguments import build_parser, parse_args, parse_job_config
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import JobConfig, build_job_config
 from megatron.trainer.tasks.balanced_partition import layer_split_line, model_shape
 from megatron.trainer.tasks.gpt import GPTTask
 from tests.adam_bounds import assert_within_bounds, gpt_gradient_noise, trace_adam
@@ -30,7 +31,12 @@ def _args(flags: list[str], bert: bool = False) -> argparse.Namespace:
     return parse_args(flags, parser)
 
 
-def _counted_flops(args: argparse.Namespace, last: bool) -> float:
+def _config(flags: list[str], bert: bool = False) -> JobConfig:
+    """The typed config of :func:`_args`' namespace (what the functions below the flags read)."""
+    return build_job_config(_args(flags, bert))
+
+
+def _counted_flops(config: JobConfig, last: bool) -> float:
     """torch's FlopCounterMode over one forward + backward of a one-layer stage (with the head
     and loss when ``last``), built exactly as the trainer builds stages."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -39,10 +45,10 @@ def _counted_flops(args: argparse.Namespace, last: bool) -> float:
     from megatron.trainer.tasks.gpt import gpt_model_args
 
     task, device = GPTTask(), torch.device("cpu")
-    chunk = build_gpt_stage(gpt_model_args(args), range(0, 1), pre_process=False, post_process=last, seed=1,
+    chunk = build_gpt_stage(gpt_model_args(config), range(0, 1), pre_process=False, post_process=last, seed=1,
                             device=device)
-    batch = task.batch_fn(args, 0, device)(0)
-    shape, _ = task.activation_spec(args)
+    batch = task.batch_fn(config, 0, device)(0)
+    shape, _ = task.activation_spec(config)
     x = torch.randn(shape, requires_grad=True)
     with FlopCounterMode(display=False) as counter:
         out = chunk(x, batch)
@@ -59,12 +65,12 @@ def _counted_flops(args: argparse.Namespace, last: bool) -> float:
 def test_layer_and_head_flops_match_torchs_flop_counter(extra: list[str]) -> None:
     """The model's matmul FLOPs equal what torch counts on the megatron-core layer; the head's
     differ only by the loss's element-wise work, which torch does not count."""
-    args = _args([*TINY, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                  "--vocab-size", "128", "--micro-batch-size", "2", *extra])
-    shape = model_shape(args)
-    layer = _counted_flops(args, last=False)
+    config = _config([*TINY, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                      "--vocab-size", "128", "--micro-batch-size", "2", *extra])
+    shape = model_shape(config)
+    layer = _counted_flops(config, last=False)
     assert layer_flops(shape) == pytest.approx(layer, rel=1e-6)
-    head = _counted_flops(args, last=True) - layer
+    head = _counted_flops(config, last=True) - layer
     loss_elementwise = head_flops(shape) - 6 * shape.seq_length * shape.micro_batch * shape.hidden * shape.vocab
     assert head_flops(shape) - loss_elementwise == pytest.approx(head, rel=1e-6)
 
@@ -73,7 +79,7 @@ def test_issue_workload_moves_layers_off_the_head_stage() -> None:
     """The issue's GPT (head = 2.5 layers of FLOPs): [5, 3] on 2 stages, [2, 2, 3, 1] on 4."""
     two = _args([*ISSUE, "--pipeline-model-parallel-size", "2"])
     assert two.pipeline_partition == "balanced" and two.pipeline_layer_split == [5, 3]
-    assert layer_split_line(two) == "layer split: [5, 3] (--pipeline-partition balanced)"
+    assert layer_split_line(build_job_config(two)) == "layer split: [5, 3] (--pipeline-partition balanced)"
     four = _args([*ISSUE, "--pipeline-model-parallel-size", "4"])
     assert four.pipeline_layer_split == [2, 2, 3, 1]
     again = _args([*ISSUE, "--pipeline-model-parallel-size", "4"])
@@ -85,14 +91,14 @@ def test_small_head_keeps_the_even_split_and_its_signature() -> None:
     args = _args([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
                   "--num-attention-heads", "4", "--vocab-size", "256"])
     assert args.pipeline_partition == "balanced" and args.pipeline_layer_split is None
-    assert layer_split_line(args) == "layer split: [2, 2] (--pipeline-partition balanced)"
+    assert layer_split_line(build_job_config(args)) == "layer split: [2, 2] (--pipeline-partition balanced)"
 
 
 def test_bert_heads_are_costed() -> None:
     """BERT's LM-head transform and pooler add to the last stage's cost."""
     flags = [*ISSUE, "--pipeline-model-parallel-size", "2"]
-    bert = model_shape(_args(flags, bert=True))
-    gpt = model_shape(_args(flags))
+    bert = model_shape(_config(flags, bert=True))
+    gpt = model_shape(_config(flags))
     assert bert.bert and bert.binary_head and head_flops(bert) > head_flops(gpt)
 
 
@@ -110,7 +116,7 @@ def test_where_balanced_does_not_apply() -> None:
     assert _args(recompute).pipeline_layer_split is None
     explicit = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-layer-split", "6", "2"])
     assert explicit.pipeline_layer_split == [6, 2]
-    assert layer_split_line(explicit) == "layer split: [6, 2] (--pipeline-layer-split)"
+    assert layer_split_line(build_job_config(explicit)) == "layer split: [6, 2] (--pipeline-layer-split)"
     even = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "even"])
     assert even.pipeline_layer_split is None
     alias = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "auto"])
@@ -141,13 +147,14 @@ def test_balanced_split_trains_like_the_even_split() -> None:
         task = GPTTask()
         parser = build_parser("gpt")
         task.add_arguments(parser)
-        args = parse_args([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "16",
-                           "--num-attention-heads", "2", "--vocab-size", "256", "--hidden-dropout", "0",
-                           "--attention-dropout", "0", "--lr-decay-style", "constant",  # (cosine: lr 0 at step 1)
-                           "--pipeline-partition", partition], parser)
+        config = parse_job_config([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                   "--hidden-size", "16", "--num-attention-heads", "2", "--vocab-size", "256",
+                                   "--hidden-dropout", "0", "--attention-dropout", "0",
+                                   "--lr-decay-style", "constant",  # (cosine: lr 0 at step 1)
+                                   "--pipeline-partition", partition], parser)
         if not initial:  # stage 0's weights before training (initialisation depends on names only)
-            initial.update((n, p.detach().clone()) for n, p in task.named_parameters(task.build_stage(args, 0, "cpu")))
-        workers = emulate(task, args)
+            initial.update((n, p.detach().clone()) for n, p in task.named_parameters(task.build_stage(config, 0, "cpu")))
+        workers = emulate(task, config)
         assert [len(w.setup.chunks[0].layers) for w in workers] == ([3, 1] if partition == "balanced" else [2, 2])
         assert all(w.setup.optimizer.step_count == 1 for w in workers)  # it trained
         named = [(n, p) for w in workers for n, p in task.named_parameters(w.setup.chunks)]
@@ -181,15 +188,15 @@ def test_resume_keeps_the_checkpoints_split(tmp_path) -> None:
     flags = [*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "16",
              "--num-attention-heads", "2", "--vocab-size", "256"]
 
-    def parsed(extra: list[str]) -> argparse.Namespace:
+    def parsed(extra: list[str]) -> JobConfig:
         parser = build_parser("gpt")
         task.add_arguments(parser)
-        return parse_args([*flags, *extra], parser)
+        return parse_job_config([*flags, *extra], parser)
 
-    assert parsed([]).pipeline_layer_split == [3, 1]
+    assert parsed([]).parallel.pipeline_layer_split == [3, 1]
     emulate(task, parsed(["--pipeline-partition", "even", "--save", str(tmp_path), "--save-interval", "1"]))
     resumed = parsed(["--load", str(tmp_path), "--train-iters", "2"])
-    assert resumed.pipeline_layer_split is None and resumed.pipeline_partition == "checkpoint"
+    assert resumed.parallel.pipeline_layer_split is None and resumed.parallel.pipeline_partition == "checkpoint"
     assert layer_split_line(resumed) == "layer split: [2, 2] (the --load checkpoint's)"
 
 
@@ -201,9 +208,9 @@ def test_profiled_partition_runs_for_bert(capsys: pytest.CaptureFixture[str]) ->
     task = BertTask()
     parser = build_parser("bert")
     task.add_arguments(parser)
-    args = parse_args([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "3", "--hidden-size", "16",
-                       "--num-attention-heads", "2", "--vocab-size", "64", "--pipeline-partition", "profiled",
-                       "--pipeline-partition-profile-iters", "1"], parser)
-    workers = emulate(task, args)
+    config = parse_job_config([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "3",
+                               "--hidden-size", "16", "--num-attention-heads", "2", "--vocab-size", "64",
+                               "--pipeline-partition", "profiled", "--pipeline-partition-profile-iters", "1"], parser)
+    workers = emulate(task, config)
     assert "pipeline partition profiled: layer split" in capsys.readouterr().out
     assert sum(len(w.setup.chunks[0].layers) for w in workers) == 3

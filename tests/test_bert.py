@@ -295,12 +295,13 @@ def test_no_binary_head_flag_and_middle_batch_keys_for_gpt(tmp_path: Path):
     op = Op(OpKind.F, stage=1, microbatch=0)
     gpt = emulate(tiny_args(3, "1f1b", 1, 1, "--pipeline-executor", "emulator"))
     assert gpt[1]._batch(op) == {}
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.config.job_config import replace_in
     from megatron.trainer.tasks.gpt import GPTTask
 
-    args = parse_args(tiny_args(3, "1f1b", 1, 1))
-    args.reset_attention_mask = True  # a --data-path flag (mock data has no documents); fine at N > 2
-    (middle,) = GPTTask().build_stage(args, 1, torch.device("cpu"))
+    # a --data-path flag (mock data has no documents); fine at N > 2
+    config = replace_in(parse_job_config(tiny_args(3, "1f1b", 1, 1)), "data", reset_attention_mask=True)
+    (middle,) = GPTTask().build_stage(config, 1, torch.device("cpu"))
     assert middle.middle_batch_keys == ("attention_mask",)
 
 
