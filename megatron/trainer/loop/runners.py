@@ -81,7 +81,7 @@ class PipelineRunner:
     def __init__(self, task: PretrainTask, config: JobConfig, transport: Transport,
                  workers: list[StageWorker], cadence: ReportCadence, sink: ReportSink,
                  collector: CollectorPolicy | None = None):
-        self.task, self.args, self.transport, self.workers = task, config, transport, workers
+        self.task, self.config, self.transport, self.workers = task, config, transport, workers
         self.cadence, self.sink = cadence, sink
         self.collector = collector or CollectorPolicy()
         self.data = EvaluationData(task, config, transport.dp_rank, workers[0].setup.device)
@@ -92,7 +92,7 @@ class PipelineRunner:
         hook = schedule_profiling(schedule, self.transport, self.workers)  # zb-1p / zb-2p with --zb-profile-iters
         if self.tracers and self.tracers[0] is not None:
             self.transport.align_clocks([t for t in self.tracers if t is not None])
-        with _tracing(self.workers, self.tracers, self.args, writes=self.transport.tp_rank == 0):
+        with _tracing(self.workers, self.tracers, self.config, writes=self.transport.tp_rank == 0):
             run_streams(self.transport, self.workers, self.transport.local_streams(schedule), self.cadence,
                         self.sink, sync_hook=hook, outcomes=schedule.validation_outcomes,
                         after_update=self.collector.after_update)
@@ -120,7 +120,7 @@ class PipelineRunner:
         return loss_sum, int(tokens)
 
     def save(self, iteration: int) -> None:
-        root, transport = self.args.save, self.transport
+        root, transport = self.config.checkpoint.save, self.transport
         if transport.is_coordinator:
             ckpt.prepare_staging(root, iteration)
         transport.barrier()
@@ -129,7 +129,7 @@ class PipelineRunner:
         kill_here_if_asked("written", iteration)  # tests only (fault_injection)
         transport.barrier()
         if transport.is_coordinator:
-            ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.args),
+            ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.config),
                          transport.pipeline_size, transport.data_parallel_size,
                          ckpt.schedule_state(getattr(self, "schedule", None)))
         transport.barrier()
