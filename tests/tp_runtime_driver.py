@@ -25,7 +25,7 @@ def _rank(runs: list[list[str]]) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.loop.training import drive, rank_transport
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -35,9 +35,9 @@ def _rank(runs: list[list[str]]) -> int:
     for argv in runs:
         parser = build_parser()
         task.add_arguments(parser)
-        args = parse_args(argv, parser)
-        groups, transport = rank_transport(task, args, torch.device("cpu"))
-        drive(task, args, transport, torch.device("cpu"), None)
+        config = parse_job_config(argv, parser)
+        config, groups, transport = rank_transport(task, config, torch.device("cpu"))
+        drive(task, config, transport, torch.device("cpu"), None)
         dist.barrier(group=groups.reports)
     dist.destroy_process_group()
     return 0
