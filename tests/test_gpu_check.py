@@ -95,13 +95,14 @@ def test_flops_are_megatron_lms_count():
     """Our count against the trainer's ``flops_per_iteration`` (written independently, without
     the causal halving of the attention): they differ by exactly the halved term, 6 * L * s * h
     per token; and GPT-2 medium's count per token is 6 x parameters plus the attention term."""
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.config.megatron_compat_args import flops_per_iteration
 
     m = GPTShape(layers=3, hidden=64, heads=4, seq=32, vocab=256)
-    args = parse_args(["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                       "--vocab-size", "256", "--pipeline-executor", "emulator"], build_parser())
-    trainer_per_token = flops_per_iteration(args, 1) / m.seq
+    config = parse_job_config(["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
+                               "--seq-length", "32", "--vocab-size", "256", "--pipeline-executor", "emulator"],
+                              build_parser())
+    trainer_per_token = flops_per_iteration(config, 1) / m.seq
     assert trainer_per_token - flops_per_token(m) == pytest.approx(6 * m.layers * m.seq * m.hidden, rel=1e-12)
     medium = GPTShape(24, 1024, 16, 1024, 50304)
     weights = 24 * 12 * 1024**2 + 1024 * 50304  # the GEMMs' weights (no biases, norms, embeddings)

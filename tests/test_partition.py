@@ -105,21 +105,21 @@ def test_auto_partition_end_to_end_in_the_emulator(capsys: pytest.CaptureFixture
     """
     import re
 
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import emulate
 
     task = GPTTask()
     parser = build_parser("gpt")
     task.add_arguments(parser)
-    args = parse_args([
+    config = parse_job_config([
         "--pipeline-executor", "emulator", "--pipeline-model-parallel-size", "2", "--num-layers", "5",
         "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--vocab-size", "64",
         "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--log-interval", "1",
         "--device", "cpu", "--num-threads", "1", "--pipeline-partition", "auto",
         "--pipeline-partition-memory-gb", "0.00001", "--pipeline-partition-profile-iters", "1",
     ], parser)
-    workers = emulate(task, args)
+    workers = emulate(task, config)
     out = capsys.readouterr().out
     split = [int(c) for c in re.search(r"layer split \[([0-9, ]+)\]", out).group(1).split(",")]
     assert sum(split) == 5 and min(split) >= 1 and "WARNING no split fits the budget" in out, out

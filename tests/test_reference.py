@@ -35,7 +35,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,26 +209,27 @@ def key_mask(shape: torch.Size) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reference(megatron_world1: None, launched) -> Reference:
     """Plain training of the unsplit model."""
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_job_config
     from megatron.trainer.data.mock import MockGPTData
     from megatron.trainer.tasks.gpt import gpt_model_args
     from megatron.trainer.models.gpt import build_gpt_stage
     from megatron.trainer.tasks.task import microbatch_sample_indices
 
-    args = parse_args(COMMON)
-    assert args.pipeline_model_parallel_size == 1 and args.num_microbatches == GBS // MBS
-    m = args.num_microbatches
-    model = build_gpt_stage(gpt_model_args(args), range(args.num_layers), True, True, args.seed, "cpu")
+    config = parse_job_config(COMMON)
+    model_cfg, training, opt = config.model, config.training, config.optimizer
+    assert config.parallel.pipeline_model_parallel_size == 1 and training.num_microbatches == GBS // MBS
+    m = training.num_microbatches
+    model = build_gpt_stage(gpt_model_args(config), range(model_cfg.num_layers), True, True, training.seed, "cpu")
     named = list(model.global_named_parameters())
     initial = {n: p.detach().clone() for n, p in named}
     no_decay = [p for n, p in named if n.endswith("bias") or p.ndim == 1]
     decay = [p for n, p in named if not (n.endswith("bias") or p.ndim == 1)]
     assert decay and no_decay
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, foreach=False,
+        [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, foreach=False,
     )
-    data = MockGPTData(args.seq_length, args.vocab_size, args.seed)
+    data = MockGPTData(model_cfg.seq_length, model_cfg.vocab_size, training.seed)
     params = [p for _, p in named]
     records, norms, key_ratio = [], [], 0.0
     threads = torch.get_num_threads()
@@ -239,7 +239,7 @@ def reference(megatron_world1: None, launched) -> Reference:
             optimizer.zero_grad(set_to_none=True)
             losses = []
             for j in range(it * m, (it + 1) * m):
-                batch = data.micro_batch(microbatch_sample_indices(j, args.micro_batch_size, 0, 1))
+                batch = data.micro_batch(microbatch_sample_indices(j, training.micro_batch_size, 0, 1))
                 per_token = model(None, batch)  # [b, s] per-token LM loss
                 mask = batch["loss_mask"]
                 loss = (per_token * mask).sum() / mask.sum()
@@ -249,8 +249,8 @@ def reference(megatron_world1: None, launched) -> Reference:
                 if name.endswith("linear_qkv.bias"):
                     g = p.grad.abs()
                     key_ratio = max(key_ratio, (g[key_mask(g.shape)].max() / g[query_mask(g.shape)].max()).item())
-            norm = float(torch.nn.utils.clip_grad_norm_(params, args.clip_grad))
-            lr = reference_lr(it + 1, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters)
+            norm = float(torch.nn.utils.clip_grad_norm_(params, opt.clip_grad))
+            lr = reference_lr(it + 1, opt.lr, opt.min_lr, opt.lr_warmup_iters, training.train_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()

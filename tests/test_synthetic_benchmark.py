@@ -103,21 +103,21 @@ def _synthetic_worker(t_b: float, t_w: float):
     """A one-stage synthetic-cost worker built exactly as the trainer builds it."""
     import torch
 
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
     from megatron.trainer.loop.training import build_worker
 
     task = SyntheticCostTask()
     parser = build_parser("synthetic")
     task.add_arguments(parser)
-    args = parse_args([
+    config = parse_job_config([
         "--pipeline-model-parallel-size", "1", "--num-layers", "1", "--hidden-size", "8",
         "--num-attention-heads", "1", "--seq-length", "4", "--micro-batch-size", "1",
         "--global-batch-size", "2", "--train-iters", "1", "--device", "cpu",
         "--synthetic-forward-ms", "0", "--synthetic-backward-ms", str(t_b), "--synthetic-wgrad-ms", str(t_w),
         "--log-activation-memory",
     ], parser)
-    return build_worker(task, args, 0, 0, torch.device("cpu"), isolate_rng=True)
+    return build_worker(task, config, 0, 0, torch.device("cpu"), isolate_rng=True)
 
 
 def test_synthetic_wgrad_sleep_lands_in_w_or_in_the_fused_backward() -> None:
@@ -201,13 +201,13 @@ def test_synthetic_wgrad_defaults_to_zero() -> None:
 # --------------------------------------------------------------------------- chunks per layout
 
 
-def _synthetic_args(*argv: str):
-    from megatron.trainer.config.arguments import build_parser, parse_args
+def _synthetic_config(*argv: str):
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
 
     parser = build_parser("synthetic")
     SyntheticCostTask().add_arguments(parser)
-    return parse_args([
+    return parse_job_config([
         "--hidden-size", "8", "--num-attention-heads", "1", "--seq-length", "4", "--micro-batch-size", "1",
         "--device", "cpu", "--num-threads", "1", "--log-interval", "1", "--lr-warmup-iters", "0",
         "--synthetic-forward-ms", "2", "--synthetic-backward-ms", "4", "--synthetic-wgrad-ms", "6", *argv,
@@ -224,7 +224,6 @@ def test_synthetic_chunks_follow_the_layout_and_keep_the_per_stage_cost() -> Non
     """
     import torch
 
-    from megatron.trainer.config.run_config import run_config
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
 
     task, cpu = SyntheticCostTask(), torch.device("cpu")
@@ -233,12 +232,12 @@ def test_synthetic_chunks_follow_the_layout_and_keep_the_per_stage_cost() -> Non
         ("amdp", ["--num-layers", "4"], 4, 1),
     ]
     for schedule, extra, pp, chunks_per_mb in cases:
-        args = _synthetic_args("--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(pp),
-                               "--global-batch-size", "4", "--train-iters", "1", *extra)
-        layout = run_config(args).layout
+        config = _synthetic_config("--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(pp),
+                                   "--global-batch-size", "4", "--train-iters", "1", *extra)
+        layout = config.run.layout
         by_name: dict[str, torch.Tensor] = {}
         for s in range(pp):
-            chunks = task.build_stage(args, s, cpu)
+            chunks = task.build_stage(config, s, cpu)
             assert [c.stage for c in chunks] == [layout.model_stage(s, c) for c in range(layout.num_chunks)]
             assert len(chunks) == layout.num_chunks == 2  # V = 2 chunks; D/2 = 2 pipelines
             visited = [chunks[c] for c in layout.microbatch_chunks(0)]
@@ -264,10 +263,10 @@ def test_synthetic_task_trains_amdp_and_2bw_in_the_emulator(megatron_world1, sch
     from megatron.trainer.loop.training import emulate
 
     task = SyntheticCostTask()
-    args = _synthetic_args("--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(stages),
-                           "--num-layers", str(stages), "--global-batch-size", str(accumulation),
-                           "--train-iters", "3", "--pipeline-executor", "emulator")
-    workers = emulate(task, args)
+    config = _synthetic_config("--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(stages),
+                               "--num-layers", str(stages), "--global-batch-size", str(accumulation),
+                               "--train-iters", "3", "--pipeline-executor", "emulator")
+    workers = emulate(task, config)
     assert all(w.drift_histogram for w in workers)
     if schedule == "pipedream-2bw":
         assert all(set(w.drift_histogram) == {0} for w in workers)

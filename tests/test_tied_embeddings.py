@@ -25,6 +25,7 @@ from async_helpers import (
 TIED_GPT = [flag for flag in TINY_GPT if flag != "--untie-embeddings-and-output-weights"]  # the default, tied
 from megatron.pipeline.runtime.executors.core import OpCore
 from megatron.pipeline.runtime.tied_embeddings import is_tied_copy, tied_parameters
+from megatron.trainer.config.job_config import JobConfig
 
 FP32_NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 TIED = "embedding.word_embeddings.weight"
@@ -147,18 +148,18 @@ def test_a_tied_v_checkpoint_resumes_and_reshards_into_a_chain(megatron_world1, 
     assert len(ends) == 2 and torch.equal(ends[0], ends[1])
 
 
-def _stage_counts(argv: list[str], task) -> tuple[object, list[int]]:
-    """The flags' args and the banner's parameters per stage (tied copies counted once)."""
+def _stage_counts(argv: list[str], task) -> tuple[JobConfig, list[int]]:
+    """The flags' job config and the banner's parameters per stage (tied copies counted once)."""
     from megatron.pipeline.runtime.tied_embeddings import counted
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
 
     parser = build_parser()
     task.add_arguments(parser)
-    args = parse_args(argv, parser)
-    counts = [sum(p.numel() for p in counted(p for chunk in task.build_stage(args, s, torch.device("cpu"))
+    config = parse_job_config(argv, parser)
+    counts = [sum(p.numel() for p in counted(p for chunk in task.build_stage(config, s, torch.device("cpu"))
                                              for p in chunk.parameters()))
-              for s in range(args.pipeline_model_parallel_size)]
-    return args, counts
+              for s in range(config.parallel.pipeline_model_parallel_size)]
+    return config, counts
 
 
 def test_megatron_gpt3_flag_set_builds_a_tied_model(megatron_world1, tmp_path: Path) -> None:
@@ -171,11 +172,12 @@ def test_megatron_gpt3_flag_set_builds_a_tied_model(megatron_world1, tmp_path: P
     from tests.test_megatron_examples import GPT_175B, shrink
 
     argv = shrink(GPT_175B, tmp_path)
-    args, counts = _stage_counts(argv, GPTTask())
-    h, layers, vocab, positions = args.hidden_size, args.num_layers, args.vocab_size, args.max_position_embeddings
+    config, counts = _stage_counts(argv, GPTTask())
+    model = config.model
+    h, layers, vocab, positions = model.hidden_size, model.num_layers, model.vocab_size, model.max_position_embeddings
     closed_form = vocab * h + positions * h + layers * (12 * h * h + 13 * h) + 2 * h
-    assert args.tie_embeddings and sum(counts) == closed_form
-    lines = banner_lines(args, counts, "emulator")
+    assert model.tie_embeddings and sum(counts) == closed_form
+    lines = banner_lines(config, counts, "emulator")
     assert f"total: {closed_form:,}" in "\n".join(lines) and "embeddings: tied" in "\n".join(lines)
     _, untied = _stage_counts([*argv, "--untie-embeddings-and-output-weights"], GPTTask())
     assert sum(untied) - sum(counts) == vocab * h
@@ -187,10 +189,11 @@ def test_v_layout_banner_counts_the_tied_model(megatron_world1, pp: int) -> None
     from megatron.trainer.tasks.gpt import GPTTask
 
     _, one = _stage_counts(_v_argv(1, "1f1b"), GPTTask())
-    args, counts = _stage_counts(_v_argv(pp, "zb-v"), GPTTask())
+    config, counts = _stage_counts(_v_argv(pp, "zb-v"), GPTTask())
     _, untied = _stage_counts([*_v_argv(pp, "zb-v"), "--untie-embeddings-and-output-weights"], GPTTask())
-    assert args.tie_embeddings and args.embeddings_line.startswith("embeddings: tied")
-    assert sum(counts) == sum(one) and sum(untied) - sum(counts) == args.vocab_size * args.hidden_size
+    model = config.model
+    assert model.tie_embeddings and model.embeddings_line.startswith("embeddings: tied")
+    assert sum(counts) == sum(one) and sum(untied) - sum(counts) == model.vocab_size * model.hidden_size
 
 
 @pytest.mark.parametrize("flag, says", [("--overlap-grad-reduce", "reduces each V chunk's gradients on their own"),
@@ -198,16 +201,18 @@ def test_v_layout_banner_counts_the_tied_model(megatron_world1, pp: int) -> None
 def test_v_layout_stays_untied_with_and_says_why(megatron_world1, flag: str, says: str) -> None:
     from megatron.trainer.tasks.gpt import GPTTask
 
-    args, _ = _stage_counts([*_v_argv(2, "zb-v"), flag], GPTTask())
-    assert not args.tie_embeddings and says in args.embeddings_line, args.embeddings_line
+    config, _ = _stage_counts([*_v_argv(2, "zb-v"), flag], GPTTask())
+    model = config.model
+    assert not model.tie_embeddings and says in model.embeddings_line, model.embeddings_line
 
 
 def test_asynchronous_schedules_stay_untied_and_say_why(megatron_world1) -> None:
     from megatron.trainer.tasks.gpt import GPTTask
 
-    args, counts = _stage_counts([*_argv(2, "paci")], GPTTask())
-    assert not args.tie_embeddings and args.untie_embeddings_and_output_weights
-    assert "untied, as every asynchronous schedule (paci): each stage steps on its own clock" in args.embeddings_line
+    config, counts = _stage_counts([*_argv(2, "paci")], GPTTask())
+    model = config.model
+    assert not model.tie_embeddings and model.untie_embeddings_and_output_weights
+    assert "untied, as every asynchronous schedule (paci): each stage steps on its own clock" in model.embeddings_line
 
 
 def test_bert_ties_across_stages(megatron_world1, tmp_path: Path) -> None:

@@ -42,18 +42,18 @@ class _NoReports:
 
 
 def _workers(num_microbatches: int, measure: bool = True, schedule: str = "1f1b", num_layers: int = N):
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import build_worker
 
-    args = parse_args([
+    config = parse_job_config([
         *TINY_GPT, "--num-layers", str(num_layers), "--pipeline-model-parallel-size", str(N), "--pipeline-schedule", schedule,
         "--global-batch-size", str(num_microbatches), "--train-iters", "3", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--pipeline-executor", "emulator", "--device", "cpu",
         *(["--log-activation-memory"] if measure else []),
     ])
-    assert args.num_microbatches == num_microbatches
-    return [build_worker(GPTTask(), args, s, 0, torch.device("cpu"), isolate_rng=True) for s in range(N)]
+    assert config.training.num_microbatches == num_microbatches
+    return [build_worker(GPTTask(), config, s, 0, torch.device("cpu"), isolate_rng=True) for s in range(N)]
 
 
 def _run(schedule, workers=None, profilers: bool = False):
