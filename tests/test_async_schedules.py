@@ -15,7 +15,7 @@ from tests.async_helpers import emulate, final_params, tiny_args
 
 
 @pytest.mark.parametrize("num_stages", range(1, 9))
-def test_async_streams_validate_with_and_without_drains(num_stages):
+def test_async_streams_pass_the_schedule_check_with_and_without_drains(num_stages):
     for a in range(1, 2 * num_stages + 1):
         for drain_every in (None, 1, 3):
             check_schedule(build_schedule("paci", ScheduleConfig(num_stages, a, 5, drain_every=drain_every)))

@@ -171,12 +171,12 @@ def test_balanced_split_trains_like_the_even_split() -> None:
 
 def test_refusals_are_one_line() -> None:
     with pytest.raises(ConfigError, match="drop --pipeline-layer-split"):
-        from megatron.trainer.config.arguments import finalize_args, validate_args
+        from megatron.trainer.config.arguments import finalize_args, check_flags
 
         args = build_parser("t").parse_args([*ISSUE, "--pipeline-model-parallel-size", "2",
                                              "--pipeline-layer-split", "4", "4", "--pipeline-partition", "balanced"])
         finalize_args(args)
-        validate_args(args)
+        check_flags(args)
 
 
 def test_resume_keeps_the_checkpoints_split(tmp_path) -> None:

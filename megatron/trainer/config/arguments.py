@@ -1,4 +1,4 @@
-"""Megatron-LM-style command-line flags and their validation.
+"""Megatron-LM-style command-line flags and their checks.
 
 Every check runs before any process group or worker process exists, and every failure is
 one line naming the flag, so a bad launch on a 64-GPU job fails in a second, not after
@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError
 import megatron.pipeline.planner.auto_schedule  # noqa: F401,E402  registers --pipeline-schedule auto, auto-async
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
-from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, validate_basis_rotation_args
-from megatron.trainer.config.schedule_args import add_schedule_args, validate_schedule_args
-from megatron.trainer.config.run_control_args import add_run_control_args, validate_run_control_args
-from megatron.trainer.config.insight_args import add_insight_args, validate_insight_args
-from megatron.trainer.config.mixed_precision_args import add_mixed_precision_args, validate_mixed_precision_args
+from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, check_basis_rotation_flags
+from megatron.trainer.config.schedule_args import add_schedule_args, check_schedule_flags
+from megatron.trainer.config.run_control_args import add_run_control_args, check_run_control_flags
+from megatron.trainer.config.insight_args import add_insight_args, check_insight_flags
+from megatron.trainer.config.mixed_precision_args import add_mixed_precision_args, check_mixed_precision_flags
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.optim.registry import OPTIMIZERS
 from megatron.trainer.launch.host_allocator import HOST_MALLOC_CHOICES
@@ -26,18 +26,18 @@ from megatron.trainer.optim.fused_adamw import fused_adamw_available_in_torch
 from megatron.trainer.config.job_config import JobConfig, build_job_config
 from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import OneLineParser, check_flag_values
-from megatron.trainer.config.exit_args import add_exit_args, validate_exit_args
-from megatron.trainer.config.restart_args import add_restart_args, validate_restart_args
-from megatron.trainer.config.recompute_args import add_recompute_args, validate_recompute_args
-from megatron.trainer.config.ddp_args import add_ddp_args, validate_ddp_args
+from megatron.trainer.config.exit_args import add_exit_args, check_exit_flags
+from megatron.trainer.config.restart_args import add_restart_args, check_restart_flags
+from megatron.trainer.config.recompute_args import add_recompute_args, check_recompute_flags
+from megatron.trainer.config.ddp_args import add_ddp_args, check_ddp_flags
 from megatron.trainer.launch.memory_check import add_memory_check_args
 from megatron.trainer.launch.schedule_check import add_schedule_check_args
-from megatron.trainer.config.tensor_parallel_args import validate_tensor_parallel_args
+from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_flags
 from megatron.trainer.optim.lr_schedule import DECAY_STYLES
 from megatron.trainer.config.tied_args import resolve_tied_embeddings
 from megatron.trainer.config.megatron_split_args import add_megatron_split_args, resolve_megatron_split
 from megatron.trainer.config.megatron_compat_args import (
-    add_megatron_compat_args, finalize_megatron_compat_args, validate_megatron_compat_args)
+    add_megatron_compat_args, finalize_megatron_compat_args, check_megatron_compat_flags)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -163,7 +163,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="write each stage's final parameters (by global name) to DIR/stageS.pt")
 
 
-#: What the run derives from its flags (finalize_args, validate_args and the checks after them),
+#: What the run derives from its flags (finalize_args, check_flags and the checks after them),
 #: declared here with its value before it is decided, so every later step reads an attribute.
 DERIVED_DEFAULTS = dict(
     world_size=None, num_microbatches=None, num_model_chunks=1, batch_plan=None, run=None,
@@ -224,7 +224,7 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
         args.mock_data = True
     args.world_size = pp * tp * dp
     resolve_megatron_split(args)  # Megatron-LM's split flags -> --pipeline-layer-split or chunk size
-    # Model chunks per stage (Megatron's virtual pipeline size); checked in validate_args.
+    # Model chunks per stage (Megatron's virtual pipeline size); checked in check_flags.
     per_chunk = args.num_layers_per_virtual_pipeline_stage
     args.num_model_chunks = max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1
     args.num_microbatches = args.global_batch_size // max(1, args.micro_batch_size * dp)
@@ -243,7 +243,7 @@ def _resolve_adam_kernel(args: argparse.Namespace) -> None:
         raise ConfigError("--adam-kernel fused: this torch has no torch._fused_adamw_ (use single-tensor)")
 
 
-def validate_args(args: argparse.Namespace) -> None:
+def check_flags(args: argparse.Namespace) -> None:
     """Raise :class:`ConfigError` with one line for the first problem found."""
     pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
     world = _world_size_from_env()
@@ -285,8 +285,8 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.clip_grad < 0:
         raise ConfigError("--clip-grad must be >= 0")
     _resolve_adam_kernel(args)
-    _validate_data(args)
-    validate_tensor_parallel_args(args)  # emulator, divisibility (padded vocab), unsupported combinations
+    _check_data(args)
+    check_tensor_parallel_flags(args)  # emulator, divisibility (padded vocab), unsupported combinations
     if args.device == "cuda" or args.bf16:
         import torch
 
@@ -303,24 +303,24 @@ def validate_args(args: argparse.Namespace) -> None:
         if not 0 <= stage < pp:
             raise ConfigError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
         args.nonfinite_injections.setdefault(stage, set()).add(update)
-    validate_schedule_args(args)  # the schedule's own flags, chunks per stage
+    check_schedule_flags(args)  # the schedule's own flags, chunks per stage
     resolve_tied_embeddings(args)  # tied by default (sync schedules); --untie-embeddings-and-output-weights
-    validate_mixed_precision_args(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
-    validate_basis_rotation_args(args)  # --optimizer basis-rotation, --rotation-*
-    validate_recompute_args(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)
-    validate_ddp_args(args)  # --overlap-grad-reduce, --ddp-bucket-size
+    check_mixed_precision_flags(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
+    check_basis_rotation_flags(args)  # --optimizer basis-rotation, --rotation-*
+    check_recompute_flags(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)
+    check_ddp_flags(args)  # --overlap-grad-reduce, --ddp-bucket-size
     try:
-        validate_megatron_compat_args(args)  # Megatron-LM's model, rampup, loading and logging flags
+        check_megatron_compat_flags(args)  # Megatron-LM's model, rampup, loading and logging flags
     except ConfigError as exc:
         raise ConfigError(str(exc)) from None
     try:
-        validate_insight_args(args)  # --trace-dir, --pipeline-partition auto
+        check_insight_flags(args)  # --trace-dir, --pipeline-partition auto
     except ConfigError as exc:
         raise ConfigError(str(exc)) from None
     try:
-        validate_run_control_args(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
-        validate_exit_args(args)  # --exit-signal-handler, --exit-duration-in-mins (ConfigError)
-        validate_restart_args(args)  # --max-restarts: the local launcher's, with --save = --load
+        check_run_control_flags(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
+        check_exit_flags(args)  # --exit-signal-handler, --exit-duration-in-mins (ConfigError)
+        check_restart_flags(args)  # --max-restarts: the local launcher's, with --save = --load
     except ConfigError as exc:
         raise ConfigError(str(exc)) from None
     for check in args.task_checks:  # a task's own flags (parser.set_defaults)
@@ -334,7 +334,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--pipeline-schedule: {exc}") from None
 
 
-def _validate_data(args: argparse.Namespace) -> None:
+def _check_data(args: argparse.Namespace) -> None:
     """Data files, tokenizer files and the vocabulary, checked before any rank starts.
 
     With a tokenizer the model's vocabulary is the tokenizer's padded like Megatron-LM
@@ -382,13 +382,13 @@ def _validate_data(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """Parse, derive and validate; exits with status 2 and one line on a bad combination."""
+    """Parse, derive and check; exits with status 2 and one line on a bad combination."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     try:
         check_flag_values(parser, args)  # every numeric flag in its domain, list flags parsed strictly
         finalize_args(args)
-        validate_args(args)
+        check_flags(args)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     return args

@@ -1,4 +1,4 @@
-"""Flags of ``--optimizer basis-rotation`` (megatron.trainer.optim.basis_rotation), with validation.
+"""Flags of ``--optimizer basis-rotation`` (megatron.trainer.optim.basis_rotation), with their checks.
 
 Kept apart from the optimizer module so that parsing flags does not depend on its code, like
 the other ``*_args`` modules.
@@ -28,7 +28,7 @@ def add_basis_rotation_args(group: argparse._ArgumentGroup) -> None:
                             "2(N-s)/(K(N+1)) per step (proportional to its expected delay + 1)")
 
 
-def validate_basis_rotation_args(args: argparse.Namespace) -> None:
+def check_basis_rotation_flags(args: argparse.Namespace) -> None:
     """One-line :class:`ConfigError` for a bad combination."""
     if args.optimizer != "basis-rotation":
         if args.rotation_stage_aware:

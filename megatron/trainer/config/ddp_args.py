@@ -42,7 +42,7 @@ def add_ddp_args(p: argparse.ArgumentParser) -> None:
                         "the step, waited for before the stage next reads its weights")
 
 
-def validate_ddp_args(args: argparse.Namespace) -> None:
+def check_ddp_flags(args: argparse.Namespace) -> None:
     """One-line :class:`ConfigError` for a combination that cannot act; fills the default size
     (the domain, >= 1, is :data:`~megatron.trainer.config.flag_checks.DOMAINS`')."""
     if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:

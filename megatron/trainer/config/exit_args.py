@@ -52,7 +52,7 @@ def stops_early(config: JobConfig) -> bool:
     return bool(config.exit.exit_signal_handler) or config.exit.exit_duration_in_mins is not None
 
 
-def validate_exit_args(args: argparse.Namespace) -> None:
+def check_exit_flags(args: argparse.Namespace) -> None:
     """Check the exit flags; set ``args.exit_check_every`` (extra segment boundaries, or None)."""
     args.exit_check_every = None
     schedule = SCHEDULES.get(args.pipeline_schedule)  # an unknown name is reported later

@@ -70,7 +70,7 @@ UNIT = Domain(0, 1)
 SEED = Domain(0, 2**32 - 1)  # numpy's RandomState (megatron-core's datasets) takes 32-bit seeds
 
 # Every numeric flag of the trainers (pretrain_gpt.py, pretrain_bert.py) and its domain.
-# Cross-flag rules (--min-lr <= --lr, divisibility, ...) stay in the flags' own validators.
+# Cross-flag rules (--min-lr <= --lr, divisibility, ...) stay in the flags' own checks.
 DOMAINS: dict[str, Domain] = {
     # model
     "num_layers": AT_LEAST_1, "hidden_size": AT_LEAST_1, "ffn_hidden_size": AT_LEAST_1,

@@ -55,7 +55,7 @@ def add_insight_args(p: argparse.ArgumentParser) -> None:
                    help="timed forward+backward passes per profiled part (after one warm-up pass)")
 
 
-def validate_insight_args(args: argparse.Namespace) -> None:
+def check_insight_flags(args: argparse.Namespace) -> None:
     """Check the partition flags and decide the balanced split (sets ``args.pipeline_partition``
     to what applies, and ``args.pipeline_layer_split`` when balancing moves layers)."""
     _resolve_partition(args)
@@ -90,7 +90,7 @@ def _resolve_partition(args: argparse.Namespace) -> None:
     memory = args.pipeline_partition_memory_gb
     if memory is not None and memory <= 0:
         raise ConfigError("--pipeline-partition-memory-gb must be > 0")
-    if args._balanced_split:  # validated before: decide again from the flags
+    if args._balanced_split:  # checked before: decide again from the flags
         args.pipeline_layer_split, asked = None, "balanced"
     if args.pipeline_layer_split is not None:
         if asked in ("balanced", "profiled"):
@@ -108,6 +108,6 @@ def _resolve_partition(args: argparse.Namespace) -> None:
             split, args.pipeline_partition_feasible = balanced_split(build_job_config(args))
             if split is not None:
                 args.pipeline_layer_split = split
-                args._balanced_split = True  # not the user's: a second validation decides it again
+                args._balanced_split = True  # not the user's: a second check of the flags decides it again
     if memory is not None and args.pipeline_partition in ("even", "explicit"):
         raise ConfigError("--pipeline-partition-memory-gb needs --pipeline-partition balanced or profiled")

@@ -1,6 +1,6 @@
 """The job's configuration: frozen dataclasses, one per concern, built once from argv.
 
-``parse_args`` turns Megatron-LM's flags into a validated namespace (every flag, every refusal
+``parse_args`` turns Megatron-LM's flags into a checked namespace (every flag, every refusal
 and every derived value stays where Megatron-LM users expect it); :func:`build_job_config`
 then files each value into the section of its concern and checks that none is left over, so a
 flag added without a home fails the tests, not a run. Everything below ``config/`` reads the
@@ -331,7 +331,7 @@ RENAMED = {"_balanced_split": "balanced_split", "_memory_estimate": "memory_esti
 # Fields that are no flag's value: the schedule's flag dict itself, and the launch checks'
 # bookkeeping (private on the namespace, so the banner never listed them).
 NOT_FLAGS = frozenset({"flags", *RENAMED.values()})
-# Namespace attributes that are not configuration: the task's validation hooks.
+# Namespace attributes that are not configuration: the task's flag checks.
 NOT_CONFIG = frozenset({"task_checks", "task_options"})
 
 
@@ -358,10 +358,10 @@ class UnplacedFlagError(RuntimeError):
 
 
 def build_job_config(args: argparse.Namespace, ignore: Iterable[str] = ()) -> JobConfig:
-    """File every value of the validated namespace ``args`` into its section; raises
+    """File every value of the checked namespace ``args`` into its section; raises
     :class:`UnplacedFlagError` for a value without a field, so none is silently dropped.
 
-    The flag checks also call it on a namespace still being validated, to hand the functions
+    The flag checks also call it on a namespace still being checked, to hand the functions
     they share with the run (tokenizer, data, layer split) the same typed view. ``ignore``:
     a tool's own flags on top of the trainer's (the planner's)."""
     from megatron.pipeline.schedules import flag_groups

@@ -1,6 +1,6 @@
 """The built run configuration, handed from the launcher to its ranks.
 
-The local launcher parses and validates argv once; each rank it starts (forked, or a fresh
+The local launcher parses and checks argv once; each rank it starts (forked, or a fresh
 ``python`` on GPU) reads the result from the file named by :data:`JOB_CONFIG_ENV` instead of
 parsing argv again. The file is written by the launcher for its own ranks and removed when
 they end. Under torchrun or Slurm there is no launcher of ours: each rank builds the config

@@ -29,7 +29,7 @@ import importlib.util
 
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, flag_values
-from megatron.trainer.config.rampup_args import batch_plan, validate_rampup
+from megatron.trainer.config.rampup_args import batch_plan, check_rampup_flags
 from megatron.trainer.optim.lr_schedule import WSD_DECAY_STYLES
 
 DEFAULT_TRAIN_ITERS = 20
@@ -145,7 +145,7 @@ def _samples_to_iters(args: argparse.Namespace, samples: int | None, iters: str)
     setattr(args, iters, args.batch_plan.iterations_for(samples))
 
 
-def validate_megatron_compat_args(args: argparse.Namespace) -> None:
+def check_megatron_compat_flags(args: argparse.Namespace) -> None:
     """Raise :class:`ConfigError` (one line) for a flag this run cannot honour."""
     for dest, message in REFUSED_FLAGS.items():
         if getattr(args, dest):
@@ -154,19 +154,19 @@ def validate_megatron_compat_args(args: argparse.Namespace) -> None:
         raise ConfigError("--optimizer sgd is not implemented (adam/adamw and basis-rotation are)")
     if args.optimizer == "adam":  # Megatron-LM's adam is AdamW: decoupled weight decay
         args.optimizer = "adamw"
-    _validate_wsd(args)
-    _validate_model_options(args)
-    _validate_transformer_impl(args)
-    _validate_data_flags(args)
-    _validate_loading(args)
+    _check_wsd_flags(args)
+    _check_model_options(args)
+    _check_transformer_impl(args)
+    _check_data_flags(args)
+    _check_loading(args)
     if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb-project needs the wandb package: pip install -e \".[wandb]\" (or pip install wandb)")
     if args.wandb_project is None and (args.wandb_exp_name or args.wandb_save_dir):
         raise ConfigError("--wandb-exp-name/--wandb-save-dir need --wandb-project")
-    validate_rampup(args)
+    check_rampup_flags(args)
 
 
-def _validate_wsd(args: argparse.Namespace) -> None:
+def _check_wsd_flags(args: argparse.Namespace) -> None:
     if args.lr_decay_style != "WSD":
         if args.lr_wsd_decay_iters is not None:
             raise ConfigError("--lr-wsd-decay-iters/-samples need --lr-decay-style WSD")
@@ -179,7 +179,7 @@ def _validate_wsd(args: argparse.Namespace) -> None:
                           f"(decay iterations minus warm-up)")
 
 
-def _validate_model_options(args: argparse.Namespace) -> None:
+def _check_model_options(args: argparse.Namespace) -> None:
     """Model options megatron-core's BERT lacks, and attention backends our spec cannot run."""
     bert = hasattr(args, "bert_binary_head")
     if bert and args.position_embedding_type == "none":
@@ -197,7 +197,7 @@ def _validate_model_options(args: argparse.Namespace) -> None:
                           f"transformer_engine (the local spec runs auto, unfused or local)")
 
 
-def _validate_transformer_impl(args: argparse.Namespace) -> None:
+def _check_transformer_impl(args: argparse.Namespace) -> None:
     """Transformer Engine needs its package and a GPU; say so before any rank builds a layer."""
     if args.transformer_impl != "transformer_engine":
         return
@@ -213,7 +213,7 @@ def _validate_transformer_impl(args: argparse.Namespace) -> None:
         raise ConfigError("--transformer-impl transformer_engine needs a GPU and none is available")
 
 
-def _validate_data_flags(args: argparse.Namespace) -> None:
+def _check_data_flags(args: argparse.Namespace) -> None:
     """Document-boundary flags need documents: mock data has no end-of-document tokens."""
     used = [f"--{d.replace('_', '-')}" for d in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
             if getattr(args, d)]
@@ -225,7 +225,7 @@ def _validate_data_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"{' '.join(used)} need --data-path: mock data has no end-of-document tokens")
 
 
-def _validate_loading(args: argparse.Namespace) -> None:
+def _check_loading(args: argparse.Namespace) -> None:
     if (args.no_load_optim or args.finetune) and args.load is None:
         raise ConfigError("--no-load-optim/--finetune need --load DIR")
 

@@ -153,7 +153,7 @@ def resolve_megatron_split(args: argparse.Namespace) -> None:
     virtual layout, ``args.num_layers_per_virtual_pipeline_stage``), recording which flag in
     ``args.layer_split_source`` for the banner. Runs before the model chunks are derived."""
     flags = _requested(args)
-    if not flags or args.layer_split_source:  # none, or resolved by an earlier validation
+    if not flags or args.layer_split_source:  # none, or resolved by an earlier check
         return
     _check_combinations(args, flags)
     pp, layers = args.pipeline_model_parallel_size, args.num_layers

@@ -1,4 +1,4 @@
-"""Megatron-LM's mixed-precision flags (``--fp16`` and its loss scaling), with validation.
+"""Megatron-LM's mixed-precision flags (``--fp16`` and its loss scaling), with their checks.
 
 ``--fp16`` trains fp16 weights and activations with fp32 master weights (the same optimizer
 path as ``--bf16``) and loss scaling: static with ``--loss-scale``, else megatron-core's dynamic
@@ -49,7 +49,7 @@ def _may_turn_asynchronous(name: str) -> bool:
         return False  # an unknown name is refused with the schedule's checks
 
 
-def validate_mixed_precision_args(args: argparse.Namespace) -> None:
+def check_mixed_precision_flags(args: argparse.Namespace) -> None:
     """One-line :class:`ConfigError` for a bad combination; fills the dynamic defaults."""
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")

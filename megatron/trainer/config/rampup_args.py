@@ -109,7 +109,7 @@ def batch_plan(args: argparse.Namespace) -> BatchPlan:
         consumed += batch
 
 
-def validate_rampup(args: argparse.Namespace) -> None:
+def check_rampup_flags(args: argparse.Namespace) -> None:
     """Every batch of the ramp splits into micro-batches, and the schedule runs each ``a``."""
     if args.rampup_batch_size is None:
         return

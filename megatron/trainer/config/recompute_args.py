@@ -1,4 +1,4 @@
-"""Megatron-LM's activation-recompute flags, with Megatron's semantics and validation.
+"""Megatron-LM's activation-recompute flags, with Megatron's semantics and checks.
 
 * ``--recompute-granularity full``: each recomputed unit keeps only its input; the units come
   from ``--recompute-method`` (required) and ``--recompute-num-layers N`` (required):
@@ -56,7 +56,7 @@ def _chunk_layer_counts(args: argparse.Namespace) -> list[int]:
     return [args.num_layers // parts] * parts
 
 
-def validate_recompute_args(args: argparse.Namespace) -> None:
+def check_recompute_flags(args: argparse.Namespace) -> None:
     """One-line :class:`ConfigError` for a combination Megatron-LM (or this runtime) refuses;
     sets ``args.recompute_granularity`` from ``--recompute-activations``."""
     granularity = args.recompute_granularity
@@ -74,7 +74,7 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"{given[0]} needs --recompute-granularity full or selective")
         return
     if granularity == "selective":
-        _validate_selective(args)
+        _check_selective(args)
         return
     if args.recompute_modules is not None:
         raise ConfigError("--recompute-modules is for --recompute-granularity selective")
@@ -100,7 +100,7 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
                           "(--recompute-method block recomputes that many layers of each chunk)")
 
 
-def _validate_selective(args: argparse.Namespace) -> None:
+def _check_selective(args: argparse.Namespace) -> None:
     if args.recompute_method is not None:
         raise ConfigError("--recompute-method is not supported with --recompute-granularity selective "
                           "(Megatron-LM: selective recomputes core attention in every layer)")

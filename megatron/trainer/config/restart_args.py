@@ -25,7 +25,7 @@ def add_restart_args(p: argparse.ArgumentParser) -> None:
                         "resuming from the last checkpoint (needs --save DIR --load DIR, the same DIR)")
 
 
-def validate_restart_args(args: argparse.Namespace) -> None:
+def check_restart_flags(args: argparse.Namespace) -> None:
     """One line for a ``--max-restarts`` that could not do what it says (its range is
     :mod:`megatron.trainer.config.flag_checks`' job, checked before this)."""
     if not args.max_restarts:

@@ -1,4 +1,4 @@
-"""The run's typed configuration, derived once from the validated flags.
+"""The run's typed configuration, derived once from the checked flags.
 
 ``parse_args`` attaches a :class:`RunConfig` as ``args.run``; the driver, the tasks and the
 checkpointing read the schedule class, its config and the pipeline layout from there instead
@@ -34,7 +34,7 @@ class RunConfig:
     tensor_parallel_size: int
     #: each stage replica's optimizer keeps only its share of the state (the schedule decides)
     shards_optimizer_state: bool = False
-    #: the schedule built (and so checked) from ``schedule`` while validating; this process's only
+    #: the schedule built (and so checked) from ``schedule`` while checking the flags; this process's only
     #: (a rank given the config builds its own once: it is not serialized)
     built: Schedule | None = field(default=None, compare=False, repr=False)
 
@@ -42,7 +42,7 @@ class RunConfig:
         return {**self.__dict__, "built": None}
 
     def run_schedule(self, name: str) -> Schedule:
-        """The schedule ``name`` of this config: the one built while validating, else built now
+        """The schedule ``name`` of this config: the one built while checking the flags, else built now
         (and kept); raises :class:`~megatron.pipeline.schedules.ScheduleConfigError`."""
         if self.built is None or self.built.config != self.schedule:
             object.__setattr__(self, "built", build_schedule(name, self.schedule))

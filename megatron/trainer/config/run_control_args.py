@@ -34,7 +34,7 @@ def add_run_control_args(p: argparse.ArgumentParser) -> None:
                    help="write TensorBoard scalars (loss, lr, tokens/s, drift, memory, evaluation) to DIR")
 
 
-def validate_run_control_args(args: argparse.Namespace) -> None:
+def check_run_control_flags(args: argparse.Namespace) -> None:
     for flag in ("eval_interval", "save_interval", "exit_interval"):
         value = getattr(args, flag)
         if value is not None and value < 1:

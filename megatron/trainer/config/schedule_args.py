@@ -33,7 +33,7 @@ def chosen_schedule(args: argparse.Namespace) -> type[Schedule]:
         raise ConfigError(f"--pipeline-schedule: {exc}") from None
 
 
-def validate_schedule_args(args: argparse.Namespace) -> None:
+def check_schedule_flags(args: argparse.Namespace) -> None:
     """Refuse a schedule flag the chosen schedule does not take, chunks it cannot run, and flag
     values its options cannot use (one line each, before any rank starts)."""
     cls, name = chosen_schedule(args), args.pipeline_schedule
@@ -43,15 +43,15 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
             which = (f"{group.requirement} --pipeline-schedule ({', '.join(takers)})" if group.requirement
                      else f"--pipeline-schedule {' or '.join(takers)}")
             raise ConfigError(f"{given[0].name} needs {which}; got {name}")
-    _validate_model_chunks(args, cls)
+    _check_model_chunks(args, cls)
     try:
         config = schedule_config(args)  # the options from the flags: their values are checked here
     except ScheduleConfigError as exc:
         raise ConfigError(str(exc)) from None
-    _validate_part_split(args, cls.layout_of(config))
+    _check_part_split(args, cls.layout_of(config))
 
 
-def _validate_part_split(args: argparse.Namespace, layout: PipelineLayout) -> None:
+def _check_part_split(args: argparse.Namespace, layout: PipelineLayout) -> None:
     """The layers of every model part of the schedule's layout: a V halves each stage's
     ``--pipeline-layer-split`` count between its two chunks, and splits evenly into 2 PP parts
     without one (other layouts are checked with the flags they take)."""
@@ -67,7 +67,7 @@ def _validate_part_split(args: argparse.Namespace, layout: PipelineLayout) -> No
             f"--pipeline-schedule {args.pipeline_schedule} (or pass --pipeline-layer-split)")
 
 
-def _validate_model_chunks(args: argparse.Namespace, cls: type[Schedule]) -> None:
+def _check_model_chunks(args: argparse.Namespace, cls: type[Schedule]) -> None:
     """``--num-layers-per-virtual-pipeline-stage``: an even layer split into whole chunks, and
     more than one chunk per stage only for a schedule that runs chunks (whether a schedule
     needs them is its own check)."""

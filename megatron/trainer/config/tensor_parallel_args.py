@@ -24,7 +24,7 @@ import argparse
 from megatron.trainer.config.errors import ConfigError
 
 
-def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
+def check_tensor_parallel_flags(args: argparse.Namespace) -> None:
     """Raise :class:`ConfigError` (one line) for a TP size this run cannot use; needs the
     padded vocabulary (after the data checks)."""
     tp = args.tensor_model_parallel_size

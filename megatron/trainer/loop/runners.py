@@ -69,7 +69,7 @@ class EvaluationData:
         if split not in self._fns:
             try:
                 self._fns[split] = self._build(split)
-            except ValueError:  # the split has no data (validation was checked up front)
+            except ValueError:  # the split has no data (the flag checks looked up front)
                 self._fns[split] = None
         return self._fns[split]
 

@@ -49,7 +49,7 @@ class StageAdamW(AdamWRollback, StageOptimizer):
 
     * The learning rate is passed to every :meth:`step` (the stage's scheduler
       is a pure function of its local step, see ``lr_schedule.LRSchedule``);
-      ``lr`` given to the constructor is only validated and kept as a default
+      ``lr`` given to the constructor is only checked and kept as a default
       for callers that want one.
     * A parameter whose ``.grad`` is None at step time is treated as having a
       zero gradient (Megatron semantics: every param owns a zeroed grad buffer),

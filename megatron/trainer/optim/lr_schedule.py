@@ -62,7 +62,7 @@ class LRSchedule:
     def __post_init__(self) -> None:
         """Fail fast at construction with a one-line message, not with an assert mid-run.
 
-        Fields are validated here only; build a new schedule (e.g. with
+        Fields are checked here only; build a new schedule (e.g. with
         ``dataclasses.replace``) rather than mutating one.
         """
         _check(self)

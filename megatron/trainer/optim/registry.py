@@ -50,5 +50,5 @@ OPTIMIZERS: dict[str, OptimizerBuilder] = {
 
 def build_optimizer(config: JobConfig, named: NamedParameters, stage: int,
                     shards: Shards | None = None) -> StageAdamW:
-    """The stage's optimizer for ``--optimizer`` (validated at parse time against the registry)."""
+    """The stage's optimizer for ``--optimizer`` (checked at parse time against the registry)."""
     return OPTIMIZERS[config.optimizer.optimizer](config, named, stage, shards)
