@@ -309,20 +309,11 @@ def check_flags(args: argparse.Namespace) -> None:
     check_basis_rotation_flags(args)  # --optimizer basis-rotation, --rotation-*
     check_recompute_flags(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)
     check_ddp_flags(args)  # --overlap-grad-reduce, --ddp-bucket-size
-    try:
-        check_megatron_compat_flags(args)  # Megatron-LM's model, rampup, loading and logging flags
-    except ConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    try:
-        check_insight_flags(args)  # --trace-dir, --pipeline-partition auto
-    except ConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    try:
-        check_run_control_flags(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
-        check_exit_flags(args)  # --exit-signal-handler, --exit-duration-in-mins (ConfigError)
-        check_restart_flags(args)  # --max-restarts: the local launcher's, with --save = --load
-    except ConfigError as exc:
-        raise ConfigError(str(exc)) from None
+    check_megatron_compat_flags(args)  # Megatron-LM's model, rampup, loading and logging flags
+    check_insight_flags(args)  # --trace-dir, --pipeline-partition auto
+    check_run_control_flags(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
+    check_exit_flags(args)  # --exit-signal-handler, --exit-duration-in-mins (ConfigError)
+    check_restart_flags(args)  # --max-restarts: the local launcher's, with --save = --load
     for check in args.task_checks:  # a task's own flags (parser.set_defaults)
         check(build_job_config(args))
     try:
