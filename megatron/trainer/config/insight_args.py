@@ -97,15 +97,16 @@ def _resolve_partition(args: argparse.Namespace) -> None:
             raise ConfigError(f"--pipeline-partition {asked} chooses the split; drop --pipeline-layer-split")
         args.pipeline_partition = "explicit"
     elif asked in (None, "balanced"):
-        reason = why_not_balanced(build_job_config(args))
+        flags = build_job_config(args)  # the split's inputs (none of them is set below)
+        reason = why_not_balanced(flags)
         if reason is not None and asked == "balanced":
             raise ConfigError(f"--pipeline-partition balanced cannot apply: {reason}")
         args.pipeline_partition = "even" if reason is not None else "balanced"
-        resumed, split = checkpoint_split(build_job_config(args)) if asked is None and reason is None else (False, None)
+        resumed, split = checkpoint_split(flags) if asked is None and reason is None else (False, None)
         if resumed:  # the default keeps a checkpoint's split (even before the balanced default)
             args.pipeline_layer_split, args.pipeline_partition = split, "checkpoint"
         elif reason is None:
-            split, args.pipeline_partition_feasible = balanced_split(build_job_config(args))
+            split, args.pipeline_partition_feasible = balanced_split(flags)
             if split is not None:
                 args.pipeline_layer_split = split
                 args._balanced_split = True  # not the user's: a second check of the flags decides it again
