@@ -98,6 +98,17 @@ def ring_all_gather_bytes(payload: float, ranks: int) -> float:
     return float((ranks - 1) * payload)
 
 
+def replica_sync_inputs(chunk_params: Iterable[int], replicas: int, grad_bytes: int = 4, param_bytes: int = 4,
+                        sharded: bool = True) -> tuple[int, int]:
+    """(gradient, parameter) all-gather input bytes of a device's AMDP window update, hosting
+    replicas of ``chunk_params`` elements each: every replica's flat gradients, and with
+    sharded state every replica's parameter range (``ceil(n / replicas)``, padded to the longest)."""
+    chunks = list(chunk_params)
+    grads = sum(chunks) * grad_bytes
+    params = sum(-(-n // replicas) for n in chunks) * param_bytes if sharded else 0
+    return grads, params
+
+
 def _replica_count(layout: PipelineLayout) -> int:
     return layout.num_pipelines if isinstance(layout, MultiPipelineLayout) else 1
 
@@ -119,10 +130,10 @@ def stream_volume(ops: Iterable[Op], layout: PipelineLayout, shapes: CommShapes)
         if op.kind is not OpKind.OPT or not op.sync:
             continue
         if replicas > 1:
-            chunks = [n for (s, _), n in shapes.chunk_params.items() if s == op.stage]
-            volume.replica_grads += sum(chunks) * shapes.grad_bytes
-            if shapes.sharded_replicas:
-                volume.replica_params += sum(-(-n // replicas) for n in chunks) * shapes.param_bytes
+            grads, params = replica_sync_inputs((n for (s, _), n in shapes.chunk_params.items() if s == op.stage),
+                                                replicas, shapes.grad_bytes, shapes.param_bytes, shapes.sharded_replicas)
+            volume.replica_grads += grads
+            volume.replica_params += params
         if len(layout.sync_group(op.stage)) > 1:
             volume.sync_norms += FLOAT64_BYTES
     return volume

@@ -94,7 +94,10 @@ def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSize
     parts = st.part_sizes(shape, cand.counts, problem.parallel.tensor_parallel, unit.activations)
     per_part = st.part_costs(shape, unit, parts, problem.parallel, cand.recompute)
     layout = schedule_class(cand.schedule).layout_of(cand.config(1, data_parallel=problem.parallel.data_parallel))
-    return parts, per_part, st.simulator_costs(layout, per_part, unit.sync)
+    costs = st.simulator_costs(layout, per_part, unit.sync)
+    if st.hosts_replicas(layout):
+        costs = st.replica_step_costs(layout, parts, costs, unit)
+    return parts, per_part, costs
 
 
 def activation_peaks(result: SimulationResult, layout: object, parts: list[st.PartSizes],
@@ -119,12 +122,12 @@ def activation_peaks(result: SimulationResult, layout: object, parts: list[st.Pa
     return peaks
 
 
-def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int,
-                options: dict | None = None, cores: float | None = None) -> tuple[float, SimulationResult, object]:
+def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int, options: dict | None = None,
+                cores: float | None = None, slowdown: float = 1.0) -> tuple[float, SimulationResult, object]:
     """(marginal time of one update, the longer run's result, its schedule); ``options``: the
     schedule's other options (a Zero Bubble greedy's ``memory_limit``); ``cores``: the cores
     the stages share (None: a device each), when fewer than the stages the marginal time comes
-    from the processor-sharing replay."""
+    from the processor-sharing replay, its ops' work times ``slowdown``."""
     k = update_count(cand)
     runs = []
     for iterations in (k // 2, k):
@@ -133,7 +136,8 @@ def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int,
         result = simulate_schedule(schedule)
         span = result.makespan
         if is_shared(cores, schedule.layout):
-            span = shared_core_makespan(schedule.streams(), schedule.layout, tuple(costs), cores)  # type: ignore[arg-type]
+            span = shared_core_makespan(schedule.streams(), schedule.layout, tuple(costs), cores,  # type: ignore[arg-type]
+                                        slowdown)
         runs.append((span, result, schedule))
     return (runs[1][0] - runs[0][0]) / (k - k // 2), runs[1][1], runs[1][2]
 
@@ -142,7 +146,8 @@ def evaluate(problem: Problem, cand: Candidate) -> CandidateResult:
     """Simulate ``cand`` (raises the schedule's ScheduleConfigError or the replay's ScheduleError)."""
     par = problem.parallel
     parts, per_part, costs = candidate_costs(problem, cand)
-    per_update, result, schedule = steady_span(cand, costs, par.data_parallel, cores=problem.pipeline_cores())
+    per_update, result, schedule = steady_span(cand, costs, par.data_parallel, cores=problem.pipeline_cores(),
+                                               slowdown=problem.unit.shared_core_slowdown)
     layout = schedule.layout
     k = update_count(cand)
     busy = max(result.busy) / k

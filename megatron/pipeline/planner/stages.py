@@ -15,12 +15,14 @@ from B to W) is the same paper's ``32 sbh`` over a layer's ``34 sbh + 5 a s^2 b`
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeGuard
 
 from megatron.pipeline.activation_memory import LayerShape, recompute_costs
-from megatron.pipeline.comm_volume import ring_all_reduce_bytes
+
+from megatron.pipeline.comm_volume import replica_sync_inputs, ring_all_gather_bytes, ring_all_reduce_bytes
 from megatron.pipeline.cost_model import (
     ModelShape, embedding_parameters, head_parameters, layer_activation_elements, layer_parameters)
 from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
@@ -120,7 +122,8 @@ def part_costs(shape: ModelShape, unit: UnitCosts, parts: Sequence[PartSizes], p
             p = p + unit.head
         shard = par.data_parallel if par.distributed_optimizer else 1
         grads = part.params * 4  # fp32 gradients are reduced
-        costs = OpCosts(t_f=p.f, t_b=p.b, t_w=p.w, t_comm=unit.p2p, m_w=part_weight_grad_fraction(shape, unit, part, j == 0, j == last),
+        costs = OpCosts(t_f=p.f, t_b=p.b, t_w=p.w, t_comm=unit.p2p, t_send=unit.message_cpu,
+                        m_w=part_weight_grad_fraction(shape, unit, part, j == 0, j == last),
                         t_opt=part.params / shard * unit.optimizer_per_param,
                         t_sync=unit.sync + unit.reduce_ms_per_byte * ring_all_reduce_bytes(grads, par.data_parallel))
         granularity = RECOMPUTE[recompute]
@@ -140,7 +143,7 @@ def _stage_mean(costs: Sequence[OpCosts], collective: float) -> OpCosts:
     """A stage's costs from its parts': the mean per op; the step and the reduction over all of
     its parameters (their sums), the collective ``collective`` once."""
     n = len(costs)
-    mean = {f: sum(getattr(c, f) for c in costs) / n for f in ("t_f", "t_b", "t_w", "t_comm", "m_w", "m_f")}
+    mean = {f: sum(getattr(c, f) for c in costs) / n for f in ("t_f", "t_b", "t_w", "t_comm", "t_send", "m_w", "m_f")}
     return OpCosts(**mean, t_opt=sum(c.t_opt for c in costs),
                    t_sync=sum(c.t_sync for c in costs) - (n - 1) * collective)
 
@@ -163,6 +166,29 @@ def stage_activation_unit(layout: PipelineLayout, parts: Sequence[PartSizes], st
 
 def stage_params(layout: PipelineLayout, parts: Sequence[PartSizes], stage: int) -> float:
     return sum(parts[p].params for p in stage_parts(layout, stage))
+
+
+def replica_step_costs(layout: MultiPipelineLayout, parts: Sequence[PartSizes], costs: Sequence[OpCosts],
+                       unit: UnitCosts) -> list[OpCosts]:
+    """AMDP's window update priced per device: ``costs`` with each device's ``t_opt`` and
+    ``t_sync`` covering every replica it hosts (sharded optimizer state, AMDP's default).
+
+    Why: a device's synchronous OPT all-gathers each hosted replica's gradients with that
+    logical stage's other replicas, steps its range of each, and all-gathers the updated
+    ranges (:mod:`megatron.pipeline.runtime.replicas`; fp32, as
+    :func:`~megatron.pipeline.comm_volume.replica_sync_inputs` counts them); at D = 4 on a CPU host that traffic is
+    most of the gap between the chain schedules and AMDP. The simulator prices a device's OPT
+    by entry ``d`` (its pipeline-0 logical stage, :func:`~megatron.pipeline.op_costs.priced_part`),
+    so that entry carries the device's sums; its F/B/W prices stay the logical stage's."""
+    replicas = layout.num_pipelines
+    out = list(costs)
+    for device in range(layout.num_stages):
+        hosted = [int(parts[p].params) for p in stage_parts(layout, device)]
+        grads, params = replica_sync_inputs(hosted, replicas)
+        sent = ring_all_gather_bytes(grads, replicas) + ring_all_gather_bytes(params, replicas)
+        out[device] = dataclasses.replace(costs[device], t_opt=sum(hosted) / replicas * unit.optimizer_per_param,
+                                          t_sync=unit.sync + unit.reduce_ms_per_byte * sent)
+    return out
 
 
 def hosts_replicas(layout: PipelineLayout) -> TypeGuard[MultiPipelineLayout]:

@@ -67,13 +67,20 @@ class UnitCosts:
     """Per-micro-batch times (ms) the planner builds every stage's costs from.
 
     ``p2p``: from the end of a sending op to the arrival of its activation (or gradient);
+    ``message_cpu``: the CPU time the transport spends on one such message, both ends together
+    (gloo on a CPU host copies it through the kernel twice and wakes two threads; charged to
+    the sender as :attr:`~megatron.pipeline.op_costs.OpCosts.t_send`: on a dedicated core it
+    delays the sender, on shared cores it is work the cores do);
     ``optimizer_per_param``: the optimizer step's time per parameter of a stage (ms), so a stage's
     ``t_opt`` follows its parameter count; ``sync``: the synchronous step's collective latency
     (norms, statistics) on top of it; ``source``: where the numbers came from (reported);
     ``host_cores``: the cores one node's ranks share when the costs were taken on a CPU host
     (``--profile`` there records its usable cores), None where every rank has a device of its own.
     With fewer cores than stages the planner replays candidates with processor sharing
-    (:mod:`megatron.pipeline.planner.shared_cores`).
+    (:mod:`megatron.pipeline.planner.shared_cores`), every op's work times
+    ``shared_core_slowdown``: how much more CPU the same compute takes when twice as many
+    processes as cores time-share them (cache refills after each switch), measured by
+    ``--profile``.
     """
 
     micro_batch: int
@@ -83,18 +90,20 @@ class UnitCosts:
     p2p: float = 0.0
     optimizer_per_param: float = 0.0
     sync: float = 0.0
-    reduce_ms_per_byte: float = 0.0  # data-parallel gradient all-reduce, per byte one rank sends
+    reduce_ms_per_byte: float = 0.0  # a gradient collective (data-parallel, AMDP's replicas), per byte one rank sends
+    message_cpu: float = 0.0
     source: str = "given"
     host_cores: float | None = None
     activations: ActivationBytes | None = None  # measured by a profile; None: the analytic count
     kept_for_w: ActivationBytes | None = None  # of those, what a B leaves for its W (measured)
+    shared_core_slowdown: float = 1.0
 
     def at_micro_batch(self, micro_batch: int) -> "UnitCosts":
         """The costs at another micro-batch size, linear in the sequences of a micro-batch."""
         factor = micro_batch / self.micro_batch
         return dataclasses.replace(self, micro_batch=micro_batch, layer=self.layer.scaled(factor),
                                    embedding=self.embedding.scaled(factor), head=self.head.scaled(factor),
-                                   p2p=self.p2p * factor,
+                                   p2p=self.p2p * factor, message_cpu=self.message_cpu * factor,
                                    activations=None if self.activations is None else self.activations.scaled(factor),
                                    kept_for_w=None if self.kept_for_w is None else self.kept_for_w.scaled(factor))
 
@@ -110,12 +119,15 @@ class UnitCosts:
         if "micro_batch" not in values or "layer" not in values:
             raise ValueError("a cost file needs 'micro_batch' and 'layer'")
         parts = {k: PassCosts(**values[k]) for k in ("layer", "embedding", "head") if k in values}
-        scalars = {k: float(v) for k, v in values.items() if k in ("p2p", "optimizer_per_param", "sync",
-                                                                      "reduce_ms_per_byte")}
+        scalars = {k: float(v) for k, v in values.items() if k in SCALARS}
         cores = values.get("host_cores")
         measured = {k: ActivationBytes(**values[k]) for k in ("activations", "kept_for_w") if values.get(k) is not None}
         return cls(micro_batch=int(values["micro_batch"]), source=str(values.get("source", "file")),
                    host_cores=None if cores is None else float(cores), **measured, **parts, **scalars)
+
+
+#: the plain-number fields of a cost file
+SCALARS = ("p2p", "optimizer_per_param", "sync", "reduce_ms_per_byte", "message_cpu", "shared_core_slowdown")
 
 
 def load_unit_costs(path: str) -> UnitCosts:

@@ -8,10 +8,12 @@ profiled iterations (ZB-H1) plus one, on mock data, and the logged per-stage cos
 per-layer and head costs (:func:`~megatron.pipeline.planner.unit_costs.from_two_stage_profile`).
 Each rank is timed with the threads it will have (``--num-threads``: the cores over the
 planned run's local ranks). The optimizer step comes from the same run's traced OPT spans (per parameter), activation
-bytes from its activation meter (:func:`measured_activations`); the data-parallel reduction is
-not profiled (0). On a CPU the profile
-records the host's usable cores (``host_cores``): a run of more stages than cores shares them,
-which the planner models (:mod:`megatron.pipeline.planner.shared_cores`).
+bytes from its activation meter (:func:`measured_activations`); the transport is
+measured, on a CPU host, with the transport's other costs by :mod:`.link_profile` (two
+processes over gloo: a message's trip and CPU, a collective's time per byte, the CPU time-sliced
+cores lose). On a CPU the profile also records the host's usable cores (``host_cores``): a run of
+more stages than cores shares them, which the planner models
+(:mod:`megatron.pipeline.planner.shared_cores`).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from megatron.pipeline.schedules.zb_1p import ZB1P
 from megatron.trainer.config.job_config import JobConfig, flag_values
 
 PROFILE_ITERS = 2
+MAX_COLLECTIVE_BYTES = 64 << 20  # the collective measurement's size cap (a larger one only takes longer)
 MARKER = "zero-bubble-schedule "
 #: the model, batch and precision flags forwarded to the profiling run (dest -> flag)
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -125,6 +128,22 @@ def rank_threads(ranks: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, ranks))
 
 
+def with_link_costs(config: JobConfig, unit: UnitCosts) -> UnitCosts:
+    """``unit`` with the CPU transport's costs measured on this host (:mod:`.link_profile`): an
+    activation-sized message, a collective of one profiled stage's fp32 gradients."""
+    from megatron.trainer.tasks.link_profile import LayerWidth, measure_link
+
+    shape = model_shape(config)
+    half = config.model.num_layers // 2
+    message = shape.seq_length * shape.micro_batch * shape.hidden * shape.activation_bytes
+    gradients = int(4 * part_parameters(shape, half, True, False))
+    width = LayerWidth(shape.hidden, shape.heads, shape.ffn, shape.seq_length * shape.micro_batch)
+    link = measure_link(message, min(gradients, MAX_COLLECTIVE_BYTES), width, int(unit.host_cores or 1))
+    return dataclasses.replace(unit, p2p=link.p2p, message_cpu=link.message_cpu,
+                               reduce_ms_per_byte=link.reduce_ms_per_byte,
+                               shared_core_slowdown=link.shared_core_slowdown)
+
+
 def profile_unit_costs(config: JobConfig, threads: int) -> UnitCosts:
     """Run the profile and read its costs; ValueError (one line) when the run gives none.
 
@@ -148,7 +167,8 @@ def profile_unit_costs(config: JobConfig, threads: int) -> UnitCosts:
             unit = from_two_stage_profile(decision["costs"], (half, half), config.training.micro_batch_size,
                                           source="profiled:this host")
             measured = measured_activations(decision, records, half)
-            return dataclasses.replace(unit, host_cores=host_cores(), optimizer_per_param=step,
+            unit = dataclasses.replace(unit, host_cores=host_cores(), optimizer_per_param=step,
                                        activations=measured and measured[0], kept_for_w=measured and measured[1])
+            return unit if unit.host_cores is None else with_link_costs(config, unit)
     tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
     raise ValueError(f"the profiling run logged no costs (exit {run.returncode}): {tail[0]}")

@@ -1,0 +1,176 @@
+"""``--profile`` on a CPU host: what the runtime's transport and time-shared cores cost.
+
+Why a second measurement: the profile's emulator run passes messages inside one process (its
+P2P time is about 0.004 ms), while the distributed runtime on a CPU host sends them through gloo
+between processes. There a message costs CPU on both ends (it is copied through the kernel
+twice, and threads wake for it: about 1 ms for a 128 KiB activation between ops on this project's
+2-core host) and takes longer to arrive; AMDP's replicas and data-parallel replicas move their
+gradients through gloo collectives; and when a run has more ranks than the host has cores, the
+time-sliced cores lose some CPU to switching between them. None of this shows in one process.
+
+What is measured (two processes over gloo and a file store, one thread each, as the runtime's
+CPU ranks run):
+
+* **A message** (:attr:`LinkCosts.p2p`, :attr:`LinkCosts.message_cpu`): ``ROUND_TRIPS``
+  ping-pongs of one activation-sized tensor; half the median round trip is the one-way time.
+  Then as many round trips each after a few milliseconds of matrix products, as a pipeline
+  sends between ops: the CPU time both processes spent (every thread, ``time.process_time``)
+  less the products' own (``time.thread_time``), over the messages, is ``message_cpu`` (twice
+  what back-to-back ping-pongs cost: the threads and caches have gone cold). ``p2p`` is the
+  one-way time less ``message_cpu`` (the simulator adds ``t_comm`` after the sender's
+  ``t_send``, so the message arrives a one-way time after its op), at least 0.
+* **A collective** (:attr:`LinkCosts.reduce_ms_per_byte`): the median time of an all-gather of
+  ``collective_bytes`` per rank, over the bytes one rank sends.
+* **Time-sliced cores** (:attr:`LinkCosts.shared_core_slowdown`): the median CPU time of a
+  forward and backward of a stand-in transformer layer of the model's width
+  (``torch.nn.TransformerEncoderLayer``), in as many concurrent processes as cores and then in
+  twice as many, alternated ``SLOWDOWN_ROUNDS`` times; the ratio of the two medians (at least 1).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROUND_TRIPS = 200
+WARMUP = 20
+COLLECTIVE_REPEATS = 5
+COMPUTE_WIDTH = 256  # between two round trips, COMPUTE_STEPS products of this size (a few ms)
+COMPUTE_STEPS = 40
+SLOWDOWN_ROUNDS = 2
+SLOWDOWN_REPEATS = 40
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """Milliseconds (see the module docstring for how each is measured)."""
+
+    p2p: float
+    message_cpu: float
+    reduce_ms_per_byte: float
+    shared_core_slowdown: float
+
+
+@dataclass(frozen=True)
+class LayerWidth:
+    """The stand-in layer's shape: the model's hidden size, heads, FFN size and tokens."""
+
+    hidden: int
+    heads: int
+    ffn: int
+    tokens: int
+
+
+def _link_rank(rank: int, store: str, message_elements: int, collective_elements: int, results: Any) -> None:
+    """One of the two processes of the message and collective measurement."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    peer = 1 - rank
+    message = torch.zeros(message_elements)
+
+    def round_trip() -> None:
+        if rank == 0:
+            dist.send(message, peer)
+            dist.recv(message, peer)
+        else:
+            dist.recv(message, peer)
+            dist.send(message, peer)
+
+    for _ in range(WARMUP):
+        round_trip()
+    trips = []
+    for _ in range(ROUND_TRIPS):
+        start = time.perf_counter()
+        round_trip()
+        trips.append(time.perf_counter() - start)
+    # the CPU per message between computations, as in a pipeline (caches and threads gone cold)
+    weight = torch.randn(COMPUTE_WIDTH, COMPUTE_WIDTH)
+    block = torch.randn(COMPUTE_WIDTH, COMPUTE_WIDTH)
+    compute = 0.0
+    cpu = time.process_time()
+    for _ in range(ROUND_TRIPS):
+        start = time.thread_time()
+        for _ in range(COMPUTE_STEPS):
+            block = torch.tanh(block @ weight)
+        compute += time.thread_time() - start
+        round_trip()
+    cpu = time.process_time() - cpu - compute
+    mine = torch.zeros(collective_elements)
+    gathered = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(gathered, mine)
+    spans = []
+    for _ in range(COLLECTIVE_REPEATS):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_gather(gathered, mine)
+        spans.append(time.perf_counter() - start)
+    results.put((rank, cpu, statistics.median(trips), statistics.median(spans)))
+    dist.destroy_process_group()
+
+
+def _layer_rank(width: LayerWidth, start_together: Any, results: Any) -> None:
+    """One process of the time-sliced-cores measurement: median CPU ms of a layer's F and B,
+    timed once every process has started (``start_together``, a barrier), so they all overlap."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(width.hidden, width.heads, width.ffn, dropout=0.0, batch_first=True)
+    x = torch.randn(1, width.tokens, width.hidden)
+    for _ in range(3):
+        layer(x).sum().backward()
+    start_together.wait()
+    times = []
+    for _ in range(SLOWDOWN_REPEATS):
+        start = time.thread_time()
+        layer(x).sum().backward()
+        times.append(time.thread_time() - start)
+    results.put(statistics.median(times) * 1e3)
+
+
+CONTEXT = multiprocessing.get_context("spawn")  # a fresh interpreter: no thread or state of ours
+
+
+def _run(target: Any, args: list[tuple], timeout: float = 300.0) -> list[Any]:
+    """Run ``target(*a, results)`` in one spawned process per ``a``; their results."""
+    context = CONTEXT
+    results = context.Queue()
+    processes = [context.Process(target=target, args=(*a, results), daemon=True) for a in args]
+    for p in processes:
+        p.start()
+    try:
+        out = [results.get(timeout=timeout) for _ in processes]
+    finally:
+        for p in processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if any(p.exitcode for p in processes):
+        raise RuntimeError(f"a link-profile process failed (exit codes {[p.exitcode for p in processes]})")
+    return out
+
+
+def measure_link(message_bytes: int, collective_bytes: int, width: LayerWidth, cores: int) -> LinkCosts:
+    """Measure :class:`LinkCosts` on this host (module docstring); ``cores``: the host's usable cores."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        ranks = sorted(_run(_link_rank, [(r, store, max(1, message_bytes // 4), max(1, collective_bytes // 4))
+                                         for r in range(2)]))
+    cpu = sum(r[1] for r in ranks)
+    trip, collective = ranks[0][2], ranks[0][3]
+    message_cpu = cpu / (2 * ROUND_TRIPS) * 1e3
+    alone, shared = [], []
+    for _ in range(SLOWDOWN_ROUNDS):
+        for processes, medians in ((cores, alone), (2 * cores, shared)):
+            barrier = CONTEXT.Barrier(processes)
+            medians += _run(_layer_rank, [(width, barrier)] * processes)
+    return LinkCosts(p2p=max(0.0, trip / 2 * 1e3 - message_cpu), message_cpu=message_cpu,
+                     reduce_ms_per_byte=collective * 1e3 / max(1, collective_bytes),
+                     shared_core_slowdown=max(1.0, statistics.median(shared) / statistics.median(alone)))
