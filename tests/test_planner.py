@@ -175,3 +175,73 @@ def test_stages_sharing_cores_take_the_processor_sharing_time():
     assert 48.0 <= shared <= 48.0 + 3 * 3  # + at most the fill and drain of one op per hop
     by_file = evaluate(Problem(TINY, dataclasses.replace(UNIT, host_cores=2.0), 8), cand).iteration_time_ms
     assert by_file == shared
+
+
+def test_transport_fields_round_trip_and_scale_with_the_micro_batch():
+    costs = UnitCosts(2, PassCosts(1, 2, 3), p2p=0.25, message_cpu=1.5, reduce_ms_per_byte=2e-6,
+                      shared_core_slowdown=1.08, host_cores=2.0)
+    assert UnitCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
+    doubled = costs.at_micro_batch(4)  # a message twice the bytes
+    assert (doubled.p2p, doubled.message_cpu) == (0.5, 3.0)
+    assert (doubled.reduce_ms_per_byte, doubled.shared_core_slowdown) == (2e-6, 1.08)
+
+
+@pytest.mark.parametrize("cand", [Candidate("1f1b", 2, 1, 4, 1, "none", "even", (2, 2)),
+                                  Candidate("interleaved-1f1b", 2, 1, 4, 2, "none", "even", (1, 1, 1, 1)),
+                                  Candidate("zb-v", 2, 1, 4, 2, "none", "even", (1, 1, 1, 1))])
+def test_message_cpu_is_every_stages_send_time(cand: Candidate):
+    """The transport's CPU per message reaches the simulator as ``t_send`` on every stage, also
+    where a stage hosts several parts (their mean once dropped it), and lengthens the iteration."""
+    sending = dataclasses.replace(UNIT, message_cpu=0.5)
+    plain = evaluate(Problem(TINY, UNIT, global_batch=4), cand)
+    charged = evaluate(Problem(TINY, sending, global_batch=4), cand)
+    assert [c.t_send for c in charged.stage_costs] == [0.5, 0.5]
+    assert charged.iteration_time_ms > plain.iteration_time_ms
+
+
+def test_shared_cores_take_the_measured_slowdown():
+    """Without latencies the processor-sharing time scales with every op's work: a slowdown of
+    1.5 gives exactly 1.5 times the time; a core per stage ignores it."""
+    cand = Candidate("1f1b", 4, 1, 8, 1, "none", "even", (1, 1, 1, 1))
+    shared = evaluate(Problem(TINY, UNIT, 8, host_cores=2), cand).iteration_time_ms
+    slowed = dataclasses.replace(UNIT, shared_core_slowdown=1.5)
+    assert evaluate(Problem(TINY, slowed, 8, host_cores=2), cand).iteration_time_ms == pytest.approx(1.5 * shared)
+    assert evaluate(Problem(TINY, slowed, 8, host_cores=4), cand).iteration_time_ms == pytest.approx(33.0)
+
+
+def test_amdp_window_update_costs_the_replica_all_gathers_each_device_sends():
+    """AMDP at D = 4 (two pipelines): each device's step all-gathers the gradients and, sharded,
+    the parameter ranges of both replicas it hosts. The bytes come from the comm-volume walk of
+    the schedule's streams (an independent count), one input sent per all-gather of 2 ranks; the
+    step covers half of each hosted replica's parameters."""
+    from megatron.pipeline.comm_volume import CommShapes, step_comm_volume
+    from megatron.pipeline.planner.evaluate import candidate_costs
+    from megatron.pipeline.schedules import build_schedule
+
+    unit = dataclasses.replace(UNIT, reduce_ms_per_byte=1e-3, optimizer_per_param=1e-2)
+    cand = Candidate("amdp", 4, 1, 8, 1, "none", "even", (1, 1, 1, 1))
+    problem = Problem(TINY, unit, global_batch=8)
+    parts, _, costs = candidate_costs(problem, cand)
+    schedule = build_schedule("amdp", cand.config(1))
+    layout = schedule.layout
+    chunk_params = {(s, c): int(parts[layout.model_stage(s, c)].params)
+                    for s in range(4) for c in range(layout.num_chunks)}
+    volume = step_comm_volume(schedule, CommShapes(1, 4, chunk_params))
+    for device in range(4):
+        sent = volume[device]["replica_grads"] + volume[device]["replica_params"]
+        assert sent > 0 and costs[device].t_sync == pytest.approx(1e-3 * sent)
+        hosted = sum(n for (s, _), n in chunk_params.items() if s == device)
+        assert costs[device].t_opt == pytest.approx(hosted / 2 * 1e-2)
+    priced = evaluate(problem, cand).iteration_time_ms
+    assert priced > evaluate(Problem(TINY, UNIT, global_batch=8), cand).iteration_time_ms
+
+
+def test_time_shared_stages_pay_the_messages_cpu_measured_there():
+    """4 stages on 2 cores send at ``shared_message_cpu``; with a core each, at ``message_cpu``;
+    a cost file without the shared measurement keeps ``message_cpu`` everywhere."""
+    cand = Candidate("1f1b", 4, 1, 8, 1, "none", "even", (1, 1, 1, 1))
+    unit = dataclasses.replace(UNIT, message_cpu=0.5, shared_message_cpu=1.5)
+    assert {c.t_send for c in evaluate(Problem(TINY, unit, 8, host_cores=2), cand).stage_costs} == {1.5}
+    assert {c.t_send for c in evaluate(Problem(TINY, unit, 8, host_cores=4), cand).stage_costs} == {0.5}
+    unmeasured = dataclasses.replace(unit, shared_message_cpu=0.0)
+    assert {c.t_send for c in evaluate(Problem(TINY, unmeasured, 8, host_cores=2), cand).stage_costs} == {0.5}

@@ -88,12 +88,15 @@ def semantics(schedule: str) -> str:
 
 
 def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSizes], list[OpCosts], list[OpCosts]]:
-    """The candidate's part sizes, each part's costs, and the simulator's per-stage (or per-part) costs."""
+    """The candidate's part sizes, each part's costs, and the simulator's per-stage (or per-part)
+    costs; stages that time-share the host's cores pay a message's CPU as measured there."""
     shape = dataclasses.replace(problem.shape, micro_batch=cand.micro_batch_size)
     unit = problem.unit.at_micro_batch(cand.micro_batch_size)
+    layout = schedule_class(cand.schedule).layout_of(cand.config(1, data_parallel=problem.parallel.data_parallel))
+    if is_shared(problem.pipeline_cores(), layout):
+        unit = unit.time_sliced()
     parts = st.part_sizes(shape, cand.counts, problem.parallel.tensor_parallel, unit.activations)
     per_part = st.part_costs(shape, unit, parts, problem.parallel, cand.recompute)
-    layout = schedule_class(cand.schedule).layout_of(cand.config(1, data_parallel=problem.parallel.data_parallel))
     costs = st.simulator_costs(layout, per_part, unit.sync)
     if st.hosts_replicas(layout):
         costs = st.replica_step_costs(layout, parts, costs, unit)

@@ -70,7 +70,10 @@ class UnitCosts:
     ``message_cpu``: the CPU time the transport spends on one such message, both ends together
     (gloo on a CPU host copies it through the kernel twice and wakes two threads; charged to
     the sender as :attr:`~megatron.pipeline.op_costs.OpCosts.t_send`: on a dedicated core it
-    delays the sender, on shared cores it is work the cores do);
+    delays the sender, on shared cores it is work the cores do); ``shared_message_cpu``: the same
+    when twice as many ranks as cores time-share them (every hand-over between a rank's threads
+    then waits for a slice and refills caches: about 3 times ``message_cpu`` on this project's
+    2-core host), used by :meth:`time_sliced`; 0 when not measured;
     ``optimizer_per_param``: the optimizer step's time per parameter of a stage (ms), so a stage's
     ``t_opt`` follows its parameter count; ``sync``: the synchronous step's collective latency
     (norms, statistics) on top of it; ``source``: where the numbers came from (reported);
@@ -92,6 +95,7 @@ class UnitCosts:
     sync: float = 0.0
     reduce_ms_per_byte: float = 0.0  # a gradient collective (data-parallel, AMDP's replicas), per byte one rank sends
     message_cpu: float = 0.0
+    shared_message_cpu: float = 0.0
     source: str = "given"
     host_cores: float | None = None
     activations: ActivationBytes | None = None  # measured by a profile; None: the analytic count
@@ -104,8 +108,15 @@ class UnitCosts:
         return dataclasses.replace(self, micro_batch=micro_batch, layer=self.layer.scaled(factor),
                                    embedding=self.embedding.scaled(factor), head=self.head.scaled(factor),
                                    p2p=self.p2p * factor, message_cpu=self.message_cpu * factor,
+                                   shared_message_cpu=self.shared_message_cpu * factor,
                                    activations=None if self.activations is None else self.activations.scaled(factor),
                                    kept_for_w=None if self.kept_for_w is None else self.kept_for_w.scaled(factor))
+
+    def time_sliced(self) -> "UnitCosts":
+        """The costs of ranks that time-share the host's cores: a message's CPU as measured there."""
+        if not self.shared_message_cpu:
+            return self
+        return dataclasses.replace(self, message_cpu=self.shared_message_cpu)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -127,7 +138,8 @@ class UnitCosts:
 
 
 #: the plain-number fields of a cost file
-SCALARS = ("p2p", "optimizer_per_param", "sync", "reduce_ms_per_byte", "message_cpu", "shared_core_slowdown")
+SCALARS = ("p2p", "optimizer_per_param", "sync", "reduce_ms_per_byte", "message_cpu", "shared_message_cpu",
+           "shared_core_slowdown")
 
 
 def load_unit_costs(path: str) -> UnitCosts:

@@ -18,7 +18,8 @@ CPU ranks run):
   less the products' own (``time.thread_time``), over the messages, is ``message_cpu`` (twice
   what back-to-back ping-pongs cost: the threads and caches have gone cold). ``p2p`` is the
   one-way time less ``message_cpu`` (the simulator adds ``t_comm`` after the sender's
-  ``t_send``, so the message arrives a one-way time after its op), at least 0.
+  ``t_send``, so the message arrives a one-way time after its op), at least 0. The same with
+  as many pairs at once as cores (twice as many processes as cores) is ``shared_message_cpu``.
 * **A collective** (:attr:`LinkCosts.reduce_ms_per_byte`): the median time of an all-gather of
   ``collective_bytes`` per rank, over the bytes one rank sends.
 * **Time-sliced cores** (:attr:`LinkCosts.shared_core_slowdown`): the median CPU time of a
@@ -51,6 +52,7 @@ class LinkCosts:
 
     p2p: float
     message_cpu: float
+    shared_message_cpu: float
     reduce_ms_per_byte: float
     shared_core_slowdown: float
 
@@ -65,13 +67,16 @@ class LayerWidth:
     tokens: int
 
 
-def _link_rank(rank: int, store: str, message_elements: int, collective_elements: int, results: Any) -> None:
-    """One of the two processes of the message and collective measurement."""
+def _link_rank(pair: int, rank: int, store: str, message_elements: int, collective_elements: int,
+               start_together: Any, results: Any) -> None:
+    """One of the two processes of pair ``pair`` of the message (and, with ``collective_elements``,
+    the collective) measurement; every pair's processes start timing together."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    start_together.wait()
     peer = 1 - rank
     message = torch.zeros(message_elements)
 
@@ -102,16 +107,18 @@ def _link_rank(rank: int, store: str, message_elements: int, collective_elements
         compute += time.thread_time() - start
         round_trip()
     cpu = time.process_time() - cpu - compute
-    mine = torch.zeros(collective_elements)
-    gathered = [torch.empty_like(mine) for _ in range(2)]
-    dist.all_gather(gathered, mine)
-    spans = []
-    for _ in range(COLLECTIVE_REPEATS):
-        dist.barrier()
-        start = time.perf_counter()
+    spans = [0.0]
+    if collective_elements:
+        mine = torch.zeros(collective_elements)
+        gathered = [torch.empty_like(mine) for _ in range(2)]
         dist.all_gather(gathered, mine)
-        spans.append(time.perf_counter() - start)
-    results.put((rank, cpu, statistics.median(trips), statistics.median(spans)))
+        spans = []
+        for _ in range(COLLECTIVE_REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_gather(gathered, mine)
+            spans.append(time.perf_counter() - start)
+    results.put((pair, rank, cpu, statistics.median(trips), statistics.median(spans)))
     dist.destroy_process_group()
 
 
@@ -157,20 +164,35 @@ def _run(target: Any, args: list[tuple], timeout: float = 300.0) -> list[Any]:
     return out
 
 
+def _pairs(pairs: int, message_bytes: int, collective_bytes: int) -> list[tuple]:
+    """Each process's (pair, rank, CPU s, median round trip s, median collective s) of ``pairs``
+    pairs measuring at once."""
+    with tempfile.TemporaryDirectory() as tmp:
+        barrier = CONTEXT.Barrier(2 * pairs)
+        return sorted(_run(_link_rank, [(p, r, str(Path(tmp) / f"store{p}"), max(1, message_bytes // 4),
+                                         collective_bytes // 4, barrier) for p in range(pairs) for r in range(2)]))
+
+
+def _message_cpu(ranks: list[tuple]) -> float:
+    """CPU ms per message, both ends, the median over the pairs."""
+    per_pair: dict[int, float] = {}
+    for pair, _, cpu, _, _ in ranks:
+        per_pair[pair] = per_pair.get(pair, 0.0) + cpu
+    return statistics.median(per_pair.values()) / (2 * ROUND_TRIPS) * 1e3
+
+
 def measure_link(message_bytes: int, collective_bytes: int, width: LayerWidth, cores: int) -> LinkCosts:
     """Measure :class:`LinkCosts` on this host (module docstring); ``cores``: the host's usable cores."""
-    with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "store")
-        ranks = sorted(_run(_link_rank, [(r, store, max(1, message_bytes // 4), max(1, collective_bytes // 4))
-                                         for r in range(2)]))
-    cpu = sum(r[1] for r in ranks)
-    trip, collective = ranks[0][2], ranks[0][3]
-    message_cpu = cpu / (2 * ROUND_TRIPS) * 1e3
+    ranks = _pairs(1, message_bytes, collective_bytes)
+    trip, collective = ranks[0][3], ranks[0][4]
+    message_cpu = _message_cpu(ranks)
+    shared_message_cpu = _message_cpu(_pairs(cores, message_bytes, 0))
     alone, shared = [], []
     for _ in range(SLOWDOWN_ROUNDS):
         for processes, medians in ((cores, alone), (2 * cores, shared)):
             barrier = CONTEXT.Barrier(processes)
             medians += _run(_layer_rank, [(width, barrier)] * processes)
     return LinkCosts(p2p=max(0.0, trip / 2 * 1e3 - message_cpu), message_cpu=message_cpu,
+                     shared_message_cpu=shared_message_cpu,
                      reduce_ms_per_byte=collective * 1e3 / max(1, collective_bytes),
                      shared_core_slowdown=max(1.0, statistics.median(shared) / statistics.median(alone)))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.planner.stages import part_parameters
-from megatron.pipeline.planner.unit_costs import ActivationBytes, UnitCosts, from_two_stage_profile
+from megatron.pipeline.planner.unit_costs import ActivationBytes, PassCosts, UnitCosts, from_two_stage_profile
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import ScheduleConfig
 from megatron.pipeline.schedules.zb_h1 import ZBH1
@@ -140,6 +140,7 @@ def with_link_costs(config: JobConfig, unit: UnitCosts) -> UnitCosts:
     width = LayerWidth(shape.hidden, shape.heads, shape.ffn, shape.seq_length * shape.micro_batch)
     link = measure_link(message, min(gradients, MAX_COLLECTIVE_BYTES), width, int(unit.host_cores or 1))
     return dataclasses.replace(unit, p2p=link.p2p, message_cpu=link.message_cpu,
+                               shared_message_cpu=link.shared_message_cpu,
                                reduce_ms_per_byte=link.reduce_ms_per_byte,
                                shared_core_slowdown=link.shared_core_slowdown)
 
@@ -149,26 +150,67 @@ def profile_unit_costs(config: JobConfig, threads: int) -> UnitCosts:
 
     ``threads``: the CPU threads per rank of the runs being planned (:func:`rank_threads` of
     their local ranks). The emulator is one process and would otherwise take every core, timing
-    ops several times faster than a rank that shares the host with the others."""
+    ops several times faster than a rank that shares the host with the others.
+
+    On a CPU host the profile runs as many copies at once as the planned ranks' threads fill
+    the cores (:func:`profile_copies`), and takes the median of their costs. Why: a pipeline's
+    ranks compute on all cores at once, and a core runs the same op 3-10 % slower while the
+    others are busy (shared caches and memory bandwidth; measured on this project's 2-core
+    host) than alone; and the median of several copies is steadier than one run."""
     model = config.model
     if model.num_layers % 2:
         raise ValueError(f"--profile splits the model over 2 stages evenly; --num-layers {model.num_layers} is odd")
+    cores = host_cores()
+    copies = profile_copies(cores, threads)
     with tempfile.TemporaryDirectory() as tmp:
-        log, trace = Path(tmp) / "profile.jsonl", Path(tmp) / "trace"
-        command = profile_command(config) + ["--num-threads", str(threads), "--log-activation-memory",
-                                           "--log-json", str(log), "--trace-dir", str(trace)]
-        run = subprocess.run(command, capture_output=True, text=True)
-        records = [json.loads(r) for r in log.read_text().splitlines()] if log.exists() else []
-        step = optimizer_ms_per_param(config, trace) if trace.is_dir() and any(trace.iterdir()) else 0.0
-    for line in run.stdout.splitlines():
+        runs = []
+        for i in range(copies):
+            log, trace = Path(tmp) / f"profile{i}.jsonl", Path(tmp) / f"trace{i}"
+            command = profile_command(config) + ["--num-threads", str(threads), "--log-activation-memory",
+                                               "--log-json", str(log), "--trace-dir", str(trace)]
+            runs.append((subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                         log, trace))
+        units = []
+        for process, log, trace in runs:
+            stdout, stderr = process.communicate()
+            unit = read_profile(config, stdout, log, trace)
+            if unit is None:
+                tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
+                raise ValueError(f"the profiling run logged no costs (exit {process.returncode}): {tail[0]}")
+            units.append(unit)
+    unit = dataclasses.replace(median_unit_costs(units), host_cores=cores)
+    return unit if cores is None else with_link_costs(config, unit)
+
+
+def profile_copies(cores: float | None, threads: int) -> int:
+    """How many profile runs go at once: enough to keep every core busy (one on a GPU host)."""
+    return 1 if cores is None else max(1, int(cores) // max(1, threads))
+
+
+def read_profile(config: JobConfig, stdout: str, log: Path, trace: Path) -> UnitCosts | None:
+    """One profiling run's unit costs (None: it logged none)."""
+    records = [json.loads(r) for r in log.read_text().splitlines()] if log.exists() else []
+    step = optimizer_ms_per_param(config, trace) if trace.is_dir() and any(trace.iterdir()) else 0.0
+    for line in stdout.splitlines():
         if MARKER in line:
             decision = json.loads(line.split(MARKER, 1)[1])
-            half = model.num_layers // 2
+            half = config.model.num_layers // 2
             unit = from_two_stage_profile(decision["costs"], (half, half), config.training.micro_batch_size,
                                           source="profiled:this host")
             measured = measured_activations(decision, records, half)
-            unit = dataclasses.replace(unit, host_cores=host_cores(), optimizer_per_param=step,
-                                       activations=measured and measured[0], kept_for_w=measured and measured[1])
-            return unit if unit.host_cores is None else with_link_costs(config, unit)
-    tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
-    raise ValueError(f"the profiling run logged no costs (exit {run.returncode}): {tail[0]}")
+            return dataclasses.replace(unit, optimizer_per_param=step, activations=measured and measured[0],
+                                       kept_for_w=measured and measured[1])
+    return None
+
+
+def median_unit_costs(units: list[UnitCosts]) -> UnitCosts:
+    """The field-wise median of several profiles' times (the first one's measured bytes: the
+    activation meter counts the same bytes in every run)."""
+    def median_pass(parts: list[PassCosts]) -> PassCosts:
+        return PassCosts(*(statistics.median(getattr(p, k) for p in parts) for k in ("f", "b", "w")))
+
+    return dataclasses.replace(units[0], layer=median_pass([u.layer for u in units]),
+                               embedding=median_pass([u.embedding for u in units]),
+                               head=median_pass([u.head for u in units]),
+                               p2p=statistics.median(u.p2p for u in units),
+                               optimizer_per_param=statistics.median(u.optimizer_per_param for u in units))
