@@ -245,3 +245,34 @@ def test_time_shared_stages_pay_the_messages_cpu_measured_there():
     assert {c.t_send for c in evaluate(Problem(TINY, unit, 8, host_cores=4), cand).stage_costs} == {0.5}
     unmeasured = dataclasses.replace(unit, shared_message_cpu=0.0)
     assert {c.t_send for c in evaluate(Problem(TINY, unmeasured, 8, host_cores=2), cand).stage_costs} == {0.5}
+
+
+def _ops(schedule) -> list[list[tuple]]:
+    return [[(op.kind, op.microbatch, op.chunk) for op in stream] for stream in schedule.streams()]
+
+
+@pytest.mark.parametrize("name,profiles", [("zb-v", False), ("zb-1p", True), ("1f1b", True)])
+def test_the_planner_orders_ops_as_its_flags_make_the_runtime_order_them(name: str, profiles: bool):
+    """zb-v's flags do not profile, so the runtime orders it by the placeholder costs: the
+    planner must simulate that order (timed with the real costs), not the order the real costs
+    would give. zb-1p profiles first and orders by what it measured: the real costs. Reference:
+    the schedule built from the schedule's own flag defaults, as ``run_config`` builds it."""
+    from megatron.pipeline.planner.evaluate import candidate_costs, flag_order_costs, steady_span
+    from megatron.pipeline.schedules import build_schedule, schedule_class
+
+    head_heavy = dataclasses.replace(UNIT, head=PassCosts(6.0, 9.0, 0.0))
+    problem = Problem(TINY, head_heavy, global_batch=8)
+    chunks = 2 if name == "zb-v" else 1
+    cand = Candidate(name, 2, 1, 8, chunks, "none", "even", (1,) * (2 * chunks))
+    _, _, costs = candidate_costs(problem, cand)
+    order = flag_order_costs(cand, costs, 1)
+    assert (order == tuple(costs)) is profiles
+    _, _, planned = steady_span(cand, costs, 1, order_costs=order)
+    if profiles:
+        return
+    cls = schedule_class(name)
+    defaults = {f.dest: f.argparse_kwargs()["default"] for g in cls.flag_groups for f in g.flags}
+    runtime = build_schedule(name, dataclasses.replace(cand.config(2), options=cls.options_from_flags(defaults, cand.config(2))))
+    by_profile = build_schedule(name, cand.config(2, {"costs": tuple(costs)}))
+    assert _ops(planned) == _ops(runtime)
+    assert _ops(by_profile) != _ops(runtime)  # the case can tell the two orders apart
