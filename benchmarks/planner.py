@@ -44,6 +44,7 @@ from megatron.pipeline.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.planner.candidates import Candidate, enumerate_candidates  # noqa: E402
 from megatron.pipeline.planner.evaluate import Problem, evaluate, steady_span  # noqa: E402
 from megatron.pipeline.planner.report import flags  # noqa: E402
+from megatron.pipeline.planner.runtime_choice import switchable  # noqa: E402
 from megatron.pipeline.schedules import build_schedule, schedule_class  # noqa: E402
 from megatron.pipeline.simulator import simulate_schedule  # noqa: E402
 
@@ -183,6 +184,7 @@ def runtime(args: argparse.Namespace) -> int:
     print(f"unit costs ({unit.source}): {json.dumps(dataclasses.asdict(unit))}")
     schedules = args.schedules.split(",") if args.schedules else None
     rows, autos = [], []
+    switchables: set[int] = set()  # rows of schedules `auto` can switch to (the built chain layout)
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(v) for v in args.pipeline_sizes.split(",")):
             for m in (int(v) for v in args.microbatches.split(",")):
@@ -198,6 +200,8 @@ def runtime(args: argparse.Namespace) -> int:
                         continue
                     predicted_act = max(mem.activations for mem in result.memory) / 2**20
                     rows.append((n, m, cand.schedule, result.iteration_time_ms, measured, predicted_act, act_mb))
+                    if cand.virtual_stages == 1 and switchable(cand.schedule, cand.config(1), include_async=False):
+                        switchables.add(len(rows) - 1)
                     print(f"{n} {m:>2} {cand.schedule:<16} predicted {result.iteration_time_ms:9.1f} ms measured "
                           f"{measured:9.1f} ms ratio {result.iteration_time_ms / measured:5.2f} | activations "
                           f"predicted {predicted_act:7.1f} MB measured {act_mb:7.1f} MB", flush=True)
@@ -218,9 +222,12 @@ def runtime(args: argparse.Namespace) -> int:
     for n, m, chose, auto_ms in autos:
         sync = [r for r in rows if r[0] == n and r[1] == m and not schedule_class(r[2]).asynchronous]
         best = min(sync, key=lambda r: r[4]) if sync else None
-        if best is not None:
+        chain = min((r for i, r in enumerate(rows) if i in switchables and r[0] == n and r[1] == m),
+                    key=lambda r: r[4], default=None)
+        if best is not None and chain is not None:
             print(f"N={n} m={m}: auto chose {chose}, {auto_ms:.1f} ms; best measured synchronous {best[2]} "
-                  f"{best[4]:.1f} ms; auto / best throughput {best[4] / auto_ms:.3f}")
+                  f"{best[4]:.1f} ms; auto / best throughput {best[4] / auto_ms:.3f}; of those auto can switch "
+                  f"to, best {chain[2]} {chain[4]:.1f} ms: {chain[4] / auto_ms:.3f}")
     print(f"load average after: {os.getloadavg()}")
     return 0
 

@@ -25,7 +25,8 @@ CPU ranks run):
 * **Time-sliced cores** (:attr:`LinkCosts.shared_core_slowdown`): the median CPU time of a
   forward and backward of a stand-in transformer layer of the model's width
   (``torch.nn.TransformerEncoderLayer``), in as many concurrent processes as cores and then in
-  twice as many, alternated ``SLOWDOWN_ROUNDS`` times; the ratio of the two medians (at least 1).
+  twice as many, alternated ``SLOWDOWN_ROUNDS`` times within the same processes (the idle half
+  waits at a barrier); the ratio of the two medians (at least 1).
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ from typing import Any
 
 ROUND_TRIPS = 200
 WARMUP = 20
-COLLECTIVE_REPEATS = 5
+COLLECTIVE_REPEATS = 15
 COMPUTE_WIDTH = 256  # between two round trips, COMPUTE_STEPS products of this size (a few ms)
 COMPUTE_STEPS = 40
-SLOWDOWN_ROUNDS = 2
-SLOWDOWN_REPEATS = 40
+BLOCK = 20  # round trips per CPU reading; the median block is taken (a host hiccup hits one)
+SLOWDOWN_ROUNDS = 5  # alternated, so that the host's drift falls on both alike
+SLOWDOWN_REPEATS = 25
 
 
 @dataclass(frozen=True)
@@ -98,15 +100,18 @@ def _link_rank(pair: int, rank: int, store: str, message_elements: int, collecti
     # the CPU per message between computations, as in a pipeline (caches and threads gone cold)
     weight = torch.randn(COMPUTE_WIDTH, COMPUTE_WIDTH)
     block = torch.randn(COMPUTE_WIDTH, COMPUTE_WIDTH)
-    compute = 0.0
-    cpu = time.process_time()
-    for _ in range(ROUND_TRIPS):
-        start = time.thread_time()
-        for _ in range(COMPUTE_STEPS):
-            block = torch.tanh(block @ weight)
-        compute += time.thread_time() - start
-        round_trip()
-    cpu = time.process_time() - cpu - compute
+    blocks = []  # CPU s per round trip of each block of BLOCK round trips, less the products'
+    for _ in range(ROUND_TRIPS // BLOCK):
+        compute = 0.0
+        cpu = time.process_time()
+        for _ in range(BLOCK):
+            start = time.thread_time()
+            for _ in range(COMPUTE_STEPS):
+                block = torch.tanh(block @ weight)
+            compute += time.thread_time() - start
+            round_trip()
+        blocks.append((time.process_time() - cpu - compute) / BLOCK)
+    cpu = statistics.median(blocks) * ROUND_TRIPS
     spans = [0.0]
     if collective_elements:
         mine = torch.zeros(collective_elements)
@@ -122,9 +127,11 @@ def _link_rank(pair: int, rank: int, store: str, message_elements: int, collecti
     dist.destroy_process_group()
 
 
-def _layer_rank(width: LayerWidth, start_together: Any, results: Any) -> None:
-    """One process of the time-sliced-cores measurement: median CPU ms of a layer's F and B,
-    timed once every process has started (``start_together``, a barrier), so they all overlap."""
+def _layer_rank(index: int, cores: int, width: LayerWidth, phase: Any, results: Any) -> None:
+    """One of ``2 cores`` processes of the time-sliced-cores measurement. In each of
+    ``SLOWDOWN_ROUNDS`` rounds, first processes ``0 .. cores - 1`` time a layer's F and B while
+    the others wait (a core each), then all of them do (two per core); ``phase`` (a barrier of
+    all processes) starts and ends each part together. Puts (alone medians, shared medians), ms."""
     import torch
 
     torch.set_num_threads(1)
@@ -133,13 +140,19 @@ def _layer_rank(width: LayerWidth, start_together: Any, results: Any) -> None:
     x = torch.randn(1, width.tokens, width.hidden)
     for _ in range(3):
         layer(x).sum().backward()
-    start_together.wait()
-    times = []
-    for _ in range(SLOWDOWN_REPEATS):
-        start = time.thread_time()
-        layer(x).sum().backward()
-        times.append(time.thread_time() - start)
-    results.put(statistics.median(times) * 1e3)
+    medians: tuple[list[float], list[float]] = ([], [])
+    for _ in range(SLOWDOWN_ROUNDS):
+        for shared, out in ((False, medians[0]), (True, medians[1])):
+            phase.wait()
+            if shared or index < cores:
+                times = []
+                for _ in range(SLOWDOWN_REPEATS):
+                    start = time.thread_time()
+                    layer(x).sum().backward()
+                    times.append(time.thread_time() - start)
+                out.append(statistics.median(times) * 1e3)
+            phase.wait()
+    results.put(medians)
 
 
 CONTEXT = multiprocessing.get_context("spawn")  # a fresh interpreter: no thread or state of ours
@@ -187,11 +200,10 @@ def measure_link(message_bytes: int, collective_bytes: int, width: LayerWidth, c
     trip, collective = ranks[0][3], ranks[0][4]
     message_cpu = _message_cpu(ranks)
     shared_message_cpu = _message_cpu(_pairs(cores, message_bytes, 0))
-    alone, shared = [], []
-    for _ in range(SLOWDOWN_ROUNDS):
-        for processes, medians in ((cores, alone), (2 * cores, shared)):
-            barrier = CONTEXT.Barrier(processes)
-            medians += _run(_layer_rank, [(width, barrier)] * processes)
+    phase = CONTEXT.Barrier(2 * cores)
+    per_process = _run(_layer_rank, [(i, cores, width, phase) for i in range(2 * cores)])
+    alone = [t for medians, _ in per_process for t in medians]
+    shared = [t for _, medians in per_process for t in medians]
     return LinkCosts(p2p=max(0.0, trip / 2 * 1e3 - message_cpu), message_cpu=message_cpu,
                      shared_message_cpu=shared_message_cpu,
                      reduce_ms_per_byte=collective * 1e3 / max(1, collective_bytes),
