@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from megatron.pipeline.comm_volume import CommShapes, step_comm_volume
 from megatron.pipeline.cost_model import ModelShape
@@ -22,7 +21,7 @@ from megatron.pipeline.planner.shared_cores import cores_per_pipeline, is_shared
 from megatron.pipeline.planner.unit_costs import UnitCosts
 from megatron.pipeline.schedules import build_schedule, schedule_class
 from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.op_costs import CostsLike, OpCosts
 from megatron.pipeline.simulator import SimulationResult, simulate_schedule
 
 
@@ -127,7 +126,7 @@ def activation_peaks(result: SimulationResult, layout: object, parts: list[st.Pa
     return peaks
 
 
-def flag_order_costs(cand: Candidate, costs: list[OpCosts], data_parallel: int) -> tuple[Any, ...] | Any:
+def flag_order_costs(cand: Candidate, costs: list[OpCosts], data_parallel: int) -> CostsLike:
     """The costs the runtime orders ``cand``'s ops by when it runs the planner's flags (every
     schedule flag at its default): ``costs`` where those flags profile first (zb-1p, zb-2p) or
     the schedule takes no costs from its flags, else the costs the flags give (zb-v, which does
@@ -137,7 +136,7 @@ def flag_order_costs(cand: Candidate, costs: list[OpCosts], data_parallel: int) 
     (zb-v at N = 4, m = 8 on the CPU GPT: 13 % more activations ordered by the profile than the
     runtime's placeholder order holds). The planner predicts what its flags will run."""
     cls = schedule_class(cand.schedule)
-    defaults = {flag.dest: flag.argparse_kwargs()["default"] for group in cls.flag_groups for flag in group.flags}
+    defaults = {flag.dest: flag.default_value for group in cls.flag_groups for flag in group.flags}
     options = cls.options_from_flags(defaults, cand.config(1, data_parallel=data_parallel))
     if options.get(PROFILE_OPTION) or "costs" not in options:
         return tuple(costs)
@@ -146,16 +145,16 @@ def flag_order_costs(cand: Candidate, costs: list[OpCosts], data_parallel: int) 
 
 def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int, options: dict | None = None,
                 cores: float | None = None, slowdown: float = 1.0,
-                order_costs: Any = None) -> tuple[float, SimulationResult, object]:
+                order_costs: CostsLike = None) -> tuple[float, SimulationResult, object]:
     """(marginal time of one update, the longer run's result, its schedule); ``options``: the
     schedule's other options (a Zero Bubble greedy's ``memory_limit``); ``cores``: the cores
     the stages share (None: a device each), when fewer than the stages the marginal time comes
     from the processor-sharing replay, its ops' work times ``slowdown``; ``order_costs``: the
     costs a cost-driven order is built from (None: ``costs``, which always time it)."""
     k = update_count(cand)
+    ordered_by = tuple(costs) if order_costs is None else order_costs
     runs = []
     for iterations in (k // 2, k):
-        ordered_by = tuple(costs) if order_costs is None else order_costs
         config = cand.config(iterations, {**(options or {}), "costs": ordered_by}, data_parallel)
         schedule = build_schedule(cand.schedule, config)
         result = simulate_schedule(schedule, tuple(costs))

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from megatron.pipeline.activation_memory import LayerShape, recompute_costs
-
 from megatron.pipeline.comm_volume import replica_sync_inputs, ring_all_gather_bytes, ring_all_reduce_bytes
 from megatron.pipeline.cost_model import (
     ModelShape, embedding_parameters, head_parameters, layer_activation_elements, layer_parameters)
@@ -176,8 +175,8 @@ def replica_step_costs(layout: MultiPipelineLayout, parts: Sequence[PartSizes], 
     Why: a device's synchronous OPT all-gathers each hosted replica's gradients with that
     logical stage's other replicas, steps its range of each, and all-gathers the updated
     ranges (:mod:`megatron.pipeline.runtime.replicas`; fp32, as
-    :func:`~megatron.pipeline.comm_volume.replica_sync_inputs` counts them); at D = 4 on a CPU host that traffic is
-    most of the gap between the chain schedules and AMDP. The simulator prices a device's OPT
+    :func:`~megatron.pipeline.comm_volume.replica_sync_inputs` counts them); at D = 4 on a CPU
+    host that traffic is most of the gap between the chain schedules and AMDP. The simulator prices a device's OPT
     by entry ``d`` (its pipeline-0 logical stage, :func:`~megatron.pipeline.op_costs.priced_part`),
     so that entry carries the device's sums; its F/B/W prices stay the logical stage's."""
     replicas = layout.num_pipelines

@@ -42,9 +42,14 @@ class Flag:
         default = [] if self.action == "append" and self.default is None else self.default
         return {**kwargs, "default": default}
 
+    @property
+    def default_value(self) -> Any:
+        """The value argparse stores when the flag is not given."""
+        return self.argparse_kwargs()["default"]
+
     def is_default(self, value: Any) -> bool:
         """Whether ``value`` is what the flag means when it is not given."""
-        return value == self.argparse_kwargs()["default"]
+        return value == self.default_value
 
 
 OptionsBuilder = Callable[[Mapping[str, Any], "ScheduleConfig"], dict[str, Any]]

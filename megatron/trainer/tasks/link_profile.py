@@ -160,9 +160,8 @@ CONTEXT = multiprocessing.get_context("spawn")  # a fresh interpreter: no thread
 
 def _run(target: Any, args: list[tuple], timeout: float = 300.0) -> list[Any]:
     """Run ``target(*a, results)`` in one spawned process per ``a``; their results."""
-    context = CONTEXT
-    results = context.Queue()
-    processes = [context.Process(target=target, args=(*a, results), daemon=True) for a in args]
+    results = CONTEXT.Queue()
+    processes = [CONTEXT.Process(target=target, args=(*a, results), daemon=True) for a in args]
     for p in processes:
         p.start()
     try:
