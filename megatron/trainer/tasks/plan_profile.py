@@ -170,9 +170,9 @@ def profile_unit_costs(config: JobConfig, threads: int) -> UnitCosts:
                                                "--log-json", str(log), "--trace-dir", str(trace)]
             runs.append((subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
                          log, trace))
+        outputs = [process.communicate() for process, _, _ in runs]  # every copy ends before any is judged
         units = []
-        for process, log, trace in runs:
-            stdout, stderr = process.communicate()
+        for (process, log, trace), (stdout, stderr) in zip(runs, outputs):
             unit = read_profile(config, stdout, log, trace)
             if unit is None:
                 tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
