@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,6 @@ from megatron.pipeline.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.planner.candidates import Candidate, enumerate_candidates  # noqa: E402
 from megatron.pipeline.planner.evaluate import Problem, evaluate, steady_span  # noqa: E402
 from megatron.pipeline.planner.report import flags  # noqa: E402
-from megatron.pipeline.planner.runtime_choice import switchable  # noqa: E402
 from megatron.pipeline.schedules import build_schedule, schedule_class  # noqa: E402
 from megatron.pipeline.simulator import simulate_schedule  # noqa: E402
 
@@ -162,8 +162,9 @@ def measure_auto(n: int, m: int, iters: int, skip: int, workdir: Path) -> tuple[
     first ``--zb-profile-iters`` (2) iterations profile, ``skip`` must cover them."""
     flags = ["--pipeline-model-parallel-size", str(n), "--pipeline-schedule", "auto", "--pipeline-partition", "even"]
     ms, _, out = measure(flags, m, iters, skip, workdir)
-    chose = next((line.split("auto: chose ", 1)[1].split()[0] for line in out.splitlines() if "auto: chose " in line), "?")
-    return ms, chose
+    line = next((ln.split("auto: chose ", 1)[1] for ln in out.splitlines() if "auto: chose " in ln), "?")
+    rebuilt = re.search(r"\(stages rebuilt as ([^)]+)\)", line)
+    return ms, rebuilt.group(1) if rebuilt else line.split()[0]
 
 
 def runtime(args: argparse.Namespace) -> int:
@@ -184,7 +185,6 @@ def runtime(args: argparse.Namespace) -> int:
     print(f"unit costs ({unit.source}): {json.dumps(dataclasses.asdict(unit))}")
     schedules = args.schedules.split(",") if args.schedules else None
     rows, autos = [], []
-    switchables: set[int] = set()  # rows of schedules `auto` can switch to (the built chain layout)
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(v) for v in args.pipeline_sizes.split(",")):
             for m in (int(v) for v in args.microbatches.split(",")):
@@ -200,8 +200,6 @@ def runtime(args: argparse.Namespace) -> int:
                         continue
                     predicted_act = max(mem.activations for mem in result.memory) / 2**20
                     rows.append((n, m, cand.schedule, result.iteration_time_ms, measured, predicted_act, act_mb))
-                    if cand.virtual_stages == 1 and switchable(cand.schedule, cand.config(1), include_async=False):
-                        switchables.add(len(rows) - 1)
                     print(f"{n} {m:>2} {cand.schedule:<16} predicted {result.iteration_time_ms:9.1f} ms measured "
                           f"{measured:9.1f} ms ratio {result.iteration_time_ms / measured:5.2f} | activations "
                           f"predicted {predicted_act:7.1f} MB measured {act_mb:7.1f} MB", flush=True)
@@ -222,12 +220,9 @@ def runtime(args: argparse.Namespace) -> int:
     for n, m, chose, auto_ms in autos:
         sync = [r for r in rows if r[0] == n and r[1] == m and not schedule_class(r[2]).asynchronous]
         best = min(sync, key=lambda r: r[4]) if sync else None
-        chain = min((r for i, r in enumerate(rows) if i in switchables and r[0] == n and r[1] == m),
-                    key=lambda r: r[4], default=None)
-        if best is not None and chain is not None:
+        if best is not None:
             print(f"N={n} m={m}: auto chose {chose}, {auto_ms:.1f} ms; best measured synchronous {best[2]} "
-                  f"{best[4]:.1f} ms; auto / best throughput {best[4] / auto_ms:.3f}; of those auto can switch "
-                  f"to, best {chain[2]} {chain[4]:.1f} ms: {chain[4] / auto_ms:.3f}")
+                  f"{best[4]:.1f} ms; auto / best throughput {best[4] / auto_ms:.3f}")
     print(f"load average after: {os.getloadavg()}")
     return 0
 

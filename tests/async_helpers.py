@@ -115,6 +115,7 @@ def run_pretrain(argv: list[str], out_dir: Path, timeout: float = 240,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "stderr.txt").write_text(proc.stderr)  # every rank's warnings and skip lines
+    (out_dir / "stdout.txt").write_text(proc.stdout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [r for r in read_log(log) if "eval_split" not in r]  # training records

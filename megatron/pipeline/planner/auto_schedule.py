@@ -25,6 +25,17 @@ those of the chosen schedule run from the start, bit for bit (``tests/test_auto_
 schedule's stream from iteration ``K``, a synchronous warm-up of ``K`` iterations followed by
 stale updates, which is not the asynchronous schedule run from the start.
 
+Another layout: the trainer may hand ``auto`` layouts it can rebuild the run in
+(``relayouts``, with the chain's ``stage_layers``; :mod:`megatron.pipeline.planner.relayout`):
+the V schedules, interleaving. They are ranked beside the chain's schedules; one wins only by
+more than :data:`RELAYOUT_MARGIN` over the best the chain runs (a rebuild costs a checkpoint's
+round trip). When one wins, the stream ends at the decision boundary (``relayout`` says where
+to), and the trainer rebuilds its stages in that layout through a checkpoint that reshards by
+parameter name and runs the chosen schedule from there: the numbers are those of a run saved
+at the boundary and resumed with the chosen schedule, equal to the chain's up to the order of
+floating-point sums that the new placement changes (the tied embedding's two gradients now on
+one stage).
+
 The decision is stored in checkpoints (costs, where profiling ended, the chosen name), so a
 resumed run keeps the schedule it chose, even if a later version of the planner would rank
 differently.
@@ -38,7 +49,8 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from megatron.pipeline.ir import OPT, Op
-from megatron.pipeline.planner.runtime_choice import choice_table, rank_choices
+from megatron.pipeline.planner.relayout import Relayout
+from megatron.pipeline.planner.runtime_choice import Choice, choice_table, rank_choices
 from megatron.pipeline.schedules import register_selector, schedule_class
 from megatron.pipeline.schedules.base import Schedule, ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.profiled import PLACEHOLDER_COSTS, CostsNotProfiled, ProfiledSchedule
@@ -51,10 +63,32 @@ CHOICE_PREFIX = "auto: chose "
 #: schedule option: the cores one pipeline's CPU ranks share when they outnumber them (the
 #: trainer sets it; every rank the same value, so every rank makes the same choice)
 HOST_CORES_OPTION = "host_cores"
+#: schedule options: the layouts the trainer can rebuild the run in (:class:`Relayout`s) and
+#: the chain's layers per stage they are priced with
+RELAYOUTS_OPTION = "relayouts"
+STAGE_LAYERS_OPTION = "stage_layers"
+#: schedule option: the chain's activation bytes of one micro-batch per stage (a memory limit's
+#: unit on each stage, to hold a rebuilt layout to it)
+STAGE_BYTES_OPTION = "stage_activation_bytes"
+#: how much faster (simulated) a rebuilt layout must be than the best schedule of the run's own
+#: chain to be chosen: the rebuild's checkpoint round trip, and the pricing of parts from a
+#: chain's stages (module docstring of :mod:`~megatron.pipeline.planner.relayout`)
+RELAYOUT_MARGIN = 0.02
 
 
 def _build(name: str, config: ScheduleConfig) -> Schedule:
     return schedule_class(name)(config)
+
+
+def _pick(ranked: list[Choice]) -> Choice:
+    """The first ranked, unless it needs a rebuild and does not beat the best choice on the
+    run's own chain by :data:`RELAYOUT_MARGIN`."""
+    in_place = next((c for c in ranked if c.relayout is None), None)
+    best = ranked[0]
+    if best.relayout is not None and in_place is not None \
+            and best.iteration_time * (1 + RELAYOUT_MARGIN) > in_place.iteration_time:
+        return in_place
+    return best
 
 
 class AutoSchedule(ProfiledSchedule):
@@ -102,17 +136,30 @@ class AutoSchedule(ProfiledSchedule):
         per_stage = stage_costs(costs, self.config.num_stages)
         base = dataclasses.replace(self.config, first_iteration=self.run_start, options={})
         ranked, refused = rank_choices(base, per_stage, self.limit, self.include_async,
-                                       self.config.options.get(HOST_CORES_OPTION))
+                                       self.config.options.get(HOST_CORES_OPTION),
+                                       self.config.options.get(RELAYOUTS_OPTION, ()),
+                                       self.config.options.get(STAGE_LAYERS_OPTION, ()),
+                                       self.config.options.get(STAGE_BYTES_OPTION, ()))
         if not ranked:
             raise ScheduleConfigError(f"{self.name}: no schedule fits the memory limit {self.limit} M_B: "
                                       + "; ".join(refused))
-        best = ranked[0] if chosen is None else next((c for c in ranked if c.schedule == chosen), None)
+        best = _pick(ranked) if chosen is None else next((c for c in ranked if c.label == chosen), None)
         if best is None:
             raise ScheduleConfigError(f"{self.name}: the checkpoint's choice {chosen} cannot run here")
-        options = {"costs": per_stage, **({} if self.limit is None else {"memory_limit": float(self.limit)})}
-        self.target = _build(best.schedule, dataclasses.replace(base, options=options))  # type: ignore[assignment]
+        if best.relayout is None:
+            options = {"costs": per_stage, **({} if self.limit is None else {"memory_limit": float(self.limit)})}
+            self.target = _build(best.schedule, dataclasses.replace(base, options=options))  # type: ignore[assignment]
+        else:  # the schedule as the rebuilt run will order it (its order line and fingerprint)
+            self.target = _build(best.schedule, best.candidate(base).config(  # type: ignore[assignment]
+                base.num_iterations or 1, dict(best.relayout.options), base.data_parallel_size))
         self.costs = per_stage
         self.choice = {"best": best, "ranked": ranked, "refused": refused}
+
+    @property
+    def relayout(self) -> Relayout | None:
+        """The layout the trainer rebuilds the run in at :attr:`profile_end` (None: none, the
+        run's chain runs the choice, or no choice yet)."""
+        return None if self.choice is None else self.choice["best"].relayout
 
     def decision_lines(self) -> list[str]:
         """``auto: chose SCHEDULE`` with the micro-batch order and the reason, then the table."""
@@ -129,7 +176,8 @@ class AutoSchedule(ProfiledSchedule):
                   f"with costs {where}: simulated iteration {best.iteration_time:.3f} (next: {margin}), "
                   f"peak {max(best.peak):.2f} M_B, {limit}")
         first = self.profile_end
-        return [f"{CHOICE_PREFIX}{best.schedule} from iteration {first}; order {self.order_text()}; "
+        rebuilt = "" if best.relayout is None else f" (stages rebuilt as {best.relayout.label})"
+        return [f"{CHOICE_PREFIX}{best.schedule}{rebuilt} from iteration {first}; order {self.order_text()}; "
                 f"reason: {reason}", *choice_table(ranked), *(f"auto: not run: {r}" for r in self.choice["refused"]),
                 f"auto-schedule {json.dumps(self.describe())}"]  # as a file, --zb-costs reads its costs
 
@@ -148,7 +196,8 @@ class AutoSchedule(ProfiledSchedule):
         if self.choice is None or self.costs is None:
             raise CostsNotProfiled(f"{self.name}: no schedule chosen yet")
         best = self.choice["best"]
-        return {"schedule": best.schedule, "iteration_time": best.iteration_time, "peak": list(best.peak),
+        return {"schedule": best.schedule, "relayout": None if best.relayout is None else best.relayout.label,
+                "iteration_time": best.iteration_time, "peak": list(best.peak),
                 "memory_limit": self.limit, "profile_iters": self.profile_iters,
                 "costs": [dataclasses.asdict(c) for c in self.costs],
                 "ranked": [c.schedule for c in self.choice["ranked"]]}
@@ -174,7 +223,8 @@ class AutoSchedule(ProfiledSchedule):
     def checkpoint_state(self) -> dict[str, Any] | None:
         state = super().checkpoint_state()
         if state is not None and self.choice is not None:
-            state["schedule"] = self.choice["best"].schedule
+            state["schedule"] = self.choice["best"].label
+            state["relayout"] = self.describe()["relayout"]
         return state
 
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -195,6 +245,8 @@ class AutoSchedule(ProfiledSchedule):
         asynchronous one from there on, as its own segment)."""
         m, its = self.config.num_microbatches, self.config.iterations
         for it in its:
+            if it >= self.profile_end and self.relayout is not None:
+                return  # the trainer rebuilds the stages here (module docstring)
             if it >= self.profile_end and self.target is not None and self.target.asynchronous:
                 yield from self.target.segment(it, its.stop - it).stage_ops(stage)
                 return

@@ -9,7 +9,9 @@ included). The longer run also gives the activation peak and the weight-version 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron.pipeline.comm_volume import CommShapes, step_comm_volume
 from megatron.pipeline.cost_model import ModelShape
@@ -137,7 +139,12 @@ def flag_order_costs(cand: Candidate, costs: list[OpCosts], data_parallel: int) 
     runtime's placeholder order holds). The planner predicts what its flags will run."""
     cls = schedule_class(cand.schedule)
     defaults = {flag.dest: flag.default_value for group in cls.flag_groups for flag in group.flags}
-    options = cls.options_from_flags(defaults, cand.config(1, data_parallel=data_parallel))
+    return ordering_costs(cls.options_from_flags(defaults, cand.config(1, data_parallel=data_parallel)), costs)
+
+
+def ordering_costs(options: Mapping[str, Any], costs: Sequence[OpCosts]) -> CostsLike:
+    """The costs a schedule with ``options`` (from its flags) orders its ops by: ``costs`` (what
+    was profiled) where it profiles first or takes no costs, else the costs its flags give."""
     if options.get(PROFILE_OPTION) or "costs" not in options:
         return tuple(costs)
     return options["costs"]

@@ -6,8 +6,10 @@ the same stages can be chosen: the same layout (one chain of ``N`` model parts, 
 split), the same micro-batch count, and, for an asynchronous schedule (``auto-async``), no state
 of its own in the stage workers (no weight stash or delta: ``weight_copies == 1``, no weight
 policy) and the run's learning-rate schedule. Everything else (interleaving, V placement, AMDP's
-replicas, recompute, another split) needs another model build and stays with
-``tools/plan_pipeline.py``.
+replicas, recompute, another split) needs another model build: the V placements and
+interleaving the trainer can rebuild in at the decision (:mod:`~megatron.pipeline.planner.relayout`,
+given as ``relayouts`` with the chain's ``stage_layers``) are ranked beside the chain's
+schedules, priced from the chain's profile; the rest stays with ``tools/plan_pipeline.py``.
 
 Each candidate is simulated as the planner does (:func:`~megatron.pipeline.planner.evaluate.steady_span`:
 a synchronous iteration, an asynchronous schedule's steady update) with the per-stage costs, a
@@ -22,10 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron.pipeline.planner.candidates import Candidate
-from megatron.pipeline.planner.evaluate import CandidateResult, semantics, steady_span
+from megatron.pipeline.planner.evaluate import CandidateResult, ordering_costs, semantics, steady_span
 from megatron.pipeline.planner.memory import StageMemory
 from megatron.pipeline.planner.ranking import rank
+from megatron.pipeline.planner.relayout import Relayout, peaks_in_chain_units, relayout_stage_costs
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, schedule_class
+from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
 from megatron.pipeline.op_costs import OpCosts
 
 _BASE_LR = object()  # a stand-in learning-rate schedule: a schedule returning it keeps the run's
@@ -53,13 +57,24 @@ def switchable(name: str, config: ScheduleConfig, include_async: bool) -> bool:
 @dataclass(frozen=True)
 class Choice:
     """One simulated candidate: its marginal time per update (the costs' unit, ms when
-    profiled), its peak activations per stage (``M_B``) and whether they fit the limit."""
+    profiled), its peak activations per stage (``M_B`` of its own layout) and whether they fit
+    the limit; ``relayout``: the layout to rebuild the run in (None: the run's own chain)."""
 
     schedule: str
     iteration_time: float
     peak: tuple[float, ...]
     fits: bool
     semantics: str
+    relayout: Relayout | None = None
+
+    @property
+    def label(self) -> str:
+        return self.schedule if self.relayout is None else self.relayout.label
+
+    def candidate(self, config: ScheduleConfig) -> Candidate:
+        if self.relayout is not None:
+            return self.relayout.candidate(config.num_stages, config.num_microbatches)
+        return Candidate(self.schedule, config.num_stages, 1, config.num_microbatches, 1, "none", "even")
 
 
 def _result(choice: Choice, cand: Candidate) -> CandidateResult:
@@ -84,11 +99,50 @@ def simulate_choice(name: str, config: ScheduleConfig, costs: Sequence[OpCosts],
     return Choice(name, per_update, peak, fits, semantics(name))
 
 
+def simulate_relayout(relayout: Relayout, config: ScheduleConfig, costs: Sequence[OpCosts],
+                      stage_layers: Sequence[int], memory_limit: float | None, cores: float | None = None,
+                      stage_bytes: Sequence[float] = ()) -> Choice:
+    """Simulate ``relayout`` with its parts priced from the chain's ``costs`` (``stage_layers``
+    layers per stage), its ops ordered as its flags will order them (ScheduleConfigError when
+    it cannot run). Its peaks are in the chain's ``M_B`` per stage where the activation bytes
+    are known (``relayout.part_bytes``, ``stage_bytes``: the chain's), else in its own parts'
+    (then it fits only without a limit)."""
+    cand = relayout.candidate(config.num_stages, config.num_microbatches)
+    layout, per_part, priced = relayout_stage_costs(relayout, config.num_stages, config.num_microbatches, costs,
+                                                    stage_layers)
+    options = {k: v for k, v in relayout.options.items() if k not in ("costs", PROFILE_OPTION)}
+    per_update, result, _ = steady_span(cand, priced, config.data_parallel_size, options, cores,
+                                        order_costs=ordering_costs(relayout.options, priced))
+    if relayout.part_bytes and stage_bytes:
+        peak = peaks_in_chain_units(relayout, layout, result, per_part, stage_bytes)
+        fits = memory_limit is None or max(peak) <= memory_limit * (1 + 1e-9)
+    else:
+        peak, fits = tuple(float(p) for p in result.peak_memory), memory_limit is None
+    return Choice(relayout.schedule, per_update, peak, fits, semantics(relayout.schedule), relayout)
+
+
 def rank_choices(config: ScheduleConfig, costs: Sequence[OpCosts], memory_limit: float | None,
-                 include_async: bool = False, cores: float | None = None) -> tuple[list[Choice], list[str]]:
+                 include_async: bool = False, cores: float | None = None,
+                 relayouts: Sequence[Relayout] = (), stage_layers: Sequence[int] = (),
+                 stage_bytes: Sequence[float] = ()) -> tuple[list[Choice], list[str]]:
     """(every switchable candidate that fits, best first; one line per candidate that cannot run
-    or does not fit); ``cores`` as for :func:`simulate_choice`."""
-    choices, refused = {}, []
+    or does not fit); ``cores`` as for :func:`simulate_choice`; ``relayouts``: layouts the run
+    can be rebuilt in, priced from ``costs`` with the chain's ``stage_layers`` and, under a
+    memory limit, its ``stage_bytes`` (:func:`simulate_relayout`)."""
+    choices: dict[str, Choice] = {}
+    refused: list[str] = []
+    for relayout in relayouts:
+        try:
+            choice = simulate_relayout(relayout, config, costs, stage_layers, memory_limit, cores, stage_bytes)
+        except ScheduleConfigError as e:
+            refused.append(f"{relayout.label}: {e}")
+            continue
+        if choice.fits:
+            choices[relayout.label] = choice
+        else:
+            refused.append(f"{relayout.label}: peak {max(choice.peak):g} M_B over the limit {memory_limit:g} M_B"
+                           if relayout.part_bytes and stage_bytes else
+                           f"{relayout.label}: its activation bytes are unknown, so it cannot be held to a memory limit")
     for name in SCHEDULES:
         if not switchable(name, config, include_async):
             continue
@@ -99,15 +153,14 @@ def rank_choices(config: ScheduleConfig, costs: Sequence[OpCosts], memory_limit:
             continue
         if not choices[name].fits:
             refused.append(f"{name}: peak {max(choices[name].peak):g} M_B over the limit {memory_limit:g} M_B")
-    cands = {name: Candidate(name, config.num_stages, 1, config.num_microbatches, 1, "none", "even")
-             for name in choices}
-    ranked = rank([_result(c, cands[name]) for name, c in choices.items()])
-    return [choices[r.candidate.schedule] for r in ranked], refused
+    by_candidate = {c.candidate(config): c for c in choices.values()}
+    ranked = rank([_result(c, cand) for cand, c in by_candidate.items()])
+    return [by_candidate[r.candidate] for r in ranked], refused
 
 
 def choice_table(ranked: Sequence[Choice], unit: str = "ms") -> list[str]:
     """The candidates as log lines (best first)."""
     lines = [f"auto: {'#':>2} {'schedule':<14} {'semantics':<13} {'iteration ' + unit:>13} {'peak M_B':>9}"]
     for i, c in enumerate(ranked, 1):
-        lines.append(f"auto: {i:>2} {c.schedule:<14} {c.semantics:<13} {c.iteration_time:>13.3f} {max(c.peak):>9.2f}")
+        lines.append(f"auto: {i:>2} {c.label:<14} {c.semantics:<13} {c.iteration_time:>13.3f} {max(c.peak):>9.2f}")
     return lines

@@ -143,11 +143,12 @@ def log_choice(description: dict) -> None:
 
 
 def _note_short_run(schedule: "ProfiledSchedule", log: bool) -> None:
-    total = schedule.config.num_iterations
-    if log and schedule.run_start == schedule.config.first_iteration and total is not None \
-            and schedule.profile_iters >= total:
+    end = schedule.run_end  # the whole run's, not this segment's (a segment may end where profiling does)
+    if log and schedule.run_start == schedule.config.first_iteration and end is not None \
+            and schedule.profile_end >= end:
         print(f"[megatron-async] {schedule.name}: the {schedule.profile_iters} profiling iterations cover the "
-              f"whole run ({total} iterations): every iteration runs {schedule.warmup.name}", flush=True)
+              f"whole run ({end - schedule.run_start} iterations): every iteration runs {schedule.warmup.name}",
+              flush=True)
 
 
 def _due(schedule: "ProfiledSchedule", op: Op) -> bool:

@@ -78,6 +78,8 @@ class Schedule(abc.ABC):
         # Where the whole run starts (0, or the iteration a checkpoint was taken at); kept by
         # :meth:`segment`, so state decided once per run (profiled costs) is not redone.
         self.run_start = config.first_iteration
+        #: where the whole run ends (None: unbounded), kept by :meth:`segment` likewise
+        self.run_end = None if config.num_iterations is None else config.first_iteration + config.num_iterations
 
     def segment(self, first_iteration: int, num_iterations: int) -> Schedule:
         """This schedule over iterations ``[first_iteration, first_iteration + num_iterations)``.

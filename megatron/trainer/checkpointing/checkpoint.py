@@ -200,10 +200,16 @@ def write_rank_file(root: str | Path, iteration: int, stage: int, dp_rank: int, 
     write_durable_text(path.with_name(path.name + CHECKSUM_SUFFIX), writer.hash.hexdigest())
 
 
-def schedule_state(schedule: Schedule | None) -> dict[str, Any] | None:
+def schedule_state(schedule: Schedule | None, chosen_by: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """What ``schedule`` decided during the run and must keep on resume (zb-1p/zb-2p's profiled
-    costs), or None (also without a schedule: a save before any training segment)."""
-    return None if schedule is None else schedule.checkpoint_state()
+    costs), or None (also without a schedule: a save before any training segment). In a run
+    ``auto`` rebuilt in another layout (``chosen_by``: its decision), the decision with the
+    schedule's own state as ``inner``, so a resumed ``auto`` run keeps the layout
+    (:func:`~megatron.trainer.checkpointing.load.restore_schedule_state` unwraps it)."""
+    own = None if schedule is None else schedule.checkpoint_state()
+    if chosen_by is None:
+        return own
+    return {**chosen_by, "inner": own}
 
 
 def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_stages: int, dp_size: int,

@@ -292,7 +292,8 @@ def _notices(saved: dict[str, Any], ours: dict[str, Any], same_ranks: bool, same
     if policies and not (same_ranks and same_schedule):
         notices.append(f"weight-version state of {'/'.join(sorted(policies))} reset (2BW's stash, "
                        f"PipeMare's delta start fresh)")
-    if metadata.get("schedule_state") is not None and not (same_ranks and same_schedule):
+    state = metadata.get("schedule_state")
+    if state is not None and not state.get("relayout") and not (same_ranks and same_schedule):
         notices.append("the schedule's profiled order is not carried over (profiled again)")
     return notices
 

@@ -112,6 +112,11 @@ class ScheduleSettings:
     schedule_check: bool
     #: every registered schedule's own flags by ``dest`` (``Schedule.flag_groups``)
     flags: dict[str, Any]
+    #: ``auto``: the job configs of the layouts it may rebuild the run in, by label
+    #: (:mod:`megatron.trainer.launch.auto_relayout`)
+    relayouts: dict[str, JobConfig] = field(default_factory=dict)
+    #: a run ``auto`` rebuilt: its decision (:meth:`AutoSchedule.describe`), kept in checkpoints
+    chosen_by: dict[str, Any] | None = None
 
     def flag(self, dest: str) -> Any:
         """One schedule flag's value (a :class:`KeyError` names an unknown one)."""
@@ -330,7 +335,7 @@ SECTION_TYPES: dict[str, type] = {
 RENAMED = {"_balanced_split": "balanced_split", "_memory_estimate": "memory_estimate", "_memory_room": "memory_room"}
 # Fields that are no flag's value: the schedule's flag dict itself, and the launch checks'
 # bookkeeping (private on the namespace, so the banner never listed them).
-NOT_FLAGS = frozenset({"flags", *RENAMED.values()})
+NOT_FLAGS = frozenset({"flags", "relayouts", "chosen_by", *RENAMED.values()})
 # Namespace attributes that are not configuration: the task's flag checks.
 NOT_CONFIG = frozenset({"task_checks", "task_options"})
 

@@ -10,6 +10,7 @@ from megatron.trainer.config.job_config import JobConfig, build_job_config
 from megatron.trainer.config.job_file import handed_config
 from megatron.trainer.launch.auto_cores import apply_auto_host_cores
 from megatron.trainer.launch.auto_memory import apply_auto_memory_limit
+from megatron.trainer.launch.auto_relayout import apply_auto_relayouts, start_in_chosen_layout
 from megatron.trainer.launch.host import runs_on_cpu
 from megatron.trainer.launch.launcher import is_worker_process
 from megatron.trainer.launch.memory_check import check_memory
@@ -43,6 +44,8 @@ def preflight(task: PretrainTask, argv: list[str]) -> JobConfig:
         config = check_memory(config, is_worker_process(), not runs_on_cpu(config))
         config = apply_auto_memory_limit(config)  # auto: the memory left after the check bounds its choice
         config = apply_auto_host_cores(config)  # auto on a CPU host with more ranks than cores: shared cores
+        if not is_worker_process():  # auto: the layouts it may rebuild in (from this command line)
+            config = start_in_chosen_layout(task, apply_auto_relayouts(task, config, argv))
         check_schedule(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

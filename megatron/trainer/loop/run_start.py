@@ -108,8 +108,9 @@ def run_schedule(config: JobConfig, start: int, resume: ResumePoint | None = Non
     return schedule
 
 
-def run_plan(config: JobConfig, start: int) -> list[Segment]:
+def run_plan(config: JobConfig, start: int, boundaries: tuple[int, ...] = ()) -> list[Segment]:
+    """The run's segments from ``start``; ``boundaries``: iterations a segment must also end at."""
     training, checkpoint, stops = config.training, config.checkpoint, config.exit
     return plan_segments(start, training.train_iters, training.eval_interval, checkpoint.save_interval, stops.exit_interval,
                          saving=checkpoint.save is not None, check_interval=stops.exit_check_every,
-                         boundaries=segment_boundaries(config))
+                         boundaries={*segment_boundaries(config), *boundaries})

@@ -120,8 +120,9 @@ class PipelineRunner:
                                                    float(sum(tokens for _, tokens in results))])
         return loss_sum, int(tokens)
 
-    def save(self, iteration: int) -> None:
-        root, transport = self.config.checkpoint.save, self.transport
+    def save(self, iteration: int, root: str | None = None) -> None:
+        """A checkpoint of iteration ``iteration`` under ``root`` (default ``--save``)."""
+        root, transport = root or self.config.checkpoint.save, self.transport
         if transport.is_coordinator:
             ckpt.prepare_staging(root, iteration)
         transport.barrier()
@@ -132,5 +133,5 @@ class PipelineRunner:
         if transport.is_coordinator:
             ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.config),
                          transport.pipeline_size, transport.data_parallel_size,
-                         ckpt.schedule_state(self.schedule))
+                         ckpt.schedule_state(self.schedule, self.config.schedule.chosen_by))
         transport.barrier()

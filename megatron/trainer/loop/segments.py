@@ -99,8 +99,10 @@ def run_segments(
     say: Callable[[str], None] = print,
     stop: Callable[[int], str | None] | None = None,
     schedule_for: Callable[[int, int], Schedule] | None = None,
-) -> None:
-    """Train ``segments`` in order; ``logger`` is None on ranks that do not log.
+) -> Schedule | None:
+    """Train ``segments`` in order; ``logger`` is None on ranks that do not log. Returns the
+    last segment's schedule (what it decided while training), or None where the run stopped
+    early (a stop reason, ``--exit-interval``).
 
     ``stop(iteration)`` is asked after every segment but the last (all ranks get the same
     answer); a reason stops the run there, after saving a checkpoint.
@@ -128,7 +130,8 @@ def run_segments(
                     f"({time.perf_counter() - began:.1f} s)")
         if reason:
             say(f"[megatron-async] exiting after iteration {seg.end}: {reason}")
-            return
+            return None
         if seg.exit:
             say(f"[megatron-async] exiting after iteration {seg.end} (--exit-interval)")
-            return
+            return None
+    return current

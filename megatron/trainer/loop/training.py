@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -36,8 +38,10 @@ from megatron.trainer.loop.rampup import segment_schedules
 from megatron.trainer.loop.ranks import _init_megatron_parallel_state, fail, init_rank_process_group, rank_transport
 from megatron.trainer.loop.run_start import make_logger, on_logged, resume_workers, run_plan, run_schedule, start_banner
 from megatron.trainer.loop.runners import PipelineRunner
+from megatron.trainer.launch.auto_relayout import chosen_relayout
+from megatron.trainer.loop.relayout import rebuild, rebuild_line, relayout_boundary
 from megatron.trainer.loop.segments import run_segments
-from megatron.trainer.loop.workers import build_worker, dump_parameters, print_drift_histograms
+from megatron.trainer.loop.workers import build_worker, dump_parameters, local_workers, print_drift_histograms
 from megatron.trainer.tasks.auto_partition import apply_auto_partition
 from megatron.trainer.tasks.task import PretrainTask
 
@@ -46,33 +50,52 @@ __all__ = ["build_worker", "drive", "emulate", "preflight", "prepare_host", "pre
 
 
 def drive(task: PretrainTask, config: JobConfig, transport: Transport, device: torch.device,
-          stop: StopControl | None) -> list[StageWorker]:
+          stop: StopControl | None,
+          make_transport: Callable[[JobConfig], Transport] | None = None) -> list[StageWorker]:
     """Train the transport's local stages: workers, resume, banner, logger, schedule, segments,
     summary and dumps; the same for the emulator and every rank of the runtime. Returns the
-    local stage workers (weights, statistics)."""
+    local stage workers (weights, statistics). ``make_transport``: a transport for another
+    layout of the same processes, where ``auto`` may rebuild the stages (:mod:`.relayout`)."""
     resume = check_resume_or_exit(task, config, verify_files=False)  # each process verifies the files it loads
-    workers = [build_worker(task, config, s, transport.dp_rank, device, isolate_rng=transport.in_process)
-               for s in transport.stages]
-    for w in workers:
-        transport.attach(w)  # the distributed optimizer's group, overlapped gradient buckets
+    workers = local_workers(task, config, transport, device)
     start = resume_workers(task, config, workers, transport.dp_rank, resume, say=transport.is_coordinator)
     start_banner(config, transport, workers)
     coordinator = transport.is_coordinator
     logger = make_logger(config, start, task) if coordinator else None
-    collector = ReportCollector(transport.num_reporters, on_logged(config, start, logger)) if logger else None
-    sink = transport.report_sink(collector)
+    logged = on_logged(config, start, logger) if logger else None
     schedule = run_schedule(config, start, resume)
     cadence = ReportCadence(config.logging.log_interval, final_update=config.training.train_iters - 1)
     if coordinator:
         log_fixed_choice(schedule)
-    if stop is not None:
-        stop.agree = transport.all_max
     gc_policy = CollectorPolicy.from_args(config, freeze_startup=not transport.in_process)
+    say = (lambda line: print(line, flush=True)) if coordinator else (lambda line: None)
+    boundary = relayout_boundary(schedule, start, config.training.train_iters) if make_transport else None
+    segments = run_plan(config, start, () if boundary is None else (boundary,))
+
+    def runner_for(transport: Transport, config: JobConfig, workers: list[StageWorker]) -> PipelineRunner:
+        if stop is not None:
+            stop.agree = transport.all_max
+        sink = transport.report_sink(ReportCollector(transport.num_reporters, logged) if logged else None)
+        return PipelineRunner(task, config, transport, workers, cadence, sink, gc_policy)
+
     with gc_policy.training():
-        run_segments(schedule, run_plan(config, start),
-                     PipelineRunner(task, config, transport, workers, cadence, sink, gc_policy),
-                     logger, say=lambda line: print(line, flush=True) if coordinator else None, stop=stop,
-                     schedule_for=segment_schedules(config, schedule, workers))
+        runner = runner_for(transport, config, workers)
+        while segments:
+            now = [s for s in segments if boundary is None or s.end <= boundary]
+            last = run_segments(schedule, now, runner, logger, say=say, stop=stop,
+                                schedule_for=segment_schedules(config, schedule, workers))
+            segments, boundary = segments[len(now):], None
+            if last is None:
+                break
+            schedule = last
+            decision = chosen_relayout(last)
+            if decision is None or not segments:
+                continue
+            began, iteration = time.perf_counter(), now[-1].end
+            config, transport, workers, schedule = rebuild(task, config, transport, runner, decision, iteration,
+                                                           device, make_transport)  # type: ignore[arg-type]
+            runner = runner_for(transport, config, workers)
+            say(rebuild_line(decision, iteration, began))
     transport.flush()
     if logger:
         logger.log_summary()
@@ -100,7 +123,8 @@ def emulate(task: PretrainTask, config: JobConfig) -> list[StageWorker]:
     device = resolve_device(config, 0)
     config = apply_auto_partition(task, config, device)  # --pipeline-partition auto: profile, then split
     try:
-        return drive(task, config, InProcessTransport(config.run.layout), device, stop)
+        return drive(task, config, InProcessTransport(config.run.layout), device, stop,
+                     make_transport=lambda c: InProcessTransport(c.run.layout))
     finally:
         if stop is not None:
             stop.restore()
@@ -117,7 +141,7 @@ def run_distributed(task: PretrainTask, config: JobConfig) -> int:
     init_rank_process_group(config, device, rank)
     config, groups, transport = rank_transport(task, config, device)
     try:
-        drive(task, config, transport, device, stop)
+        drive(task, config, transport, device, stop, make_transport=lambda c: rank_transport(task, c, device)[2])
     except PipelineRuntimeError as exc:
         fail(f"[megatron-async] error: {exc}")
     except Terminated as exc:  # outside the pipeline: between segments, saving, evaluating

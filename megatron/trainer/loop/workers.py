@@ -11,6 +11,7 @@ from megatron.pipeline.ir import MultiPipelineLayout
 from megatron.pipeline.runtime.loss_scaling import StageLossScaler
 from megatron.pipeline.runtime.replicas import optimizer_shards
 from megatron.pipeline.runtime.tied_embeddings import counted
+from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
 from megatron.trainer.config.job_config import JobConfig
@@ -110,3 +111,13 @@ def print_drift_histograms(workers: list[StageWorker]) -> None:
     for w in workers:
         hist = ", ".join(f"{d}: {n}" for d, n in sorted(w.drift_histogram.items()))
         print(f" weight-version drift histogram, stage {w.stage}: {{{hist}}}", flush=True)
+
+
+def local_workers(task: PretrainTask, config: JobConfig, transport: Transport, device: torch.device) -> list[StageWorker]:
+    """The transport's local stage workers, attached to it (the distributed optimizer's group,
+    overlapped gradient buckets)."""
+    workers = [build_worker(task, config, s, transport.dp_rank, device, isolate_rng=transport.in_process)
+               for s in transport.stages]
+    for w in workers:
+        transport.attach(w)
+    return workers

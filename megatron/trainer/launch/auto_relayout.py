@@ -1,0 +1,227 @@
+"""The layouts an ``auto`` run may rebuild its stages in, decided before any rank starts.
+
+Why before: a rank holds only the configuration it was handed, not the command line, and
+every rank must rebuild into the same layout. So the launch builds, from the user's own
+command line, the configuration of each synchronous schedule that needs another placement
+than the chain the run starts on (the V schedules; interleaving at each chunk count the layers
+divide into), keeps those whose flags pass every check, and hands them to the run
+(``ScheduleSettings.relayouts``); ``auto`` ranks them with the profiled costs
+(:mod:`megatron.pipeline.planner.relayout`) and, if one wins, the trainer rebuilds in it at the
+drained decision boundary (:mod:`megatron.trainer.loop.relayout`).
+
+Flags of ``auto``'s own groups that the rebuilt schedule does not take (``--zb-profile-iters``,
+``--zb-memory-limit``, ...) are dropped from its command line: they configured the choice, not
+the schedule chosen.
+
+The choice is kept: a run resumed from a checkpoint whose ``auto`` rebuilt (or decided to)
+starts in the chosen layout straight away (:func:`resume_in_chosen_layout`), and so does a
+run whose ``auto`` decides from fixed costs (``--zb-costs``) at its start.
+
+Under a memory limit (``--zb-memory-limit``, the device's) a rebuilt layout is held to it in
+the chain's units: each layout's activation bytes per part come from the planner's analytic
+model (:func:`~megatron.pipeline.planner.stages.part_sizes`), the chain's too, and a stage's
+peak is compared in its chain stage's ``M_B``.
+
+Not offered: over several nodes without ``--save`` (the rebuild goes through a checkpoint
+every rank must read), with a batch-size rampup, and to ``auto-async`` (only synchronous
+layouts are rebuilt: the numbers stay those of the chain).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from megatron.pipeline.planner.auto_schedule import (RELAYOUTS_OPTION, STAGE_BYTES_OPTION, STAGE_LAYERS_OPTION,
+                                                      AutoSchedule)
+from megatron.pipeline.planner.candidates import chunk_counts
+from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.planner.relayout import Relayout, relayout_stage_costs
+from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
+from megatron.pipeline.planner.runtime_choice import switchable
+from megatron.pipeline.planner.stages import part_sizes
+from megatron.pipeline.schedules import SCHEDULES, schedule_class
+from megatron.pipeline.schedules.base import Schedule
+from megatron.trainer.checkpointing.checkpoint import check_resume
+from megatron.trainer.checkpointing.format import _read_metadata
+from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import JobConfig, build_job_config, replace_in, with_schedule_options
+from megatron.trainer.launch.memory_estimate import part_layer_counts
+from megatron.trainer.tasks.balanced_partition import model_shape
+from megatron.trainer.tasks.task import PretrainTask
+
+
+def without_flags(argv: Sequence[str], schedule: str, target: str) -> list[str]:
+    """``argv`` without the flags of ``schedule``'s groups that ``target`` does not take (each
+    with its value)."""
+    kept_groups = set(schedule_class(target).flag_groups)
+    dropped = {flag.name: flag.action == "store_true" for group in schedule_class(schedule).flag_groups
+               if group not in kept_groups for flag in group.flags}
+    out: list[str] = []
+    skip = 0
+    for token in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = token.split("=", 1)[0]
+        if name in dropped:
+            skip = 0 if dropped[name] or "=" in token else 1
+            continue
+        out.append(token)
+    return out
+
+
+def _layout_argv(name: str, chunks: int, num_layers: int, stages: int) -> list[str]:
+    flag = ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (stages * chunks))] \
+        if schedule_class(name).takes_model_chunks else []
+    return ["--pipeline-schedule", name, *flag]
+
+
+def _quiet_config(task: PretrainTask, argv: list[str]) -> JobConfig | None:
+    """The job config of ``argv``, or None where a flag check refuses it (its line swallowed)."""
+    parser = build_parser(f"Megatron-Async {task.name} pretraining")
+    task.add_arguments(parser)
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            return build_job_config(parse_args(argv, parser))
+        except SystemExit:
+            return None
+
+
+def _part_layers(config: JobConfig) -> tuple[int, ...]:
+    layout = config.run.layout
+    split = layout.part_layer_split(config.parallel.pipeline_layer_split)
+    return tuple(split) if split is not None else tuple(part_layer_counts(config, layout.num_model_stages))
+
+
+def relayout_configs(task: PretrainTask, config: JobConfig, argv: Sequence[str]) -> dict[str, JobConfig]:
+    """Each rebuildable layout's job config by its label (``dualpipev x2``), ``argv`` being the
+    command line ``config`` came from."""
+    auto = config.schedule.pipeline_schedule
+    stages, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
+    out: dict[str, JobConfig] = {}
+    for name, cls in SCHEDULES.items():
+        if cls.asynchronous or switchable(name, config.run.schedule, include_async=False):
+            continue
+        for chunks in chunk_counts(name, layers, stages) if cls.takes_model_chunks else [2]:
+            alt = _quiet_config(task, [*without_flags(argv, auto, name), *_layout_argv(name, chunks, layers, stages)])
+            if alt is None or alt.run.layout.num_chunks != chunks:
+                continue
+            out[relayout_of(alt).label] = alt
+    return out
+
+
+def _activation_bytes(config: JobConfig, counts: Sequence[int]) -> tuple[float, ...]:
+    """One micro-batch's activation bytes on each of the parts holding ``counts`` layers
+    (the planner's analytic model); () for a task without transformer layers."""
+    shape = model_shape(config)
+    if shape is None:
+        return ()
+    return tuple(p.activation_bytes for p in part_sizes(shape, counts, config.parallel.tensor_model_parallel_size))
+
+
+def relayout_of(alt: JobConfig) -> Relayout:
+    """What ``auto`` ranks of a rebuildable layout: its schedule, chunks, layers per part, the
+    options its flags give (its op order) and its parts' activation bytes."""
+    parts = _part_layers(alt)
+    return Relayout(alt.schedule.pipeline_schedule, alt.run.layout.num_chunks, parts,
+                    dict(alt.run.schedule.options), _activation_bytes(alt, parts))
+
+
+def offers_relayouts(config: JobConfig) -> bool:
+    """Whether an ``auto`` run may rebuild (module docstring: not ``auto-async``, not with a
+    batch-size rampup, on several nodes only with ``--save``)."""
+    run = config.run
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    one_node = local is None or local == world
+    return (issubclass(run.schedule_cls, AutoSchedule) and not run.schedule_cls.include_async
+            and run.layout.num_chunks == 1 and config.training.rampup_batch_size is None
+            and (one_node or config.checkpoint.save is not None))
+
+
+def apply_auto_relayouts(task: PretrainTask, config: JobConfig, argv: Sequence[str]) -> JobConfig:
+    """Hand an ``auto`` run the layouts it may rebuild in (schedule options for the choice, the
+    job configs for the rebuild): the config with them."""
+    if not offers_relayouts(config):
+        return config
+    alts = relayout_configs(task, config, argv)
+    if not alts:
+        return config
+    chain = tuple(part_layer_counts(config, config.parallel.pipeline_model_parallel_size))
+    config = with_schedule_options(config, **{RELAYOUTS_OPTION: tuple(relayout_of(a) for a in alts.values()),
+                                              STAGE_LAYERS_OPTION: chain,
+                                              STAGE_BYTES_OPTION: _activation_bytes(config, chain)})
+    return replace_in(config, "schedule", relayouts=alts)
+
+
+def chosen_config(config: JobConfig, decision: dict[str, Any]) -> JobConfig:
+    """The job config ``auto``'s ``decision`` (:meth:`AutoSchedule.describe`) rebuilds the run
+    in, marked with the decision (its checkpoints keep it), with ``config``'s launch, logging,
+    exit and checkpoint settings; KeyError where this run offers no such layout."""
+    alt = config.schedule.relayouts[decision["relayout"]]
+    if alt.run.schedule.options.get(PROFILE_OPTION):  # zb-v: ordered by the costs auto ranked it with
+        priced = priced_costs(config, decision)
+        alt = with_schedule_options(alt, **{PROFILE_OPTION: None, "costs": priced})
+    return dataclasses.replace(alt, schedule=dataclasses.replace(alt.schedule, chosen_by=decision),
+                               checkpoint=config.checkpoint, logging=config.logging, exit=config.exit,
+                               launch=config.launch)
+
+
+def priced_costs(config: JobConfig, decision: dict[str, Any]) -> tuple[OpCosts, ...]:
+    """The per-stage costs ``auto`` ranked the chosen layout with, priced from the chain's
+    profiled costs in ``decision`` (what a cost-ordered schedule is then ordered by, instead of
+    profiling again)."""
+    options = config.run.schedule.options
+    relayout = next(r for r in options[RELAYOUTS_OPTION] if r.label == decision["relayout"])
+    chain = tuple(OpCosts.from_dict(c) for c in decision["costs"])
+    run = config.run.schedule
+    return tuple(relayout_stage_costs(relayout, run.num_stages, run.num_microbatches, chain,
+                                      options[STAGE_LAYERS_OPTION])[2])
+
+
+def chosen_relayout(schedule: Schedule | None) -> dict[str, Any] | None:
+    """``auto``'s decision (:meth:`AutoSchedule.checkpoint_state`) when it chose to rebuild."""
+    if isinstance(schedule, AutoSchedule) and schedule.relayout is not None:
+        return schedule.checkpoint_state()
+    return None
+
+
+def _saved_decision(task: PretrainTask, config: JobConfig) -> dict[str, Any] | None:
+    """The schedule state of the checkpoint ``--load`` resumes from, as saved (a resumed run of
+    another layout drops it: the rebuilt layout's checkpoint still carries ``auto``'s decision)."""
+    if not config.checkpoint.load or config.checkpoint.finetune:
+        return None
+    point = check_resume(task, config, verify_files=False)
+    if point is None:
+        return None
+    state = _read_metadata(point.directory).get("schedule_state")
+    return state if isinstance(state, dict) else None
+
+
+def start_in_chosen_layout(task: PretrainTask, config: JobConfig) -> JobConfig:
+    """An ``auto`` run that decided to rebuild before training: in the checkpoint it resumes
+    from, or from fixed costs (``--zb-costs``) at its start; the config of the chosen layout
+    (unchanged otherwise). A choice this run does not offer: one-line :class:`ConfigError`."""
+    if not config.schedule.relayouts:
+        return config
+    saved = _saved_decision(task, config)
+    auto = config.run.run_schedule(config.schedule.pipeline_schedule)
+    if saved is not None and saved.get("relayout"):
+        decision: dict[str, Any] | None = {k: v for k, v in saved.items() if k != "inner"}
+        lines = [f"auto: resuming as {decision['relayout']}, the layout the checkpoint's run chose and rebuilt in"]
+    else:
+        decision = chosen_relayout(auto)
+        lines = auto.decision_lines() if decision is not None else []  # type: ignore[attr-defined]
+    if decision is None:
+        return config
+    if decision["relayout"] not in config.schedule.relayouts:
+        raise ConfigError(f"--pipeline-schedule {config.schedule.pipeline_schedule}: the decision to rebuild the stages "
+                          f"as {decision['relayout']} cannot run with these flags")
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            print(f"[megatron-async] {line}", flush=True)
+    return chosen_config(config, decision)
