@@ -42,18 +42,6 @@ def test_one_core_without_latency_runs_all_the_work_back_to_back(name: str, n: i
     assert shared_core_makespan(s.streams(), s.layout, costs, 1) == pytest.approx(n * m * 4.0, rel=1e-12)
 
 
-def test_slowdown_stretches_every_op_of_one_core() -> None:
-    """A measured time-slicing slowdown multiplies every op's work: on one core without latency
-    the makespan is all the work times the slowdown (the sum of op durations is the reference)."""
-    costs = OpCosts(t_f=1.0, t_b=2.0, t_w=1.0, t_send=0.5)
-    s = build_schedule("1f1b", ScheduleConfig(num_stages=4, num_microbatches=4))
-    sends = 2 * 4 * 3  # activations down, gradients up, over 3 boundaries
-    work = 4 * 4 * 4.0 + sends * 0.5
-    assert shared_core_makespan(s.streams(), s.layout, costs, 1, slowdown=1.25) == pytest.approx(1.25 * work, rel=1e-12)
-    with pytest.raises(ValueError, match="positive"):
-        shared_core_makespan(s.streams(), s.layout, costs, 1, slowdown=0)
-
-
 def test_two_stages_on_one_core_by_hand() -> None:
     """ZB-H1, 2 stages, m = 1, t_comm 0.25, one core. Stage 0: F0 [0, 1]. The message arrives at
     1.25: the core idles 0.25. Stage 1: F0 [1.25, 2.25], then B0 (2) to 4.25, the gradient arrives

@@ -151,12 +151,11 @@ def ordering_costs(options: Mapping[str, Any], costs: Sequence[OpCosts]) -> Cost
 
 
 def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int, options: dict | None = None,
-                cores: float | None = None, slowdown: float = 1.0,
-                order_costs: CostsLike = None) -> tuple[float, SimulationResult, object]:
+                cores: float | None = None, order_costs: CostsLike = None) -> tuple[float, SimulationResult, object]:
     """(marginal time of one update, the longer run's result, its schedule); ``options``: the
     schedule's other options (a Zero Bubble greedy's ``memory_limit``); ``cores``: the cores
     the stages share (None: a device each), when fewer than the stages the marginal time comes
-    from the processor-sharing replay, its ops' work times ``slowdown``; ``order_costs``: the
+    from the processor-sharing replay; ``order_costs``: the
     costs a cost-driven order is built from (None: ``costs``, which always time it)."""
     k = update_count(cand)
     ordered_by = tuple(costs) if order_costs is None else order_costs
@@ -167,8 +166,7 @@ def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int, optio
         result = simulate_schedule(schedule, tuple(costs))
         span = result.makespan
         if is_shared(cores, schedule.layout):
-            span = shared_core_makespan(schedule.streams(), schedule.layout, tuple(costs), cores,  # type: ignore[arg-type]
-                                        slowdown)
+            span = shared_core_makespan(schedule.streams(), schedule.layout, tuple(costs), cores)  # type: ignore[arg-type]
         runs.append((span, result, schedule))
     return (runs[1][0] - runs[0][0]) / (k - k // 2), runs[1][1], runs[1][2]
 
@@ -178,7 +176,6 @@ def evaluate(problem: Problem, cand: Candidate) -> CandidateResult:
     par = problem.parallel
     parts, per_part, costs = candidate_costs(problem, cand)
     per_update, result, schedule = steady_span(cand, costs, par.data_parallel, cores=problem.pipeline_cores(),
-                                               slowdown=problem.unit.shared_core_slowdown,
                                                order_costs=flag_order_costs(cand, costs, par.data_parallel))
     layout = schedule.layout
     k = update_count(cand)

@@ -24,13 +24,8 @@ The model (pure, no torch):
   (``t_opt + t_sync``) becomes runnable once every member has reached it, and no member goes
   on before all have finished, as in the simulator.
 
-* **Time-slicing's own cost.** A core that switches between ranks refills its caches; the
-  same op then takes more CPU than alone. The work of every op is multiplied by the
-  ``slowdown`` a profile measured (:attr:`UnitCosts.shared_core_slowdown
-  <megatron.pipeline.planner.unit_costs.UnitCosts>`; 1 when not measured).
-
 With ``c >= N`` no stage is ever slowed and the makespan is the simulator's; with ``c = 1`` it
-is the sum of all op durations times ``slowdown`` (both are tests). ``cores`` may be fractional: a host whose
+is the sum of all op durations (both are tests). ``cores`` may be fractional: a host whose
 cores are shared by ``D`` data-parallel replicas of ``T`` tensor-parallel ranks gives each
 pipeline ``cores / (D * T)`` (:func:`cores_per_pipeline`).
 """
@@ -103,15 +98,11 @@ def op_graph(streams: Sequence[Any], layout: PipelineLayout,
     return nodes, order, groups
 
 
-def shared_core_makespan(streams: Sequence[Any], layout: PipelineLayout, costs: CostsLike, cores: float,
-                         slowdown: float = 1.0) -> float:
-    """End of the last op when the stages share ``cores`` cores (module docstring), every op's
-    work taking ``slowdown`` times its cost (the CPU a time-shared core loses to switching)."""
-    if cores <= 0 or slowdown <= 0:
-        raise ValueError(f"cores and slowdown must be positive, got {cores} and {slowdown}")
+def shared_core_makespan(streams: Sequence[Any], layout: PipelineLayout, costs: CostsLike, cores: float) -> float:
+    """End of the last op when the stages share ``cores`` cores (module docstring)."""
+    if cores <= 0:
+        raise ValueError(f"cores must be positive, got {cores}")
     nodes, order, groups = op_graph(streams, layout, costs)
-    for node in nodes:
-        node.work *= slowdown
     n = len(order)
     pos = [0] * n  # index of each stage's next op in order[s]
     left = [nodes[order[s][0]].work if order[s] else 0.0 for s in range(n)]

@@ -80,10 +80,7 @@ class UnitCosts:
     ``host_cores``: the cores one node's ranks share when the costs were taken on a CPU host
     (``--profile`` there records its usable cores), None where every rank has a device of its own.
     With fewer cores than stages the planner replays candidates with processor sharing
-    (:mod:`megatron.pipeline.planner.shared_cores`), every op's work times
-    ``shared_core_slowdown``: how much more CPU the same compute takes when twice as many
-    processes as cores time-share them (cache refills after each switch), measured by
-    ``--profile``.
+    (:mod:`megatron.pipeline.planner.shared_cores`).
     """
 
     micro_batch: int
@@ -100,7 +97,6 @@ class UnitCosts:
     host_cores: float | None = None
     activations: ActivationBytes | None = None  # measured by a profile; None: the analytic count
     kept_for_w: ActivationBytes | None = None  # of those, what a B leaves for its W (measured)
-    shared_core_slowdown: float = 1.0
 
     def at_micro_batch(self, micro_batch: int) -> "UnitCosts":
         """The costs at another micro-batch size, linear in the sequences of a micro-batch."""
@@ -124,6 +120,7 @@ class UnitCosts:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "UnitCosts":
         known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in values.items() if k not in RETIRED}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown cost field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -138,8 +135,10 @@ class UnitCosts:
 
 
 #: the plain-number fields of a cost file
-SCALARS = ("p2p", "optimizer_per_param", "sync", "reduce_ms_per_byte", "message_cpu", "shared_message_cpu",
-           "shared_core_slowdown")
+SCALARS = ("p2p", "optimizer_per_param", "sync", "reduce_ms_per_byte", "message_cpu", "shared_message_cpu")
+#: fields earlier profiles wrote that the model no longer reads (read and dropped):
+#: ``shared_core_slowdown`` (see :mod:`megatron.trainer.tasks.link_profile`)
+RETIRED = frozenset({"shared_core_slowdown"})
 
 
 def load_unit_costs(path: str) -> UnitCosts:

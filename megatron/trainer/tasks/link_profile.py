@@ -6,7 +6,7 @@ between processes. There a message costs CPU on both ends (it is copied through 
 twice, and threads wake for it: about 1 ms for a 128 KiB activation between ops on this project's
 2-core host) and takes longer to arrive; AMDP's replicas and data-parallel replicas move their
 gradients through gloo collectives; and when a run has more ranks than the host has cores, the
-time-sliced cores lose some CPU to switching between them. None of this shows in one process.
+ranks that time-share cores pay more per message. None of this shows in one process.
 
 What is measured (two processes over gloo and a file store, one thread each, as the runtime's
 CPU ranks run):
@@ -22,11 +22,13 @@ CPU ranks run):
   as many pairs at once as cores (twice as many processes as cores) is ``shared_message_cpu``.
 * **A collective** (:attr:`LinkCosts.reduce_ms_per_byte`): the median time of an all-gather of
   ``collective_bytes`` per rank, over the bytes one rank sends.
-* **Time-sliced cores** (:attr:`LinkCosts.shared_core_slowdown`): the median CPU time of a
-  forward and backward of a stand-in transformer layer of the model's width
-  (``torch.nn.TransformerEncoderLayer``), in as many concurrent processes as cores and then in
-  twice as many, alternated ``SLOWDOWN_ROUNDS`` times within the same processes (the idle half
-  waits at a barrier); the ratio of the two medians (at least 1).
+
+Not measured: a time-sliced core's own slowdown (cache refills after each switch). A stand-in
+layer timed in twice as many busy processes as cores took 2-8 % more CPU, but charged to every
+op of the processor-sharing replay it made the N = 4 prediction worse in each of four measured
+passes on this project's 2-core host (within 10 %: 29, 23, 20, 20 of 29 with it; 29, 28, 29,
+29 without): the runtime's ranks block in receives between ops, so they do not time-slice as
+two always-busy processes do (``docs/planning.md``).
 """
 from __future__ import annotations
 
@@ -44,8 +46,6 @@ COLLECTIVE_REPEATS = 15
 COMPUTE_WIDTH = 256  # between two round trips, COMPUTE_STEPS products of this size (a few ms)
 COMPUTE_STEPS = 40
 BLOCK = 20  # round trips per CPU reading; the median block is taken (a host hiccup hits one)
-SLOWDOWN_ROUNDS = 5  # alternated, so that the host's drift falls on both alike
-SLOWDOWN_REPEATS = 25
 
 
 @dataclass(frozen=True)
@@ -56,17 +56,6 @@ class LinkCosts:
     message_cpu: float
     shared_message_cpu: float
     reduce_ms_per_byte: float
-    shared_core_slowdown: float
-
-
-@dataclass(frozen=True)
-class LayerWidth:
-    """The stand-in layer's shape: the model's hidden size, heads, FFN size and tokens."""
-
-    hidden: int
-    heads: int
-    ffn: int
-    tokens: int
 
 
 def _link_rank(pair: int, rank: int, store: str, message_elements: int, collective_elements: int,
@@ -127,34 +116,6 @@ def _link_rank(pair: int, rank: int, store: str, message_elements: int, collecti
     dist.destroy_process_group()
 
 
-def _layer_rank(index: int, cores: int, width: LayerWidth, phase: Any, results: Any) -> None:
-    """One of ``2 cores`` processes of the time-sliced-cores measurement. In each of
-    ``SLOWDOWN_ROUNDS`` rounds, first processes ``0 .. cores - 1`` time a layer's F and B while
-    the others wait (a core each), then all of them do (two per core); ``phase`` (a barrier of
-    all processes) starts and ends each part together. Puts (alone medians, shared medians), ms."""
-    import torch
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(width.hidden, width.heads, width.ffn, dropout=0.0, batch_first=True)
-    x = torch.randn(1, width.tokens, width.hidden)
-    for _ in range(3):
-        layer(x).sum().backward()
-    medians: tuple[list[float], list[float]] = ([], [])
-    for _ in range(SLOWDOWN_ROUNDS):
-        for shared, out in ((False, medians[0]), (True, medians[1])):
-            phase.wait()
-            if shared or index < cores:
-                times = []
-                for _ in range(SLOWDOWN_REPEATS):
-                    start = time.thread_time()
-                    layer(x).sum().backward()
-                    times.append(time.thread_time() - start)
-                out.append(statistics.median(times) * 1e3)
-            phase.wait()
-    results.put(medians)
-
-
 CONTEXT = multiprocessing.get_context("spawn")  # a fresh interpreter: no thread or state of ours
 
 
@@ -193,17 +154,12 @@ def _message_cpu(ranks: list[tuple]) -> float:
     return statistics.median(per_pair.values()) / (2 * ROUND_TRIPS) * 1e3
 
 
-def measure_link(message_bytes: int, collective_bytes: int, width: LayerWidth, cores: int) -> LinkCosts:
+def measure_link(message_bytes: int, collective_bytes: int, cores: int) -> LinkCosts:
     """Measure :class:`LinkCosts` on this host (module docstring); ``cores``: the host's usable cores."""
     ranks = _pairs(1, message_bytes, collective_bytes)
     trip, collective = ranks[0][3], ranks[0][4]
     message_cpu = _message_cpu(ranks)
     shared_message_cpu = _message_cpu(_pairs(cores, message_bytes, 0))
-    phase = CONTEXT.Barrier(2 * cores)
-    per_process = _run(_layer_rank, [(i, cores, width, phase) for i in range(2 * cores)])
-    alone = [t for medians, _ in per_process for t in medians]
-    shared = [t for _, medians in per_process for t in medians]
     return LinkCosts(p2p=max(0.0, trip / 2 * 1e3 - message_cpu), message_cpu=message_cpu,
                      shared_message_cpu=shared_message_cpu,
-                     reduce_ms_per_byte=collective * 1e3 / max(1, collective_bytes),
-                     shared_core_slowdown=max(1.0, statistics.median(shared) / statistics.median(alone)))
+                     reduce_ms_per_byte=collective * 1e3 / max(1, collective_bytes))

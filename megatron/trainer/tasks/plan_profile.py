@@ -131,18 +131,16 @@ def rank_threads(ranks: int) -> int:
 def with_link_costs(config: JobConfig, unit: UnitCosts) -> UnitCosts:
     """``unit`` with the CPU transport's costs measured on this host (:mod:`.link_profile`): an
     activation-sized message, a collective of one profiled stage's fp32 gradients."""
-    from megatron.trainer.tasks.link_profile import LayerWidth, measure_link
+    from megatron.trainer.tasks.link_profile import measure_link
 
     shape = model_shape(config)
     half = config.model.num_layers // 2
     message = shape.seq_length * shape.micro_batch * shape.hidden * shape.activation_bytes
     gradients = int(4 * part_parameters(shape, half, True, False))
-    width = LayerWidth(shape.hidden, shape.heads, shape.ffn, shape.seq_length * shape.micro_batch)
-    link = measure_link(message, min(gradients, MAX_COLLECTIVE_BYTES), width, int(unit.host_cores or 1))
+    link = measure_link(message, min(gradients, MAX_COLLECTIVE_BYTES), int(unit.host_cores or 1))
     return dataclasses.replace(unit, p2p=link.p2p, message_cpu=link.message_cpu,
                                shared_message_cpu=link.shared_message_cpu,
-                               reduce_ms_per_byte=link.reduce_ms_per_byte,
-                               shared_core_slowdown=link.shared_core_slowdown)
+                               reduce_ms_per_byte=link.reduce_ms_per_byte)
 
 
 def profile_unit_costs(config: JobConfig, threads: int) -> UnitCosts:
