@@ -19,6 +19,7 @@ are only meaningful on a quiet host: it prints the load average before and after
     python benchmarks/planner.py papers [--json]
     python benchmarks/planner.py runtime --iters 6 --skip 3 --pipeline-sizes 2 --microbatches 4
     python benchmarks/planner.py runtime --auto      # the issue's full grid, and auto against the best
+    python benchmarks/planner.py reevaluate benchmarks/results/planner_runtime/*.txt   # recorded passes, this planner
 
 With ``runtime --auto`` each (N, m) also runs ``--pipeline-schedule auto`` (profiling its first 2
 iterations, which ``--skip`` drops) and prints its throughput over the best measured
@@ -212,11 +213,7 @@ def runtime(args: argparse.Namespace) -> int:
     for n, m, name, pred, meas, pa, ma in rows:
         print(f"| {n} | {m} | {name} | {pred:.1f} | {meas:.1f} | {pred / meas:.2f} | {pa:.1f} | {ma:.1f} | "
               f"{pa / ma if ma else float('nan'):.2f} |")
-    for n in sorted({r[0] for r in rows}):
-        sub = [r for r in rows if r[0] == n]
-        print(f"N={n}: Spearman (predicted vs measured iteration time) = "
-              f"{spearman([r[3] for r in sub], [r[4] for r in sub]):.2f} over {len(sub)} candidates; within 10 %: "
-              f"{sum(abs(r[3] / r[4] - 1) <= 0.10 for r in sub)}/{len(sub)}")
+    print_depth_summary(rows)
     for n, m, chose, auto_ms in autos:
         sync = [r for r in rows if r[0] == n and r[1] == m and not schedule_class(r[2]).asynchronous]
         best = min(sync, key=lambda r: r[4]) if sync else None
@@ -224,6 +221,50 @@ def runtime(args: argparse.Namespace) -> int:
             print(f"N={n} m={m}: auto chose {chose}, {auto_ms:.1f} ms; best measured synchronous {best[2]} "
                   f"{best[4]:.1f} ms; auto / best throughput {best[4] / auto_ms:.3f}")
     print(f"load average after: {os.getloadavg()}")
+    return 0
+
+
+def print_depth_summary(rows: list[tuple]) -> None:
+    """Per depth: the ranking's Spearman and how many predictions are within 10 % (``rows``:
+    (N, m, schedule, predicted ms, measured ms, predicted activation MB, measured MB))."""
+    for n in sorted({r[0] for r in rows}):
+        sub = [r for r in rows if r[0] == n]
+        acts = sum(abs(r[5] / r[6] - 1) <= 0.10 for r in sub if r[6])
+        print(f"N={n}: Spearman (predicted vs measured iteration time) = "
+              f"{spearman([r[3] for r in sub], [r[4] for r in sub]):.2f} over {len(sub)} candidates; within 10 %: "
+              f"{sum(abs(r[3] / r[4] - 1) <= 0.10 for r in sub)}/{len(sub)}; activations within 10 %: {acts}/{len(sub)}")
+
+
+#: a ``runtime`` table row: N, m, schedule, predicted ms, measured ms, ratio, predicted MB, measured MB
+ROW = re.compile(r"^\| (\d+) \| (\d+) \| ([\w-]+) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|", re.M)
+
+
+def reevaluate(args: argparse.Namespace) -> int:
+    """``reevaluate PASS...``: a recorded ``runtime`` pass (its profiled unit costs and measured
+    times, e.g. ``benchmarks/results/planner_runtime/``) predicted again by this planner."""
+    from megatron.pipeline.planner.unit_costs import UnitCosts
+    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.tasks.balanced_partition import model_shape
+
+    shape = model_shape(parse_job_config([*MODEL, "--global-batch-size", "4", "--mock-data"], build_parser()))
+    assert shape is not None
+    for path in args.passes:
+        text = Path(path).read_text()
+        found = re.search(r"^unit costs \([^)]*\): (\{.*\})$", text, re.M)
+        if found is None:
+            raise SystemExit(f"{path}: no 'unit costs' line (not a runtime pass)")
+        unit = UnitCosts.from_dict(json.loads(found.group(1)))
+        rows, seen = [], {}
+        for n, m, name, measured, act_mb in ROW.findall(text):
+            key = (int(n), int(m), name)
+            index = seen[key] = seen.get(key, -1) + 1  # interleaved-1f1b: one row per chunk count, in order
+            cands = [c for c, _ in enumerate_candidates(shape, [key[0]], key[1], 1, [name], ("none",), ("even",), 1)
+                     if c is not None]
+            result = evaluate(Problem(shape, unit, key[1]), cands[index])
+            predicted_act = max(mem.activations for mem in result.memory) / 2**20
+            rows.append((*key, result.iteration_time_ms, float(measured), predicted_act, float(act_mb)))
+        print(path)
+        print_depth_summary(rows)
     return 0
 
 
@@ -241,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--costs", default=None, help="unit costs file (default: profile here)")
     p.add_argument("--auto", action="store_true",
                    help="also run --pipeline-schedule auto per (N, m) against the best measured synchronous schedule")
+    p = sub.add_parser("reevaluate", help="recorded runtime passes predicted again by this planner")
+    p.add_argument("passes", nargs="+", help="runtime outputs (benchmarks/results/planner_runtime/*.txt)")
     args = ap.parse_args(argv)
-    return papers(args) if args.command == "papers" else runtime(args)
+    return {"papers": papers, "runtime": runtime, "reevaluate": reevaluate}[args.command](args)
 
 
 if __name__ == "__main__":

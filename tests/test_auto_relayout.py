@@ -108,6 +108,29 @@ def test_auto_only_flags_are_dropped_from_the_rebuilt_command_line() -> None:
     assert without_flags(argv, "auto", "zb-v") == argv  # zb-v takes the Zero Bubble flags itself
 
 
+def _offered(*extra: str) -> list[str]:
+    """The rebuildable layouts the launch hands an ``auto`` run of these flags (PP2, DP2, 8 layers)."""
+    from megatron.trainer.launch.preflight import preflight
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    argv = [*TINY_GPT[:-1], "--num-layers", "8", "--global-batch-size", "8", "--mock-data", "--device", "cpu",
+            "--pipeline-schedule", "auto", "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", *extra]
+    config = preflight(GPTTask(), argv)
+    return [r.label for r in config.run.schedule.options.get(auto_schedule.RELAYOUTS_OPTION, ())]
+
+
+def test_only_layouts_of_the_same_model_are_offered() -> None:
+    """Tied embeddings with --overlap-grad-reduce: a V would untie them (another model, whose
+    checkpoint the chain's could not load into), so only interleaving is offered; untied, every
+    layout is. An odd layer split cannot halve into a V's chunks, nor split interleaved stages."""
+    every = ["interleaved-1f1b x2", "interleaved-1f1b x4", "zb-v x2", "v-half x2", "v-min x2", "dualpipev x2"]
+    assert TINY_GPT[-1] == "--untie-embeddings-and-output-weights"
+    assert _offered("--overlap-grad-reduce") == every[:2]
+    assert _offered("--overlap-grad-reduce", "--untie-embeddings-and-output-weights") == every
+    assert _offered("--pipeline-layer-split", "3", "5") == []
+    assert _offered("--pipeline-layer-split", "2", "6") == every[2:]
+
+
 # ------------------------------------------------------------------ end to end
 
 pytestmark = pytest.mark.usefixtures("megatron_world1")

@@ -22,7 +22,9 @@ the chain's units: each layout's activation bytes per part come from the planner
 model (:func:`~megatron.pipeline.planner.stages.part_sizes`), the chain's too, and a stage's
 peak is compared in its chain stage's ``M_B``.
 
-Not offered: over several nodes without ``--save`` (the rebuild goes through a checkpoint
+Not offered: a layout whose flags derive another model (a V unties the embedding under
+``--overlap-grad-reduce``: its checkpoint signature differs, and the rebuild could not load),
+over several nodes without ``--save`` (the rebuild goes through a checkpoint
 every rank must read), with a batch-size rampup, and to ``auto-async`` (only synchronous
 layouts are rebuilt: the numbers stay those of the chain).
 """
@@ -46,7 +48,8 @@ from megatron.pipeline.planner.stages import part_sizes
 from megatron.pipeline.schedules import SCHEDULES, schedule_class
 from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import check_resume
-from megatron.trainer.checkpointing.format import _read_metadata
+from megatron.trainer.checkpointing.format import _read_metadata, run_signature
+from megatron.trainer.checkpointing.reshard import LAYOUT_FLAGS
 from megatron.trainer.config.arguments import build_parser, parse_args
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config, replace_in, with_schedule_options
@@ -98,6 +101,14 @@ def _part_layers(config: JobConfig) -> tuple[int, ...]:
     return tuple(split) if split is not None else tuple(part_layer_counts(config, layout.num_model_stages))
 
 
+def _same_model(task: PretrainTask, config: JobConfig, alt: JobConfig) -> bool:
+    """Whether ``alt`` runs the model ``config`` does (every checkpoint signature entry but the
+    layout's): the flags derive some of it from the schedule (a V unties the embedding under
+    ``--overlap-grad-reduce``), and the rebuild's checkpoint must load."""
+    ours, theirs = run_signature(task, config), run_signature(task, alt)
+    return all(theirs.get(key) == value for key, value in ours.items() if key not in LAYOUT_FLAGS)
+
+
 def relayout_configs(task: PretrainTask, config: JobConfig, argv: Sequence[str]) -> dict[str, JobConfig]:
     """Each rebuildable layout's job config by its label (``dualpipev x2``), ``argv`` being the
     command line ``config`` came from."""
@@ -109,7 +120,7 @@ def relayout_configs(task: PretrainTask, config: JobConfig, argv: Sequence[str])
             continue
         for chunks in chunk_counts(name, layers, stages) if cls.takes_model_chunks else [2]:
             alt = _quiet_config(task, [*without_flags(argv, auto, name), *_layout_argv(name, chunks, layers, stages)])
-            if alt is None or alt.run.layout.num_chunks != chunks:
+            if alt is None or alt.run.layout.num_chunks != chunks or not _same_model(task, config, alt):
                 continue
             out[relayout_of(alt).label] = alt
     return out
