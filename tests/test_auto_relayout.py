@@ -202,10 +202,17 @@ def test_a_resumed_auto_run_keeps_the_rebuilt_layout(tmp_path: Path, capsys) -> 
 
 def test_the_distributed_runtime_rebuilds_too(tmp_path: Path) -> None:
     """Two gloo ranks (transport and process groups built again for the V): the numbers of the
-    emulator's save-and-resume reference, bit for bit."""
+    emulator's save-and-resume reference, bit for bit. The ranks' profile includes the real
+    link's latency, which on a loaded host can tip the choice back to the chain (0.8 ms per hop
+    was seen in CI); then the run must equal the chosen chain schedule's from the start."""
     records, params = run_pretrain(_gpt("auto", "--zb-profile-iters", str(K)), tmp_path / "run", timeout=300)
-    chosen = _rebuilt_as((tmp_path / "run" / "stdout.txt").read_text())
-    ref_losses, ref_params = _saved_and_resumed(tmp_path, chosen)
+    out = (tmp_path / "run" / "stdout.txt").read_text()
+    if "auto: rebuilt the stages as" in out:
+        ref_losses, ref_params = _saved_and_resumed(tmp_path, _rebuilt_as(out))
+    else:
+        chosen = re.search(r"auto: chose (\S+) from iteration 2; order", out)
+        assert chosen, out[-3000:]
+        ref_losses, ref_params = _emulate(_gpt(chosen.group(1)), tmp_path / "ref.jsonl")
     assert [r["loss"] for r in records if "loss" in r] == ref_losses
     assert params.keys() == ref_params.keys()
     for name, value in ref_params.items():
