@@ -13,6 +13,7 @@ References, each independent of the code under test:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -22,7 +23,8 @@ import torch
 
 import megatron.pipeline.planner.auto_schedule as auto_schedule
 from megatron.pipeline.op_costs import OpCosts
-from megatron.pipeline.planner.relayout import Relayout, part_costs, unit_layer_costs
+from megatron.pipeline.planner.relayout import Relayout, part_costs
+from megatron.pipeline.planner.unit_costs import layer_and_head
 from megatron.pipeline.planner.runtime_choice import Choice, rank_choices
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 from megatron.trainer.launch.auto_relayout import without_flags
@@ -41,18 +43,19 @@ def test_layer_and_head_costs_are_derived_from_the_chain() -> None:
     a layer is (1, 2, 0.5), the head (3, 5, 0.5); a V's parts of one layer each cost a layer,
     the last also the head, and keep the last stage's M_W / M_B."""
     chain = [OpCosts(2.0, 4.0, 1.0, t_comm=0.1, m_w=0.8), OpCosts(5.0, 9.0, 1.5, t_comm=0.1, m_w=0.6)]
-    layer, head = unit_layer_costs(chain, [2, 2])
-    assert layer == pytest.approx({"t_f": 1.0, "t_b": 2.0, "t_w": 0.5})
-    assert head == pytest.approx({"t_f": 3.0, "t_b": 5.0, "t_w": 0.5})
+    layer, head = layer_and_head([dataclasses.asdict(c) for c in chain], [2, 2])
+    assert (layer.f, layer.b, layer.w) == pytest.approx((1.0, 2.0, 0.5))
+    assert (head.f, head.b, head.w) == pytest.approx((3.0, 5.0, 0.5))
     parts = part_costs(chain, [2, 2], [1, 1, 1, 1])
     assert [p.t_f for p in parts] == pytest.approx([1.0, 1.0, 1.0, 4.0])
     assert [p.t_b for p in parts] == pytest.approx([2.0, 2.0, 2.0, 7.0])
     assert [p.m_w for p in parts] == pytest.approx([0.8, 0.8, 0.8, 0.6]) and all(p.t_comm == 0.1 for p in parts)
     # three stages of 1, 3 and 2 layers: the first two give the layer (F (1 + 3) / 4 = 1 per layer)
-    layer, head = unit_layer_costs([OpCosts(1.0, 1.0, 1.0), OpCosts(3.0, 3.0, 3.0), OpCosts(6.0, 2.0, 2.0)], [1, 3, 2])
-    assert layer["t_f"] == pytest.approx(1.0) and head == pytest.approx({"t_f": 4.0, "t_b": 0.0, "t_w": 0.0})
+    three = [OpCosts(1.0, 1.0, 1.0), OpCosts(3.0, 3.0, 3.0), OpCosts(6.0, 2.0, 2.0)]
+    layer, head = layer_and_head([dataclasses.asdict(c) for c in three], [1, 3, 2])
+    assert layer.f == pytest.approx(1.0) and (head.f, head.b, head.w) == pytest.approx((4.0, 0.0, 0.0))
     with pytest.raises(ValueError, match="no layers"):
-        unit_layer_costs([OpCosts(), OpCosts()], [0, 4])
+        layer_and_head([dataclasses.asdict(OpCosts())] * 2, [0, 4])
 
 
 @pytest.mark.parametrize("n, m", [(2, 4), (4, 8), (3, 6)])

@@ -12,13 +12,14 @@ Pricing another layout from a chain's profile: every op's time is affine in the 
 the part it runs, ``k * layer + [first part] * embedding + [last part] * head``. A chain
 stage ``s`` with ``k_s`` layers gives one equation per op kind; the embedding's share is
 taken as zero (a row gather forward, a scatter-add backward: ``O(s h)`` against a layer's
-``O(s h^2)``), so the stages before the last give the per-layer cost (their mean per layer,
-weighted by layers) and the last stage's remainder is the head's (the output layer and the
-loss). ``t_comm`` (the link) and each part's ``m_w`` carry over: the last part keeps the last
+``O(s h^2)``), so the stages before the last give the per-layer cost and the last stage's
+remainder is the head's (the output layer and the loss):
+:func:`~megatron.pipeline.planner.unit_costs.layer_and_head`, as the planner's own profile does. ``t_comm`` (the link) and each part's ``m_w`` carry over: the last part keeps the last
 stage's, the others the layer-weighted mean of the other stages'.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +28,9 @@ from megatron.pipeline.op_costs import OpCosts
 from megatron.pipeline.planner import stages as st
 from megatron.pipeline.planner.candidates import Candidate
 from megatron.pipeline.planner.evaluate import activation_peaks
+from megatron.pipeline.planner.unit_costs import layer_and_head
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.simulator import SimulationResult
-
-_TIMES = ("t_f", "t_b", "t_w")
-
 
 @dataclass(frozen=True)
 class Relayout:
@@ -58,36 +57,18 @@ class Relayout:
                          self.part_layers)
 
 
-def unit_layer_costs(costs: Sequence[OpCosts], stage_layers: Sequence[int]) -> tuple[dict[str, float], dict[str, float]]:
-    """(one layer's F/B/W times, the head's extra F/B/W times) from a chain's per-stage costs
-    and layer counts (module docstring); raises ValueError when the stages before the last
-    hold no layers (nothing to measure a layer by)."""
-    if len(costs) != len(stage_layers) or len(costs) < 2:
-        raise ValueError(f"need the costs and layer counts of a chain of at least 2 stages, got "
-                         f"{len(costs)} and {len(stage_layers)}")
-    body = list(zip(costs[:-1], stage_layers[:-1]))
-    layers = sum(k for _, k in body)
-    if not layers:
-        raise ValueError("the stages before the last hold no layers: no per-layer cost to derive")
-    layer = {f: sum(getattr(c, f) for c, _ in body) / layers for f in _TIMES}
-    last, k_last = costs[-1], stage_layers[-1]
-    head = {f: max(0.0, getattr(last, f) - k_last * layer[f]) for f in _TIMES}
-    return layer, head
-
-
 def part_costs(costs: Sequence[OpCosts], stage_layers: Sequence[int], part_layers: Sequence[int]) -> list[OpCosts]:
     """Each model part's costs (``part_layers``, model order) priced from a chain's per-stage
     ``costs`` with ``stage_layers`` (module docstring)."""
-    layer, head = unit_layer_costs(costs, stage_layers)
+    layer, head = layer_and_head([dataclasses.asdict(c) for c in costs], stage_layers)
     body = list(zip(costs[:-1], stage_layers[:-1]))
-    weight = sum(k for _, k in body)
-    body_m_w = sum(c.m_w * k for c, k in body) / weight
+    body_m_w = sum(c.m_w * k for c, k in body) / sum(k for _, k in body)
     link = max(c.t_comm for c in costs)
     out = []
     for j, k in enumerate(part_layers):
         last = j == len(part_layers) - 1
-        times = {f: k * layer[f] + (head[f] if last else 0.0) for f in _TIMES}
-        out.append(OpCosts(**times, t_comm=link, m_w=costs[-1].m_w if last else body_m_w))
+        p = layer.scaled(k) + head if last else layer.scaled(k)
+        out.append(OpCosts(t_f=p.f, t_b=p.b, t_w=p.w, t_comm=link, m_w=costs[-1].m_w if last else body_m_w))
     return out
 
 

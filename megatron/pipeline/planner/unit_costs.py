@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,15 +155,32 @@ def save_unit_costs(costs: UnitCosts, path: str) -> None:
         json.dump(costs.to_dict(), f, indent=2)
 
 
+_TIMES = ("t_f", "t_b", "t_w")
+
+
+def layer_and_head(stage_costs: Sequence[Mapping[str, float]], layers: Sequence[int]) -> tuple[PassCosts, PassCosts]:
+    """(one layer's, the head's F/B/W) from a chain's per-stage times (``t_f``, ``t_b``, ``t_w``)
+    with ``layers[s]`` layers on stage ``s``. A stage's time is ``k * layer`` plus the embedding
+    on the first and the head on the last; the embedding (a table lookup, and a scatter-add in
+    W: no matmul) is folded into the layers, so the stages before the last give the layer (their
+    time over their layers) and the last stage's remainder is the head's (clipped at 0 where
+    timing noise makes it negative). ValueError when the stages before the last hold no layers."""
+    if len(stage_costs) != len(layers) or len(stage_costs) < 2:
+        raise ValueError(f"need the costs and layer counts of a chain of at least 2 stages, got "
+                         f"{len(stage_costs)} and {len(layers)}")
+    body = sum(layers[:-1])
+    if not body:
+        raise ValueError("the stages before the last hold no layers: no per-layer cost to derive")
+    layer = PassCosts(*(sum(c[k] for c in stage_costs[:-1]) / body for k in _TIMES))
+    head = PassCosts(*(max(0.0, stage_costs[-1][k] - layers[-1] * getattr(layer, k[2:])) for k in _TIMES))
+    return layer, head
+
+
 def from_two_stage_profile(stage_costs: list[Mapping[str, float]], counts: tuple[int, int], micro_batch: int,
                            source: str = "profiled") -> UnitCosts:
     """Unit costs from the runtime's own F/B/W profile of a 2-stage split (``--zb-profile-iters``):
-    stage 0 runs ``counts[0]`` layers and the embedding, stage 1 ``counts[1]`` layers and the head.
-    Two stages give two equations per pass for three unknowns, so the embedding (a table lookup,
-    and a scatter-add in W: no matmul) is folded into the layers: ``layer = stage0 / counts[0]``,
-    ``head = stage1 - counts[1] * layer`` (clipped at 0 where timing noise makes it negative)."""
-    s0, s1 = stage_costs
-    layer = PassCosts(*(s0[k] / counts[0] for k in ("t_f", "t_b", "t_w")))
-    head = PassCosts(*(max(0.0, s1[k] - counts[1] * getattr(layer, k[2:])) for k in ("t_f", "t_b", "t_w")))
-    return UnitCosts(micro_batch=micro_batch, layer=layer, head=head, p2p=float(s0.get("t_comm", 0.0)),
+    stage 0 runs ``counts[0]`` layers and the embedding, stage 1 ``counts[1]`` layers and the head
+    (:func:`layer_and_head`: two stages give two equations per pass for three unknowns)."""
+    layer, head = layer_and_head(stage_costs, counts)
+    return UnitCosts(micro_batch=micro_batch, layer=layer, head=head, p2p=float(stage_costs[0].get("t_comm", 0.0)),
                      source=source)
