@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule  # noqa: E402
-from megatron.pipeline.op_costs import OpCosts  # noqa: E402
+from megatron.pipeline.costs.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.simulator import steady_time_per_update  # noqa: E402
 
 SCHEDULES = ("1f1b", "pipedream-2bw", "amdp")

@@ -46,7 +46,7 @@ for path in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from megatron.pipeline.schedules import build_schedule  # noqa: E402
-from megatron.pipeline.op_costs import OpCosts  # noqa: E402
+from megatron.pipeline.costs.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.simulator import simulate_schedule, steady_time_per_update  # noqa: E402
 from megatron.trainer.config.arguments import build_parser as trainer_parser  # noqa: E402
 from megatron.trainer.config.arguments import parse_args  # noqa: E402

@@ -4,7 +4,7 @@ Why a separate run: a prediction must not be fitted to the runs it is compared w
 1F1B with a few micro-batches (``--calibration-microbatches``, default 2) through the real
 distributed runtime at depth N on synthetic-cost stages (``benchmarks/harness/synthetic_stage_run.py``,
 the same runner as the benchmarks), with ``--trace-dir``, and reads the terms off the trace
-(:mod:`megatron.pipeline.calibration`): ``t_send`` (the ``isend`` call on the sender's
+(:mod:`megatron.pipeline.costs.calibration`): ``t_send`` (the ``isend`` call on the sender's
 timeline), ``t_comm`` (the message's trip and the receiver's wake-up) and ``t_sync`` (the
 synchronous step at depth N: norm all-gather over the N ranks, stage 0 collecting statistics,
 all N ranks waking on the host's cores at once). The per-op cost ``per_op`` stays the N = 1
@@ -28,8 +28,8 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from megatron.pipeline.calibration import Calibration, calibrate, median_calibration  # noqa: E402
-from megatron.pipeline.op_costs import OpCosts  # noqa: E402
+from megatron.pipeline.costs.calibration import Calibration, calibrate, median_calibration  # noqa: E402
+from megatron.pipeline.costs.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.trace_analysis import layout_of, load_traces, replica, skip_iterations  # noqa: E402
 from schedule_efficiency import Case, Result, build_parser, run_case  # noqa: E402
 

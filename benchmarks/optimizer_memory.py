@@ -8,7 +8,7 @@ process of its own) in four configurations and prints, per rank, side by side:
   masters]) / DP`` (``/ DP`` with the distributed optimizer; ZeRO-1's saving);
 * peak activation bytes (the worker's activation meter) next to the simulator's model (the
   1F1B peak in micro-batches times M_B from the per-layer formula of
-  ``megatron.pipeline.activation_memory``, with the full-recompute costs);
+  ``megatron.pipeline.costs.activation_memory``, with the full-recompute costs);
 * peak RSS of the rank's process (``ru_maxrss``: includes Python, torch and the model, so only
   differences between rows mean something).
 
@@ -115,9 +115,9 @@ def optimizer_model(stage_params: int, bf16: bool, dp: int, sharded: bool) -> fl
 
 def activation_model(opts: argparse.Namespace, recompute: bool) -> list[float]:
     """The simulator's 1F1B peak per stage (units of M_B) times M_B from the per-layer formula."""
-    from megatron.pipeline.activation_memory import LayerShape, recompute_costs
+    from megatron.pipeline.costs.activation_memory import LayerShape, recompute_costs
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.costs.op_costs import OpCosts
     from megatron.pipeline.simulator import simulate_schedule
 
     shape = LayerShape(opts.seq, 1, opts.hidden, opts.heads)

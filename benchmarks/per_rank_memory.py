@@ -5,7 +5,7 @@ and each stage (= rank of the distributed runtime, which the emulator equals bit
 
 * **activations**: the worker's activation meter peak (bytes autograd saves, the unit inputs a
   checkpoint keeps, what a split backward keeps for W), next to the timing simulator's peak
-  (units of ``M_B``) with ``m_f`` and ``m_w`` from ``megatron.pipeline.activation_memory``
+  (units of ``M_B``) with ``m_f`` and ``m_w`` from ``megatron.pipeline.costs.activation_memory``
   (Korthikanti et al.'s per-layer formula), times ``M_B`` measured at the same PP without
   recompute under 1F1B (its stage 0 holds PP micro-batches); an interleaved op holds one
   chunk's share, ``M_B / chunks``;
@@ -85,9 +85,9 @@ def measure(model: Model, pp: int, schedule: str, mode: str) -> tuple[list[int],
 
 def modelled_activations(model: Model, pp: int, schedule: str, mode: str, m_b: float) -> list[float]:
     """Simulator peak (units of one op's ``M_B``) times ``M_B`` per op, per stage."""
-    from megatron.pipeline.activation_memory import LayerShape, recompute_costs
+    from megatron.pipeline.costs.activation_memory import LayerShape, recompute_costs
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.costs.op_costs import OpCosts
     from megatron.pipeline.simulator import simulate_schedule
 
     chunks = SCHEDULES[schedule]

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron.pipeline.op_costs import OpCosts  # noqa: E402
+from megatron.pipeline.costs.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.planner.candidates import Candidate, enumerate_candidates  # noqa: E402
 from megatron.pipeline.planner.evaluate import Problem, evaluate, steady_span  # noqa: E402
 from megatron.pipeline.planner.report import flags  # noqa: E402
@@ -172,7 +172,7 @@ def measure_auto(n: int, m: int, iters: int, skip: int, workdir: Path) -> tuple[
 
 def runtime(args: argparse.Namespace) -> int:
     """``runtime``: the planner's predictions against measured runs on this machine."""
-    from megatron.pipeline.planner.unit_costs import load_unit_costs
+    from megatron.pipeline.costs.unit_costs import load_unit_costs
     from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.tasks.balanced_partition import model_shape
 
@@ -261,7 +261,7 @@ ROW = re.compile(r"^\| (\d+) \| (\d+) \| ([\w-]+) \| [\d.]+ \| ([\d.]+) \| [\d.]
 def reevaluate(args: argparse.Namespace) -> int:
     """``reevaluate PASS...``: a recorded ``runtime`` pass (its profiled unit costs and measured
     times, e.g. ``benchmarks/results/planner_runtime/``) predicted again by this planner."""
-    from megatron.pipeline.planner.unit_costs import UnitCosts
+    from megatron.pipeline.costs.unit_costs import UnitCosts
     from megatron.trainer.config.arguments import build_parser, parse_job_config
     from megatron.trainer.tasks.balanced_partition import model_shape
 

@@ -78,8 +78,8 @@ def predict(profile: dict, stages: int, m: int, executed: dict[str, dict | None]
     its order (decided from that run's own profile) is the one simulated, not a re-search.
     """
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-    from megatron.pipeline.schedules.profiled import schedule_from_choice
-    from megatron.pipeline.op_costs import costs_from_profile
+    from megatron.pipeline.schedules.zero_bubble.profiled import schedule_from_choice
+    from megatron.pipeline.costs.op_costs import costs_from_profile
     from megatron.pipeline.simulator import simulate_schedule
 
     costs = costs_from_profile({"stages": profile["costs"]}, stages)

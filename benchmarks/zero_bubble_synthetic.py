@@ -23,7 +23,7 @@ schedule that actually ran:
   term-wise median over the repeats): the per-op cost at depth N (``--calibrated-per-op depth``,
   the default; ``baseline`` takes ``o`` from the N = 1 run instead), ``t_send`` per message on
   the sender's timeline, ``t_comm`` per message, ``t_sync`` per synchronous step
-  (:mod:`megatron.pipeline.calibration`). Nothing in it is solved from the runs it is compared
+  (:mod:`megatron.pipeline.costs.calibration`). Nothing in it is solved from the runs it is compared
   with. Measuring the per-op cost at depth N, with N ranks on the host's cores, is how CPU
   oversubscription enters: ops that stretch because ranks queue for a core stretch there too.
 
@@ -60,12 +60,12 @@ for path in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from calibrate_runtime import CALIBRATION_NOTE, add_calibration_args, calibration_case, describe, run_calibration  # noqa: E402
-from megatron.pipeline.calibration import Calibration, RuntimeTerms, median_calibration  # noqa: E402
+from megatron.pipeline.costs.calibration import Calibration, RuntimeTerms, median_calibration  # noqa: E402
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class  # noqa: E402
-from megatron.pipeline.schedules.profiled import schedule_from_choice  # noqa: E402
-from megatron.pipeline.op_costs import OpCosts  # noqa: E402
+from megatron.pipeline.schedules.zero_bubble.profiled import schedule_from_choice  # noqa: E402
+from megatron.pipeline.costs.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.simulator import simulate_schedule, steady_time_per_update  # noqa: E402
-from megatron.pipeline.schedules.zb_1p import ZeroBubbleAuto  # noqa: E402
+from megatron.pipeline.schedules.zero_bubble.zb_1p import ZeroBubbleAuto  # noqa: E402
 from schedule_efficiency import Case, Result, best_of, build_parser, host_wake_note, is_asynchronous, run_case  # noqa: E402
 
 ZB_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p")

@@ -28,8 +28,8 @@ import torch
 from megatron.pipeline.runtime.executors.emulator import Emulator
 from megatron.pipeline.ir import MultiPipelineLayout, OpKind
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
-from megatron.pipeline.schedules.amdp import AMDP, K, PRELOAD
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.schedules.asynchronous.amdp import AMDP, K, PRELOAD
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.simulator import steady_time_per_update as simulator_steady_time
 from megatron.pipeline.schedule_check import check_schedule

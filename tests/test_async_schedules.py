@@ -9,7 +9,7 @@ import torch
 
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-from megatron.pipeline.schedules.paci import drift_bound
+from megatron.pipeline.schedules.asynchronous.paci import drift_bound
 from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import emulate, final_params, tiny_args
 

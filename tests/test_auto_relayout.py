@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import megatron.pipeline.planner.auto_schedule as auto_schedule
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.planner.relayout import Relayout, part_costs
-from megatron.pipeline.planner.unit_costs import layer_and_head
+from megatron.pipeline.costs.unit_costs import layer_and_head
 from megatron.pipeline.planner.runtime_choice import Choice, rank_choices
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 from megatron.trainer.launch.auto_relayout import without_flags

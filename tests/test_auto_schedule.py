@@ -20,7 +20,7 @@ import megatron.pipeline.planner.auto_schedule  # noqa: F401  registers auto, au
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.planner.runtime_choice import rank_choices, switchable
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import TINY_GPT, emulate, final_params

@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from megatron.pipeline.cost_model import head_flops, layer_flops
+from megatron.pipeline.costs.cost_model import head_flops, layer_flops
 from megatron.trainer.config.arguments import build_parser, parse_args, parse_job_config
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config

@@ -22,7 +22,7 @@ import pytest
 
 from megatron.pipeline.comm_volume import (CommShapes, analytic_p2p_bytes, ring_all_gather_bytes,
                                            ring_all_reduce_bytes, step_comm_volume)
-from megatron.pipeline.post_validation import POST_VALIDATION
+from megatron.pipeline.schedules.zero_bubble.post_validation import POST_VALIDATION
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 
 REPO = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron.pipeline.schedules import schedule_class
-from megatron.pipeline.schedules.v_shape import VShapeSchedule
+from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 
 REPO = Path(__file__).resolve().parent.parent
 

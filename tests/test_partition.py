@@ -1,4 +1,4 @@
-"""The memory-constrained min-max partition (megatron/pipeline/partition.py, PACI App. D.5):
+"""The memory-constrained min-max partition (megatron/pipeline/costs/partition.py, PACI App. D.5):
 optimal against brute force over every split, the infeasibility fallback, and
 ``--pipeline-partition auto`` end to end in the emulator on a tiny GPT."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from megatron.pipeline.partition import one_f_one_b_in_flight, partition_layers
+from megatron.pipeline.costs.partition import one_f_one_b_in_flight, partition_layers
 
 
 def _splits(num_layers: int, num_stages: int):

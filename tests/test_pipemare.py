@@ -12,7 +12,7 @@ import torch
 
 from megatron.pipeline.ir import Op, OpKind
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
-from megatron.pipeline.schedules.pipemare import OPTION, PipeMareOptions, RescheduledLR, stage_delay
+from megatron.pipeline.schedules.asynchronous.pipemare import OPTION, PipeMareOptions, RescheduledLR, stage_delay
 from megatron.pipeline.schedule_check import check_schedule
 from megatron.pipeline.runtime.weight_versions import DiscrepancyCorrection, build_weight_policy
 from megatron.pipeline.weight_policy import DiscrepancyCorrected

@@ -8,16 +8,16 @@ import math
 
 import pytest
 
-from megatron.pipeline.cost_model import ModelShape, head_flops, layer_flops
+from megatron.pipeline.costs.cost_model import ModelShape, head_flops, layer_flops
 from megatron.pipeline.planner.candidates import (
     Candidate, enumerate_candidates, micro_batch_sizes, offset_split)
-from megatron.pipeline.planner.devices import Device, analytic_unit_costs, head_pass_flops, layer_pass_flops
+from megatron.pipeline.costs.devices import Device, analytic_unit_costs, head_pass_flops, layer_pass_flops
 from megatron.pipeline.planner.evaluate import CandidateResult, Problem, evaluate
-from megatron.pipeline.planner.memory import StageMemory
+from megatron.pipeline.costs.memory import StageMemory
 from megatron.pipeline.planner.ranking import pareto_front, rank, split_by_semantics
 from megatron.pipeline.planner.report import CANDIDATE_FIELDS, plan_dict, table
-from megatron.pipeline.planner.stages import Parallelism
-from megatron.pipeline.planner.unit_costs import ActivationBytes, PassCosts, UnitCosts, from_two_stage_profile
+from megatron.pipeline.costs.stages import Parallelism
+from megatron.pipeline.costs.unit_costs import ActivationBytes, PassCosts, UnitCosts, from_two_stage_profile
 from megatron.pipeline.schedules import SCHEDULES
 
 # h=4, one head (d=4), ffn 16, seq 2, micro-batch 1, vocab 8, fp32, no position table

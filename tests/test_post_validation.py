@@ -21,7 +21,7 @@ import torch
 
 from megatron.pipeline.comm import MsgKind, op_recvs
 from megatron.pipeline.ir import BACKWARD_KINDS, OpKind, PipelineLayout
-from megatron.pipeline.post_validation import POST_VALIDATION, ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import POST_VALIDATION, ValidationOutcomes
 from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules import (
     ScheduleConfig,

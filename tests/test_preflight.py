@@ -15,8 +15,8 @@ from megatron.pipeline.ir import Op, OpKind
 from megatron.pipeline.preflight import one_line, replay_first_iterations, segment_lengths
 from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, build_schedule
-from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
-from megatron.pipeline.schedules.paci import PACI
+from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
+from megatron.pipeline.schedules.asynchronous.paci import PACI
 from megatron.pipeline.schedule_check import check_schedule
 
 

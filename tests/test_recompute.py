@@ -129,7 +129,7 @@ def test_simulator_memory_model_with_recompute(m_f: float) -> None:
     a W frees it, which only happens once recompute makes M_F < M_W (the peak moves to the last
     stage and exceeds 1F1B's)."""
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.costs.op_costs import OpCosts
     from megatron.pipeline.simulator import simulate_schedule
 
     p, m_w = 4, 0.5
@@ -142,8 +142,8 @@ def test_simulator_memory_model_with_recompute(m_f: float) -> None:
 
 
 def test_activation_model_fractions() -> None:
-    from megatron.pipeline.activation_memory import LayerShape, recompute_costs, recompute_fraction
-    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.costs.activation_memory import LayerShape, recompute_costs, recompute_fraction
+    from megatron.pipeline.costs.op_costs import OpCosts
 
     shape = LayerShape(seq_length=256, micro_batch_size=2, hidden_size=128, num_attention_heads=4)
     per_layer = 34 + 5 * 4 * 256 / 128  # Korthikanti: sbh (34 + 5as/h)

@@ -7,7 +7,7 @@ import pytest
 from megatron.pipeline.planner.shared_cores import shared_core_makespan
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import ScheduleConfig
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 
 COSTS = OpCosts(t_f=1.0, t_b=2.0, t_w=1.0, t_comm=0.25)

@@ -1,5 +1,5 @@
 """The simulator's runtime terms (``t_send``, ``t_sync``) against hand-computed timelines, and
-their calibration from a trace (:mod:`megatron.pipeline.calibration`): a trace made from a
+their calibration from a trace (:mod:`megatron.pipeline.costs.calibration`): a trace made from a
 simulated timeline with known terms gives those terms back.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.pipeline.calibration import (
+from megatron.pipeline.costs.calibration import (
     Calibration,
     RuntimeTerms,
     calibrate,
@@ -20,7 +20,7 @@ from megatron.pipeline.calibration import (
 from megatron.pipeline.comm import op_sends
 from megatron.pipeline.ir import BW, F, OPT, OpKind, PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import OpSpan, simulate_schedule, simulate_streams
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 
 COSTS = [OpCosts(t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.0)] * 4
 

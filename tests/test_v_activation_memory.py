@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.pipeline.ir import OpKind
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from tests.test_zero_bubble_memory import N, _build, _run
 

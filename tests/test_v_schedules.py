@@ -20,7 +20,7 @@ import torch
 from megatron.pipeline.comm import op_recvs
 from megatron.pipeline.ir import VShapeLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import TINY_GPT, assert_flag_error, assert_runtime_equals_emulator, emulate, final_params
@@ -138,7 +138,7 @@ def test_zbv_keeps_the_best_of_its_fill_variants_and_reruns(costs: OpCosts) -> N
     search changes the outcome, not only the bookkeeping."""
     import itertools
 
-    from megatron.pipeline.schedules.v_greedy import VGreedyPlanner
+    from megatron.pipeline.schedules.v_shape.greedy import VGreedyPlanner
 
     p, m = 4, 16
     chosen = _schedule("zb-v", p, m, costs=costs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from tests.async_helpers import TINY_GPT
 

@@ -13,9 +13,9 @@ from megatron.pipeline.runtime.memory import ActivationMeter
 from megatron.pipeline.runtime.profiling import SUMMARY_FIELDS, OpProfiler, costs_from_summaries
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
-from megatron.pipeline.schedules.profiled import CostsNotProfiled, ProfiledSchedule
-from megatron.pipeline.schedules.zb_h1 import ZBH1
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.schedules.zero_bubble.profiled import CostsNotProfiled, ProfiledSchedule
+from megatron.pipeline.schedules.zero_bubble.zb_h1 import ZBH1
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 

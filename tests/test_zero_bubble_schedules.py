@@ -8,8 +8,8 @@ import pytest
 
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, build_schedule
-from megatron.pipeline.schedules.zb_greedy import best_greedy_order
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.schedules.zero_bubble.greedy import best_greedy_order
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 

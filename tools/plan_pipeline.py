@@ -9,7 +9,7 @@ recompute x layer split by simulated tokens/s, per-stage memory and weight-versi
 Takes pretrain_gpt.py's model, batch and precision flags unchanged (the trainer's own parser),
 plus the target (``--pipeline-sizes``, ``--data-parallel-size``, ``--tensor-model-parallel-size``,
 ``--device-memory-gb``) and one cost source: ``--device h100|a100|h200|cpu`` (analytic, from the
-datasheet table in :mod:`megatron.pipeline.planner.devices`), ``--costs FILE`` (a saved profile)
+datasheet table in :mod:`megatron.pipeline.costs.devices`), ``--costs FILE`` (a saved profile)
 or ``--profile`` (time one layer, the embedding, the head and a P2P message on this machine;
 ``--save-costs FILE`` keeps them). Prints the top 10 synchronous and asynchronous candidates with
 the flags that select them; ``--json`` prints the object of ``docs/planning.md`` instead;
@@ -30,12 +30,12 @@ if str(REPO) not in sys.path:
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config  # noqa: E402
 from megatron.pipeline.planner.candidates import RECOMPUTES, SPLITS, enumerate_candidates  # noqa: E402
-from megatron.pipeline.planner.devices import DEVICES, analytic_unit_costs  # noqa: E402
+from megatron.pipeline.costs.devices import DEVICES, analytic_unit_costs  # noqa: E402
 from megatron.pipeline.planner.evaluate import Problem, evaluate  # noqa: E402
 from megatron.pipeline.planner.ranking import rank, split_by_semantics  # noqa: E402
 from megatron.pipeline.planner.report import plan_dict, table  # noqa: E402
-from megatron.pipeline.planner.stages import Parallelism  # noqa: E402
-from megatron.pipeline.planner.unit_costs import load_unit_costs, save_unit_costs  # noqa: E402
+from megatron.pipeline.costs.stages import Parallelism  # noqa: E402
+from megatron.pipeline.costs.unit_costs import load_unit_costs, save_unit_costs  # noqa: E402
 from megatron.pipeline.replay import ScheduleError  # noqa: E402
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfigError  # noqa: E402
 
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline depths to plan for (default: --pipeline-model-parallel-size)")
     g.add_argument("--device-memory-gb", type=float, default=None, help="memory per device (default: --device's)")
     g.add_argument("--device", choices=sorted(DEVICES), default=None,
-                   help="analytic costs on this datasheet device (megatron/pipeline/planner/devices.py)")
+                   help="analytic costs on this datasheet device (megatron/pipeline/costs/devices.py)")
     g.add_argument("--costs", default=None, metavar="FILE", help="unit costs saved by --profile --save-costs")
     g.add_argument("--profile", action="store_true", help="time one layer, embedding, head and P2P here")
     g.add_argument("--save-costs", default=None, metavar="FILE", help="write the unit costs used to FILE")

@@ -83,7 +83,7 @@ def predicted(stages: int) -> str:
     """The cost model's per-stage cost (in transformer layers) of the even and balanced splits."""
     from megatron.trainer.config.arguments import parse_args
     from megatron.trainer.tasks.balanced_partition import model_shape
-    from megatron.pipeline.cost_model import layer_costs, layer_flops
+    from megatron.pipeline.costs.cost_model import layer_costs, layer_flops
 
     args = parse_args([*WORKLOAD, "--pipeline-model-parallel-size", str(stages), "--pipeline-executor", "emulator"])
     shape = model_shape(args)

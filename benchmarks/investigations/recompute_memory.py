@@ -5,7 +5,7 @@ a checkpoint keeps and what a split backward keeps for W), peak over a short emu
 GPT (fp32, CPU, dropout on) under 1f1b and zb-h1 (B/W split).
 
 Modelled: the timing simulator's peak (units of M_B) with ``m_f`` from
-``megatron.pipeline.activation_memory`` (Korthikanti et al.'s per-layer formula) and ``m_w``
+``megatron.pipeline.costs.activation_memory`` (Korthikanti et al.'s per-layer formula) and ``m_w``
 from the same formula, times M_B measured without recompute (1f1b: its stage-0 peak divided by
 the micro-batches it holds; the embedding's and head's few tensors ride along).
 
@@ -49,9 +49,9 @@ def measure(opts: argparse.Namespace, schedule: str, mode: str) -> list[int]:
 
 def model(opts: argparse.Namespace, schedule: str, mode: str, m_b: float) -> list[float]:
     """Simulator peak (units of M_B) times the measured M_B, per stage."""
-    from megatron.pipeline.activation_memory import LayerShape, recompute_costs
+    from megatron.pipeline.costs.activation_memory import LayerShape, recompute_costs
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.costs.op_costs import OpCosts
     from megatron.pipeline.simulator import simulate_schedule
 
     shape = LayerShape(opts.seq, opts.micro_batch, opts.hidden, opts.heads)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from megatron.pipeline.comm import MsgKind, op_sends
 from megatron.pipeline.ir import MultiPipelineLayout, Op, OpKind, PipelineLayout
-from megatron.pipeline.post_validation import POST_VALIDATION, ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import POST_VALIDATION, ValidationOutcomes
 
 if TYPE_CHECKING:
     from megatron.pipeline.schedules.base import Schedule

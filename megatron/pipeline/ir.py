@@ -19,7 +19,7 @@ class OpKind(str, enum.Enum):
     W = "W"  # deferred weight-gradient computation of an earlier B
     BW = "BW"  # fused backward: input and weight gradients together
     OPT = "OPT"  # optimizer step of this stage (stage-local unless ``sync``)
-    # Optimizer post-validation (Zero Bubble §4; megatron.pipeline.post_validation):
+    # Optimizer post-validation (Zero Bubble §4; megatron.pipeline.schedules.zero_bubble.post_validation):
     PSTEP = "PSTEP"  # partial global state s-1 -> s -> s+1, optimistic step, grads kept
     VALIDATE = "VALIDATE"  # full global state s+1 -> s -> s-1; keep / redo / skip the step
     DISCARD = "DISCARD"  # drop a forward run on invalid weights (its stash and loss)

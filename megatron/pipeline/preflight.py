@@ -33,10 +33,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from megatron.pipeline.ir import Op, PipelineLayout
-from megatron.pipeline.post_validation import ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules.base import Schedule
-from megatron.pipeline.schedules.profiled import PLACEHOLDER_COSTS, ProfiledSchedule
+from megatron.pipeline.schedules.zero_bubble.profiled import PLACEHOLDER_COSTS, ProfiledSchedule
 from megatron.pipeline.schedule_check import check_schedule
 
 

@@ -5,7 +5,7 @@ Reports deadlocks, unmatched or misordered point-to-point messages (via
 (backward before forward, W without B, a micro-batch run twice, work left undone), always
 naming the stage and the op.
 
-Post-validated streams (:mod:`megatron.pipeline.post_validation`) are checked too: only
+Post-validated streams (:mod:`megatron.pipeline.schedules.zero_bubble.post_validation`) are checked too: only
 forwards run between a stage's PSTEP and its VALIDATE (nothing may touch the gradients the
 validation needs), a re-running VALIDATE is followed by a DISCARD of exactly those forwards
 before anything else, and the DRAINs and re-sent activations line up FIFO (the replay
@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron.pipeline.comm import Message, op_sends
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
-from megatron.pipeline.post_validation import ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
 
 RerunPolicy = Callable[[int], bool]  # update -> whether its VALIDATE re-runs the forwards

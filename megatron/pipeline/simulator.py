@@ -14,7 +14,7 @@ App. G), generalised to our IR and runtime:
   ``t_b + t_w``) or ``t_opt`` (optimizer step, default 0) of its stage (:class:`OpCosts`;
   one set for all stages or one per stage).
 * **Runtime terms** (default 0; measured by ``benchmarks/calibrate_runtime.py``, see
-  :mod:`megatron.pipeline.calibration`). ``t_send``: what handing one message to the
+  :mod:`megatron.pipeline.costs.calibration`). ``t_send``: what handing one message to the
   transport (an ``isend`` call) costs the *sender*: an op that sends ``k`` messages to other
   stages occupies its stage ``k * t_send`` longer (its span includes it). Its messages still
   arrive ``t_comm`` after the end of its compute: gloo hands the data over inside the call,
@@ -42,7 +42,7 @@ App. G), generalised to our IR and runtime:
   a fused BW frees ``M_B``. The peak is taken after each op. ``m_w`` defaults to 1/2 (``op_costs.REFERENCE_M_W``), the
   reference scheduler's units (F = +2, B = -1, W = -1).
 * **Activation recompute**: F keeps ``m_f * M_B`` (``m_f = 1`` without recompute; less with it,
-  :mod:`megatron.pipeline.activation_memory`), B turns it into ``M_W`` and a fused BW frees it;
+  :mod:`megatron.pipeline.costs.activation_memory`), B turns it into ``M_W`` and a fused BW frees it;
   the recomputation's time is part of ``t_b`` / ``t_bw`` (``recompute_costs``). ``M_W`` stays as
   it was: B recomputes what W needs (the split linears' inputs) and W keeps it.
 * **Several model chunks per stage** (interleaved schedules): costs and ``M_B`` are per op, i.e.
@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
-from megatron.pipeline.op_costs import (
+from megatron.pipeline.costs.op_costs import (
     CostsLike, OpCosts, costs_from_profile, load_profile, priced_part, send_time, stage_costs)
 from megatron.pipeline.overlap import check_overlap, overlap_saving
 from megatron.pipeline.replay import ReplayEngine, ScheduleError

@@ -27,7 +27,7 @@ from typing import Any
 from megatron.pipeline.comm import Message, op_recvs, op_sends
 from megatron.pipeline.ir import MultiPipelineLayout, Op, OpKind, PipelineLayout, VShapeLayout
 from megatron.pipeline.replay import ReplayEngine
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import OpSpan, SimulationResult, simulate_streams
 from megatron.pipeline.trace_format import TRACE_FILE_GLOB, TRACE_FORMAT
 

@@ -6,7 +6,7 @@ planner, which ranks with the schedules.
 
 Why it is a profiled schedule: the run's first ``K = --zb-profile-iters`` iterations run ZB-H1
 while the executors time every F, B and W exactly as for zb-1p / zb-2p
-(:class:`~megatron.pipeline.schedules.profiled.ProfiledSchedule`, whose machinery this reuses:
+(:class:`~megatron.pipeline.schedules.zero_bubble.profiled.ProfiledSchedule`, whose machinery this reuses:
 the sync hook of :mod:`megatron.pipeline.runtime.profiling`, the cost aggregation, the
 every-rank fingerprint check, the checkpointed decision). At the synchronous step ending
 iteration ``K - 1`` (a drained boundary: every stage has stepped, nothing is in flight) the
@@ -53,10 +53,10 @@ from megatron.pipeline.planner.relayout import Relayout
 from megatron.pipeline.planner.runtime_choice import Choice, choice_table, rank_choices
 from megatron.pipeline.schedules import register_selector, schedule_class
 from megatron.pipeline.schedules.base import Schedule, ScheduleConfig, ScheduleConfigError
-from megatron.pipeline.schedules.profiled import PLACEHOLDER_COSTS, CostsNotProfiled, ProfiledSchedule
-from megatron.pipeline.schedules.zb_1p import ZB1P
-from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION, ZERO_BUBBLE_FLAGS
-from megatron.pipeline.op_costs import CostsLike, OpCosts, stage_costs
+from megatron.pipeline.schedules.zero_bubble.profiled import PLACEHOLDER_COSTS, CostsNotProfiled, ProfiledSchedule
+from megatron.pipeline.schedules.zero_bubble.zb_1p import ZB1P
+from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION, ZERO_BUBBLE_FLAGS
+from megatron.pipeline.costs.op_costs import CostsLike, OpCosts, stage_costs
 
 #: the line every decision starts with (scripts look for it)
 CHOICE_PREFIX = "auto: chose "

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from megatron.pipeline.cost_model import ModelShape, layer_costs
-from megatron.pipeline.partition import partition_layers
+from megatron.pipeline.costs.cost_model import ModelShape, layer_costs
+from megatron.pipeline.costs.partition import partition_layers
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, schedule_class
 
 SPLITS = ("balanced", "even", "offset")

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.pipeline.comm_volume import CommShapes, step_comm_volume
-from megatron.pipeline.cost_model import ModelShape
+from megatron.pipeline.costs.cost_model import ModelShape
 from megatron.pipeline.ir import OpKind
-from megatron.pipeline.planner import stages as st
+from megatron.pipeline.costs import stages as st
 from megatron.pipeline.planner.candidates import Candidate
-from megatron.pipeline.planner.memory import StageMemory, fits, stage_memory
+from megatron.pipeline.costs.memory import StageMemory, fits, stage_memory
 from megatron.pipeline.planner.shared_cores import cores_per_pipeline, is_shared, shared_core_makespan
-from megatron.pipeline.planner.unit_costs import UnitCosts
+from megatron.pipeline.costs.unit_costs import UnitCosts
 from megatron.pipeline.schedules import build_schedule, schedule_class
-from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
-from megatron.pipeline.op_costs import CostsLike, OpCosts
+from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.costs.op_costs import CostsLike, OpCosts
 from megatron.pipeline.simulator import SimulationResult, simulate_schedule
 
 

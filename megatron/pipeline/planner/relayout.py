@@ -14,7 +14,7 @@ stage ``s`` with ``k_s`` layers gives one equation per op kind; the embedding's 
 taken as zero (a row gather forward, a scatter-add backward: ``O(s h)`` against a layer's
 ``O(s h^2)``), so the stages before the last give the per-layer cost and the last stage's
 remainder is the head's (the output layer and the loss):
-:func:`~megatron.pipeline.planner.unit_costs.layer_and_head`, as the planner's own profile does. ``t_comm`` (the link) and each part's ``m_w`` carry over: the last part keeps the last
+:func:`~megatron.pipeline.costs.unit_costs.layer_and_head`, as the planner's own profile does. ``t_comm`` (the link) and each part's ``m_w`` carry over: the last part keeps the last
 stage's, the others the layer-weighted mean of the other stages'.
 """
 from __future__ import annotations
@@ -24,11 +24,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron.pipeline.op_costs import OpCosts
-from megatron.pipeline.planner import stages as st
+from megatron.pipeline.costs.op_costs import OpCosts
+from megatron.pipeline.costs import stages as st
 from megatron.pipeline.planner.candidates import Candidate
 from megatron.pipeline.planner.evaluate import activation_peaks
-from megatron.pipeline.planner.unit_costs import layer_and_head
+from megatron.pipeline.costs.unit_costs import layer_and_head
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.simulator import SimulationResult
 
@@ -43,7 +43,7 @@ class Relayout:
     part_layers: tuple[int, ...]
     options: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     #: activation bytes one micro-batch keeps on each part (model order; the analytic model of
-    #: :func:`~megatron.pipeline.planner.stages.part_sizes`); () when unknown
+    #: :func:`~megatron.pipeline.costs.stages.part_sizes`); () when unknown
     part_bytes: tuple[float, ...] = ()
 
     @property
@@ -75,7 +75,7 @@ def part_costs(costs: Sequence[OpCosts], stage_layers: Sequence[int], part_layer
 def relayout_stage_costs(relayout: Relayout, num_stages: int, num_microbatches: int, costs: Sequence[OpCosts],
                          stage_layers: Sequence[int]) -> tuple[object, list[OpCosts], list[OpCosts]]:
     """(its layout, each part's costs, what the simulator takes: per stage, the mean of its
-    parts' costs, :func:`~megatron.pipeline.planner.stages.simulator_costs`) of ``relayout``."""
+    parts' costs, :func:`~megatron.pipeline.costs.stages.simulator_costs`) of ``relayout``."""
     cand = relayout.candidate(num_stages, num_microbatches)
     layout = schedule_class(cand.schedule).layout_of(cand.config(1))
     per_part = part_costs(costs, stage_layers, relayout.part_layers)

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 from megatron.pipeline.planner.candidates import Candidate
 from megatron.pipeline.planner.evaluate import CandidateResult, ordering_costs, semantics, steady_span
-from megatron.pipeline.planner.memory import StageMemory
+from megatron.pipeline.costs.memory import StageMemory
 from megatron.pipeline.planner.ranking import rank
 from megatron.pipeline.planner.relayout import Relayout, peaks_in_chain_units, relayout_stage_costs
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, schedule_class
-from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.costs.op_costs import OpCosts
 
 _BASE_LR = object()  # a stand-in learning-rate schedule: a schedule returning it keeps the run's
 

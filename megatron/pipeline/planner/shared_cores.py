@@ -12,7 +12,7 @@ The model (pure, no torch):
 
 * **The op graph.** The schedule's streams are replayed by the same
   :class:`~megatron.pipeline.replay.ReplayEngine` as the simulator, with the same op durations
-  (:class:`~megatron.pipeline.op_costs.OpCosts`, per stage or per model part, plus the sender's
+  (:class:`~megatron.pipeline.costs.op_costs.OpCosts`, per stage or per model part, plus the sender's
   ``t_send`` per message to another stage), but what travels in a message is *which op sent it*
   and its delay (``t_comm``; 0 for a V's turn on its own stage). That gives each op's inputs.
 * **Processor sharing.** A stage is *runnable* when its next op's inputs have arrived. With
@@ -38,7 +38,7 @@ from typing import Any
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine
-from megatron.pipeline.op_costs import CostsLike, priced_part, send_time, stage_costs
+from megatron.pipeline.costs.op_costs import CostsLike, priced_part, send_time, stage_costs
 
 _EPS = 1e-9
 

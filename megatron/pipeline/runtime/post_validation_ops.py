@@ -1,8 +1,8 @@
 """What the post-validation ops do on a stage worker: PSTEP, VALIDATE, DISCARD and DRAIN.
 
-The schedule half, :mod:`megatron.pipeline.post_validation`, yields these ops and decides
-from plain floats (:func:`~megatron.pipeline.post_validation.decide`,
-:func:`~megatron.pipeline.post_validation.global_outcome`); this half applies those
+The schedule half, :mod:`megatron.pipeline.schedules.zero_bubble.post_validation`, yields these ops and decides
+from plain floats (:func:`~megatron.pipeline.schedules.zero_bubble.post_validation.decide`,
+:func:`~megatron.pipeline.schedules.zero_bubble.post_validation.global_outcome`); this half applies those
 decisions to the stage's weights (optimistic step, rollback, redo, RNG rewind) and turns the
 state into the tensors sent along the chain. Both executors call
 :func:`run_post_validation_op`, so the runtime and the emulator amend steps identically.
@@ -13,7 +13,7 @@ import torch
 
 from megatron.pipeline.comm import Message, op_recvs, op_sends
 from megatron.pipeline.ir import Op, OpKind
-from megatron.pipeline.post_validation import ValidationOutcomes, decide, global_outcome
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes, decide, global_outcome
 from megatron.pipeline.runtime.post_validation_state import PendingUpdate, state_tensor, state_values
 from megatron.pipeline.runtime.worker import StageWorker
 

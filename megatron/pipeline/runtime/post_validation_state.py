@@ -4,7 +4,7 @@ Why a module of its own: the stage worker holds this state and sizes the receive
 PARTIAL_STATE / GLOBAL_STATE messages, while the ops that change it
 (:mod:`megatron.pipeline.runtime.post_validation_ops`) drive the worker; keeping the state
 here lets the worker import it without importing those ops, so neither imports the other.
-The schedule half (streams, outcomes, decisions) is :mod:`megatron.pipeline.post_validation`.
+The schedule half (streams, outcomes, decisions) is :mod:`megatron.pipeline.schedules.zero_bubble.post_validation`.
 """
 from __future__ import annotations
 

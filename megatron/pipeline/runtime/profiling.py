@@ -1,6 +1,6 @@
 """Profiling F / B / W for automatic Zero Bubble scheduling (``--zb-profile-iters K``).
 
-While a :class:`~megatron.pipeline.schedules.profiled.ProfiledSchedule` runs its first ``K``
+While a :class:`~megatron.pipeline.schedules.zero_bubble.profiled.ProfiledSchedule` runs its first ``K``
 (ZB-H1) iterations, every stage's :class:`OpProfiler` times its compute ops, and at the
 synchronous step ending iteration ``K - 1`` a *sync hook* of the executor turns the
 measurements of all stages into per-stage :class:`~megatron.pipeline.simulator.OpCosts` and
@@ -47,13 +47,13 @@ import torch
 
 from megatron.pipeline.ir import Op, OpKind
 from megatron.pipeline.runtime.memory import ActivationMeter
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 
 if TYPE_CHECKING:
     from megatron.pipeline.runtime.transport import Transport
     from megatron.pipeline.runtime.worker import StageWorker
     from megatron.pipeline.schedules.base import Schedule
-    from megatron.pipeline.schedules.profiled import ProfiledSchedule
+    from megatron.pipeline.schedules.zero_bubble.profiled import ProfiledSchedule
 
 _TIMED = (OpKind.F, OpKind.B, OpKind.W)
 # The fixed-length summary a rank contributes to the all-gather (seconds, ratio, counts).
@@ -137,7 +137,7 @@ def _print_lines(lines: Sequence[str]) -> None:
 
 
 def log_choice(description: dict) -> None:
-    from megatron.pipeline.schedules.profiled import choice_lines
+    from megatron.pipeline.schedules.zero_bubble.profiled import choice_lines
 
     _print_lines(choice_lines(description))
 
@@ -195,7 +195,7 @@ def schedule_profiling(schedule: "Schedule", transport: "Transport",
 def log_fixed_choice(schedule: "Schedule") -> None:
     """Log the simulated bubble of an order decided from fixed costs (zb-1p / zb-2p, no profiling),
     or the choice ``auto`` made from them."""
-    from megatron.pipeline.schedules.profiled import describe_choice
+    from megatron.pipeline.schedules.zero_bubble.profiled import describe_choice
 
     start_lines = schedule.start_lines()  # auto: decided from fixed costs
     if start_lines is not None:

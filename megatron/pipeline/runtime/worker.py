@@ -44,7 +44,7 @@ from megatron.pipeline.comm import Message, MsgKind
 from megatron.pipeline.runtime.freed_outputs import backward_released, release_output
 from megatron.pipeline.ir import Op
 from megatron.pipeline.runtime.memory import ActivationMeter
-from megatron.pipeline.post_validation import is_state_message
+from megatron.pipeline.schedules.zero_bubble.post_validation import is_state_message
 from megatron.pipeline.runtime.post_validation_state import PostValidationState, state_spec
 from megatron.pipeline.runtime.report import StageReport
 from megatron.pipeline.runtime.stage_rng import StageRNG
@@ -83,7 +83,7 @@ class StageWorker:
         self.weights = setup.weight_policy or WeightPolicy(setup.optimizer.parameters(), setup.optimizer)
         self.drift_histogram: Counter[int] = Counter()
         self.update_log: list[dict[str, Any]] = []  # per update of the interval: lr, norm, skipped
-        self.post_validation = PostValidationState()  # see megatron.pipeline.post_validation
+        self.post_validation = PostValidationState()  # see megatron.pipeline.schedules.zero_bubble.post_validation
         # (micro-batch, chunk) -> (loss, tokens) on the last stage, until reported: a report
         # for update k takes the micro-batches of updates <= k only (with post-validation the
         # next iteration's warm-up forwards run before update k is final and reported).

@@ -12,24 +12,24 @@ from megatron.pipeline.schedules.base import (
     SynchronousSchedule,
     AsynchronousSchedule,
 )
-from megatron.pipeline.schedules.gpipe import GPipe
-from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
-from megatron.pipeline.schedules.amdp import AMDP
-from megatron.pipeline.schedules.dualpipev import DualPipeV
-from megatron.pipeline.schedules.v_half import VHalf
-from megatron.pipeline.schedules.v_min import VMin
-from megatron.pipeline.schedules.zb_v import ZBV
+from megatron.pipeline.schedules.sync.gpipe import GPipe
+from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
+from megatron.pipeline.schedules.asynchronous.amdp import AMDP
+from megatron.pipeline.schedules.v_shape.dualpipev import DualPipeV
+from megatron.pipeline.schedules.v_shape.v_half import VHalf
+from megatron.pipeline.schedules.v_shape.v_min import VMin
+from megatron.pipeline.schedules.v_shape.zb_v import ZBV
 from megatron.pipeline.schedules.options import Flag, FlagGroup
-from megatron.pipeline.schedules.profiled import ProfiledSchedule
-from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
-from megatron.pipeline.schedules.paci import PACI, Async1F1B
-from megatron.pipeline.schedules.pipedream_2bw import PipeDream2BW
-from megatron.pipeline.schedules.pipemare import PipeMare
-from megatron.pipeline.schedules.interleaved import Interleaved1F1B
-from megatron.pipeline.schedules.zb_1p import ZB1P
-from megatron.pipeline.schedules.zb_2p import ZB2P
-from megatron.pipeline.schedules.zb_h1 import ZBH1
-from megatron.pipeline.schedules.zb_h2 import ZBH2
+from megatron.pipeline.schedules.zero_bubble.profiled import ProfiledSchedule
+from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.schedules.asynchronous.paci import PACI, Async1F1B
+from megatron.pipeline.schedules.asynchronous.pipedream_2bw import PipeDream2BW
+from megatron.pipeline.schedules.asynchronous.pipemare import PipeMare
+from megatron.pipeline.schedules.sync.interleaved import Interleaved1F1B
+from megatron.pipeline.schedules.zero_bubble.zb_1p import ZB1P
+from megatron.pipeline.schedules.zero_bubble.zb_2p import ZB2P
+from megatron.pipeline.schedules.zero_bubble.zb_h1 import ZBH1
+from megatron.pipeline.schedules.zero_bubble.zb_h2 import ZBH2
 
 SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (OneFOneBFlush, GPipe, PACI, Async1F1B)}
 SCHEDULES[Interleaved1F1B.name] = Interleaved1F1B  # Megatron-LM virtual pipeline stages

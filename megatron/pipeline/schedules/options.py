@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron.pipeline.schedules.base import ScheduleConfig
+    from megatron.pipeline.schedules.config import ScheduleConfig
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import re
 import shutil
 
 from megatron.pipeline.schedules import schedule_class
-from megatron.pipeline.schedules.v_shape import VShapeSchedule
+from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 from megatron.trainer.checkpointing.writable import OutputPathError, check_output_flags, check_writable_directory
 from megatron.trainer.config.job_config import JobConfig
 

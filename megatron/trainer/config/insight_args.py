@@ -9,8 +9,8 @@
   a run without it pays no hook; the in-flight micro-batch count is logged either way.
 * ``--pipeline-partition balanced|even|profiled`` (``auto``: an alias of ``profiled``).
   ``balanced``, the default wherever it applies, splits the layers by the analytic cost model
-  (``megatron.pipeline.cost_model``: FLOPs of the layers, embedding, head and loss) with PACI's
-  memory-constrained min-max partition (``megatron.pipeline.partition``): deterministic from
+  (``megatron.pipeline.costs.cost_model``: FLOPs of the layers, embedding, head and loss) with PACI's
+  memory-constrained min-max partition (``megatron.pipeline.costs.partition``): deterministic from
   the flags, decided before any rank starts (``megatron.trainer.tasks.balanced_partition``).
   ``even`` gives every stage the same number of layers. ``profiled`` measures one layer, the
   embedding and the head on this device instead (GPT and BERT; the split can differ between

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfigError, schedule_class
 from megatron.pipeline.schedules.base import Schedule
-from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
+from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.run_config import schedule_config
 

@@ -27,7 +27,7 @@ import argparse
 
 from megatron.pipeline.planner.auto_schedule import AutoAsyncSchedule
 from megatron.pipeline.schedules import schedule_class
-from megatron.pipeline.schedules.v_shape import VShapeSchedule
+from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 
 UNTIE = "--untie-embeddings-and-output-weights"
 

@@ -19,7 +19,7 @@ run whose ``auto`` decides from fixed costs (``--zb-costs``) at its start.
 
 Under a memory limit (``--zb-memory-limit``, the device's) a rebuilt layout is held to it in
 the chain's units: each layout's activation bytes per part come from the planner's analytic
-model (:func:`~megatron.pipeline.planner.stages.part_sizes`), the chain's too, and a stage's
+model (:func:`~megatron.pipeline.costs.stages.part_sizes`), the chain's too, and a stage's
 peak is compared in its chain stage's ``M_B``.
 
 Not offered: a layout whose flags derive another model (a V unties the embedding under
@@ -40,11 +40,11 @@ from typing import Any
 from megatron.pipeline.planner.auto_schedule import (RELAYOUTS_OPTION, STAGE_BYTES_OPTION, STAGE_LAYERS_OPTION,
                                                       AutoSchedule)
 from megatron.pipeline.planner.candidates import chunk_counts
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.planner.relayout import Relayout, relayout_stage_costs
-from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
+from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
 from megatron.pipeline.planner.runtime_choice import switchable
-from megatron.pipeline.planner.stages import part_sizes
+from megatron.pipeline.costs.stages import part_sizes
 from megatron.pipeline.schedules import SCHEDULES, schedule_class
 from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import check_resume

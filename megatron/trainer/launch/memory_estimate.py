@@ -10,8 +10,8 @@ One job: add up what a rank holds at its peak, from the project's existing accou
 pipeline stage (a rank is one stage of one data-parallel, tensor-parallel replica):
 
 * **weights, gradients, optimizer state**: the planner's static model
-  (:func:`megatron.pipeline.planner.memory.stage_memory`, one source for both) over the analytic
-  parameter counts of :mod:`megatron.pipeline.cost_model` for the stage's model parts, divided by the tensor-parallel
+  (:func:`megatron.pipeline.costs.memory.stage_memory`, one source for both) over the analytic
+  parameter counts of :mod:`megatron.pipeline.costs.cost_model` for the stage's model parts, divided by the tensor-parallel
   size; weights ``param_bytes`` each (2 in bf16/fp16) times the schedule's weight copies
   (``Schedule.weight_copies``: 2BW's stash, PipeMare's delta), gradients ``param_bytes`` each,
   AdamW's two fp32 moments plus an fp32 master in bf16/fp16, divided over the data-parallel
@@ -19,7 +19,7 @@ pipeline stage (a rank is one stage of one data-parallel, tensor-parallel replic
   schedule shards the state;
 * **activations**: the cost model's per-micro-batch activation bytes of the stage's layers (its
   embedding output and, on the last part, the logits and their softmax), scaled by the
-  recompute fraction of :mod:`megatron.pipeline.activation_memory`, times the schedule's peak
+  recompute fraction of :mod:`megatron.pipeline.costs.activation_memory`, times the schedule's peak
   micro-batches in flight on the stage (the timing simulator,
   :func:`~megatron.trainer.tasks.balanced_partition.schedule_in_flight`; one op of an
   interleaved schedule holds one chunk's share); plus the backward's working set, one layer's
@@ -46,10 +46,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.pipeline.activation_memory import LayerShape, recompute_fraction
-from megatron.pipeline.cost_model import ModelShape, layer_activation_elements
-from megatron.pipeline.planner.memory import stage_memory
-from megatron.pipeline.planner.stages import part_activation_bytes, part_parameters
+from megatron.pipeline.costs.activation_memory import LayerShape, recompute_fraction
+from megatron.pipeline.costs.cost_model import ModelShape, layer_activation_elements
+from megatron.pipeline.costs.memory import stage_memory
+from megatron.pipeline.costs.stages import part_activation_bytes, part_parameters
 from megatron.trainer.config.job_config import JobConfig
 
 #: CPU: peak RSS per in-flight micro-batch / the cost model's activation bytes (module docstring)

@@ -1,6 +1,6 @@
 """``--pipeline-partition profiled`` (alias ``auto``): profile a GPT's or BERT's parts on this
 device, then split its layers with PACI's memory-constrained min-max partition
-(:mod:`megatron.pipeline.partition`).
+(:mod:`megatron.pipeline.costs.partition`).
 
 Why profile only three parts: the transformer layers of a GPT are identical, so one layer's
 forward+backward time, static memory and activation memory stand for all of them; only the
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.pipeline.runtime.memory import ActivationMeter
-from megatron.pipeline.partition import Partition, partition_layers
+from megatron.pipeline.costs.partition import Partition, partition_layers
 from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.trainer.models.gpt import build_gpt_stage
 from megatron.trainer.tasks.balanced_partition import schedule_in_flight

@@ -1,10 +1,10 @@
 """``--pipeline-partition balanced`` (the default): the layer split from the analytic cost model.
 
 Why here and torch-free: the split is decided while the flags are validated, before any rank
-starts, from the flags alone (:mod:`megatron.pipeline.cost_model`), so every rank, the
+starts, from the flags alone (:mod:`megatron.pipeline.costs.cost_model`), so every rank, the
 emulator and a resumed run compute the same split without communicating, and the checkpoint's
 run signature (``pipeline_layer_split``) records it. The solver is PACI's min-max partition
-(:mod:`megatron.pipeline.partition`); the memory budget is ``--pipeline-partition-memory-gb``
+(:mod:`megatron.pipeline.costs.partition`); the memory budget is ``--pipeline-partition-memory-gb``
 only (the device's memory would make the split depend on the machine).
 
 When it applies: a GPT or BERT whose stages each hold one consecutive part of the model (not
@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron.pipeline.cost_model import ModelShape, layer_costs
-from megatron.pipeline.partition import Partition, one_f_one_b_in_flight, partition_layers
+from megatron.pipeline.costs.cost_model import ModelShape, layer_costs
+from megatron.pipeline.costs.partition import Partition, one_f_one_b_in_flight, partition_layers
 from megatron.trainer.config.job_config import JobConfig
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from megatron.pipeline.planner.evaluate import CandidateResult
 from megatron.pipeline.planner.report import flags as candidate_flags
-from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
+from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
 from megatron.trainer.config.job_config import JobConfig
 
 WIDTH_DIVISOR = 4  # the probe's hidden size and heads: the user's over this

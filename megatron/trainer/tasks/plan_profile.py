@@ -5,7 +5,7 @@ executors' :mod:`~megatron.pipeline.runtime.profiling`) times F, B and W of ever
 link exactly as a real run sees them; a separate micro-benchmark would time different code. One
 process: the emulator runs both stages of a 2-stage zb-1p, evenly split, for ``PROFILE_ITERS``
 profiled iterations (ZB-H1) plus one, on mock data, and the logged per-stage costs are turned into
-per-layer and head costs (:func:`~megatron.pipeline.planner.unit_costs.from_two_stage_profile`).
+per-layer and head costs (:func:`~megatron.pipeline.costs.unit_costs.from_two_stage_profile`).
 Each rank is timed with the threads it will have (``--num-threads``: the cores over the
 planned run's local ranks). The optimizer step comes from the same run's traced OPT spans (per parameter), activation
 bytes from its activation meter (:func:`measured_activations`); the transport is
@@ -27,15 +27,15 @@ import tempfile
 from pathlib import Path
 
 from megatron.pipeline.ir import OpKind
-from megatron.pipeline.planner.stages import part_parameters
-from megatron.pipeline.planner.unit_costs import ActivationBytes, PassCosts, UnitCosts, from_two_stage_profile
+from megatron.pipeline.costs.stages import part_parameters
+from megatron.pipeline.costs.unit_costs import ActivationBytes, PassCosts, UnitCosts, from_two_stage_profile
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import ScheduleConfig
-from megatron.pipeline.schedules.zb_h1 import ZBH1
+from megatron.pipeline.schedules.zero_bubble.zb_h1 import ZBH1
 from megatron.pipeline.simulator import OpCosts, simulate_schedule
 from megatron.pipeline.trace_analysis import load_traces
 from megatron.trainer.tasks.balanced_partition import model_shape
-from megatron.pipeline.schedules.zb_1p import ZB1P
+from megatron.pipeline.schedules.zero_bubble.zb_1p import ZB1P
 from megatron.trainer.config.job_config import JobConfig, flag_values
 
 PROFILE_ITERS = 2

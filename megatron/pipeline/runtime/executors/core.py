@@ -16,7 +16,7 @@ import torch
 
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind, PipelineLayout
-from megatron.pipeline.post_validation import ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.runtime.post_validation_ops import run_post_validation_op
 from megatron.pipeline.runtime.executors.common import ReportCadence, run_compute_op
 from megatron.pipeline.runtime.replicas import ReplicaReduction, has_replicas

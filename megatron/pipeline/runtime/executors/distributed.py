@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 
 from megatron.pipeline.comm import op_recvs
 from megatron.pipeline.ir import Op, OpKind
-from megatron.pipeline.post_validation import ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink
 from megatron.pipeline.runtime.executors.core import OpCore, SyncHook, UpdateHook
 from megatron.pipeline.runtime.executors.errors import PipelineRuntimeError

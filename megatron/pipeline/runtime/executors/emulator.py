@@ -15,7 +15,7 @@ import torch
 
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
-from megatron.pipeline.post_validation import ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink
 from megatron.pipeline.runtime.executors.core import OpCore, SyncHook, UpdateHook

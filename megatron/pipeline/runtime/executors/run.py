@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from megatron.pipeline.ir import Op
-from megatron.pipeline.post_validation import ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink
 from megatron.pipeline.runtime.executors.core import SyncHook, UpdateHook
 from megatron.pipeline.runtime.executors.distributed import DistributedExecutor

@@ -53,9 +53,9 @@ from typing import Any
 
 from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError
-from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
+from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.options import Flag, FlagGroup
-from megatron.pipeline.schedules.paci import PACI, drift_bound
+from megatron.pipeline.schedules.asynchronous.paci import PACI, drift_bound
 from megatron.pipeline.weight_policy import DiscrepancyCorrected
 
 OPTION = "pipemare"

@@ -48,7 +48,7 @@ ZERO = PassCosts(0.0, 0.0, 0.0)
 class ActivationBytes:
     """Bytes one micro-batch keeps for its backward on a layer, the embedding and the head, as
     the runtime's activation meter counts them (a profile measures them; without one the planner
-    uses the analytic count, :func:`megatron.pipeline.planner.stages.part_activation_bytes`)."""
+    uses the analytic count, :func:`megatron.pipeline.costs.stages.part_activation_bytes`)."""
 
     layer: float
     embedding: float = 0.0
@@ -69,7 +69,7 @@ class UnitCosts:
     ``p2p``: from the end of a sending op to the arrival of its activation (or gradient);
     ``message_cpu``: the CPU time the transport spends on one such message, both ends together
     (gloo on a CPU host copies it through the kernel twice and wakes two threads; charged to
-    the sender as :attr:`~megatron.pipeline.op_costs.OpCosts.t_send`: on a dedicated core it
+    the sender as :attr:`~megatron.pipeline.costs.op_costs.OpCosts.t_send`: on a dedicated core it
     delays the sender, on shared cores it is work the cores do); ``shared_message_cpu``: the same
     when twice as many ranks as cores time-share them (every hand-over between a rank's threads
     then waits for a slice and refills caches: about 3 times ``message_cpu`` on this project's

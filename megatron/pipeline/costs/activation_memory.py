@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron.pipeline.op_costs import OpCosts
+    from megatron.pipeline.costs.op_costs import OpCosts
 
 
 @dataclass(frozen=True)

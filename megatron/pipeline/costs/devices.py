@@ -5,16 +5,16 @@ schedules, because what separates schedules is the *ratio* of F, B, W, P2P and t
 follows from the model's shape; the absolute scale (the achieved fraction of peak) moves every
 candidate's tokens/s by the same factor and does not change the ranking.
 
-Model, per micro-batch of ``b`` sequences of ``s`` tokens (:mod:`megatron.pipeline.cost_model`'s
+Model, per micro-batch of ``b`` sequences of ``s`` tokens (:mod:`megatron.pipeline.costs.cost_model`'s
 counting, split by pass; tensor parallelism ``t`` divides the matmuls):
 
 * layer: linears ``L = 2h(q + kv) + 2h·ffn(x2 gated) + 2·ffn·h + 2qh`` FLOPs per token forward,
   core attention ``A = 4·s·a·d``; F = ``L + A``, B = ``L + 2A`` (the input gradients; attention has
   no weights), W = ``L`` (the linears' weight gradients), so F + B + W = ``3(L + A)`` =
-  :func:`~megatron.pipeline.cost_model.layer_flops`. With ``t > 1`` F and B each add two
+  :func:`~megatron.pipeline.costs.cost_model.layer_flops`. With ``t > 1`` F and B each add two
   all-reduces of the ``s·b·h`` activation over the intra-node link (ring, ``2(t-1)/t``).
 * head: output layer ``2hV`` per token in each pass, the loss ``4V`` forward and ``8V`` backward
-  (:data:`~megatron.pipeline.cost_model._LOSS_FLOPS_PER_LOGIT`), none in W.
+  (:data:`~megatron.pipeline.costs.cost_model._LOSS_FLOPS_PER_LOGIT`), none in W.
 * embedding: memory-bound: F writes the ``s·b·h`` looked-up rows, W scatter-adds them into an
   fp32 gradient (read + write), at HBM bandwidth; B is 0 (no input gradient).
 * P2P: one ``s·b·h`` activation over the inter-node link per message.
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.pipeline.cost_model import ModelShape
-from megatron.pipeline.planner.unit_costs import PassCosts, UnitCosts
+from megatron.pipeline.costs.cost_model import ModelShape
+from megatron.pipeline.costs.unit_costs import PassCosts, UnitCosts
 
 ADAMW_BYTES_PER_PARAM = 30.0  # derivation: module docstring
 

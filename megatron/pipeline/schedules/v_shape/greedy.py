@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron.pipeline.ir import OpKind, VShapeLayout
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 
 #: one planned op of a stage: (kind, micro-batch index in the iteration, chunk)
 PlannedOp = tuple[OpKind, int, int]

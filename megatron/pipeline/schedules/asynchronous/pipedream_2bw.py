@@ -20,7 +20,7 @@ version per window makes every stage follow the same 1-stale recursion the paper
 from __future__ import annotations
 
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
-from megatron.pipeline.schedules.paci import PACI
+from megatron.pipeline.schedules.asynchronous.paci import PACI
 from megatron.pipeline.weight_policy import DoubleBuffered
 
 

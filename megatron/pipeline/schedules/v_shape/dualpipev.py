@@ -29,7 +29,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 
 from megatron.pipeline.ir import BW, B, F, Op, OpKind, W
-from megatron.pipeline.schedules.v_shape import VShapeSchedule
+from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 
 
 class _Phases:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import SynchronousSchedule
-from megatron.pipeline.schedules.zb_h1 import split_backward_order
+from megatron.pipeline.schedules.zero_bubble.zb_h1 import split_backward_order
 
 
 class ZBH2(SynchronousSchedule):

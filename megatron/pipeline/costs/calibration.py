@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from megatron.pipeline.comm import op_recvs, op_sends
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
-from megatron.pipeline.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import OpSpan
 from megatron.pipeline.trace_analysis import send_times
 

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron.pipeline.schedules.base import ScheduleConfig
-from megatron.pipeline.schedules.v_shape import PlannedVSchedule
-from megatron.pipeline.schedules.zb_flags import ZERO_BUBBLE_FLAGS
+from megatron.pipeline.schedules.v_shape.layout import PlannedVSchedule
+from megatron.pipeline.schedules.zero_bubble.flags import ZERO_BUBBLE_FLAGS
 
 
 class ZBV(PlannedVSchedule):

@@ -9,8 +9,8 @@ starts the backward after a gap (``3p + g + 2i - 1``) and returns through chunk 
 """
 from __future__ import annotations
 
-from megatron.pipeline.schedules.v_blocks import Block
-from megatron.pipeline.schedules.v_shape import BlockVSchedule
+from megatron.pipeline.schedules.v_shape.blocks import Block
+from megatron.pipeline.schedules.v_shape.layout import BlockVSchedule
 
 
 class VHalf(BlockVSchedule):

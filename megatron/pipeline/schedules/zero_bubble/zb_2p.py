@@ -5,7 +5,7 @@ least memory with which the paper finds close to zero bubble.
 """
 from __future__ import annotations
 
-from megatron.pipeline.schedules.zb_1p import ZeroBubbleAuto
+from megatron.pipeline.schedules.zero_bubble.zb_1p import ZeroBubbleAuto
 
 
 class ZB2P(ZeroBubbleAuto):

@@ -9,8 +9,8 @@ passes in distinct slots mod 6.
 """
 from __future__ import annotations
 
-from megatron.pipeline.schedules.v_blocks import Block
-from megatron.pipeline.schedules.v_shape import BlockVSchedule
+from megatron.pipeline.schedules.v_shape.blocks import Block
+from megatron.pipeline.schedules.v_shape.layout import BlockVSchedule
 
 
 class VMin(BlockVSchedule):

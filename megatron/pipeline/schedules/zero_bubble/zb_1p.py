@@ -21,9 +21,9 @@ from typing import ClassVar
 
 from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
-from megatron.pipeline.schedules.zb_flags import ZERO_BUBBLE_FLAGS
-from megatron.pipeline.schedules.zb_greedy import GreedyResult, InfeasibleMemory, best_greedy_order
-from megatron.pipeline.op_costs import OpCosts, stage_costs
+from megatron.pipeline.schedules.zero_bubble.flags import ZERO_BUBBLE_FLAGS
+from megatron.pipeline.schedules.zero_bubble.greedy import GreedyResult, InfeasibleMemory, best_greedy_order
+from megatron.pipeline.costs.op_costs import OpCosts, stage_costs
 
 
 class ZeroBubbleAuto(SynchronousSchedule):

@@ -9,7 +9,7 @@ chunked layouts (interleaved, V) this module therefore gives each stage the *mea
 exact for the stage's total work per micro-batch, an approximation of the order within it (a V's
 stage 0 runs the embedding chunk and the head chunk; both get the mean).
 
-Recompute goes through :func:`megatron.pipeline.activation_memory.recompute_costs` (Korthikanti
+Recompute goes through :func:`megatron.pipeline.costs.activation_memory.recompute_costs` (Korthikanti
 et al.'s fractions; the recomputed forward is added to B). ``m_w`` (what a split backward keeps
 from B to W) is the same paper's ``32 sbh`` over a layer's ``34 sbh + 5 a s^2 b``.
 """
@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from megatron.pipeline.activation_memory import LayerShape, recompute_costs
+from megatron.pipeline.costs.activation_memory import LayerShape, recompute_costs
 from megatron.pipeline.comm_volume import replica_sync_inputs, ring_all_gather_bytes, ring_all_reduce_bytes
-from megatron.pipeline.cost_model import (
+from megatron.pipeline.costs.cost_model import (
     ModelShape, embedding_parameters, head_parameters, layer_activation_elements, layer_parameters)
 from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
-from megatron.pipeline.op_costs import OpCosts
-from megatron.pipeline.planner.unit_costs import ActivationBytes, UnitCosts
+from megatron.pipeline.costs.op_costs import OpCosts
+from megatron.pipeline.costs.unit_costs import ActivationBytes, UnitCosts
 
 #: recompute choices: the trainer's ``--recompute-granularity`` value (None: no recompute)
 RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
@@ -56,7 +56,7 @@ def part_sizes(shape: ModelShape, counts: Sequence[int], tensor_parallel: int = 
                measured: ActivationBytes | None = None) -> list[PartSizes]:
     """Sizes of the parts holding ``counts[j]`` layers, embedding on part 0 and head on the last;
     activations as ``measured`` by a profile (bytes at ``shape``'s micro-batch), else the analytic
-    count (:func:`~megatron.pipeline.cost_model.layer_activation_elements`)."""
+    count (:func:`~megatron.pipeline.costs.cost_model.layer_activation_elements`)."""
     t, last = tensor_parallel, len(counts) - 1
 
     def activations(k: int, first: bool, is_last: bool) -> float:
@@ -177,7 +177,7 @@ def replica_step_costs(layout: MultiPipelineLayout, parts: Sequence[PartSizes], 
     ranges (:mod:`megatron.pipeline.runtime.replicas`; fp32, as
     :func:`~megatron.pipeline.comm_volume.replica_sync_inputs` counts them); at D = 4 on a CPU
     host that traffic is most of the gap between the chain schedules and AMDP. The simulator prices a device's OPT
-    by entry ``d`` (its pipeline-0 logical stage, :func:`~megatron.pipeline.op_costs.priced_part`),
+    by entry ``d`` (its pipeline-0 logical stage, :func:`~megatron.pipeline.costs.op_costs.priced_part`),
     so that entry carries the device's sums; its F/B/W prices stay the logical stage's."""
     replicas = layout.num_pipelines
     out = list(costs)

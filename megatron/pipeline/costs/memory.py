@@ -3,13 +3,13 @@
 One model of the static bytes for the planner and the launcher's up-front per-rank estimate
 (:mod:`megatron.trainer.launch.memory_estimate` builds its weights, gradients and optimizer
 state with :func:`stage_memory`, and its part sizes with the planner's
-:func:`~megatron.pipeline.planner.stages.part_parameters` /
-:func:`~megatron.pipeline.planner.stages.part_activation_bytes`). They differ where their jobs
+:func:`~megatron.pipeline.costs.stages.part_parameters` /
+:func:`~megatron.pipeline.costs.stages.part_activation_bytes`). They differ where their jobs
 do: the planner takes the schedule's activation peak simulated with the candidate's costs; the
 estimate takes unit-cost in-flight counts, adds the backward's working set, the loss's logits
 copies and the process baseline, and scales CPU activations by the host heap factor.
 
-Static bytes per parameter (the runtime's accounting, :mod:`megatron.pipeline.cost_model`):
+Static bytes per parameter (the runtime's accounting, :mod:`megatron.pipeline.costs.cost_model`):
 the parameter and its gradient (``2 x param_bytes``: fp32, or 16-bit with ``--bf16``), the two
 fp32 AdamW moments (8) and, for 16-bit parameters, the fp32 master (4); the distributed
 optimizer divides the last two terms by the data-parallel size. A schedule that keeps weight
@@ -18,7 +18,7 @@ versions beside the live ones (PipeDream-2BW's stash, PipeMare's velocity:
 replicas' parts, which are already counted part by part.
 
 Activations: the simulator's per-stage peak in units of ``M_B`` times the stage's ``M_B`` in
-bytes (:func:`~megatron.pipeline.planner.stages.stage_activation_unit`).
+bytes (:func:`~megatron.pipeline.costs.stages.stage_activation_unit`).
 """
 from __future__ import annotations
 

@@ -35,14 +35,14 @@ from typing import Any
 
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
-from megatron.pipeline.schedules.one_f_one_b import OneFOneBFlush
-from megatron.pipeline.schedules.zb_1p import ZB1P, ZeroBubbleAuto
-from megatron.pipeline.schedules.zb_2p import ZB2P
-from megatron.pipeline.schedules.zb_flags import PROFILE_OPTION
-from megatron.pipeline.schedules.zb_h1 import ZBH1
-from megatron.pipeline.schedules.v_half import VHalf
-from megatron.pipeline.schedules.zb_v import ZBV
-from megatron.pipeline.op_costs import UNPROFILED_M_W, CostsLike, OpCosts, stage_costs
+from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
+from megatron.pipeline.schedules.zero_bubble.zb_1p import ZB1P, ZeroBubbleAuto
+from megatron.pipeline.schedules.zero_bubble.zb_2p import ZB2P
+from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.schedules.zero_bubble.zb_h1 import ZBH1
+from megatron.pipeline.schedules.v_shape.v_half import VHalf
+from megatron.pipeline.schedules.v_shape.zb_v import ZBV
+from megatron.pipeline.costs.op_costs import UNPROFILED_M_W, CostsLike, OpCosts, stage_costs
 from megatron.pipeline.simulator import simulate_schedule
 
 # Before profiling: all times 1, no communication, and W keeping a micro-batch's activations

@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.options import Flag, FlagGroup
-from megatron.pipeline.op_costs import UNPROFILED_M_W, OpCosts, costs_from_profile, load_profile
+from megatron.pipeline.costs.op_costs import UNPROFILED_M_W, OpCosts, costs_from_profile, load_profile
 
 PROFILE_OPTION = "profile_iters"
 DEFAULT_PROFILE_ITERS = 2
@@ -26,7 +26,7 @@ DEFAULT_PROFILE_ITERS = 2
 
 def parse_costs(text: str, num_stages: int) -> tuple[OpCosts, ...]:
     """``--zb-costs``: ``T_F,T_B,T_W,T_COMM[,M_W/M_B]`` or a JSON profile file: the format of
-    :func:`megatron.pipeline.op_costs.costs_from_profile` (per-stage costs under ``"stages"``),
+    :func:`megatron.pipeline.costs.op_costs.costs_from_profile` (per-stage costs under ``"stages"``),
     or the object the trainer logs after profiling (``zero-bubble-schedule {...}``, per-stage
     costs under ``"costs"``). Returns one :class:`OpCosts` per stage; ValueError (one line)."""
     if "," not in text and (text.endswith(".json") or os.path.isfile(text)):

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 from megatron.pipeline.ir import Op, PipelineLayout, VShapeLayout
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
-from megatron.pipeline.schedules.v_blocks import Block, block_plan
-from megatron.pipeline.schedules.v_greedy import InfeasibleVMemory, PlannedOp, best_v_plan
-from megatron.pipeline.op_costs import stage_costs
+from megatron.pipeline.schedules.v_shape.blocks import Block, block_plan
+from megatron.pipeline.schedules.v_shape.greedy import InfeasibleVMemory, PlannedOp, best_v_plan
+from megatron.pipeline.costs.op_costs import stage_costs
 
 
 class VShapeSchedule(SynchronousSchedule):

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron.pipeline.ir import OpKind
-from megatron.pipeline.schedules.v_greedy import PlannedOp
+from megatron.pipeline.schedules.v_shape.greedy import PlannedOp
 
 #: one lane of ops per (kind, chunk); a stage's slots are ``slots[lane][microbatch]``
 LANES: tuple[tuple[OpKind, int], ...] = (
