@@ -109,3 +109,38 @@ def test_models_without_a_transformers_architecture_are_refused(megatron_world1,
     assert _tool("export_hf")(["--load", str(tmp_path / "none"), "--output", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'none'}: no checkpoint"), err
+
+
+def test_an_output_path_that_is_a_file_is_refused_before_any_work(megatron_world1, tmp_path: Path, capsys) -> None:
+    """transformers only logs "should be a directory, not a file" and writes nothing; the tool
+    used to report the export done and exit 0 (#42)."""
+    ckpt = _train(tmp_path, 1)
+    target = tmp_path / "model.bin"
+    target.write_text("keep me")
+    assert _tool("export_hf")(["--load", str(ckpt), "--output", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == f"error: --output {target} is a file; give a directory (new or existing) for the model"
+    assert target.read_text() == "keep me"
+    assert _tool("export_hf")(["--load", str(ckpt), "--output", str(target / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == f"error: --output {target / 'hf'}: {target} is a file, not a directory"
+
+
+def test_an_export_that_does_not_load_back_is_not_reported_done(megatron_world1, tmp_path: Path, capsys,
+                                                                monkeypatch) -> None:
+    """The tool reads the directory back before it says "exported": a save that wrote a broken
+    model (here: weights dropped after writing) is an error, not a success."""
+    ckpt = _train(tmp_path, 1)
+    save = transformers.PreTrainedModel.save_pretrained
+
+    def save_then_lose_the_weights(model, directory, *args, **kwargs):
+        save(model, directory, *args, **kwargs)
+        for weights in Path(directory).glob("*.safetensors"):
+            weights.unlink()
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save_then_lose_the_weights)
+    assert _tool("export_hf")(["--load", str(ckpt), "--output", str(tmp_path / "hf")]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert "exported" not in captured.out
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'hf'} does not hold a loadable transformers model")

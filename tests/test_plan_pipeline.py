@@ -125,3 +125,33 @@ def test_probe_convergence_end_to_end(capsys) -> None:
     assert [r["schedule"] for r in rows] == ["1f1b", "paci"]
     assert rows[0]["loss_gap"] == 0.0 and rows[0]["speedup_vs_1f1b"] == 1.0
     assert all(math.isfinite(r["final_loss"]) for r in rows)
+
+
+@pytest.mark.parametrize("flag", ["--png", "--save-costs"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_planning(tmp_path, capsys, flag):
+    """A file where a directory should be used to end in a NotADirectoryError traceback after
+    the whole plan was simulated (#42)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for path, why in ((blocker / "x.png", f"{blocker} is a file, not a directory"),
+                      (tmp_path / "missing" / "x.png", f"{tmp_path / 'missing'} does not exist"),
+                      (tmp_path, "is a directory")):
+        with pytest.raises(SystemExit) as e:
+            plan.main([*SMALL, "--device", "cpu", flag, str(path)])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and err.endswith(f"{flag} {path}: {why}"), err
+
+
+def test_pipeline_sizes_that_cannot_be_ranked_say_why(capsys):
+    """More stages than layers: no candidate; the tool used to print an empty table and exit 0."""
+    assert plan.main([*MODEL, "--device", "h100", "--pipeline-sizes", "16", "--schedules", "1f1b,zb-v"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip().splitlines()
+    assert err[0] == "error: no candidate can be ranked:"
+    assert "  --pipeline-sizes 16: 4 layers cannot fill 16 stages (each needs a layer at least)" in err
+    # one size ranks, the other is named with its reason, and the plan still prints
+    assert plan.main([*MODEL, "--device", "h100", "--pipeline-sizes", "2,16", "--schedules", "1f1b"]) == 0
+    captured = capsys.readouterr()
+    assert "note: --pipeline-sizes 16: 4 layers cannot fill 16 stages (each needs a layer at least)" in captured.err
+    assert "1f1b" in captured.out

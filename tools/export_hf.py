@@ -29,10 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megatron.trainer.checkpointing.checkpoint import CheckpointError
     from megatron.trainer.checkpointing.full_state import read_full_state
-    from megatron.trainer.hf.export import ExportError, export
+    from megatron.trainer.hf.export import ExportError, check_output_dir, export
     from megatron.trainer.hf.tokenizer import export_tokenizer
 
     try:
+        check_output_dir(args.output)
         signature, state, iteration = read_full_state(args.load)
         arch = export(signature, state, args.output)
     except (CheckpointError, ExportError) as exc:

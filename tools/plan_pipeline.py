@@ -142,12 +142,38 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(e))
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
         p.error(f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch x data-parallel size")
+    for flag, path in (("--png", args.png), ("--save-costs", args.save_costs)):
+        if path is not None and (problem := output_path_problem(path)):
+            p.error(f"{flag} {path}: {problem}")
     if args.png:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             p.error("--png needs matplotlib: pip install 'megatron-async[tools]'")
     return args
+
+
+def output_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot be written as a file (checked before planning, which can take minutes
+    with --profile), or None."""
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory"
+    parent = target.parent
+    if not parent.exists():
+        return f"{parent} does not exist"
+    if not parent.is_dir():
+        return f"{parent} is a file, not a directory"
+    return None
+
+
+def unranked_sizes(sizes: list[int], results, num_layers: int) -> list[str]:
+    """Why each pipeline size has no simulated candidate: the reason a user needs when a size
+    they asked for is missing from the table (the per-schedule refusals are listed separately)."""
+    ranked = {r.candidate.pipeline_model_parallel_size for r in results}
+    return [f"--pipeline-sizes {n}: {num_layers} layers cannot fill {n} stages (each needs a layer at least)"
+            if n > num_layers else f"--pipeline-sizes {n}: every schedule was refused at {n} stages"
+            for n in sizes if n not in ranked]
 
 
 def unit_costs(args: argparse.Namespace, config: JobConfig, shape):
@@ -221,6 +247,15 @@ def main(argv: list[str] | None = None) -> int:
             results.append(evaluate(problem, cand))
         except (ScheduleConfigError, ScheduleError) as e:
             refused.append(f"{cand.schedule}: {e}")
+    missing = unranked_sizes(args.pipeline_sizes, results, shape.num_layers)
+    refused += missing
+    if not results:
+        print("error: no candidate can be ranked:", file=sys.stderr)
+        for reason in [*missing, *sorted(set(refused) - set(missing))]:
+            print(f"  {reason}", file=sys.stderr)
+        return 1
+    for reason in missing:
+        print(f"note: {reason}", file=sys.stderr)
     sync, asyn = split_by_semantics(rank(results))
     probe_rows = None
     if args.probe_convergence:

@@ -15,6 +15,7 @@ The output layer is tied (``tie_word_embeddings``) exactly when the run was.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,4 +136,31 @@ def export(sig: dict[str, Any], state: dict[str, torch.Tensor], output: str) -> 
     if missing or unexpected:
         raise ExportError(f"transformers {arch} model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.save_pretrained(output)
+    check_loadable(cls, model, output)
     return arch
+
+
+def check_output_dir(output: str) -> None:
+    """Refuse an output path that cannot become a model directory (one line), before any work:
+    transformers only logs such a path ("should be a directory, not a file") and writes nothing."""
+    path = Path(output)
+    if path.exists() and not path.is_dir():
+        raise ExportError(f"--output {output} is a file; give a directory (new or existing) for the model")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ExportError(f"--output {output}: {parent} is a file, not a directory")
+            break
+
+
+def check_loadable(cls: Any, model: Any, output: str) -> None:
+    """Load ``output`` back with transformers and compare every tensor with what was written, so
+    the tool says "exported" only of a directory that really holds the model."""
+    try:
+        loaded = cls.from_pretrained(output)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{output} does not hold a loadable transformers model after the export: {exc}") from exc
+    written, read = model.state_dict(), loaded.state_dict()
+    differ = [k for k, v in written.items() if k not in read or not torch.equal(v, read[k])]
+    if differ:
+        raise ExportError(f"{output}: the model read back differs from the one written ({differ[:3]})")
