@@ -13,6 +13,12 @@ policies (which op next, what it costs) stay with their schedulers:
 * the V greedy lets the stage free earliest choose its next op (``schedules/v_shape/greedy.py``);
 * AMDP admits the op that can start earliest anywhere (``schedules/asynchronous/amdp.py``).
 
+Not here: processor sharing (:mod:`megatron.pipeline.planner.shared_cores`, stages on fewer
+cores). A list schedule fixes an op's end when it places the op; under sharing an op's end
+depends on ops that start later on other stages (they slow it down), so that model advances
+one global time from event to event. It shares the simulator's pricing
+(:class:`~megatron.pipeline.costs.pricing.OpPricing`) and replay, not this clock.
+
 The model: each stage has a clock, ``free[s]``, the end of its last op. Placing an op on
 stage ``s`` with inputs ready at ``ready`` starts it at ``max(free[s], ready)`` and ends it
 ``duration`` later. The policy computes ``ready`` from :meth:`EventClock.arrival`: the
