@@ -5,7 +5,9 @@ App. G), generalised to our IR and runtime:
 
 * **Replay.** Streams are replayed by :class:`~megatron.pipeline.replay.ReplayEngine`, so the
   simulator obeys exactly the runtime's rules (non-blocking sends, blocking receives, FIFO per
-  stage pair, a ``sync`` OPT is a collective). The payload of a message is its *arrival time*:
+  stage pair, a ``sync`` OPT is a collective), and timed by the layer's one event clock
+  (:class:`~megatron.pipeline.event_clock.EventClock`, the greedy schedulers' too) with the
+  pricing of :class:`~megatron.pipeline.costs.pricing.OpPricing`. The payload of a message is its *arrival time*:
   the end of the sending op plus the sender's ``t_comm``. Communication takes no compute time
   on either side and any number of messages may be in flight.
 * **Ops.** A stage runs its ops strictly in stream order, one at a time, without preemption.
@@ -73,8 +75,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, OpKind, PipelineLayout
-from megatron.pipeline.costs.op_costs import (
-    CostsLike, OpCosts, costs_from_profile, load_profile, priced_part, send_time, stage_costs)
+from megatron.pipeline.costs.op_costs import CostsLike, OpCosts, costs_from_profile, load_profile, stage_costs
+from megatron.pipeline.costs.pricing import OpPricing
+from megatron.pipeline.event_clock import EventClock
 from megatron.pipeline.overlap import check_overlap, overlap_saving
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
 
@@ -254,68 +257,50 @@ def simulate_streams(
     """
     overlap = check_overlap(overlap)
     n = layout.num_stages
-    per_stage = stage_costs(costs, n)
+    pricing = OpPricing(layout, costs)
+    per_stage = pricing.per_stage
     if max_microbatches is not None:
         streams = [cap_stream(s, max_microbatches, layout.num_chunks, max_ops) for s in streams]
     elif max_ops is not None:
         streams = [_limit_ops(s, max_ops) for s in streams]
 
-    free = [0.0] * n
+    clock = EventClock(n)  # arrivals travel in the replayed messages, so no comm table here
     spans: list[list[OpSpan]] = [[] for _ in range(n)]
-    busy = [0.0] * n
-    mem = [0.0] * n
-    peak = [0.0] * n
     versions = [0] * n
     version_at_f: list[dict[tuple[int, int], int]] = [{} for _ in range(n)]
     drift: list[dict[int, int]] = [{} for _ in range(n)]
-    comm = [c.t_comm for c in per_stage]
-
-    durations = [{k: c.duration(k) for k in OpKind} for c in per_stage]
-    deltas = [{k: c.memory_delta(k) for k in OpKind} for c in per_stage]
 
     def execute(op: Op, inputs: dict[Message, Any]) -> _SameForEvery:
         s = op.stage
-        part = priced_part(layout, op)  # costs follow the model part (AMDP: logical stage)
-        start = free[s]
-        for arrival in inputs.values():
-            if arrival > start:
-                start = arrival
+        part = pricing.part(op)  # costs follow the model part (AMDP: logical stage)
         kind = op.kind
-        duration = durations[part][kind]
+        duration = pricing.duration(op, part)
         if overlap and overlapped is not None and spans[s] and overlapped(op):
             forward = spans[s][-1]
             duration -= overlap_saving(overlap, forward.start, forward.end,
                                        max(inputs.values(), default=forward.start), duration)
+        is_step = kind is OpKind.OPT
+        start = clock.place(s, duration + pricing.send_time(op, part), max(inputs.values(), default=0.0),
+                            0.0 if is_step else pricing.memory_delta(op, part))
         end = start + duration
-        duration += send_time(per_stage[part], op, layout)
-        free[s] = start + duration
-        busy[s] += duration
-        spans[s].append(OpSpan(start, free[s], op))
-        if kind is OpKind.OPT:
+        spans[s].append(OpSpan(start, clock.free[s], op))
+        if is_step:
             versions[s] += 1
-        else:
-            mem[s] += deltas[part][kind]
-            if mem[s] > peak[s]:
-                peak[s] = mem[s]
-            if kind is OpKind.F:
-                version_at_f[s][(op.microbatch, op.chunk)] = versions[s]
-            elif kind is OpKind.B or kind is OpKind.BW:
-                d = versions[s] - version_at_f[s].pop((op.microbatch, op.chunk), versions[s])
-                if stashes_weights:
-                    d = 0  # the backward reads the stashed version its forward read
-                if d > drift[s].get(op.microbatch, -1):
-                    drift[s][op.microbatch] = d
-        return _SameForEvery(end, end + comm[part])
+        elif kind is OpKind.F:
+            version_at_f[s][(op.microbatch, op.chunk)] = versions[s]
+        elif kind is OpKind.B or kind is OpKind.BW:
+            d = versions[s] - version_at_f[s].pop((op.microbatch, op.chunk), versions[s])
+            if stashes_weights:
+                d = 0  # the backward reads the stashed version its forward read
+            if d > drift[s].get(op.microbatch, -1):
+                drift[s][op.microbatch] = d
+        return _SameForEvery(end, end + pricing.comm(part))
 
     def execute_sync(ops: list[Op]) -> None:
-        start = max(free[op.stage] for op in ops)
-        end = start + max(per_stage[op.stage].sync_step for op in ops)
+        start, end = clock.align([op.stage for op in ops], [pricing.sync_step(op.stage) for op in ops])
         for op in ops:
-            s = op.stage
-            free[s] = end
-            busy[s] += per_stage[s].sync_step
-            spans[s].append(OpSpan(start, end, op))
-            versions[s] += 1
+            spans[op.stage].append(OpSpan(start, end, op))
+            versions[op.stage] += 1
 
     ReplayEngine(list(streams), layout, execute, execute_sync).run()
 
@@ -332,7 +317,7 @@ def simulate_streams(
         stage_span.append(last_end - ops[0].start)
     makespan = max((ops[-1].end for ops in spans if ops), default=0.0)
     weights = [1.0] * n if weight_copies is None else [float(c) for c in weight_copies]
-    return SimulationResult(spans, makespan, busy, stage_span, peak, drift, per_stage, weights)
+    return SimulationResult(spans, makespan, clock.busy, stage_span, clock.peak_memory, drift, per_stage, weights)
 
 
 def simulate_schedule(

@@ -11,9 +11,9 @@ fills bubbles gains nothing when the cores are already full.
 The model (pure, no torch):
 
 * **The op graph.** The schedule's streams are replayed by the same
-  :class:`~megatron.pipeline.replay.ReplayEngine` as the simulator, with the same op durations
-  (:class:`~megatron.pipeline.costs.op_costs.OpCosts`, per stage or per model part, plus the sender's
-  ``t_send`` per message to another stage), but what travels in a message is *which op sent it*
+  :class:`~megatron.pipeline.replay.ReplayEngine` as the simulator, priced by the simulator's
+  own :class:`~megatron.pipeline.costs.pricing.OpPricing` (per stage or per model part, plus the
+  sender's ``t_send`` per message to another stage), but what travels in a message is *which op sent it*
   and its delay (``t_comm``; 0 for a V's turn on its own stage). That gives each op's inputs.
 * **Processor sharing.** A stage is *runnable* when its next op's inputs have arrived. With
   ``r`` runnable stages on ``c`` cores each progresses at rate ``min(1, c / r)``: the
@@ -38,7 +38,8 @@ from typing import Any
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine
-from megatron.pipeline.costs.op_costs import CostsLike, priced_part, send_time, stage_costs
+from megatron.pipeline.costs.op_costs import CostsLike
+from megatron.pipeline.costs.pricing import OpPricing
 
 _EPS = 1e-9
 
@@ -73,7 +74,7 @@ def op_graph(streams: Sequence[Any], layout: PipelineLayout,
              costs: CostsLike = None) -> tuple[list[_Node], list[list[int]], list[list[int]]]:
     """(nodes, each stage's node ids in order, each collective's node ids) of ``streams``."""
     n = layout.num_stages
-    per_stage = stage_costs(costs, n)
+    pricing = OpPricing(layout, costs)  # the simulator's pricing, not a restatement of it
     nodes: list[_Node] = []
     order: list[list[int]] = [[] for _ in range(n)]
     groups: list[list[int]] = []
@@ -84,15 +85,14 @@ def op_graph(streams: Sequence[Any], layout: PipelineLayout,
         return len(nodes) - 1
 
     def execute(op: Op, inputs: dict[Message, Any]) -> _Sent:
-        s = op.stage
-        c = per_stage[priced_part(layout, op)]  # the simulator's costs and send time
-        work = c.duration(op.kind) + send_time(c, op, layout)
-        node = add(_Node(s, work, list(inputs.values())))
-        return _Sent(node, c.t_comm)
+        part = pricing.part(op)
+        work = pricing.duration(op, part) + pricing.send_time(op, part)
+        node = add(_Node(op.stage, work, list(inputs.values())))
+        return _Sent(node, pricing.comm(part))
 
     def execute_sync(ops: list[Op]) -> None:
         gid = len(groups)
-        groups.append([add(_Node(op.stage, per_stage[op.stage].sync_step, group=gid)) for op in ops])
+        groups.append([add(_Node(op.stage, pricing.sync_step(op.stage), group=gid)) for op in ops])
 
     ReplayEngine([iter(s) for s in streams], layout, execute, execute_sync).run()
     return nodes, order, groups

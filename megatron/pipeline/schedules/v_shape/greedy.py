@@ -1,7 +1,8 @@
 """A greedy list scheduler for the V placement: per-stage orders of F, B and W from costs and
 an activation-memory limit (the controllable-memory paper's ZB-V heuristic, our own code).
 
-Time advances in order: the stage free earliest decides next, from what has arrived by then
+Time is kept by the layer's event clock (:class:`~megatron.pipeline.event_clock.EventClock`:
+stage clocks, pass ends, memory, bubbles); this module is the policy. The stage free earliest decides next, from what has arrived by then
 (inputs along the V, :class:`~megatron.pipeline.ir.VShapeLayout`, ``t_comm`` across stages
 and nothing on the local turn). Its choice, in order of preference:
 
@@ -31,8 +32,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron.pipeline.ir import OpKind, VShapeLayout
 from megatron.pipeline.costs.op_costs import OpCosts
+from megatron.pipeline.event_clock import EventClock
+from megatron.pipeline.ir import OpKind, VShapeLayout
 
 #: one planned op of a stage: (kind, micro-batch index in the iteration, chunk)
 PlannedOp = tuple[OpKind, int, int]
@@ -46,15 +48,18 @@ class InfeasibleVMemory(ValueError):
     """The memory limit cannot hold what a V stage needs to make progress (one line)."""
 
 
+#: keys of the passes' ends on the clock: (pass, virtual stage, micro-batch)
+_F, _B = 0, 1
+
+
 @dataclass
 class _Stage:
-    free: float = 0.0
-    memory: float = 0.0
+    """What the policy tracks of a stage; its time, memory and bubble are on the clock."""
+
     next_f: list[int] = field(default_factory=lambda: [0, 0])
     next_b: list[int] = field(default_factory=lambda: [0, 0])
     pending_w: deque[tuple[int, int]] = field(default_factory=deque)
     order: list[PlannedOp] = field(default_factory=list)
-    bubble: float = 0.0  # idle time after the stage's first op
 
 
 class VGreedyPlanner:
@@ -77,20 +82,17 @@ class VGreedyPlanner:
                 f"memory limit {memory_limit:g} M_B is below {least:g}, the two chunk activations a V stage "
                 f"must hold to start a backward")
         self.stages = [_Stage() for _ in range(self.p)]
-        self.f_end: dict[tuple[int, int], float] = {}  # (virtual stage, micro-batch) -> end of its F
-        self.b_end: dict[tuple[int, int], float] = {}
+        self.clock = EventClock(self.p, [c.t_comm for c in costs])
 
-    def _arrival(self, ends: dict[tuple[int, int], float], src_virtual: int, dst_stage: int, mb: int) -> float:
-        end = ends.get((src_virtual, mb), math.inf)
-        src_stage = self.layout.physical(src_virtual)[0]
-        return end if src_stage == dst_stage else end + self.costs[src_stage].t_comm
+    def _arrival(self, kind: int, src_virtual: int, dst_stage: int, mb: int) -> float:
+        return self.clock.arrival((kind, src_virtual, mb), self.layout.physical(src_virtual)[0], dst_stage)
 
     def _f_ready(self, s: int, chunk: int) -> float:
         mb = self.stages[s].next_f[chunk]
         if mb >= self.m:
             return math.inf
         v = self.layout.virtual(s, chunk)
-        return 0.0 if v == 0 else self._arrival(self.f_end, v - 1, s, mb)
+        return 0.0 if v == 0 else self._arrival(_F, v - 1, s, mb)
 
     def _b_ready(self, s: int, chunk: int) -> float:
         mb = self.stages[s].next_b[chunk]
@@ -98,18 +100,18 @@ class VGreedyPlanner:
             return math.inf
         v = self.layout.virtual(s, chunk)
         last = v == self.layout.num_virtual_stages - 1
-        return self.f_end[(v, mb)] if last else self._arrival(self.b_end, v + 1, s, mb)
+        return self.clock.ends[(_F, v, mb)] if last else self._arrival(_B, v + 1, s, mb)
 
     def _fits(self, s: int, chunk: int) -> bool:
         st = self.stages[s]
         if chunk == 0 and st.next_f[0] - st.next_f[1] >= self.lead[s]:
             return False  # the warm-up's lead of chunk 0 over chunk 1 is used up
         reserve = self.costs[s].m_f if chunk == 0 else 0.0
-        return self.stages[s].memory + self.costs[s].m_f + reserve <= self.limit + 1e-9
+        return self.clock.memory[s] + self.costs[s].m_f + reserve <= self.limit + 1e-9
 
     def _choose(self, s: int) -> tuple[PlannedOp | None, float]:
         """The op stage ``s`` runs when it is free, or (None, when something may arrive)."""
-        st, now = self.stages[s], self.stages[s].free
+        st, now = self.stages[s], self.clock.free[s]
         for chunk in (1, 0):
             if self._b_ready(s, chunk) <= now:
                 return (OpKind.B, st.next_b[chunk], chunk), now
@@ -126,30 +128,28 @@ class VGreedyPlanner:
 
     def _fill(self, s: int, arrival: float, kind: OpKind, chunk: int) -> bool:
         """Whether stage ``s`` runs a pending W now rather than wait for ``arrival`` (step 3)."""
-        now = self.stages[s].free
+        now = self.clock.free[s]
         if now + self.costs[s].t_w <= arrival or not math.isfinite(arrival):
             return True  # fits in the gap, or nothing else can run (memory full)
         if not (kind is OpKind.B and (chunk == 1 or self.fill_b)) and not (kind is OpKind.F and self.fill_f):
             return False
-        worst = max(max(st.bubble for st in self.stages), max(self.approved) - self.approved[s])
-        return arrival - now > worst - self.stages[s].bubble
+        worst = max(self.clock.max_bubble, max(self.approved) - self.approved[s])
+        return arrival - now > worst - self.clock.bubble[s]
 
     def _run(self, s: int, op: PlannedOp) -> None:
         kind, mb, chunk = op
         st, cost = self.stages[s], self.costs[s]
-        end = st.free + cost.duration(kind)
-        v = self.layout.virtual(s, chunk)
+        key: tuple[int, int, int] | None = None
         if kind is OpKind.F:
             st.next_f[chunk] += 1
-            self.f_end[(v, mb)] = end
+            key = (_F, self.layout.virtual(s, chunk), mb)
         elif kind is OpKind.B:
             st.next_b[chunk] += 1
             st.pending_w.append((mb, chunk))
-            self.b_end[(v, mb)] = end
+            key = (_B, self.layout.virtual(s, chunk), mb)
         else:
             st.pending_w.popleft()
-        st.memory += cost.memory_delta(kind)
-        st.free = end
+        self.clock.place(s, cost.duration(kind), memory_delta=cost.memory_delta(kind), key=key)  # chosen: its inputs are here
         st.order.append(op)
 
     def plan(self) -> list[list[PlannedOp]]:
@@ -159,15 +159,13 @@ class VGreedyPlanner:
             waiting = [s for s in range(self.p) if len(self.stages[s].order) < total]
             if not waiting:
                 return [st.order for st in self.stages]
-            for s in sorted(waiting, key=lambda i: self.stages[i].free):
+            for s in sorted(waiting, key=self.clock.free.__getitem__):
                 op, when = self._choose(s)
                 if op is not None:
                     self._run(s, op)
                     break
                 if math.isfinite(when):  # idle until its next input arrives
-                    st = self.stages[s]
-                    st.bubble += (when - st.free) if st.order else 0.0
-                    st.free = when
+                    self.clock.wait(s, when)
                     break
             else:  # nothing runs and nothing is on its way
                 s = waiting[0]
@@ -177,7 +175,11 @@ class VGreedyPlanner:
 
     def makespan(self) -> float:
         """End of the last op of any stage (after :meth:`plan`)."""
-        return max(st.free for st in self.stages)
+        return self.clock.makespan()
+
+    def bubbles(self) -> list[float]:
+        """Each stage's idle time after its first op (after :meth:`plan`)."""
+        return list(self.clock.bubble)
 
 
 def best_v_plan(costs: Sequence[OpCosts], num_microbatches: int, memory_limit: float) -> list[list[PlannedOp]]:
@@ -198,12 +200,12 @@ def best_v_plan(costs: Sequence[OpCosts], num_microbatches: int, memory_limit: f
                 break
             if best is None or planner.makespan() < best[0]:
                 best = planner.makespan(), plan
-            worst = max(st.bubble for st in planner.stages)
+            worst = planner.clock.max_bubble  # bubbles never shrink, so the largest is the worst
             if worst <= 0.0:  # no stage idles after its first op: nothing left to search for
                 return plan
             if worst >= previous:
                 break
-            previous, approved = worst, [st.bubble for st in planner.stages]
+            previous, approved = worst, planner.bubbles()
     if best is None:
         assert error is not None
         raise error

@@ -18,7 +18,9 @@ implementation's units F = +2, B = -1, W = -1):
 
 The grid over the three binary choices keeps the order with the lowest cost (largest
 per-stage span, ties broken by makespan). The greedy computes the same times as the timing
-simulator (``megatron.pipeline.simulator``), since both follow the paper's event model.
+simulator (``megatron.pipeline.simulator``): both keep time on the same event clock
+(:class:`~megatron.pipeline.event_clock.EventClock`, which also keeps the per-stage memory and
+bubbles the rules read); this module is only the placement policy.
 """
 from __future__ import annotations
 
@@ -27,10 +29,14 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron.pipeline.ir import OpKind
 from megatron.pipeline.costs.op_costs import OpCosts
+from megatron.pipeline.event_clock import EventClock
+from megatron.pipeline.ir import OpKind
 
 _EPS = 1e-9
+#: keys of the passes' ends on the clock: (pass, stage, local micro-batch), ints hash fast
+_F, _B, _W = 0, 1, 2
+_KEY = {OpKind.F: _F, OpKind.B: _B, OpKind.W: _W}
 
 
 class InfeasibleMemory(ValueError):
@@ -61,39 +67,29 @@ def greedy_order(
     tb = [c.t_b for c in costs]
     tw = [c.t_w for c in costs]
     tc = [c.t_comm for c in costs]
+    # the reference's units: F keeps one M_B whatever the costs' m_f (the heuristic's own rule)
     dmem = {OpKind.F: [1.0] * p, OpKind.B: [c.m_w - 1.0 for c in costs], OpKind.W: [-c.m_w for c in costs]}
     dur = {OpKind.F: tf, OpKind.B: tb, OpKind.W: tw}
     limit = memory_limit + _EPS
 
     count = {OpKind.F: [0] * p, OpKind.B: [0] * p, OpKind.W: [0] * p}
-    done = {k: [[0.0] * m for _ in range(p)] for k in count}  # end time per (stage, index)
     f, b, w = count[OpKind.F], count[OpKind.B], count[OpKind.W]
-    free = [0.0] * p
-    mem = [0.0] * p
-    bub = [0.0] * p
-    maxbub = 0.0
+    clock = EventClock(p, tc)
+    ends, free, mem, bub = clock.ends, clock.free, clock.memory, clock.bubble
     order: list[list[tuple[OpKind, int]]] = [[] for _ in range(p)]
 
     def put(j: int, kind: OpKind) -> None:
-        nonlocal maxbub
         idx = count[kind][j]
-        t = dur[kind][j]
-        ready = free[j]
         if (kind is OpKind.F and j > 0 and count[kind][j - 1] <= idx) or (
             kind is OpKind.B and (f[j] <= idx or (j < p - 1 and count[kind][j + 1] <= idx))
         ):
             raise RuntimeError(f"zero-bubble heuristic: {kind.value}{idx} on stage {j} before its inputs")
+        ready = 0.0
         if kind is OpKind.F and j > 0:
-            ready = max(ready, done[OpKind.F][j - 1][idx] + tc[j - 1])
+            ready = clock.arrival((_F, j - 1, idx), j - 1, j)
         elif kind is OpKind.B and j < p - 1:
-            ready = max(ready, done[OpKind.B][j + 1][idx] + tc[j + 1])
-        end = ready + t
-        if f[j] > 0:
-            bub[j] += end - (free[j] + t)
-            maxbub = max(maxbub, bub[j])
-        free[j] = end
-        done[kind][j][idx] = end
-        mem[j] += dmem[kind][j]
+            ready = clock.arrival((_B, j + 1, idx), j + 1, j)
+        clock.place(j, dur[kind][j], ready, dmem[kind][j], (_KEY[kind], j, idx))
         count[kind][j] += 1
         order[j].append((kind, idx))
 
@@ -101,7 +97,7 @@ def greedy_order(
         while w[j] < b[j] and free[j] + tw[j] <= arrival + _EPS:
             put(j, OpKind.W)
         if w[j] < b[j] and free[j] < arrival - _EPS:
-            if arrival - free[j] <= maxbub - bub[j] + _EPS:
+            if arrival - free[j] <= clock.max_bubble - bub[j] + _EPS:
                 if no_bubble_greedy:
                     put(j, OpKind.W)
             else:
@@ -118,7 +114,7 @@ def greedy_order(
         make_room(j, OpKind.F)
         put(j, OpKind.F)
     extra = [0] * p
-    last_t = done[OpKind.F][p - 1][0] + tb[p - 1]
+    last_t = ends[(_F, p - 1, 0)] + tb[p - 1]
     for j in range(p - 2, -1, -1):
         arrival = last_t + tc[j + 1]
         cur, mm, k = free[j], mem[j], 0
@@ -163,7 +159,7 @@ def greedy_order(
                         needed += 1
                     if free[j] + tf[j] + needed * tw[j] <= nxt + _EPS:
                         take[j] = 1
-                    elif nxt - free[j] <= maxbub - bub[j] + _EPS:
+                    elif nxt - free[j] <= clock.max_bubble - bub[j] + _EPS:
                         take[j] = 0
         for j in range(p - 2, -1, -1):
             take[j] = min(take[j], take[j + 1])
@@ -171,12 +167,12 @@ def greedy_order(
             if take[j]:
                 make_room(j, OpKind.F)
                 if j > 0:
-                    fill_w(j, done[OpKind.F][j - 1][f[j]] + tc[j - 1])
+                    fill_w(j, clock.arrival((_F, j - 1, f[j]), j - 1, j))
                 put(j, OpKind.F)
         for j in range(p - 1, -1, -1):
             make_room(j, OpKind.B)
             if j < p - 1:
-                fill_w(j, done[OpKind.B][j + 1][i] + tc[j + 1])
+                fill_w(j, clock.arrival((_B, j + 1, i), j + 1, j))
             if j == 0 and f[0] == m:
                 while w[j] < b[j]:
                     put(j, OpKind.W)
@@ -187,8 +183,8 @@ def greedy_order(
         while w[j] < m:
             put(j, OpKind.W)
 
-    cost = max(done[OpKind.W][j][m - 1] - done[OpKind.F][j][0] + tf[j] for j in range(p))
-    makespan = max(free)
+    cost = max(ends[(_W, j, m - 1)] - ends[(_F, j, 0)] + tf[j] for j in range(p))
+    makespan = clock.makespan()
     return GreedyResult(
         tuple(tuple(o) for o in order), cost, makespan,
         (allow_bubble_before_first_b, prioritize_b, no_bubble_greedy),
