@@ -6,8 +6,9 @@ that needs another stage goes through the :class:`~megatron.pipeline.runtime.tra
 (the synchronous step's gathers: norms over the sync group; AMDP's replica sums and shard
 gathers, :class:`~megatron.pipeline.runtime.replicas.ReplicaReduction`; the tied embeddings'
 sum; the reports), except the data-parallel reduction, which is each worker's
-:class:`~megatron.pipeline.runtime.gradient_sync.GradientSync` (called here before a step). So the optimizer step, post-validation's ops, compute ops and the
-report cadence exist once, for every transport.
+:class:`~megatron.pipeline.runtime.gradient_sync.GradientSync` (called here before a step). So
+the optimizer step, post-validation's ops, compute ops and the report cadence exist once, for
+every transport.
 """
 from __future__ import annotations
 
