@@ -32,9 +32,9 @@ def run_compute_op(
     is recorded; with a profiler (a profiled Zero Bubble schedule profiling) F / B / W are timed.
     """
     hooks = worker.hooks
-    tracer, profiler = hooks.tracer, hooks.profiler
-    if tracer is None and profiler is None:
+    if not hooks.on:
         return _dispatch(worker, op, inputs)
+    tracer, profiler = hooks.tracer, hooks.profiler
     start = tracer.now() if tracer is not None else 0
     if profiler is None:
         outputs = _dispatch(worker, op, inputs)
