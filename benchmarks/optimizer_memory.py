@@ -66,7 +66,6 @@ def _rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
     from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
     from megatron.pipeline.runtime.transport.distributed import DistributedTransport
     from megatron.trainer.config.arguments import build_parser, parse_job_config
-    from megatron.trainer.config.ddp_args import overlap_bucket_size
     from megatron.trainer.loop.training import _init_megatron_parallel_state, drive
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -81,7 +80,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
     groups = StageGroups.create(RankLayout(parallel.pipeline_model_parallel_size, parallel.data_parallel_size),
                                 timeout, config.run.layout)
     _init_megatron_parallel_state()
-    transport = DistributedTransport(groups, config.run.layout, timeout, overlap_bucket_size(config))
+    transport = DistributedTransport(groups, config.run.layout, timeout)
     with contextlib.redirect_stdout(io.StringIO()):
         (worker,) = drive(task, config, transport, torch.device("cpu"), None)
     params = worker.setup.optimizer.parameters()

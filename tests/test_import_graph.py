@@ -31,26 +31,27 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement under ``node``, skipping ``if TYPE_CHECKING:`` bodies."""
+def _imports(node: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under ``node``, skipping ``if TYPE_CHECKING:`` bodies unless
+    ``type_checking`` (a type-only import still ties the modules' designs together)."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
+        if not type_checking and isinstance(child, ast.If) and _is_type_checking(child.test):
             for other in child.orelse:
                 yield from _imports(other)
             continue
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        yield from _imports(child)
+        yield from _imports(child, type_checking)
 
 
 def _package_of(module: str, path: Path) -> str:
     return module if path.name == "__init__.py" else module.rpartition(".")[0]
 
 
-def dependencies(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules ``module`` imports."""
+def dependencies(module: str, path: Path, modules: dict[str, Path], type_checking: bool = False) -> set[str]:
+    """The project modules ``module`` imports (``type_checking``: under ``if TYPE_CHECKING:`` too)."""
     found = set()
-    for node in _imports(ast.parse(path.read_text(), str(path))):
+    for node in _imports(ast.parse(path.read_text(), str(path)), type_checking):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:

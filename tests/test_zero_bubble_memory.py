@@ -68,7 +68,7 @@ def _run(schedule, workers=None, profilers: bool = False):
     hook = schedule_profiling(schedule, InProcessTransport(schedule.layout), workers)
     if profilers:
         for w in workers:
-            w.profiler = OpProfiler(w.setup.device)
+            w.hooks.start_profiling(OpProfiler(w.setup.device))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -171,7 +171,10 @@ class PairedStage:
     def switch(self, variant: str) -> None:
         on = set(VARIANTS[variant])
         self.worker.meter.measure_bytes = "--log-activation-memory" in on
-        self.worker.tracer = self.tracer if "--trace-dir" in on else None
+        if "--trace-dir" in on:
+            self.worker.hooks.start_tracing(self.tracer)
+        else:
+            self.worker.hooks.stop_tracing()
         self.worker.setup.report_params_norm = "--log-params-norm" in on
 
     def iteration(self) -> float:

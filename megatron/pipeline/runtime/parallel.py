@@ -34,6 +34,24 @@ class RankLayout:
         return rest // self.data_parallel_size, rest % self.data_parallel_size, tp
 
 
+def has_replicas(layout: PipelineLayout) -> bool:
+    """Whether sync OPTs of this layout reduce gradients among replicated pipelines (AMDP), and so
+    whether a sync step's group is :attr:`StageGroups.sync` rather than the pipeline."""
+    return isinstance(layout, MultiPipelineLayout) and layout.num_pipelines > 1
+
+
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """A stage's data-parallel replicas as its gradient reduction sees them: this rank's group of
+    them (same stage and TP index), how many there are, and the timeout of every wait on it.
+    The transport describes it; :class:`~megatron.pipeline.runtime.gradient_sync.GradientSync`
+    reduces over it, so neither needs the other."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    timeout: timedelta
+
+
 @dataclass
 class StageGroups:
     """This rank's groups. Every rank must create every group, in the same order."""

@@ -36,17 +36,14 @@ it is all-gathered).
 """
 from __future__ import annotations
 
-import contextlib
-import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron.pipeline.ir import Op, OpKind
-from megatron.pipeline.runtime.memory import ActivationMeter
+from megatron.pipeline.ir import Op
+from megatron.pipeline.runtime.op_profiler import SUMMARY_FIELDS, OpProfiler
 from megatron.pipeline.costs.op_costs import OpCosts
 
 if TYPE_CHECKING:
@@ -54,48 +51,6 @@ if TYPE_CHECKING:
     from megatron.pipeline.runtime.worker import StageWorker
     from megatron.pipeline.schedules.base import Schedule
     from megatron.pipeline.schedules.zero_bubble.profiled import ProfiledSchedule
-
-_TIMED = (OpKind.F, OpKind.B, OpKind.W)
-# The fixed-length summary a rank contributes to the all-gather (seconds, ratio, counts).
-SUMMARY_FIELDS = ("t_f", "t_b", "t_w", "m_w", "t_comm", "n_f", "n_b", "n_w")
-
-
-class OpProfiler:
-    """Wall times of one stage's F / B / W ops and the M_W / M_B ratio of its Bs."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.times: dict[OpKind, list[float]] = {k: [] for k in _TIMED}
-        self.bytes_forward = 0  # what the profiled Bs' micro-batches held before B (their F's)
-        self.bytes_kept = 0  # what they still held after B, for W
-        self.t_comm = 0.0  # set by the executor's hook (ping-pong or clone time)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextlib.contextmanager
-    def timed(self, op: Op, meter: ActivationMeter) -> Iterator[None]:
-        if op.kind not in self.times:
-            yield
-            return
-        key = (op.microbatch, op.chunk)
-        before = meter.live_bytes(key)
-        self._sync()
-        start = time.perf_counter()
-        yield
-        self._sync()
-        self.times[op.kind].append(time.perf_counter() - start)
-        if op.kind is OpKind.B:
-            self.bytes_forward += before
-            self.bytes_kept += meter.live_bytes(key)
-
-    def summary(self) -> list[float]:
-        """This stage's measurements in :data:`SUMMARY_FIELDS` order (seconds)."""
-        med = {k: statistics.median(v) if v else 0.0 for k, v in self.times.items()}
-        m_w = self.bytes_kept / self.bytes_forward if self.bytes_forward else 0.0
-        return [med[OpKind.F], med[OpKind.B], med[OpKind.W], min(1.0, m_w), self.t_comm,
-                float(len(self.times[OpKind.F])), float(len(self.times[OpKind.B])), float(len(self.times[OpKind.W]))]
 
 
 def _ms(seconds: float) -> float:
@@ -160,7 +115,7 @@ def _due(schedule: "ProfiledSchedule", op: Op) -> bool:
 
 def schedule_profiling(schedule: "Schedule", transport: "Transport",
                        workers: Sequence["StageWorker"]) -> Callable[[list[Op]], None] | None:
-    """Attach profilers to the local workers of a schedule that profiles (its
+    """Start profiling on the local workers of a schedule that profiles (its
     :meth:`~megatron.pipeline.schedules.base.Schedule.profiles_ops`); return the executors'
     sync hook, which at the step ending profiling gathers every stage's measurements over
     ``transport`` and decides the order (None: nothing to profile)."""
@@ -170,17 +125,19 @@ def schedule_profiling(schedule: "Schedule", transport: "Transport",
     log = transport.is_coordinator
     _note_short_run(profiled, log)
     for w in workers:
-        w.profiler = w.profiler or OpProfiler(w.setup.device)  # keeps timings of earlier segments
+        if w.hooks.profiler is None:  # one of an earlier segment keeps its timings
+            w.hooks.start_profiling(OpProfiler(w.setup.device))
 
     def hook(ops: list[Op]) -> None:
         if not _due(profiled, ops[0]):
             return
         rows = {}
         for w in workers:
-            profiler = w.profiler
+            profiler = w.hooks.stop_profiling()
             assert profiler is not None
-            w.profiler = None
-            profiler.t_comm = transport.link_latency(w)
+            setup = w.setup
+            probe = torch.zeros(setup.activation_shape, dtype=setup.activation_dtype, device=setup.device)
+            profiler.t_comm = transport.link_latency(probe)
             rows[w.stage] = profiler.summary()
         gathered = transport.gather_rows(rows)
         n = profiled.config.num_stages

@@ -37,20 +37,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
+from megatron.pipeline.ir import MultiPipelineLayout, Op
+from megatron.pipeline.runtime.parallel import has_replicas
 from megatron.pipeline.runtime.sharding import (
     STATE_KINDS, add_whole_state, assign_flat, flat_values, owned_entries, owned_ranges, owned_state, padded_part,
     shard_range, unpadded)
 from megatron.pipeline.runtime.tensor_parallel import tp_sq_sum
-from megatron.pipeline.runtime.worker import StageWorker
+from megatron.pipeline.runtime.worker import StageWorker, Workers
 
 if TYPE_CHECKING:
-    from megatron.pipeline.runtime.transport import Transport, Workers
-
-
-def has_replicas(layout: PipelineLayout) -> bool:
-    """Whether sync OPTs of this layout reduce gradients among replicated pipelines."""
-    return isinstance(layout, MultiPipelineLayout) and layout.num_pipelines > 1
+    from megatron.pipeline.runtime.transport import Transport
 
 
 def chunk_grads(worker: StageWorker, chunk: int) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ import contextlib
 import math
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,7 @@ from megatron.pipeline.comm import Message, MsgKind
 from megatron.pipeline.runtime.freed_outputs import backward_released, release_output
 from megatron.pipeline.ir import Op
 from megatron.pipeline.runtime.memory import ActivationMeter
+from megatron.pipeline.runtime.op_hooks import OpHooks
 from megatron.pipeline.schedules.zero_bubble.post_validation import is_state_message
 from megatron.pipeline.runtime.post_validation_state import PostValidationState, state_spec
 from megatron.pipeline.runtime.report import StageReport
@@ -55,8 +56,8 @@ from megatron.pipeline.runtime.weight_versions import WeightPolicy
 from megatron.pipeline.runtime.wgrad import DeferredWeightGrads, defer_weight_grads
 
 if TYPE_CHECKING:
-    from megatron.pipeline.runtime.grad_buckets import OverlappedGradReduce
-    from megatron.pipeline.runtime.profiling import OpProfiler
+    from megatron.pipeline.runtime.gradient_sync import GradientSync
+    from megatron.pipeline.runtime.op_profiler import OpProfiler
     from megatron.pipeline.runtime.tracing import StageTracer
 
 
@@ -70,7 +71,7 @@ class StageWorker:
     keep_update_history: bool = False
 
     def __init__(self, setup: StageSetup, isolate_rng: bool = False, *, tracer: StageTracer | None = None,
-                 profiler: OpProfiler | None = None, grad_sync: OverlappedGradReduce | None = None):
+                 profiler: OpProfiler | None = None, grad_sync: GradientSync | None = None):
         self.setup = setup
         self.stage = setup.stage
         self.layout = setup.layout
@@ -88,17 +89,27 @@ class StageWorker:
         # for update k takes the micro-batches of updates <= k only (with post-validation the
         # next iteration's warm-up forwards run before update k is final and reported).
         self._losses: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
-        # The hooks, given here (and swapped by their owners: profiling, tracing, the transport):
-        # times F / B / W while a profiled Zero Bubble schedule profiles (runtime.profiling);
-        self.profiler = profiler
-        # records op spans with --trace-dir (runtime.tracing); None: tracing off;
-        self.tracer = tracer
-        # the overlapped data-parallel reduction (runtime.grad_buckets); None: off.
+        # The instruments around the ops, given here and switched on and off by their owners
+        # (the runner traces training segments, profiling runs until the order is decided):
+        self.hooks = OpHooks(tracer, profiler)
+        # The data-parallel gradient reduction (runtime.gradient_sync): gradient ops run inside
+        # it, the op core reduces through it before a step; None: one replica, nothing to reduce.
         self.grad_sync = grad_sync
+        self._grad_ops_synced = grad_sync is not None and grad_sync.overlaps  # one check per backward
         self._rng = StageRNG(setup.seed + 100 * setup.stage, setup.device, isolate_rng)
         self._reset_interval()
 
     # -- helpers ---------------------------------------------------------------------
+    @property
+    def tracer(self) -> StageTracer | None:
+        """The tracer recording this stage's ops now (``--trace-dir``, training segments only)."""
+        return self.hooks.tracer
+
+    @property
+    def profiler(self) -> OpProfiler | None:
+        """The profiler timing this stage's F / B / W now (while a profiled schedule profiles)."""
+        return self.hooks.profiler
+
     @property
     def version(self) -> int:
         return self.setup.optimizer.step_count
@@ -288,10 +299,10 @@ class StageWorker:
 
     def _grad_scope(self, op: Op, completes: bool) -> contextlib.AbstractContextManager[None]:
         """Tell the overlapped reduction (if any) that ``op`` accumulates gradients."""
-        if self.grad_sync is None:
+        if not self._grad_ops_synced:
             return contextlib.nullcontext()
-        a = self.setup.microbatches_per_update
-        return self.grad_sync.grad_op(op.microbatch // a, a, op.chunk, completes)
+        assert self.grad_sync is not None
+        return self.grad_sync.grad_op(op, self.setup.microbatches_per_update, completes)
 
     def _backward(self, op: Op, grad_output: torch.Tensor | None, defer: bool) -> torch.Tensor | None:
         key = (op.microbatch, op.chunk)
@@ -348,7 +359,8 @@ class StageWorker:
 
         Non-finite gradients skip the update (the version does not advance) and are logged.
         """
-        start = self.tracer.now() if self.tracer is not None else 0  # after the collective: see tracing
+        tracer = self.hooks.tracer
+        start = tracer.now() if tracer is not None else 0  # after the collective: see tracing
         total_sq = math.fsum(stage_sq_norms)
         opt = self.setup.optimizer
         self.params_ready()
@@ -367,8 +379,8 @@ class StageWorker:
             self.params_ready()
         self.weights.after_update(op)
         opt.zero_grad()
-        if self.tracer is not None:
-            self.tracer.record(op, start)
+        if tracer is not None:
+            tracer.record(op, start)
 
     def record_update(self, update: int, total_sq: float, lr: float | None) -> None:
         """Statistics of update ``update``: applied with ``lr``, or skipped when ``lr`` is None."""
@@ -421,4 +433,7 @@ class StageWorker:
         return report
 
 
-__all__ = ["Batch", "StageSetup", "StageWorker"]
+Workers = Mapping[int, StageWorker] | Sequence[StageWorker]
+"""The local stages' workers, indexed by stage (a list when every stage is local)."""
+
+__all__ = ["Batch", "StageSetup", "StageWorker", "Workers"]

@@ -59,5 +59,5 @@ def check_ddp_flags(args: argparse.Namespace) -> None:
 
 
 def overlap_bucket_size(config: JobConfig) -> int | None:
-    """What the distributed transport gets: the bucket size when overlapping, else None."""
+    """What a stage's gradient sync gets: the bucket size when overlapping, else None."""
     return config.parallel.ddp_bucket_size if config.parallel.overlap_grad_reduce else None

@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
 from megatron.pipeline.runtime.transport.distributed import DistributedTransport
-from megatron.trainer.config.ddp_args import overlap_bucket_size
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.launch import flight_recorder
 from megatron.trainer.launch.rendezvous import rank_store
@@ -64,7 +63,7 @@ def rank_transport(task: PretrainTask, config: JobConfig,
         if device.type == "cpu":  # its advice on CUDA streams (TP linears) means nothing on a CPU
             warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
     config = apply_auto_partition(task, config, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
-    return config, groups, DistributedTransport(groups, stage_layout, p2p_timeout, overlap_bucket_size(config))
+    return config, groups, DistributedTransport(groups, stage_layout, p2p_timeout)
 
 
 def fail(message: str) -> None:

@@ -46,12 +46,13 @@ def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], conf
         yield
         return
     for w, t in zip(workers, tracers):
-        w.tracer = t
+        assert t is not None
+        w.hooks.start_tracing(t)
     try:
         yield
     finally:
         for w, t in zip(workers, tracers):
-            w.tracer = None
+            w.hooks.stop_tracing()
             assert t is not None
             if writes:
                 t.write(config.logging.trace_dir)

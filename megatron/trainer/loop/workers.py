@@ -8,12 +8,15 @@ import torch
 import torch.distributed as dist
 
 from megatron.pipeline.ir import MultiPipelineLayout
+from megatron.pipeline.runtime.gradient_sync import GradientSync
 from megatron.pipeline.runtime.loss_scaling import StageLossScaler
+from megatron.pipeline.runtime.parallel import DataParallelGroup
 from megatron.pipeline.runtime.replicas import optimizer_shards
 from megatron.pipeline.runtime.tied_embeddings import counted
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
+from megatron.trainer.config.ddp_args import overlap_bucket_size
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.mixed_precision_args import loss_scale_config
 from megatron.trainer.models.tensor_parallel import build_tensor_parallel_stage, full_shape, gather_full, shard_layout
@@ -24,7 +27,10 @@ from megatron.trainer.tasks.task import PretrainTask
 
 
 def build_worker(task: PretrainTask, config: JobConfig, stage: int, dp_rank: int,
-                 device: torch.device, isolate_rng: bool) -> StageWorker:
+                 device: torch.device, isolate_rng: bool,
+                 data_parallel: DataParallelGroup | None = None) -> StageWorker:
+    """Stage ``stage``'s worker; ``data_parallel``: its replicas' group, which its gradients are
+    averaged over (None: one replica, all stages in this process)."""
     training, logging = config.training, config.logging
     chunks = build_tensor_parallel_stage(task, config, stage, device)
     run = config.run
@@ -69,7 +75,8 @@ def build_worker(task: PretrainTask, config: JobConfig, stage: int, dp_rank: int
         aux_loss_fn=getattr(task, "aux_loss_fn", None),
         tp_group=_tensor_parallel_group(run.tensor_parallel_size),
     )
-    return StageWorker(setup, isolate_rng=isolate_rng)
+    grad_sync = None if data_parallel is None else GradientSync(setup, data_parallel, overlap_bucket_size(config))
+    return StageWorker(setup, isolate_rng=isolate_rng, grad_sync=grad_sync)
 
 
 def _tensor_parallel_group(tp_size: int) -> dist.ProcessGroup | None:
@@ -114,10 +121,8 @@ def print_drift_histograms(workers: list[StageWorker]) -> None:
 
 
 def local_workers(task: PretrainTask, config: JobConfig, transport: Transport, device: torch.device) -> list[StageWorker]:
-    """The transport's local stage workers, attached to it (the distributed optimizer's group,
-    overlapped gradient buckets)."""
-    workers = [build_worker(task, config, s, transport.dp_rank, device, isolate_rng=transport.in_process)
-               for s in transport.stages]
-    for w in workers:
-        transport.attach(w)
-    return workers
+    """The transport's local stage workers, each with its gradient sync over the replicas the
+    transport describes (the distributed optimizer's group, overlapped gradient buckets)."""
+    return [build_worker(task, config, s, transport.dp_rank, device, isolate_rng=transport.in_process,
+                         data_parallel=transport.data_parallel_group)
+            for s in transport.stages]

@@ -28,28 +28,27 @@ def run_compute_op(
     """Run F, B, W, BW or EVAL on ``worker`` with received tensors; return the tensors to send.
 
     B sends the input gradient exactly like BW; W receives and sends nothing. With a tracer on
-    the worker (``--trace-dir``, :mod:`megatron.pipeline.runtime.tracing`) the op's span is recorded.
+    the worker's hooks (``--trace-dir``, :mod:`megatron.pipeline.runtime.tracing`) the op's span
+    is recorded; with a profiler (a profiled Zero Bubble schedule profiling) F / B / W are timed.
     """
-    tracer = worker.tracer
-    if tracer is None:
-        return _run_compute_op(worker, op, inputs)
-    start = tracer.now()
-    outputs = _run_compute_op(worker, op, inputs)
-    tracer.record(op, start)
+    hooks = worker.hooks
+    if not hooks.on:
+        return _dispatch(worker, op, inputs)
+    tracer, profiler = hooks.tracer, hooks.profiler
+    start = tracer.now() if tracer is not None else 0
+    if profiler is None:
+        outputs = _dispatch(worker, op, inputs)
+    else:
+        with profiler.timed(op, worker.meter), worker.meter.measuring():  # M_W / M_B needs bytes
+            outputs = _dispatch(worker, op, inputs)
+    if tracer is not None:
+        tracer.record(op, start)
     return outputs
 
 
-def _run_compute_op(
+def _dispatch(
     worker: StageWorker, op: Op, inputs: dict[Message, torch.Tensor]
 ) -> dict[Message, torch.Tensor]:
-    profiler = worker.profiler  # set only while a profiled Zero Bubble schedule profiles
-    if profiler is not None:
-        worker.profiler = None
-        try:
-            with profiler.timed(op, worker.meter), worker.meter.measuring():  # M_W / M_B needs bytes
-                return _run_compute_op(worker, op, inputs)
-        finally:
-            worker.profiler = profiler
     # ``inputs`` holds exactly op_recvs(op): both executors build it from there, and a compute op
     # receives one message at most (so it is not derived a second time per op here).
     assert len(inputs) <= 1, f"{op} got {len(inputs)} inputs"

@@ -2,11 +2,13 @@
 
 An executor decides *when* an op runs (the emulator replays every stage's stream; the runtime
 prefetches its stage's receives) and hands the op here with its received tensors. Everything
-that needs another stage goes through the :class:`~megatron.pipeline.runtime.transport.Transport`:
-the data-parallel reduction, the synchronous step's gathers (norms over the sync group; AMDP's
-replica sums and shard gathers, :class:`~megatron.pipeline.runtime.replicas.ReplicaReduction`),
-and the reports. So the optimizer step, post-validation's ops, compute ops and the
-report cadence exist once, for every transport.
+that needs another stage goes through the :class:`~megatron.pipeline.runtime.transport.Transport`
+(the synchronous step's gathers: norms over the sync group; AMDP's replica sums and shard
+gathers, :class:`~megatron.pipeline.runtime.replicas.ReplicaReduction`; the tied embeddings'
+sum; the reports), except the data-parallel reduction, which is each worker's
+:class:`~megatron.pipeline.runtime.gradient_sync.GradientSync` (called here before a step). So
+the optimizer step, post-validation's ops, compute ops and the report cadence exist once, for
+every transport.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOu
 from megatron.pipeline.runtime.post_validation_ops import run_post_validation_op
 from megatron.pipeline.runtime.executors.common import ReportCadence, run_compute_op
 from megatron.pipeline.runtime.replicas import ReplicaReduction, has_replicas
-from megatron.pipeline.runtime.transport import ReportSink, Transport, Workers
-from megatron.pipeline.runtime.worker import StageWorker
+from megatron.pipeline.runtime.tied_embeddings import sum_tied_gradients, tied_parameters
+from megatron.pipeline.runtime.transport import ReportSink, Transport
+from megatron.pipeline.runtime.worker import StageWorker, Workers
 
 SyncHook = Callable[[list[Op]], None]
 """Called after every synchronous step with the local stages' ops of it, before any later op of
@@ -74,7 +77,7 @@ class OpCore:
             outputs = run_compute_op(worker, op, inputs)
         else:
             if op.kind is OpKind.PSTEP:  # steps on this replica's share: average over replicas first
-                self.transport.reduce_data_parallel(worker)
+                _reduce_gradients(worker)
             outputs = run_post_validation_op(worker, op, inputs, self.outcomes)
         for msg, tensor in outputs.items():
             send(msg, tensor)
@@ -86,9 +89,10 @@ class OpCore:
     def step(self, ops: Sequence[Op]) -> None:
         """An OPT: one stage-local step, or the local stages' ops of one synchronous step."""
         for op in ops:
-            self.transport.reduce_data_parallel(self.workers[op.stage])
-        if ops[0].sync:
-            self.transport.sum_tied_gradients(self.workers, ops)  # Megatron's embedding group
+            _reduce_gradients(self.workers[op.stage])
+        if ops[0].sync:  # every tied end of the local stages, and of the other holders, gets their sum
+            sum_tied_gradients([p for op in ops for p in tied_parameters(self.workers[op.stage].setup.chunks)],
+                               self.transport.tied_all_reduce())  # Megatron's embedding group
             norms = self.reduction.norms(self.transport, self.workers, ops)
         else:
             (op,) = ops
@@ -107,3 +111,9 @@ class OpCore:
     def _maybe_report(self, worker: StageWorker, op: Op) -> None:
         if self.cadence.due(op.update):
             self.sink.submit(worker.take_report(op.update), replica=self.transport.dp_rank)
+
+
+def _reduce_gradients(worker: StageWorker) -> None:
+    """Average the stage's gradients over its data-parallel replicas (before any norm)."""
+    if worker.grad_sync is not None:
+        worker.grad_sync.reduce()

@@ -10,11 +10,14 @@ run every schedule; only *where the stages live* differs, and that is this proto
 
 Both compute every collective's result in the same order (squared norms in stage order summed
 with ``math.fsum``, AMDP replica sums in pipeline order), which is why the emulator is bitwise
-the runtime. Later parallelism (tensor parallel, a sharded optimizer, bucketed overlapped
-gradient reduction) belongs here once, behind :meth:`Transport.reduce_data_parallel` and the
-step's collectives (:meth:`Transport.sync_gather`, :meth:`Transport.replica_gather`), instead
-of in two executors; what the step computes from them is written once in
-:mod:`~megatron.pipeline.runtime.executors.core` and :mod:`~megatron.pipeline.runtime.replicas`.
+the runtime. A transport moves tensors and provides the step's collectives
+(:meth:`Transport.sync_gather`, :meth:`Transport.replica_gather`,
+:meth:`Transport.tied_all_reduce`); it knows nothing of workers (what a channel needs of a
+stage is :class:`~.distributed.Receiver`). What the step computes from the collectives is
+written once in :mod:`~megatron.pipeline.runtime.executors.core` and
+:mod:`~megatron.pipeline.runtime.replicas`; the data-parallel gradient reduction is the
+worker's :class:`~megatron.pipeline.runtime.gradient_sync.GradientSync`, over the group the
+transport describes (:attr:`Transport.data_parallel_group`).
 """
 from __future__ import annotations
 
@@ -28,18 +31,14 @@ if TYPE_CHECKING:
     import torch
 
     from megatron.pipeline.ir import Op, PipelineLayout
+    from megatron.pipeline.runtime.parallel import DataParallelGroup
     from megatron.pipeline.runtime.report import StageReport
     from megatron.pipeline.runtime.tracing import StageTracer
-    from megatron.pipeline.runtime.worker import StageWorker
     from megatron.pipeline.schedules.base import Schedule
 
 
 class ReportSink(Protocol):
     def submit(self, report: "StageReport", replica: int) -> None: ...
-
-
-Workers = Mapping[int, "StageWorker"] | Sequence["StageWorker"]
-"""The local stages' workers, indexed by stage (a list when every stage is local)."""
 
 
 class Transport(abc.ABC):
@@ -80,35 +79,22 @@ class Transport(abc.ABC):
     def local_streams(self, schedule: "Schedule") -> list["Iterable[Op]"]:
         """The op streams of :attr:`stages`, in that order."""
 
-    # -- the workers -----------------------------------------------------------------------
-    def attach(self, worker: "StageWorker") -> None:
-        """Hand a freshly built local ``worker`` what depends on this process's groups (the
-        distributed optimizer's group, overlapped gradient buckets); called once, where the
-        worker is built. Default: nothing to hand over (one process holds every stage)."""
+    #: The local stage's data-parallel replicas, which its gradients are averaged over (by the
+    #: worker's :class:`~megatron.pipeline.runtime.gradient_sync.GradientSync`); None: this
+    #: process holds the only replica and there is nothing to reduce.
+    data_parallel_group: "DataParallelGroup | None" = None
 
     # -- the optimizer step's collectives ------------------------------------------------
     layout: "PipelineLayout"  # where the schedule puts chunks (sync groups, AMDP's replicas)
-
-    @abc.abstractmethod
-    def reduce_data_parallel(self, worker: "StageWorker") -> None:
-        """Average the stage's gradients over its data-parallel replicas (before any norm)."""
 
     @abc.abstractmethod
     def sync_gather(self, values: Sequence[float], device: "torch.device") -> list[float]:
         """The local stages' ``values`` (one per op of a synchronous step) and those of the rest
         of their sync group, in the group's stage order (float64; ``device``: NCCL's)."""
 
-    def sum_tied_gradients(self, workers: Workers, ops: "Sequence[Op]") -> None:
-        """Before a synchronous step: every tied end (embedding, output-layer copy) of the
-        local stages of ``ops``, and of the other holders, gets the sum of their gradients
-        (:mod:`~megatron.pipeline.runtime.tied_embeddings`). Here: every holder is local."""
-        from megatron.pipeline.runtime.tied_embeddings import sum_tied_gradients, tied_parameters
-
-        sum_tied_gradients([p for op in ops for p in tied_parameters(workers[op.stage].setup.chunks)],
-                           self.tied_all_reduce())
-
     def tied_all_reduce(self) -> "Callable[[torch.Tensor], None] | None":
-        """The sum over the other processes holding a tied end (None: all are in this one)."""
+        """The sum over the other processes holding a tied end (embedding, output-layer copy;
+        :mod:`~megatron.pipeline.runtime.tied_embeddings`); None: all are in this one."""
         return None
 
     @abc.abstractmethod
@@ -142,9 +128,10 @@ class Transport(abc.ABC):
         (float64: profiled costs, parameter counts, a schedule's fingerprint)."""
 
     @abc.abstractmethod
-    def link_latency(self, worker: "StageWorker") -> float:
-        """One-way time of one activation-sized message from ``worker``'s stage (profiling);
-        every local stage calls it at the same synchronous step."""
+    def link_latency(self, probe: "torch.Tensor") -> float:
+        """One-way time of a message like ``probe`` (an activation of a local stage, on its
+        device) from that stage (profiling); every local stage calls it at the same synchronous
+        step. ``probe``'s values may be overwritten."""
 
     def align_clocks(self, tracers: Sequence["StageTracer"]) -> None:
         """Give the tracers a common reference instant (processes' clocks differ)."""

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,20 +23,27 @@ import torch.distributed as dist
 from megatron.pipeline.comm import Message
 from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
 from megatron.pipeline.runtime.executors.send_reaper import SendReaper, wait_or_raise
-from megatron.pipeline.runtime.grad_buckets import OverlappedGradReduce
-from megatron.pipeline.runtime.parallel import StageGroups
-from megatron.pipeline.runtime.replicas import has_replicas
+from megatron.pipeline.runtime.parallel import DataParallelGroup, StageGroups, has_replicas
 from megatron.pipeline.runtime.report import StageReport
-from megatron.pipeline.runtime.tensor_parallel import reduce_sequence_parallel_grads
 from megatron.pipeline.runtime.transport import ReportSink, Transport
 from megatron.pipeline.runtime.transport.recv_buffers import ReceiveBuffers
-from megatron.pipeline.runtime.worker import StageWorker
 
 if TYPE_CHECKING:
+    from megatron.pipeline.runtime.stage_setup import StageSetup
     from megatron.pipeline.runtime.tracing import StageTracer
     from megatron.pipeline.schedules.base import Schedule
 
 PING_ROUNDS = 5
+
+
+class Receiver(Protocol):
+    """What a channel needs of its stage (a worker is one): the shape and dtype of each message
+    it receives, and the setup's device, where receive buffers live."""
+
+    @property
+    def setup(self) -> StageSetup: ...
+
+    def recv_spec(self, msg: Message) -> tuple[tuple[int, ...], torch.dtype]: ...
 
 
 class P2PChannel:
@@ -57,8 +64,8 @@ class P2PChannel:
     #: Recycle receive buffers (benchmarks switch it off before the ranks fork to compare).
     reuse_receive_buffers: bool = True
 
-    def __init__(self, worker: StageWorker, groups: StageGroups, timeout: timedelta):
-        self.worker = worker
+    def __init__(self, stage: Receiver, groups: StageGroups, timeout: timedelta):
+        self.stage = stage
         self.groups = groups
         self.timeout = timeout
         self.buffers = ReceiveBuffers(reuse=self.reuse_receive_buffers)
@@ -66,7 +73,7 @@ class P2PChannel:
         # same activation twice (a stale copy to DRAIN, then the re-sent one).
         self._posted: dict[Message, deque[tuple[dist.Work | None, torch.Tensor]]] = {}
         self._local: dict[Message, torch.Tensor] = {}  # stage sending to itself
-        self._sends = SendReaper(timeout, threaded=worker.setup.device.type == "cpu")
+        self._sends = SendReaper(timeout, threaded=stage.setup.device.type == "cpu")
 
     def _peer(self, stage: int) -> int:
         return self.groups.peer(stage)
@@ -74,8 +81,8 @@ class P2PChannel:
     def post(self, msg: Message) -> None:
         if msg.src_stage == msg.dst_stage:
             return
-        shape, dtype = self.worker.recv_spec(msg)
-        buf = self.buffers.take(shape, dtype, self.worker.setup.device)
+        shape, dtype = self.stage.recv_spec(msg)
+        buf = self.buffers.take(shape, dtype, self.stage.setup.device)
         group = self.groups.p2p_group(msg.src_stage, msg.dst_stage, msg.lane)
         self._posted.setdefault(msg, deque()).append((dist.irecv(buf, src=self._peer(msg.src_stage), group=group), buf))
 
@@ -170,18 +177,14 @@ class DistributedTransport(Transport):
     name = "distributed"
     in_process = False
 
-    def __init__(self, groups: StageGroups, layout: PipelineLayout, timeout: timedelta,
-                 overlap_bucket_size: int | None = None):
-        """``overlap_bucket_size``: --overlap-grad-reduce's bucket size (elements); None: one
-        all-reduce of every gradient at the step."""
+    def __init__(self, groups: StageGroups, layout: PipelineLayout, timeout: timedelta):
         self.groups = groups
-        self.overlap_bucket_size = overlap_bucket_size
-        self._overlap: dict[int, OverlappedGradReduce] = {}  # id(worker) -> its buckets
         self.layout = layout
         self.timeout = timeout
         self.rank, self.dp_rank, self.tp_rank = groups.rank, groups.dp_rank, groups.tp_rank
         self.pipeline_size = groups.layout.pipeline_size
         self.data_parallel_size = groups.layout.data_parallel_size
+        self.data_parallel_group = DataParallelGroup(groups.data_parallel, self.data_parallel_size, timeout)
         # The sync step's group: AMDP's (the devices holding replicas of the same stages), else
         # the pipeline (one chain: every stage).
         self._sync = (groups.sync, groups.sync_size) if has_replicas(layout) else \
@@ -202,55 +205,11 @@ class DistributedTransport(Transport):
     def local_streams(self, schedule: "Schedule") -> list[Iterable[Op]]:
         return [schedule.stage_ops(self.groups.stage)]
 
-    def channel(self, worker: StageWorker) -> P2PChannel:
-        """This stage's point-to-point messages (one channel per executor run); no side effects:
-        the worker's gradient buckets and optimizer group come from :meth:`attach`."""
-        return P2PChannel(worker, self.groups, self.timeout)
+    def channel(self, stage: Receiver) -> P2PChannel:
+        """This stage's point-to-point messages (one channel per executor run)."""
+        return P2PChannel(stage, self.groups, self.timeout)
 
     # -- the optimizer step ------------------------------------------------------------
-    def attach(self, worker: StageWorker) -> None:
-        """Give a freshly built ``worker`` what needs this rank's groups: the distributed
-        optimizer its data-parallel group, and the gradient buckets when the reduction overlaps
-        the backward (``--overlap-grad-reduce``). Once per worker, where it is built."""
-        worker.setup.optimizer.attach(self.groups.data_parallel, self.timeout)
-        if self.overlap_bucket_size is None or self.data_parallel_size == 1 or id(worker) in self._overlap:
-            return
-        trained = {id(p) for p in worker.setup.optimizer.parameters()}
-        chunk_params = [[p for p in chunk.parameters() if id(p) in trained] for chunk in worker.setup.chunks]
-        if sum(map(len, chunk_params)) != len(trained):
-            raise RuntimeError(f"stage {worker.stage}: --overlap-grad-reduce needs every trained parameter "
-                               "in exactly one model chunk")
-        buckets = OverlappedGradReduce(chunk_params, self.overlap_bucket_size, self.groups.data_parallel,
-                                       self.data_parallel_size, self.timeout)
-        self._overlap[id(worker)] = worker.grad_sync = buckets
-
-    def reduce_data_parallel(self, worker: StageWorker) -> None:
-        self._average_over_replicas(worker)
-        # After the DP average (the overlapped buckets write p.grad back when they finish).
-        reduce_sequence_parallel_grads(worker.setup.optimizer.parameters(), worker.setup.tp_group)
-
-    def _average_over_replicas(self, worker: StageWorker) -> None:
-        dp = self.data_parallel_size
-        if dp == 1:
-            return
-        if id(worker) in self._overlap:
-            self._overlap[id(worker)].finish()
-            return
-        if worker.setup.optimizer.reduce_gradients():  # --use-distributed-optimizer: a reduce-scatter
-            return
-        params = worker.setup.optimizer.parameters()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=self.groups.data_parallel)
-        flat /= dp
-        offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
-
     def sync_gather(self, values: Sequence[float], device: torch.device) -> list[float]:
         group, size = self._sync
         if size == 1:
@@ -314,20 +273,19 @@ class DistributedTransport(Transport):
         dist.all_gather(out, mine, group=self.groups.reports, async_op=True).wait(self.timeout)
         return [(self.groups.layout.coords(r)[0], t.tolist()) for r, t in enumerate(out)]
 
-    def link_latency(self, worker: StageWorker) -> float:
-        """One-way time of an activation between this stage and the next (0 on the last stage).
+    def link_latency(self, probe: torch.Tensor) -> float:
+        """One-way time of ``probe`` between this stage and the next (0 on the last stage).
 
         Neighbouring pairs take turns (pair (0, 1), then (1, 2), ...), each ``PING_ROUNDS``
         timed round trips after one untimed.
         """
-        setup, layout = worker.setup, self.groups.layout
-        n, stage = layout.pipeline_size, self.groups.stage
-        buf = torch.zeros(setup.activation_shape, dtype=setup.activation_dtype, device=setup.device)
+        n, stage = self.groups.layout.pipeline_size, self.groups.stage
+        buf, device = probe, probe.device
 
         def wait(work: "dist.Work") -> None:
             work.wait(self.timeout)
-            if setup.device.type == "cuda":
-                torch.cuda.synchronize(setup.device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
         hop = 0.0
         for left in range(n - 1):

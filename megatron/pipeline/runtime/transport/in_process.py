@@ -15,7 +15,6 @@ import torch
 
 from megatron.pipeline.ir import MultiPipelineLayout, Op, PipelineLayout
 from megatron.pipeline.runtime.transport import ReportSink, Transport
-from megatron.pipeline.runtime.worker import StageWorker
 
 if TYPE_CHECKING:
     from megatron.pipeline.schedules.base import Schedule
@@ -45,9 +44,6 @@ class InProcessTransport(Transport):
     def local_streams(self, schedule: "Schedule") -> list[Iterable[Op]]:
         return list(schedule.streams())  # AMDP's streams share one scheduler run
 
-    def reduce_data_parallel(self, worker: StageWorker) -> None:
-        pass  # one replica
-
     def sync_gather(self, values: Sequence[float], device: torch.device) -> list[float]:
         return [float(v) for v in values]  # the replay hands a sync step all its group's ops, in order
 
@@ -71,15 +67,13 @@ class InProcessTransport(Transport):
     def gather_rows(self, rows: Mapping[int, Sequence[float]]) -> list[tuple[int, list[float]]]:
         return [(stage, [float(x) for x in rows[stage]]) for stage in sorted(rows)]
 
-    def link_latency(self, worker: StageWorker) -> float:
-        """Median time to clone one activation: what a message costs here."""
-        setup = worker.setup
-        t = torch.zeros(setup.activation_shape, dtype=setup.activation_dtype, device=setup.device)
+    def link_latency(self, probe: torch.Tensor) -> float:
+        """Median time to clone ``probe``: what a message costs here."""
         times = []
         for _ in range(CLONE_ROUNDS + 1):
             start = time.perf_counter()
-            t.clone()
-            if setup.device.type == "cuda":
-                torch.cuda.synchronize(setup.device)
+            probe.clone()
+            if probe.device.type == "cuda":
+                torch.cuda.synchronize(probe.device)
             times.append(time.perf_counter() - start)
         return statistics.median(times[1:])
