@@ -239,7 +239,7 @@ def runtime(args: argparse.Namespace) -> int:
 
 def best_synchronous(rows: list[tuple], n: int, m: int) -> int | None:
     """Index of the fastest measured synchronous row at (``n``, ``m``) (None: none ran)."""
-    sync = [i for i, r in enumerate(rows) if r[0] == n and r[1] == m and not schedule_class(r[2]).asynchronous]
+    sync = [i for i, r in enumerate(rows) if r[0] == n and r[1] == m and not schedule_class(r[2]).traits.asynchronous]
     return min(sync, key=lambda i: rows[i][4]) if sync else None
 
 

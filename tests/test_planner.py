@@ -264,9 +264,9 @@ def test_the_planner_orders_ops_as_its_flags_make_the_runtime_order_them(name: s
     if profiles:
         return
     cls = schedule_class(name)
-    defaults = {f.dest: f.default_value for g in cls.flag_groups for f in g.flags}
+    defaults = {f.dest: f.default_value for g in cls.traits.flag_groups for f in g.flags}
     runtime = build_schedule(name, dataclasses.replace(cand.config(2),
-                                                       options=cls.options_from_flags(defaults, cand.config(2))))
+                                                       options=cls.traits.options_from_flags(defaults, cand.config(2))))
     by_profile = build_schedule(name, cand.config(2, {"costs": tuple(costs)}))
     assert _ops(planned) == _ops(runtime)
     assert _ops(by_profile) != _ops(runtime)  # the case can tell the two orders apart
