@@ -24,7 +24,7 @@ from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import TINY_GPT, emulate, final_params
-from megatron.pipeline.planner.auto_schedule import AutoOptions
+from megatron.pipeline.planner.auto_schedule import AutoOptions, auto_options
 from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
 
 N, M = 4, 8
@@ -186,8 +186,8 @@ def test_auto_on_a_cpu_host_with_more_ranks_than_cores_gets_the_shared_cores(mon
         """The cores apply_auto_host_cores gives the run (its config's option; None: left alone)."""
         config = parse_job_config(argv)
         applied = apply_auto_host_cores(config)
-        assert config.run.schedule.options.host_cores is None  # the parsed config is not changed
-        cores = applied.run.schedule.options.host_cores
+        assert auto_options(config.run.schedule.options).host_cores is None  # the parsed config is not changed
+        cores = auto_options(applied.run.schedule.options).host_cores
         assert (cores is None) == (applied is config)
         return cores
 

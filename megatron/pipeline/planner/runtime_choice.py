@@ -29,7 +29,7 @@ from megatron.pipeline.costs.memory import StageMemory
 from megatron.pipeline.planner.ranking import rank
 from megatron.pipeline.planner.relayout import Relayout, peaks_in_chain_units, relayout_stage_costs
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, schedule_class
-from megatron.pipeline.schedules.zero_bubble.flags import without_order_costs
+from megatron.pipeline.schedules.zero_bubble.flags import memory_limited, without_order_costs
 from megatron.pipeline.costs.op_costs import OpCosts
 
 def switchable(name: str, config: ScheduleConfig, include_async: bool) -> bool:
@@ -88,7 +88,7 @@ def simulate_choice(name: str, config: ScheduleConfig, costs: Sequence[OpCosts],
     it cannot run, e.g. a greedy with no order under the limit); ``cores``: the cores the
     pipeline's stages share on a CPU host (None: a device each)."""
     cand = Candidate(name, config.num_stages, 1, config.num_microbatches, 1, "none", "even")
-    options = {} if memory_limit is None else {"memory_limit": float(memory_limit)}
+    options = memory_limited(schedule_class(name).traits.options, memory_limit)
     per_update, result, _ = steady_span(cand, list(costs), config.data_parallel_size, options, cores)
     peak = tuple(float(p) for p in result.peak_memory)
     fits = memory_limit is None or max(peak) <= memory_limit * (1 + 1e-9)  # the limit itself fits

@@ -5,7 +5,6 @@ Its own module so that the flag declarations (:mod:`.options`) and the schedule 
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -45,7 +44,7 @@ def options_as(options: ScheduleOptions, kind: type[OptionsT]) -> OptionsT:
     if isinstance(options, kind):
         return options
     if issubclass(kind, type(options)):
-        return kind(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
+        return kind(**vars(options))
     raise ScheduleConfigError(f"schedule options {type(options).__name__} do not apply here "
                               f"({kind.__name__} expected)")
 

@@ -52,6 +52,14 @@ def memory_limit_of(options: ScheduleOptions) -> float | None:
     return options.memory_limit if isinstance(options, ZeroBubbleOptions) else None
 
 
+def memory_limited(kind: type[ScheduleOptions], limit: float | None) -> ScheduleOptions:
+    """Default options of a schedule whose options type is ``kind``, with the activation-memory
+    ``limit`` where it takes one (a Zero Bubble search); other schedules have no limit to set."""
+    if limit is None or not issubclass(kind, ZeroBubbleOptions):
+        return kind()
+    return kind(memory_limit=float(limit))
+
+
 def without_order_costs(options: ScheduleOptions) -> ScheduleOptions:
     """``options`` without the costs and profiling an order is decided from (the rest, a
     memory limit, kept)."""
