@@ -20,6 +20,7 @@ from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 from megatron.pipeline.schedules import ScheduleOptions
 from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
+from megatron.pipeline.schedules.zero_bubble.post_validation_flags import PostValidationOptions
 from tests.schedule_options import options_for
 
 COSTS = (OpCosts(1.0, 1.3, 0.4, t_comm=0.2, m_w=0.6), OpCosts(1.1, 1.2, 0.5, t_comm=0.2, m_w=0.6),
@@ -228,18 +229,18 @@ def test_zb_flags_become_schedule_options(tmp_path) -> None:
     def options(*extra):
         return schedule_config(parse_args([*BASE, *extra])).options
 
-    assert options("--pipeline-schedule", "zb-2p")["profile_iters"] == 2  # profiling by default
-    assert options("--pipeline-schedule", "zb-1p", "--zb-profile-iters", "3")["profile_iters"] == 3
+    assert options("--pipeline-schedule", "zb-2p").profile_iters == 2  # profiling by default
+    assert options("--pipeline-schedule", "zb-1p", "--zb-profile-iters", "3").profile_iters == 3
     fixed = options("--pipeline-schedule", "zb-2p", "--zb-costs", "1,1.5,0.5,0.1,0.4", "--zb-memory-limit", "6")
-    assert "profile_iters" not in fixed and fixed["memory_limit"] == 6.0
-    assert fixed["costs"] == (OpCosts(1.0, 1.5, 0.5, t_comm=0.1, m_w=0.4),) * 4
-    assert options("--pipeline-schedule", "1f1b") == {}
+    assert not fixed.profile_iters and fixed.memory_limit == 6.0
+    assert fixed.costs == (OpCosts(1.0, 1.5, 0.5, t_comm=0.1, m_w=0.4),) * 4
+    assert options("--pipeline-schedule", "1f1b") == PostValidationOptions()
     # The object the trainer logs after profiling, saved to a file, fixes the same costs.
     schedule = profiled()
     schedule.set_costs(COSTS)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(schedule.describe()))
     from_file = options("--pipeline-schedule", "zb-2p", "--zb-costs", str(path))
-    assert from_file["costs"] == COSTS
+    assert from_file.costs == COSTS
     fixed_schedule = build_schedule("zb-2p", ScheduleConfig(4, 8, 4, options=from_file))
     assert fixed_schedule.plan is schedule.target.plan

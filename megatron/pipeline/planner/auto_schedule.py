@@ -59,7 +59,8 @@ from megatron.pipeline.schedules.config import ScheduleOptions, options_as
 from megatron.pipeline.schedules.policy import SchedulePolicy
 from megatron.pipeline.schedules.zero_bubble.profiled import PLACEHOLDER_COSTS, CostsNotProfiled, ProfiledSchedule
 from megatron.pipeline.schedules.zero_bubble.zb_1p import ZB1P
-from megatron.pipeline.schedules.zero_bubble.flags import ZERO_BUBBLE_FLAGS, ZeroBubbleOptions
+from megatron.pipeline.schedules.zero_bubble.flags import (ZERO_BUBBLE_FLAGS, ZeroBubbleOptions, memory_limited,
+                                                           with_order_costs)
 from megatron.pipeline.costs.op_costs import CostsLike, OpCosts, stage_costs
 
 #: the line every decision starts with (scripts look for it)
@@ -166,11 +167,12 @@ class AutoSchedule(ProfiledSchedule):
         if best is None:
             raise ScheduleConfigError(f"{self.name}: the checkpoint's choice {chosen} cannot run here")
         if best.relayout is None:
-            options = ZeroBubbleOptions(costs=per_stage, memory_limit=None if self.limit is None else float(self.limit))
+            kind = schedule_class(best.schedule).traits.options
+            options = with_order_costs(memory_limited(kind, self.limit), kind, per_stage)
             self.target = _build(best.schedule, dataclasses.replace(base, options=options))  # type: ignore[assignment]
         else:  # the schedule as the rebuilt run will order it (its order line and fingerprint)
             self.target = _build(best.schedule, best.candidate(base).config(  # type: ignore[assignment]
-                base.num_iterations or 1, dict(best.relayout.options), base.data_parallel_size))
+                base.num_iterations or 1, best.relayout.options, base.data_parallel_size))
         self.costs = per_stage
         self.choice = {"best": best, "ranked": ranked, "refused": refused}
 
