@@ -21,7 +21,7 @@ Per row, next to each other:
   makespan(k/2)) / (k/2)``, i.e. the steady state without start-up and drain;
 * peak activations per stage in micro-batches, measured (the runtime's ``peak_inflight_microbatches``
   of its ``--log-json`` records) and simulated (units of M_B), and the measured bytes (KiB);
-* weight copies per stage in units of one stage's weights (``Schedule.weight_copies``, the
+* weight copies per stage in units of one stage's weights (``SchedulePolicy.weight_copies``, the
   simulator's weight memory: 2BW's stashed version, PipeMare's delta, AMDP's D/2 replicas);
 * max weight-version drift, measured (``drift_max``) and simulated.
 
@@ -68,12 +68,11 @@ def predict(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     build = lambda i: build_schedule(case.schedule, dataclasses.replace(config, num_iterations=i))  # noqa: E731
     full = simulate_schedule(build(k), costs)
     schedule = build_schedule(case.schedule, config)
-    copies = getattr(schedule, "weight_copies", None)
     return {
         "sim_ms": steady_time_per_update(build, k, costs),
         "sim_peak_mb": full.peak_memory,
         "sim_drift": max(full.max_drift),
-        "weight_copies": [copies(config, s) if copies else 1 for s in range(case.stages)],
+        "weight_copies": list(schedule.policy.weight_copies),
     }
 
 

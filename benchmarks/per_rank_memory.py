@@ -111,10 +111,11 @@ def modelled_tensors(model: Model, pp: int, schedule: str, dp_shards: int = 1) -
     chunks = SCHEDULES[schedule]
     parts = pp * chunks
     config = ScheduleConfig(num_stages=pp, num_microbatches=model.microbatches, num_chunks=chunks)
+    weight_copies = schedule_class(schedule).traits.policy_for(config).weight_copies
     out = []
     for stage in range(pp):
         n = sum(part_params(model, c * pp + stage, parts, model.vocab) for c in range(chunks))
-        copies = schedule_class(schedule).weight_copies(config, stage)
+        copies = weight_copies[stage]
         out.append(n * (4 * copies + 4 + ADAMW_STATE_BYTES / dp_shards))
     return out
 

@@ -48,7 +48,7 @@ from megatron.pipeline.costs.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.planner.candidates import Candidate, enumerate_candidates  # noqa: E402
 from megatron.pipeline.planner.evaluate import Problem, evaluate, steady_span  # noqa: E402
 from megatron.pipeline.planner.report import flags  # noqa: E402
-from megatron.pipeline.schedules import build_schedule, schedule_class  # noqa: E402
+from megatron.pipeline.schedules import ScheduleOptions, build_schedule, schedule_class  # noqa: E402
 from megatron.pipeline.simulator import simulate_schedule  # noqa: E402
 
 # -- papers ---------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def overlapped_ms(schedule: str, p: int, m: int, costs: OpCosts) -> float:
     when the step does not flush the pipeline (post-validation lets the next iteration's first
     stages start while the last ones finish)."""
     cand = Candidate(schedule, p, 1, m, 1, "none", "even", (1,) * p)
-    return simulate_schedule(build_schedule(schedule, cand.config(1, {"costs": (costs,) * p}))).cost
+    return simulate_schedule(build_schedule(schedule, cand.config(1, ScheduleOptions(costs=(costs,) * p)))).cost
 
 
 def rows() -> list[dict]:
@@ -239,7 +239,7 @@ def runtime(args: argparse.Namespace) -> int:
 
 def best_synchronous(rows: list[tuple], n: int, m: int) -> int | None:
     """Index of the fastest measured synchronous row at (``n``, ``m``) (None: none ran)."""
-    sync = [i for i, r in enumerate(rows) if r[0] == n and r[1] == m and not schedule_class(r[2]).asynchronous]
+    sync = [i for i, r in enumerate(rows) if r[0] == n and r[1] == m and not schedule_class(r[2]).traits.asynchronous]
     return min(sync, key=lambda i: rows[i][4]) if sync else None
 
 

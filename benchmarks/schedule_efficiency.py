@@ -117,7 +117,7 @@ class Result:
 
 
 def is_asynchronous(schedule: str) -> bool:
-    return bool(getattr(SCHEDULES[schedule], "asynchronous", False))
+    return SCHEDULES[schedule].traits.asynchronous
 
 
 def config_error(schedule: str, stages: int, microbatches: int, iterations: int) -> str | None:

@@ -9,6 +9,7 @@ parameters must equal 1F1B's bitwise.
 from __future__ import annotations
 
 import re
+import sys
 import types
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def documented_schedule(monkeypatch: pytest.MonkeyPatch) -> type:
     """The page's schedule, registered by the page's registry line (registry restored after)."""
     module_source, registry_line = _code_blocks()[:2]
     module = types.ModuleType("documented_schedule")
+    monkeypatch.setitem(sys.modules, module.__name__, module)  # as an imported file is (its dataclasses need it)
     exec(compile(module_source, str(DOC), "exec"), module.__dict__)
     registry = dict(SCHEDULES)
     exec(registry_line, {"SCHEDULES": registry, "Warm1F1B": module.Warm1F1B})
@@ -55,7 +57,7 @@ def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 def test_the_flag_is_parsed_into_the_schedules_options(documented_schedule: type) -> None:
     args = parse_args(_argv("warm-1f1b", "--extra-warmup", "2"))
     assert args.run.schedule_cls is documented_schedule
-    assert args.run.schedule.options["extra_warmup"] == 2
+    assert args.run.schedule.options.extra_warmup == 2
     warm = build_schedule("warm-1f1b", args.run.schedule).stage_ops(1)
     plain = build_schedule("1f1b", args.run.schedule).stage_ops(1)
     assert [op.kind.name for op in warm][:3] == ["F", "F", "F"] != [op.kind.name for op in plain][:3]

@@ -67,8 +67,7 @@ def test_a_v_reaches_its_analytic_optimum_and_auto_rebuilds_in_it(n: int, m: int
     chain = next(c for c in ranked if c.relayout is None)
     assert chain.iteration_time == pytest.approx((n - 1) + 3 * m, rel=1e-12)
     # the schedule: the decision names the rebuild, and the stream ends where it happens
-    options = {"profile_iters": 2, auto_schedule.RELAYOUTS_OPTION: tuple(_v_relayouts(n)),
-               auto_schedule.STAGE_LAYERS_OPTION: (2,) * n}
+    options = auto_schedule.AutoOptions(profile_iters=2, relayouts=tuple(_v_relayouts(n)), stage_layers=(2,) * n)
     auto = build_schedule("auto", ScheduleConfig(n, m, 5, options=options))
     auto.set_costs(equal)
     assert auto.relayout == ranked[0].relayout
@@ -119,7 +118,7 @@ def _offered(*extra: str) -> list[str]:
     argv = [*TINY_GPT[:-1], "--num-layers", "8", "--global-batch-size", "8", "--mock-data", "--device", "cpu",
             "--pipeline-schedule", "auto", "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", *extra]
     config = preflight(GPTTask(), argv)
-    return [r.label for r in config.run.schedule.options.get(auto_schedule.RELAYOUTS_OPTION, ())]
+    return [r.label for r in auto_schedule.auto_options(config.run.schedule.options).relayouts]
 
 
 def test_only_layouts_of_the_same_model_are_offered() -> None:

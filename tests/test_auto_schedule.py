@@ -24,6 +24,8 @@ from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import TINY_GPT, emulate, final_params
+from megatron.pipeline.planner.auto_schedule import AutoOptions, auto_options
+from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
 
 N, M = 4, 8
 EQUAL = (OpCosts(1.0, 1.0, 1.0, t_comm=0.0, m_w=1.0),) * N
@@ -50,7 +52,7 @@ def test_one_shared_core_makes_every_order_equal_and_the_least_memory_wins() -> 
     ranked, _ = rank_choices(ScheduleConfig(N, M, 1), EQUAL, memory_limit=None, cores=1)
     assert all(c.iteration_time == pytest.approx(3 * N * M, rel=1e-12) for c in ranked)
     assert ranked[0].schedule == "1f1b"
-    config = ScheduleConfig(N, M, 1, options={"costs": EQUAL, "host_cores": 1})
+    config = ScheduleConfig(N, M, 1, options=AutoOptions(costs=EQUAL, host_cores=1))
     auto = build_schedule("auto", config)
     assert auto.choice["best"].iteration_time == pytest.approx(3 * N * M, rel=1e-12)
 
@@ -84,7 +86,7 @@ def _iterations(ops):
 
 
 def test_profiled_auto_runs_zb_h1_then_the_choice_and_checkpoints_it() -> None:
-    schedule = build_schedule("auto", ScheduleConfig(N, M, 4, options={"profile_iters": 2}))
+    schedule = build_schedule("auto", ScheduleConfig(N, M, 4, options=ZeroBubbleOptions(profile_iters=2)))
     assert schedule.profiles_ops() and schedule.profile_end == 2
     schedule.set_costs((OpCosts(1.0, 1.0, 0.2, m_w=1.0),) * N)  # small W: ZB-H1's advantage shrinks
     check_schedule(schedule)
@@ -96,16 +98,16 @@ def test_profiled_auto_runs_zb_h1_then_the_choice_and_checkpoints_it() -> None:
         assert [op for op in ours[2] if op.kind is not OpKind.OPT] == list(chosen.iteration_ops(s, range(2 * M, 3 * M)))
     state = json.loads(json.dumps(schedule.checkpoint_state()))
     assert state["schedule"] == chosen.name and state["profile_end"] == 2
-    resumed = build_schedule("auto", ScheduleConfig(N, M, 2, first_iteration=3, options={"profile_iters": 2}))
+    resumed = build_schedule("auto", ScheduleConfig(N, M, 2, first_iteration=3, options=ZeroBubbleOptions(profile_iters=2)))
     resumed.restore_checkpoint_state({**state, "schedule": "1f1b"})  # the stored choice wins over a re-ranking
     assert resumed.target.name == "1f1b" and not resumed.profiles_ops() and resumed.profile_end == 2
     with pytest.raises(ScheduleConfigError, match="cannot run here"):
-        build_schedule("auto", ScheduleConfig(N, M, 2, options={"profile_iters": 2})).restore_checkpoint_state(
+        build_schedule("auto", ScheduleConfig(N, M, 2, options=ZeroBubbleOptions(profile_iters=2))).restore_checkpoint_state(
             {**state, "schedule": "paci"})
 
 
 def test_auto_async_switches_to_the_asynchronous_stream() -> None:
-    schedule = build_schedule("auto-async", ScheduleConfig(N, M, 5, options={"profile_iters": 2}))
+    schedule = build_schedule("auto-async", ScheduleConfig(N, M, 5, options=ZeroBubbleOptions(profile_iters=2)))
     schedule.set_costs(EQUAL)
     assert schedule.target.name == "paci"
     check_schedule(schedule)
@@ -169,7 +171,7 @@ def test_auto_on_synthetic_stages_picks_the_analytic_best(capsys) -> None:
     assert all(c.t_f == pytest.approx(8.0, rel=0.5) for c in profiled)  # the sleeps were measured
     true = (OpCosts(8.0, 8.0, 8.0, m_w=1.0),) * N
     # a greedy's order came from the profiled costs: rebuild it from them, time it with the true ones
-    config = ScheduleConfig(N, M, 1, options={"costs": profiled, "memory_limit": float(N)})
+    config = ScheduleConfig(N, M, 1, options=ZeroBubbleOptions(costs=profiled, memory_limit=float(N)))
     time = simulate_schedule(build_schedule(chosen, config), true).makespan
     assert time <= 1.05 * sync_optimum(N, M, 8.0), (chosen, time)
 
@@ -177,7 +179,6 @@ def test_auto_on_synthetic_stages_picks_the_analytic_best(capsys) -> None:
 def test_auto_on_a_cpu_host_with_more_ranks_than_cores_gets_the_shared_cores(monkeypatch) -> None:
     """4 stages x 2 replicas on 4 cores: each pipeline's 4 stages share 4 * 4 / 8 = 2 cores; with
     a core per rank there is no sharing (None); a non-auto schedule is left alone."""
-    from megatron.pipeline.planner.auto_schedule import HOST_CORES_OPTION
     from megatron.trainer.config.arguments import parse_job_config
     from megatron.trainer.launch.auto_cores import apply_auto_host_cores, pipeline_cores
 
@@ -185,8 +186,8 @@ def test_auto_on_a_cpu_host_with_more_ranks_than_cores_gets_the_shared_cores(mon
         """The cores apply_auto_host_cores gives the run (its config's option; None: left alone)."""
         config = parse_job_config(argv)
         applied = apply_auto_host_cores(config)
-        assert config.run.schedule.options.get(HOST_CORES_OPTION) is None  # the parsed config is not changed
-        cores = applied.run.schedule.options.get(HOST_CORES_OPTION)
+        assert auto_options(config.run.schedule.options).host_cores is None  # the parsed config is not changed
+        cores = auto_options(applied.run.schedule.options).host_cores
         assert (cores is None) == (applied is config)
         return cores
 

@@ -22,7 +22,7 @@ import pytest
 
 from megatron.pipeline.comm_volume import (CommShapes, analytic_p2p_bytes, ring_all_gather_bytes,
                                            ring_all_reduce_bytes, step_comm_volume)
-from megatron.pipeline.schedules.zero_bubble.post_validation import POST_VALIDATION
+from megatron.pipeline.schedules.zero_bubble.post_validation_flags import PostValidationOptions
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def test_data_parallel_volume_is_one_reduction_of_the_stage_per_update() -> None
 
 
 def test_post_validation_sends_norms_and_reruns_resend_activations() -> None:
-    config = ScheduleConfig(num_stages=3, num_microbatches=4, num_iterations=2, options={POST_VALIDATION: True})
+    config = ScheduleConfig(num_stages=3, num_microbatches=4, num_iterations=2, options=PostValidationOptions(post_validation=True))
     schedule = build_schedule("1f1b", config)
     kept = step_comm_volume(schedule, _shapes(schedule))
     rerun = step_comm_volume(schedule, _shapes(schedule), reruns=True)

@@ -23,6 +23,7 @@ import pytest
 
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
+from megatron.pipeline.schedules import ScheduleConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -221,7 +222,7 @@ def _drift_bound(schedule: str) -> int:
     """Largest weight-version drift a stage may show with CI_STAGES stages: none for a synchronous
     schedule or one that stashes weights (backward reads its forward's version), N - 1 otherwise."""
     cls = _registry()[schedule]
-    return 0 if not cls.asynchronous or cls.stashes_weights else CI_STAGES - 1
+    return 0 if not cls.traits.asynchronous or cls.traits.policy_for(ScheduleConfig(CI_STAGES, CI_STAGES)).stashes_weights else CI_STAGES - 1
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -23,13 +23,14 @@ from megatron.pipeline.schedules.sync.interleaved import Interleaved1F1B, forwar
 from megatron.pipeline.schedule_check import check_schedule, check_streams
 from megatron.trainer.config.arguments import parse_args, parse_job_config
 from tests.async_helpers import Reference, assert_trains_like, emulate, emulated_reference, final_params, run_pretrain, tiny_args
+from megatron.pipeline.schedules.sync.interleaved import InterleavedOptions
 
 NAME = "interleaved-1f1b"
 ITERATIONS = 2
 
 
 def config(n: int, m: int, v: int, group: int | None = None, iterations: int = ITERATIONS) -> ScheduleConfig:
-    options = {} if group is None else {"microbatch_group_size": group}
+    options = InterleavedOptions(microbatch_group_size=group)
     return ScheduleConfig(n, m, num_iterations=iterations, num_chunks=v, options=options)
 
 

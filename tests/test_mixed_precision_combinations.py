@@ -117,7 +117,7 @@ def test_recompute_equals_none_in_half_precision(tmp_path: Path, case: str) -> N
     assert peak["full-uniform"] < peak["selective"] < max(w.meter.run_peak_bytes for w in reference[0])
 
 
-@pytest.mark.parametrize("schedule", sorted(name for name, cls in SCHEDULES.items() if cls.asynchronous))
+@pytest.mark.parametrize("schedule", sorted(name for name, cls in SCHEDULES.items() if cls.traits.asynchronous))
 def test_fp16_stage_local_scaling_with_recompute(tmp_path: Path, schedule: str) -> None:
     """Asynchronous schedules scale per stage (PACI's stages overflow at different updates):
     recompute that repeats the forward's weights (selective; full with stashed weights) keeps
@@ -217,7 +217,7 @@ def test_every_schedule_trains_in_half_precision(tmp_path: Path, precision: str,
             assert_scales_follow_rule(w)
     norms = [r["params_norm"] for r in records]
     assert all(math.isfinite(x) for x in norms) and len(set(norms)) > 1  # the weights move
-    if not SCHEDULES[schedule].asynchronous:  # one decision for the pipeline: a skip moves nothing
+    if not SCHEDULES[schedule].traits.asynchronous:  # one decision for the pipeline: a skip moves nothing
         for before, record, after in zip(norms, records[1:], norms[1:]):
             assert (after == before) == all(record["skipped_updates"]), record["iteration"]
     if precision == "fp16":

@@ -12,7 +12,7 @@ import torch
 
 from megatron.pipeline.ir import Op, OpKind
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
-from megatron.pipeline.schedules.asynchronous.pipemare import OPTION, PipeMareOptions, RescheduledLR, stage_delay
+from megatron.pipeline.schedules.asynchronous.pipemare import PipeMareOptions, RescheduledLR, stage_delay
 from megatron.pipeline.schedule_check import check_schedule
 from megatron.pipeline.runtime.weight_versions import DiscrepancyCorrection, build_weight_policy
 from megatron.pipeline.weight_policy import DiscrepancyCorrected
@@ -24,7 +24,7 @@ from tests.async_helpers import assert_runtime_equals_emulator, tiny_args
 def _config(n: int, a: int, iterations: int | None, first: int = 0, drain_every: int | None = None,
             **opts: object) -> ScheduleConfig:
     return ScheduleConfig(n, a, iterations, drain_every=drain_every, first_iteration=first,
-                          options={OPTION: PipeMareOptions(**opts)})  # type: ignore[arg-type]
+                          options=PipeMareOptions(**opts))  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------ streams
@@ -68,8 +68,8 @@ def test_stage_delays_follow_the_stream_by_default_and_table_1_on_request() -> N
 @pytest.mark.parametrize("model", ["paper", "stream", "1f1b"])
 def test_t1_learning_rate_of_every_stage_and_update(model: str) -> None:
     n, a, iters, anneal, warmup = 4, 2, 9, 4, 2
-    run = tiny.run("pipemare", n, a, iters, {OPTION: PipeMareOptions(lr_anneal_iters=anneal, sync_warmup_iters=warmup,
-                                                                     delay_model=model)})
+    run = tiny.run("pipemare", n, a, iters, PipeMareOptions(lr_anneal_iters=anneal, sync_warmup_iters=warmup,
+                                                                     delay_model=model))
     base = tiny.ScaledLR()
     for s, worker in enumerate(run.workers):
         if model == "paper":
@@ -116,7 +116,7 @@ def test_t2_is_a_spec_the_runtime_builds() -> None:
     n, a = 4, 2
     config = _config(n, a, 5, discrepancy_decay=0.3, sync_warmup_iters=1, delay_model="stream")
     cls = schedule_class("pipemare")
-    specs = [cls.stage_weight_policy(config, s) for s in range(n)]
+    specs = list(cls.traits.policy_for(config).weight_policies)
     assert specs[-1] is None  # the last stage has no delay: live weights
     tau = stage_delay(n, 0, a, "stream")
     assert specs[0] == DiscrepancyCorrected(tau, 0.3, a, sync_until=1, measured_delay=True)
@@ -134,7 +134,7 @@ def test_t2_is_a_spec_the_runtime_builds() -> None:
 @pytest.mark.parametrize("model", ["stream", "paper"])
 def test_t2_backward_reads_the_extrapolated_weights(model: str) -> None:
     n, a, iters, decay, warmup = 4, 1, 8, 0.3, 2
-    options = {OPTION: PipeMareOptions(discrepancy_decay=decay, sync_warmup_iters=warmup, delay_model=model)}
+    options = PipeMareOptions(discrepancy_decay=decay, sync_warmup_iters=warmup, delay_model=model)
     run = tiny.run("pipemare", n, a, iters, options)
     config = ScheduleConfig(n, a, iters, options=options)
     corrected = 0
@@ -162,7 +162,7 @@ def _mismatch_ratios(n: int, a: int, iters: int, decay: float, model: str) -> li
     computation: the forward of micro-batch m on stage s reads version floor(max(0, m - (N-1-s)) / a),
     its backward the live version floor(m / a) moved back by its delay d times T2's velocity
     (tests/paci_oracle.py: PACI's Algorithm 1)."""
-    run = tiny.run("pipemare", n, a, iters, {OPTION: PipeMareOptions(discrepancy_decay=decay, delay_model=model)})
+    run = tiny.run("pipemare", n, a, iters, PipeMareOptions(discrepancy_decay=decay, delay_model=model))
     ratios: list[float | None] = []
     for s, (module, opt) in enumerate(zip(run.modules, run.optimizers)):
         tau = stage_delay(n, s, a, model)
@@ -204,7 +204,7 @@ def test_t2_restores_the_live_weights_exactly() -> None:
     """Forwards read the live weights bitwise although backwards in between read corrected ones,
     and with the whole run in synchronous warm-up PipeMare is 1F1B-flush bitwise."""
     n, a, iters = 4, 1, 6
-    run = tiny.run("pipemare", n, a, iters, {OPTION: PipeMareOptions(discrepancy_decay=0.3, lr_anneal_iters=3)})
+    run = tiny.run("pipemare", n, a, iters, PipeMareOptions(discrepancy_decay=0.3, lr_anneal_iters=3))
     config = ScheduleConfig(n, a, iters)
     for s, (module, opt) in enumerate(zip(run.modules, run.optimizers)):
         updates = 0
@@ -212,8 +212,8 @@ def test_t2_restores_the_live_weights_exactly() -> None:
             updates += op.kind is OpKind.OPT
             if op.kind is OpKind.F:
                 assert torch.equal(module.saved[op.microbatch], opt.history[updates][0])
-    warm = tiny.run("pipemare", n, a, iters, {OPTION: PipeMareOptions(discrepancy_decay=0.3, lr_anneal_iters=3,
-                                                                        sync_warmup_iters=iters)})
+    warm = tiny.run("pipemare", n, a, iters, PipeMareOptions(discrepancy_decay=0.3, lr_anneal_iters=3,
+                                                                        sync_warmup_iters=iters))
     flush = tiny.run("1f1b", n, a, iters)
     for o, f in zip(warm.optimizers, flush.optimizers):
         assert all(torch.equal(x[0], y[0]) for x, y in zip(o.history, f.history))

@@ -19,6 +19,7 @@ from megatron.pipeline.planner.report import CANDIDATE_FIELDS, plan_dict, table
 from megatron.pipeline.costs.stages import Parallelism
 from megatron.pipeline.costs.unit_costs import ActivationBytes, PassCosts, UnitCosts, from_two_stage_profile
 from megatron.pipeline.schedules import SCHEDULES
+from tests.schedule_options import options_for
 
 # h=4, one head (d=4), ffn 16, seq 2, micro-batch 1, vocab 8, fp32, no position table
 TINY = ModelShape(num_layers=4, hidden=4, ffn=16, heads=1, query_groups=1, kv_channels=4, seq_length=2,
@@ -264,9 +265,9 @@ def test_the_planner_orders_ops_as_its_flags_make_the_runtime_order_them(name: s
     if profiles:
         return
     cls = schedule_class(name)
-    defaults = {f.dest: f.default_value for g in cls.flag_groups for f in g.flags}
+    defaults = {f.dest: f.default_value for g in cls.traits.flag_groups for f in g.flags}
     runtime = build_schedule(name, dataclasses.replace(cand.config(2),
-                                                       options=cls.options_from_flags(defaults, cand.config(2))))
-    by_profile = build_schedule(name, cand.config(2, {"costs": tuple(costs)}))
+                                                       options=cls.traits.options_from_flags(defaults, cand.config(2))))
+    by_profile = build_schedule(name, cand.config(2, options_for(name, costs=tuple(costs))))
     assert _ops(planned) == _ops(runtime)
     assert _ops(by_profile) != _ops(runtime)  # the case can tell the two orders apart

@@ -21,7 +21,8 @@ import torch
 
 from megatron.pipeline.comm import MsgKind, op_recvs
 from megatron.pipeline.ir import BACKWARD_KINDS, OpKind, PipelineLayout
-from megatron.pipeline.schedules.zero_bubble.post_validation import POST_VALIDATION, ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation_flags import PostValidationOptions
 from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules import (
     ScheduleConfig,
@@ -35,15 +36,15 @@ from megatron.pipeline.schedule_check import (
 )
 from tests.async_helpers import assert_flag_error, emulate, final_params, run_pretrain, tiny_args
 
-PV = {POST_VALIDATION: True}
+PV = PostValidationOptions(post_validation=True)
 ITERS = 10
 CLIP = "1.0"  # the tiny GPT's global norm is above it in some iterations, below in others
 
 
 def pv_schedule(name: str, n: int, m: int, iters: int = 3, chunks: int = 1, **outcomes):
-    schedule = build_schedule(name, ScheduleConfig(n, m, iters, num_chunks=chunks, options=dict(PV)))
+    schedule = build_schedule(name, ScheduleConfig(n, m, iters, num_chunks=chunks, options=PV))
     if outcomes:
-        schedule.validation_outcomes = ValidationOutcomes(**outcomes)
+        schedule.policy.post_validation.outcomes = ValidationOutcomes(**outcomes)
     return schedule
 
 
@@ -138,7 +139,7 @@ def test_reading_an_outcome_before_validate_ran_is_an_error() -> None:
 
 def test_asynchronous_schedules_refuse_post_validation() -> None:
     with pytest.raises(ScheduleConfigError, match="post-validation"):
-        build_schedule("paci", ScheduleConfig(2, 2, 3, options=dict(PV)))
+        build_schedule("paci", ScheduleConfig(2, 2, 3, options=PV))
 
 
 @pytest.mark.parametrize("argv,fragment", [

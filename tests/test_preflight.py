@@ -59,7 +59,7 @@ class RestartsAtZero(PACI):
 
 def _config(cls: type, stages: int = 4, microbatches: int = 8, iterations: int = 100, **options) -> ScheduleConfig:
     return ScheduleConfig(stages, 1 if cls.name == "async-1f1b" else microbatches, iterations,
-                          num_chunks=2 if cls.takes_model_chunks else 1, options=options)
+                          num_chunks=2 if cls.traits.takes_model_chunks else 1, options=cls.traits.options(**options))
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

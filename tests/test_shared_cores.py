@@ -9,13 +9,14 @@ from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import ScheduleConfig
 from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
+from megatron.pipeline.schedules import ScheduleOptions
 
 COSTS = OpCosts(t_f=1.0, t_b=2.0, t_w=1.0, t_comm=0.25)
 
 
 def _schedule(name: str, n: int, m: int, iterations: int = 1, chunks: int = 1):
     return build_schedule(name, ScheduleConfig(num_stages=n, num_microbatches=m, num_iterations=iterations,
-                                               num_chunks=chunks, options={"costs": COSTS}))
+                                               num_chunks=chunks, options=ScheduleOptions(costs=COSTS)))
 
 
 def _shared(name: str, n: int, m: int, cores: float, **kw) -> float:

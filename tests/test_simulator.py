@@ -23,12 +23,13 @@ from megatron.pipeline.simulator import (
     simulate_streams,
     stage_costs,
 )
+from tests.schedule_options import options_for
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def simulate(name: str, n: int, m: int, costs: OpCosts | None = None, iterations: int = 1, **options):
-    config = ScheduleConfig(n, m, num_iterations=iterations, options={"costs": costs, **options})
+    config = ScheduleConfig(n, m, num_iterations=iterations, options=options_for(name, costs=costs, **options))
     return simulate_schedule(build_schedule(name, config))
 
 

@@ -46,7 +46,7 @@ def test_each_stage_runs_the_slots_it_should(p: int, m: int) -> None:
     schedule = _dualpipev(p, m)
     for r, stream in enumerate(schedule.streams()):
         ops = list(stream)
-        slots = [op for op in ops if schedule.overlapped_backward(op)]
+        slots = [op for op in ops if schedule.policy.overlapped_backward(op)]
         assert len(slots) == 2 * m - 3 * p + r + 1
         for op in slots:  # each right after the other chunk's forward
             before = ops[ops.index(op) - 1]

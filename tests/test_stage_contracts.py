@@ -50,6 +50,7 @@ def test_the_optimizers_subclass_the_contract() -> None:
 
 def test_schedule_hooks_have_defaults() -> None:
     asynchronous = build_schedule("pipedream-2bw", ScheduleConfig(2, 2, num_iterations=None))
-    assert asynchronous.post_validated is False and asynchronous.validation_outcomes is None
-    assert asynchronous.checkpoint_state() is None and asynchronous.start_lines() is None
-    asynchronous.restore_checkpoint_state({"ignored": True})  # a schedule that decides nothing ignores it
+    policy = asynchronous.policy
+    assert policy.post_validated is False and policy.post_validation is None
+    assert policy.checkpoint.save() is None and policy.start_lines() is None
+    policy.checkpoint.restore({"ignored": True})  # a schedule that decides nothing ignores it

@@ -7,6 +7,8 @@ from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 from megatron.pipeline.costs.op_costs import OpCosts
+from megatron.pipeline.schedules import ScheduleOptions
+from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
 
 COSTS = [OpCosts(t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.0)] * 4
 
@@ -21,10 +23,10 @@ def test_in_process_transport_is_every_stage_of_one_replica() -> None:
 
 def test_profiling_is_a_capability_the_schedule_declares() -> None:
     plain = build_schedule("1f1b", ScheduleConfig(4, 8, 2))
-    assert not plain.profiles_ops() and plain.fixed_costs() is None
-    profiled = build_schedule("zb-1p", ScheduleConfig(4, 8, 2, options={"profile_iters": 1}))
-    assert profiled.profiles_ops() and profiled.fixed_costs() is None
+    assert not plain.policy.profiles_ops() and plain.policy.fixed_costs is None
+    profiled = build_schedule("zb-1p", ScheduleConfig(4, 8, 2, options=ZeroBubbleOptions(profile_iters=1)))
+    assert profiled.policy.profiles_ops() and profiled.policy.fixed_costs is None
     profiled.set_costs(COSTS)
-    assert not profiled.profiles_ops()  # decided: later segments run the chosen order untimed
-    fixed = build_schedule("zb-1p", ScheduleConfig(4, 8, 2, options={"costs": COSTS}))
-    assert not fixed.profiles_ops() and fixed.fixed_costs() == tuple(COSTS)
+    assert not profiled.policy.profiles_ops()  # decided: later segments run the chosen order untimed
+    fixed = build_schedule("zb-1p", ScheduleConfig(4, 8, 2, options=ScheduleOptions(costs=COSTS)))
+    assert not fixed.policy.profiles_ops() and fixed.policy.fixed_costs == tuple(COSTS)

@@ -25,13 +25,15 @@ from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import TINY_GPT, assert_flag_error, assert_runtime_equals_emulator, emulate, final_params
 from tests.test_reference import _qkv_bias_mask
+from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
+from tests.schedule_options import options_for
 
 V_SCHEDULES = ("zb-v", "v-half", "v-min", "dualpipev")
 EQUAL = OpCosts()  # T_F = T_B = T_W = 1 per chunk, M_W = M_B / 2: the paper's table setting
 
 
 def _schedule(name: str, p: int, m: int, iterations: int = 1, **options) -> object:
-    return build_schedule(name, ScheduleConfig(p, m, num_iterations=iterations, options=options))
+    return build_schedule(name, ScheduleConfig(p, m, num_iterations=iterations, options=options_for(name, **options)))
 
 
 # ------------------------------------------------------------------------------ layout
@@ -246,7 +248,7 @@ def test_zbv_profiles_on_the_v_and_trains_bitwise_like_the_emulator(tmp_path: Pa
 
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 
-    schedule = build_schedule("zb-v", ScheduleConfig(2, 4, num_iterations=ITERS, options={"profile_iters": 1}))
+    schedule = build_schedule("zb-v", ScheduleConfig(2, 4, num_iterations=ITERS, options=ZeroBubbleOptions(profile_iters=1)))
     assert isinstance(schedule.layout, VShapeLayout) and schedule.warmup.name == "v-half"
     capsys.readouterr()
     records, workers = assert_runtime_equals_emulator(_argv("zb-v", 2, 4, "--zb-profile-iters", "1"), tmp_path)

@@ -17,10 +17,11 @@ import pytest
 
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 from megatron.pipeline.simulator import OpCosts, simulate_schedule
+from megatron.pipeline.schedules import ScheduleOptions
 
 
 def _zbv(p: int, m: int, costs: OpCosts):
-    return simulate_schedule(build_schedule("zb-v", ScheduleConfig(p, m, num_iterations=1, options={"costs": costs})))
+    return simulate_schedule(build_schedule("zb-v", ScheduleConfig(p, m, num_iterations=1, options=ScheduleOptions(costs=costs))))
 
 
 def _one_f_one_b(p: int, m: int, chunk: OpCosts):

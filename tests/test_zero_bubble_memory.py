@@ -29,6 +29,7 @@ import torch
 from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from tests.async_helpers import TINY_GPT
+from tests.schedule_options import options_for
 
 pytestmark = pytest.mark.usefixtures("megatron_world1")
 
@@ -81,7 +82,7 @@ def _run(schedule, workers=None, profilers: bool = False):
 def _build(name: str, m: int = M, iterations: int = 2, **options):
     from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 
-    return build_schedule(name, ScheduleConfig(N, m, iterations, options=options))
+    return build_schedule(name, ScheduleConfig(N, m, iterations, options=options_for(name, **options)))
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +197,7 @@ def test_trainer_plans_with_the_bound_unless_told(monkeypatch) -> None:
     for extra, m_w in ((["--zb-costs", "1,1,1,0"], 1.0), (["--zb-profile-iters", "0"], 1.0),
                        (["--zb-costs", "1,1,1,0,0.4"], 0.4)):
         config = schedule_config(parse_args([*base, "--pipeline-schedule", "zb-2p", *extra]))
-        costs = config.options["costs"]
+        costs = config.options.costs
         per_stage = costs if isinstance(costs, tuple) else (costs,)
         assert all(c.m_w == m_w for c in per_stage), (extra, costs)
-        assert "profile_iters" not in config.options
+        assert not config.options.profile_iters

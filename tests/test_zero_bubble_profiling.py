@@ -18,13 +18,17 @@ from megatron.pipeline.schedules.zero_bubble.zb_h1 import ZBH1
 from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
+from megatron.pipeline.schedules import ScheduleOptions
+from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
+from megatron.pipeline.schedules.zero_bubble.post_validation_flags import PostValidationOptions
+from tests.schedule_options import options_for
 
 COSTS = (OpCosts(1.0, 1.3, 0.4, t_comm=0.2, m_w=0.6), OpCosts(1.1, 1.2, 0.5, t_comm=0.2, m_w=0.6),
          OpCosts(0.9, 1.0, 0.6, t_comm=0.2, m_w=0.7), OpCosts(1.4, 1.1, 0.3, t_comm=0.2, m_w=0.5))
 
 
 def profiled(name: str = "zb-2p", n: int = 4, m: int = 8, iterations: int = 4, k: int = 2, **options):
-    return build_schedule(name, ScheduleConfig(n, m, iterations, options={"profile_iters": k, **options}))
+    return build_schedule(name, ScheduleConfig(n, m, iterations, options=options_for(name, profile_iters=k, **options)))
 
 
 def iterations_of(ops: list[Op]) -> list[list[Op]]:
@@ -60,7 +64,7 @@ def test_profiled_schedule_runs_zb_h1_then_the_target_from_set_costs() -> None:
         next(streams[0])
     schedule.set_costs(COSTS)
     assert schedule.decided and schedule.costs == COSTS
-    target = build_schedule("zb-2p", ScheduleConfig(4, 8, 4, options={"costs": COSTS}))
+    target = build_schedule("zb-2p", ScheduleConfig(4, 8, 4, options=ScheduleOptions(costs=COSTS)))
     for stage in range(4):
         ours = iterations_of(list(schedule.stage_ops(stage)))
         theirs = iterations_of(list(target.stage_ops(stage)))
@@ -125,7 +129,7 @@ def test_small_memory_limit_profiles_within_the_limit() -> None:
 
 def test_profiling_applies_to_zb_1p_zb_2p_and_zb_v_only() -> None:
     with pytest.raises(ScheduleConfigError, match="zb-1p, zb-2p and zb-v only"):
-        build_schedule("zb-h1", ScheduleConfig(4, 8, 2, options={"profile_iters": 1}))
+        build_schedule("zb-h1", ScheduleConfig(4, 8, 2, options=ZeroBubbleOptions(profile_iters=1)))
     with pytest.raises(ScheduleConfigError, match="memory limit"):
         profiled(memory_limit=0.5)
 
@@ -225,18 +229,18 @@ def test_zb_flags_become_schedule_options(tmp_path) -> None:
     def options(*extra):
         return schedule_config(parse_args([*BASE, *extra])).options
 
-    assert options("--pipeline-schedule", "zb-2p")["profile_iters"] == 2  # profiling by default
-    assert options("--pipeline-schedule", "zb-1p", "--zb-profile-iters", "3")["profile_iters"] == 3
+    assert options("--pipeline-schedule", "zb-2p").profile_iters == 2  # profiling by default
+    assert options("--pipeline-schedule", "zb-1p", "--zb-profile-iters", "3").profile_iters == 3
     fixed = options("--pipeline-schedule", "zb-2p", "--zb-costs", "1,1.5,0.5,0.1,0.4", "--zb-memory-limit", "6")
-    assert "profile_iters" not in fixed and fixed["memory_limit"] == 6.0
-    assert fixed["costs"] == (OpCosts(1.0, 1.5, 0.5, t_comm=0.1, m_w=0.4),) * 4
-    assert options("--pipeline-schedule", "1f1b") == {}
+    assert not fixed.profile_iters and fixed.memory_limit == 6.0
+    assert fixed.costs == (OpCosts(1.0, 1.5, 0.5, t_comm=0.1, m_w=0.4),) * 4
+    assert options("--pipeline-schedule", "1f1b") == PostValidationOptions()
     # The object the trainer logs after profiling, saved to a file, fixes the same costs.
     schedule = profiled()
     schedule.set_costs(COSTS)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(schedule.describe()))
     from_file = options("--pipeline-schedule", "zb-2p", "--zb-costs", str(path))
-    assert from_file["costs"] == COSTS
+    assert from_file.costs == COSTS
     fixed_schedule = build_schedule("zb-2p", ScheduleConfig(4, 8, 4, options=from_file))
     assert fixed_schedule.plan is schedule.target.plan

@@ -12,12 +12,14 @@ from megatron.pipeline.schedules.zero_bubble.greedy import best_greedy_order
 from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
+from megatron.pipeline.schedules import ScheduleOptions
+from tests.schedule_options import options_for
 
 ZB_SCHEDULES = ("zb-h1", "zb-h2", "zb-1p", "zb-2p")
 
 
 def build(name: str, n: int, m: int, costs: OpCosts | None = None, iterations: int = 1, **options):
-    return build_schedule(name, ScheduleConfig(n, m, num_iterations=iterations, options={"costs": costs, **options}))
+    return build_schedule(name, ScheduleConfig(n, m, num_iterations=iterations, options=options_for(name, costs=costs, **options)))
 
 
 def test_registered() -> None:
@@ -223,7 +225,7 @@ def test_grid_search_is_cached_and_costs_come_from_options() -> None:
     as_dict = build("zb-2p", 6, 18, None, iterations=1)
     assert as_dict.plan.cost == best_greedy_order((OpCosts(),) * 6, 18, 12.0).cost
     from_profile = build_schedule(
-        "zb-2p", ScheduleConfig(6, 18, options={"costs": {"t_f": 1.0, "t_b": 1.1, "t_w": 0.7, "t_comm": 0.1}})
+        "zb-2p", ScheduleConfig(6, 18, options=ScheduleOptions(costs={"t_f": 1.0, "t_b": 1.1, "t_w": 0.7, "t_comm": 0.1}))
     )
     assert from_profile.plan is a.plan
     # Default costs without the option: the placeholder T_F = T_B = T_W = 1, T_comm = 0.

@@ -18,6 +18,7 @@ from megatron.pipeline.runtime.stage_optimizer import StageOptimizer
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
 from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
+from megatron.pipeline.schedules import ScheduleOptions
 
 DIM = 3
 
@@ -152,12 +153,13 @@ def split_weights(layers: list[int], seed: int = 0) -> list[list[torch.Tensor]]:
     return out
 
 
-def run(name: str, num_stages: int, a: int, iterations: int, options: dict | None = None,
+def run(name: str, num_stages: int, a: int, iterations: int, options: ScheduleOptions | None = None,
         lr: Callable[[], ScaledLR] = ScaledLR, layers: list[int] | None = None) -> TinyRun:
     """Train the tiny pipeline with schedule ``name`` in the emulator; ``layers[s]`` layers on
     stage ``s`` (default one each, as :class:`TanhLinear`)."""
-    config = ScheduleConfig(num_stages, a, iterations, options=options or {})
+    config = ScheduleConfig(num_stages, a, iterations, options=options or ScheduleOptions())
     cls = schedule_class(name)
+    policy = cls.traits.policy_for(config)
     out = TinyRun(workers=[])
     stage_weights = split_weights(layers) if layers else [[w] for w in initial_weights(num_stages)]
     assert len(stage_weights) == num_stages
@@ -166,9 +168,9 @@ def run(name: str, num_stages: int, a: int, iterations: int, options: dict | Non
         opt = PlainSGD(list(module.weights))
         setup = StageSetup(
             stage=s, layout=config.layout, chunks=[module], optimizer=opt,
-            lr_schedule=cls.stage_lr_schedule(config, s, lr()), microbatches_per_update=a,
+            lr_schedule=policy.lr_schedule(s, lr()), microbatches_per_update=a,
             batch_fn=batch, loss_fn=loss_fn, activation_shape=(2, DIM), activation_dtype=torch.float64,
-            device=torch.device("cpu"), weight_policy=build_weight_policy(cls.stage_weight_policy(config, s), opt))
+            device=torch.device("cpu"), weight_policy=build_weight_policy(policy.weight_policies[s], opt))
         out.workers.append(StageWorker(setup, isolate_rng=True))
         out.modules.append(module)
         out.optimizers.append(opt)

@@ -23,6 +23,7 @@ matplotlib (``pip install 'megatron-async[tools]'``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,7 +35,10 @@ if str(REPO) not in sys.path:
 
 from megatron.pipeline.ir import OpKind  # noqa: E402
 from megatron.pipeline.replay import ScheduleError  # noqa: E402
-from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, build_schedule  # noqa: E402
+from megatron.pipeline.schedules import (  # noqa: E402
+    SCHEDULES, ScheduleConfig, ScheduleConfigError, ScheduleOptions, build_schedule, schedule_class)
+from megatron.pipeline.schedules.config import options_as  # noqa: E402
+from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions  # noqa: E402
 from megatron.pipeline.simulator import (  # noqa: E402
     SimulationResult,
     costs_from_profile,
@@ -173,9 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         costs = build_costs(args)
-        options: dict[str, Any] = {"costs": costs_from_profile(costs, args.stages)}
-        if args.memory_limit is not None:
-            options["memory_limit"] = args.memory_limit
+        options = ScheduleOptions(costs=costs_from_profile(costs, args.stages))
+        if isinstance(options_as(options, schedule_class(args.schedule).traits.options), ZeroBubbleOptions):
+            options = ZeroBubbleOptions(costs=options.costs)
+            options = dataclasses.replace(options, memory_limit=args.memory_limit)
         config = ScheduleConfig(
             args.stages, args.microbatches, num_iterations=args.iterations, num_chunks=args.chunks, options=options
         )
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    asynchronous = schedule.asynchronous
+    asynchronous = schedule.traits.asynchronous
     chunks = schedule.layout.num_chunks
     if args.json:
         out = {

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from megatron.pipeline.comm import MsgKind, op_sends
 from megatron.pipeline.ir import MultiPipelineLayout, Op, OpKind, PipelineLayout
-from megatron.pipeline.schedules.zero_bubble.post_validation import POST_VALIDATION, ValidationOutcomes
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 
 if TYPE_CHECKING:
     from megatron.pipeline.schedules.base import Schedule
@@ -148,9 +148,11 @@ def step_comm_volume(schedule: "Schedule", shapes: CommShapes, reruns: bool = Fa
     iterations = schedule.config.num_iterations
     if iterations is None:
         raise ValueError("step_comm_volume needs a finite number of iterations")
-    if schedule.config.options.get(POST_VALIDATION):  # walk a copy: outcomes are per stream
+    if schedule.policy.post_validated:  # walk a copy: outcomes are per stream
         schedule = schedule.segment(schedule.config.first_iteration, iterations)
-        schedule.validation_outcomes = ValidationOutcomes(assume=reruns)  # type: ignore[attr-defined]
+        validation = schedule.policy.post_validation
+        assert validation is not None
+        validation.outcomes = ValidationOutcomes(assume=reruns)
     layout = schedule.layout
     return [stream_volume(schedule.stage_ops(s), layout, shapes).scaled(1.0 / iterations)
             for s in range(layout.num_stages)]

@@ -33,9 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from megatron.pipeline.ir import Op, PipelineLayout
-from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules.base import Schedule
+from megatron.pipeline.schedules.policy import SchedulePolicy
 from megatron.pipeline.schedules.zero_bubble.profiled import PLACEHOLDER_COSTS, ProfiledSchedule
 from megatron.pipeline.schedule_check import check_schedule
 
@@ -56,23 +56,21 @@ class PreflightReplay:
 class _ChainedSegments:
     """Consecutive segments of one schedule, seen by :func:`check_schedule` as one schedule:
     each stage's stream is its segments' streams in order, and post-validation's outcomes are
-    shared (VALIDATE and its rerun are keyed by the global update)."""
+    shared (VALIDATE and its rerun are keyed by the global update): the chain's policy is its
+    first segment's, whose outcomes every segment reads when the streams are made."""
 
     def __init__(self, segments: list[Schedule]):
         self.segments = segments
         self.layout: PipelineLayout = segments[0].layout
-        self.post_validated = segments[0].post_validated
-
-    @property
-    def validation_outcomes(self) -> ValidationOutcomes:
-        return self.segments[0].validation_outcomes  # type: ignore[attr-defined, no-any-return]
-
-    @validation_outcomes.setter
-    def validation_outcomes(self, outcomes: ValidationOutcomes) -> None:
-        for segment in self.segments:
-            segment.validation_outcomes = outcomes  # type: ignore[attr-defined]
+        self.policy: SchedulePolicy = segments[0].policy
 
     def streams(self) -> list[Iterator[Op]]:
+        shared = self.policy.post_validation
+        if shared is not None:
+            for segment in self.segments[1:]:
+                validation = segment.policy.post_validation
+                assert validation is not None
+                validation.outcomes = shared.outcomes
         # ``Schedule.streams``, not ``stage_ops``: a schedule may share one plan across its
         # stages' streams (AMDP's scheduler run), which ``stage_ops`` would redo per stage.
         per_segment = [segment.streams() for segment in self.segments]  # generators: lazy
@@ -83,7 +81,7 @@ class _ChainedSegments:
 def segment_lengths(schedule: Schedule, available: int) -> tuple[int, ...]:
     """The iterations of each replayed segment (module docstring), at most ``available`` in all."""
     config = schedule.config
-    if schedule.asynchronous:
+    if schedule.traits.asynchronous:
         first = math.ceil(config.num_stages * config.num_chunks / config.num_microbatches) + 1
     elif isinstance(schedule, ProfiledSchedule):
         first = schedule.profile_iters + 1

@@ -175,13 +175,14 @@ def check_schedule(schedule: Any, rerun_policies: Iterable[str] | None = None) -
     A post-validated schedule is checked once per outcome pattern (by default every
     pattern in :data:`RERUN_POLICIES`); the op counts of the first are returned.
     """
-    if not schedule.post_validated:
+    validation = schedule.policy.post_validation
+    if validation is None:
         return check_streams(schedule.streams(), schedule.layout)
-    original = schedule.validation_outcomes
+    original = validation.outcomes
     counts: list[int] | None = None
     try:
         for name in rerun_policies or RERUN_POLICIES:
-            outcomes = schedule.validation_outcomes = ValidationOutcomes()
+            outcomes = validation.outcomes = ValidationOutcomes()
             try:
                 got = check_streams(schedule.streams(), schedule.layout, outcomes=outcomes,
                                        rerun_policy=RERUN_POLICIES[name])
@@ -189,6 +190,6 @@ def check_schedule(schedule: Any, rerun_policies: Iterable[str] | None = None) -
                 raise ScheduleError(f"{exc} (post-validation outcomes: {name} rerun)") from exc
             counts = got if counts is None else counts
     finally:
-        schedule.validation_outcomes = original
+        validation.outcomes = original
     assert counts is not None
     return counts

@@ -330,21 +330,20 @@ def simulate_schedule(
 ) -> SimulationResult:
     """Simulate a :class:`~megatron.pipeline.schedules.base.Schedule`.
 
-    ``costs`` defaults to the schedule's ``config.options["costs"]``, else :class:`OpCosts()`.
+    ``costs`` defaults to the schedule's ``config.options.costs``, else :class:`OpCosts()`.
     An unbounded schedule (``num_iterations=None``) needs ``max_microbatches``. ``overlap``:
-    how much of an overlapped F&B slot runs concurrently (schedules with an
+    how much of an overlapped F&B slot runs concurrently (schedules whose policy has an
     ``overlapped_backward`` predicate, DualPipeV; :mod:`megatron.pipeline.overlap`).
     """
-    config = schedule.config
+    config, policy = schedule.config, schedule.policy
     if costs is None:
-        costs = config.options.get("costs")
+        costs = config.options.costs
     if config.num_iterations is None and max_microbatches is None:
         raise ValueError(f"{schedule.name}: unbounded stream; pass max_microbatches to simulate it")
     return simulate_streams(
         schedule.streams(), schedule.layout, costs,
-        max_microbatches=max_microbatches, max_ops=max_ops, stashes_weights=schedule.stashes_weights,
-        weight_copies=[schedule.weight_copies(config, s) for s in range(config.num_stages)],
-        overlap=overlap, overlapped=schedule.overlapped_backward,
+        max_microbatches=max_microbatches, max_ops=max_ops, stashes_weights=policy.stashes_weights,
+        weight_copies=list(policy.weight_copies), overlap=overlap, overlapped=policy.overlapped_backward,
     )
 
 

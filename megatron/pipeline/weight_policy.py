@@ -3,8 +3,8 @@
 Why specs and not the policies themselves: a schedule decides *which* weight versions its
 forwards and backwards read (PipeDream-2BW's previous version, PipeMare's extrapolated
 one), but keeping those versions means copying tensors, which is the runtime's job. So
-:meth:`~megatron.pipeline.schedules.base.Schedule.stage_weight_policy` returns one of these
-frozen dataclasses (None: the live weights), which the schedule check, the simulator or a test
+a schedule's policy (:class:`~megatron.pipeline.schedules.policy.SchedulePolicy`) holds one of
+these frozen dataclasses per stage (None: the live weights), which the schedule check, the simulator or a test
 can inspect without torch, and
 :func:`megatron.pipeline.runtime.weight_versions.build_weight_policy` turns it into the
 implementation a stage worker plugs in. Each field is a parameter of that implementation.
@@ -39,7 +39,11 @@ class DiscrepancyCorrected:
     measured_delay: bool = False  # d = the updates really applied since the forward, not tau
 
 
-#: What ``Schedule.stage_weight_policy`` returns for a stage that does not read its live weights
+#: What ``SchedulePolicy.weight_policies`` holds for a stage that does not read its live weights
 WeightPolicySpec = DoubleBuffered | DiscrepancyCorrected
 
-__all__ = ["DiscrepancyCorrected", "DoubleBuffered", "WeightPolicySpec"]
+#: ``SchedulePolicy.fixed_accumulation`` of a schedule whose weight versions are counted in
+#: micro-batches per update (2BW's stash, PipeMare's delay and correction)
+COUNTED_WEIGHT_VERSIONS = "keeps weight versions counted in micro-batches per update"
+
+__all__ = ["COUNTED_WEIGHT_VERSIONS", "DiscrepancyCorrected", "DoubleBuffered", "WeightPolicySpec"]

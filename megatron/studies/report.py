@@ -51,7 +51,7 @@ def paci_summary(runs: Sequence[dict]) -> dict:
 
 def asynchronous(run: dict) -> bool:
     """Whether the run's schedule steps stage-locally (the registry says, not its name)."""
-    return schedule_class(run["schedule"]).asynchronous
+    return schedule_class(run["schedule"]).traits.asynchronous
 
 
 def _paci_row(run: dict, flush: dict) -> dict:

@@ -43,9 +43,11 @@ differently.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from megatron.pipeline.ir import OPT, Op
@@ -53,23 +55,40 @@ from megatron.pipeline.planner.relayout import Relayout
 from megatron.pipeline.planner.runtime_choice import Choice, choice_table, rank_choices
 from megatron.pipeline.schedules import register_selector, schedule_class
 from megatron.pipeline.schedules.base import Schedule, ScheduleConfig, ScheduleConfigError
+from megatron.pipeline.schedules.config import ScheduleOptions, options_as
+from megatron.pipeline.schedules.policy import SchedulePolicy
 from megatron.pipeline.schedules.zero_bubble.profiled import PLACEHOLDER_COSTS, CostsNotProfiled, ProfiledSchedule
 from megatron.pipeline.schedules.zero_bubble.zb_1p import ZB1P
-from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION, ZERO_BUBBLE_FLAGS
+from megatron.pipeline.schedules.zero_bubble.flags import (ZERO_BUBBLE_FLAGS, ZeroBubbleOptions, memory_limited,
+                                                           with_order_costs)
 from megatron.pipeline.costs.op_costs import CostsLike, OpCosts, stage_costs
 
 #: the line every decision starts with (scripts look for it)
 CHOICE_PREFIX = "auto: chose "
-#: schedule option: the cores one pipeline's CPU ranks share when they outnumber them (the
-#: trainer sets it; every rank the same value, so every rank makes the same choice)
-HOST_CORES_OPTION = "host_cores"
-#: schedule options: the layouts the trainer can rebuild the run in (:class:`Relayout`s) and
-#: the chain's layers per stage they are priced with
-RELAYOUTS_OPTION = "relayouts"
-STAGE_LAYERS_OPTION = "stage_layers"
-#: schedule option: the chain's activation bytes of one micro-batch per stage (a memory limit's
-#: unit on each stage, to hold a rebuilt layout to it)
-STAGE_BYTES_OPTION = "stage_activation_bytes"
+
+
+@dataclass(frozen=True)
+class AutoOptions(ZeroBubbleOptions):
+    """``auto``'s options: Zero Bubble's (its profiling, costs and memory limit) and what the
+    trainer sets for the ranking.
+
+    ``host_cores``: the cores one pipeline's CPU ranks share when they outnumber them (every rank
+    the same value, so every rank makes the same choice). ``relayouts``: the layouts the trainer
+    can rebuild the run in (:class:`Relayout`s), priced with the chain's ``stage_layers`` (layers
+    per stage). ``stage_activation_bytes``: the chain's activation bytes of one micro-batch per
+    stage (a memory limit's unit on each stage, to hold a rebuilt layout to it).
+    """
+
+    host_cores: int | None = None
+    relayouts: tuple[Relayout, ...] = ()
+    stage_layers: tuple[int, ...] = ()
+    stage_activation_bytes: tuple[float, ...] = ()
+
+
+def auto_options(options: ScheduleOptions) -> AutoOptions:
+    """``options`` as ``auto``'s (what the trainer sets for the ranking at their defaults when
+    the run's schedule is another one)."""
+    return options_as(options, AutoOptions)
 #: how much faster (simulated) a rebuilt layout must be than the best schedule of the run's own
 #: chain to be chosen: the rebuild's checkpoint round trip, and the pricing of parts from a
 #: chain's stages (module docstring of :mod:`~megatron.pipeline.planner.relayout`)
@@ -96,11 +115,13 @@ class AutoSchedule(ProfiledSchedule):
 
     name = "auto"
     include_async: ClassVar[bool] = False
-    flag_groups = (*ProfiledSchedule.flag_groups, ZERO_BUBBLE_FLAGS)
+    traits = dataclasses.replace(ProfiledSchedule.traits, options=AutoOptions,
+                                 flag_groups=(*ProfiledSchedule.traits.flag_groups, ZERO_BUBBLE_FLAGS))
 
     def __init__(self, config: ScheduleConfig):
-        self.limit: float | None = config.options.get("memory_limit")
-        fixed = None if config.options.get(PROFILE_OPTION) else config.options.get("costs", PLACEHOLDER_COSTS)
+        options = auto_options(config.options)
+        self.limit: float | None = options.memory_limit
+        fixed = None if options.profile_iters else (PLACEHOLDER_COSTS if options.costs is None else options.costs)
         if fixed is None:
             self._init_profiled(config)
         else:  # --zb-costs (or --zb-profile-iters 0): decide now, profile nothing
@@ -115,8 +136,9 @@ class AutoSchedule(ProfiledSchedule):
     def _init_profiled(self, config: ScheduleConfig) -> None:
         """ProfiledSchedule's set-up with zb-1p as the warm-up's fallback: ZB-H1, or below its
         ``N M_B`` the greedy's order for placeholder costs (which stays within the limit)."""
-        options = dict(config.options)
-        options.setdefault("memory_limit", float(config.num_stages))
+        options = auto_options(config.options)
+        if options.memory_limit is None:
+            options = dataclasses.replace(options, memory_limit=float(config.num_stages))
         super().__init__(ZB1P, dataclasses.replace(config, options=options))
         self.config = config
 
@@ -134,12 +156,10 @@ class AutoSchedule(ProfiledSchedule):
         if self.target is not None:
             raise RuntimeError(f"{self.name}: costs were already set")
         per_stage = stage_costs(costs, self.config.num_stages)
-        base = dataclasses.replace(self.config, first_iteration=self.run_start, options={})
-        ranked, refused = rank_choices(base, per_stage, self.limit, self.include_async,
-                                       self.config.options.get(HOST_CORES_OPTION),
-                                       self.config.options.get(RELAYOUTS_OPTION, ()),
-                                       self.config.options.get(STAGE_LAYERS_OPTION, ()),
-                                       self.config.options.get(STAGE_BYTES_OPTION, ()))
+        base = dataclasses.replace(self.config, first_iteration=self.run_start, options=ScheduleOptions())
+        options = auto_options(self.config.options)
+        ranked, refused = rank_choices(base, per_stage, self.limit, self.include_async, options.host_cores,
+                                       options.relayouts, options.stage_layers, options.stage_activation_bytes)
         if not ranked:
             raise ScheduleConfigError(f"{self.name}: no schedule fits the memory limit {self.limit} M_B: "
                                       + "; ".join(refused))
@@ -147,11 +167,12 @@ class AutoSchedule(ProfiledSchedule):
         if best is None:
             raise ScheduleConfigError(f"{self.name}: the checkpoint's choice {chosen} cannot run here")
         if best.relayout is None:
-            options = {"costs": per_stage, **({} if self.limit is None else {"memory_limit": float(self.limit)})}
+            kind = schedule_class(best.schedule).traits.options
+            options = with_order_costs(memory_limited(kind, self.limit), kind, per_stage)
             self.target = _build(best.schedule, dataclasses.replace(base, options=options))  # type: ignore[assignment]
         else:  # the schedule as the rebuilt run will order it (its order line and fingerprint)
             self.target = _build(best.schedule, best.candidate(base).config(  # type: ignore[assignment]
-                base.num_iterations or 1, dict(best.relayout.options), base.data_parallel_size))
+                base.num_iterations or 1, best.relayout.options, base.data_parallel_size))
         self.costs = per_stage
         self.choice = {"best": best, "ranked": ranked, "refused": refused}
 
@@ -186,7 +207,7 @@ class AutoSchedule(ProfiledSchedule):
         m, n = self.config.num_microbatches, self.config.num_stages
         target = self.target
         assert target is not None
-        if target.asynchronous:
+        if target.traits.asynchronous:
             return f"{target.name}'s steady stream (stage-local steps every {m} micro-batches)"
         stages = sorted({0, n - 1})
         return " | ".join(f"s{s}: " + " ".join(f"{op.kind.value}{op.microbatch}"
@@ -207,13 +228,16 @@ class AutoSchedule(ProfiledSchedule):
         if self.target is None:
             raise CostsNotProfiled(f"{self.name}: no schedule chosen yet")
         m = self.config.num_microbatches
-        if self.target.asynchronous:
+        if self.target.traits.asynchronous:
             return zlib.crc32(self.target.name.encode())
         return zlib.crc32(repr([list(self.target.iteration_ops(s, range(m)))  # type: ignore[attr-defined]
                                 for s in range(self.config.num_stages)]).encode())
 
-    def fixed_costs(self) -> tuple[OpCosts, ...] | None:
-        return None  # the start logs :meth:`start_lines` instead (profiling.log_fixed_choice)
+    @functools.cached_property
+    def policy(self) -> SchedulePolicy:
+        """The profiled policy, with the decision's lines for the start (no fixed costs: the
+        start logs :meth:`start_lines` instead, profiling.log_fixed_choice)."""
+        return dataclasses.replace(super().policy, start_lines=self.start_lines)
 
     def start_lines(self) -> list[str]:
         """What the start logs: the decision when it was made from fixed costs, else nothing."""
@@ -236,7 +260,7 @@ class AutoSchedule(ProfiledSchedule):
 
     # -- stream --------------------------------------------------------------------------
     def stage_ops(self, stage: int) -> Iterator[Op]:
-        if self.post_validated:
+        if self.policy.post_validated:
             return super().stage_ops(stage)
         return self._switching_ops(stage)
 
@@ -247,7 +271,7 @@ class AutoSchedule(ProfiledSchedule):
         for it in its:
             if it >= self.profile_end and self.relayout is not None:
                 return  # the trainer rebuilds the stages here (module docstring)
-            if it >= self.profile_end and self.target is not None and self.target.asynchronous:
+            if it >= self.profile_end and self.target is not None and self.target.traits.asynchronous:
                 yield from self.target.segment(it, its.stop - it).stage_ops(stage)
                 return
             yield from self.iteration_ops(stage, range(it * m, (it + 1) * m))
@@ -263,7 +287,7 @@ class AutoAsyncSchedule(AutoSchedule):
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:
         super().check_config(config)
-        if config.options.get("post_validation"):
+        if auto_options(config.options).post_validation:
             raise ScheduleConfigError(f"{cls.name}: optimizer post-validation needs a synchronous step in "
                                       "every iteration; use auto")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from megatron.pipeline.costs.cost_model import ModelShape, layer_costs
 from megatron.pipeline.costs.partition import partition_layers
-from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, schedule_class
+from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, ScheduleOptions, schedule_class
 
 SPLITS = ("balanced", "even", "offset")
 RECOMPUTES = ("none", "selective", "full")
@@ -44,12 +44,14 @@ class Candidate:
 
     @property
     def asynchronous(self) -> bool:
-        return schedule_class(self.schedule).asynchronous
+        return schedule_class(self.schedule).traits.asynchronous
 
-    def config(self, num_iterations: int, options: dict | None = None, data_parallel: int = 1) -> ScheduleConfig:
-        chunks = self.virtual_stages if schedule_class(self.schedule).takes_model_chunks else 1
+    def config(self, num_iterations: int, options: ScheduleOptions | None = None,
+               data_parallel: int = 1) -> ScheduleConfig:
+        chunks = self.virtual_stages if schedule_class(self.schedule).traits.takes_model_chunks else 1
         return ScheduleConfig(self.pipeline_model_parallel_size, self.microbatches, num_iterations=num_iterations,
-                              num_chunks=chunks, options=dict(options or {}), data_parallel_size=data_parallel)
+                              num_chunks=chunks, options=options or ScheduleOptions(),
+                              data_parallel_size=data_parallel)
 
 
 def even_split(num_layers: int, parts: int) -> tuple[int, ...] | None:
@@ -104,7 +106,7 @@ def chunk_counts(schedule: str, num_layers: int, stages: int, max_chunks: int = 
     """Model chunks per stage a schedule can take: 1; the V's 2; interleaving's 2..max_chunks
     where the layers divide."""
     cls = schedule_class(schedule)
-    if not cls.takes_model_chunks:
+    if not cls.traits.takes_model_chunks:
         return [1]
     return [v for v in range(2, max_chunks + 1) if num_layers % (stages * v) == 0]
 
@@ -126,9 +128,9 @@ def enumerate_candidates(shape: ModelShape, pipeline_sizes: Sequence[int], globa
                     probe = Candidate(name, n, b, m, v, "none", "even")
                     try:
                         config = probe.config(1, data_parallel=data_parallel)
-                        cls.check_config(dataclasses.replace(config, num_iterations=None) if cls.asynchronous
+                        cls.check_config(dataclasses.replace(config, num_iterations=None) if cls.traits.asynchronous
                                          else config)
-                        layout = cls.layout_of(config)
+                        layout = cls.traits.layout_of(config)
                     except ScheduleConfigError as e:
                         yield None, str(e)
                         continue

@@ -9,9 +9,8 @@ included). The longer run also gives the activation peak and the weight-version 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from megatron.pipeline.comm_volume import CommShapes, step_comm_volume
 from megatron.pipeline.costs.cost_model import ModelShape
@@ -21,8 +20,8 @@ from megatron.pipeline.planner.candidates import Candidate
 from megatron.pipeline.costs.memory import StageMemory, fits, stage_memory
 from megatron.pipeline.planner.shared_cores import cores_per_pipeline, is_shared, shared_core_makespan
 from megatron.pipeline.costs.unit_costs import UnitCosts
-from megatron.pipeline.schedules import build_schedule, schedule_class
-from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.schedules import ScheduleOptions, build_schedule, schedule_class
+from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions, with_order_costs
 from megatron.pipeline.costs.op_costs import CostsLike, OpCosts
 from megatron.pipeline.simulator import SimulationResult, simulate_schedule
 
@@ -85,7 +84,7 @@ def semantics(schedule: str) -> str:
     ``ceil((N-1-s)/a)``, AMDP's one step, 2BW's stash, PipeMare's PACI bound) or ``unbounded``
     (an asynchronous schedule that declares no bound: ``drift_bounded = False``)."""
     cls = schedule_class(schedule)
-    if not cls.asynchronous:
+    if not cls.traits.asynchronous:
         return "exact"
     return "bounded-stale" if getattr(cls, "drift_bounded", True) else "unbounded"
 
@@ -95,7 +94,7 @@ def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSize
     costs; stages that time-share the host's cores pay a message's CPU as measured there."""
     shape = dataclasses.replace(problem.shape, micro_batch=cand.micro_batch_size)
     unit = problem.unit.at_micro_batch(cand.micro_batch_size)
-    layout = schedule_class(cand.schedule).layout_of(cand.config(1, data_parallel=problem.parallel.data_parallel))
+    layout = schedule_class(cand.schedule).traits.layout_of(cand.config(1, data_parallel=problem.parallel.data_parallel))
     if is_shared(problem.pipeline_cores(), layout):
         unit = unit.time_sliced()
     parts = st.part_sizes(shape, cand.counts, problem.parallel.tensor_parallel, unit.activations)
@@ -137,20 +136,21 @@ def flag_order_costs(cand: Candidate, costs: list[OpCosts], data_parallel: int) 
     Why: a cost-driven order differs with its costs, and so do its time and its activation peak
     (zb-v at N = 4, m = 8 on the CPU GPT: 13 % more activations ordered by the profile than the
     runtime's placeholder order holds). The planner predicts what its flags will run."""
-    cls = schedule_class(cand.schedule)
-    defaults = {flag.dest: flag.default_value for group in cls.flag_groups for flag in group.flags}
-    return ordering_costs(cls.options_from_flags(defaults, cand.config(1, data_parallel=data_parallel)), costs)
+    traits = schedule_class(cand.schedule).traits
+    defaults = {flag.dest: flag.default_value for group in traits.flag_groups for flag in group.flags}
+    return ordering_costs(traits.options_from_flags(defaults, cand.config(1, data_parallel=data_parallel)), costs)
 
 
-def ordering_costs(options: Mapping[str, Any], costs: Sequence[OpCosts]) -> CostsLike:
+def ordering_costs(options: ScheduleOptions, costs: Sequence[OpCosts]) -> CostsLike:
     """The costs a schedule with ``options`` (from its flags) orders its ops by: ``costs`` (what
     was profiled) where it profiles first or takes no costs, else the costs its flags give."""
-    if options.get(PROFILE_OPTION) or "costs" not in options:
+    if not isinstance(options, ZeroBubbleOptions) or options.profile_iters or options.costs is None:
+        # Why not a schedule that takes no costs from its flags: its order does not depend on them
         return tuple(costs)
-    return options["costs"]
+    return options.costs  # type: ignore[no-any-return]
 
 
-def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int, options: dict | None = None,
+def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int, options: ScheduleOptions | None = None,
                 cores: float | None = None, order_costs: CostsLike = None) -> tuple[float, SimulationResult, object]:
     """(marginal time of one update, the longer run's result, its schedule); ``options``: the
     schedule's other options (a Zero Bubble greedy's ``memory_limit``); ``cores``: the cores
@@ -161,7 +161,8 @@ def steady_span(cand: Candidate, costs: list[OpCosts], data_parallel: int, optio
     ordered_by = tuple(costs) if order_costs is None else order_costs
     runs = []
     for iterations in (k // 2, k):
-        config = cand.config(iterations, {**(options or {}), "costs": ordered_by}, data_parallel)
+        kind = schedule_class(cand.schedule).traits.options
+        config = cand.config(iterations, with_order_costs(options or ScheduleOptions(), kind, ordered_by), data_parallel)
         schedule = build_schedule(cand.schedule, config)
         result = simulate_schedule(schedule, tuple(costs))
         span = result.makespan
@@ -180,7 +181,7 @@ def evaluate(problem: Problem, cand: Candidate) -> CandidateResult:
     layout = schedule.layout
     k = update_count(cand)
     busy = max(result.busy) / k
-    copies = [schedule.weight_copies(schedule.config, s) for s in range(layout.num_stages)]
+    copies = schedule.policy.weight_copies
     own = layout.num_pipelines if st.hosts_replicas(layout) else 1  # AMDP: one stage replica per pipeline
     shards = par.data_parallel if par.distributed_optimizer else 1
     peaks = activation_peaks(result, layout, parts, per_part) if not st.hosts_replicas(layout) else \

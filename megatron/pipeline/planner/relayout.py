@@ -20,16 +20,15 @@ stage's, the others the layer-weighted mean of the other stages'.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.costs import stages as st
 from megatron.pipeline.planner.candidates import Candidate
 from megatron.pipeline.planner.evaluate import activation_peaks
 from megatron.pipeline.costs.unit_costs import layer_and_head
-from megatron.pipeline.schedules import schedule_class
+from megatron.pipeline.schedules import ScheduleOptions, schedule_class
 from megatron.pipeline.simulator import SimulationResult
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class Relayout:
     schedule: str
     num_chunks: int
     part_layers: tuple[int, ...]
-    options: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    options: ScheduleOptions = field(default_factory=ScheduleOptions, compare=False, hash=False)
     #: activation bytes one micro-batch keeps on each part (model order; the analytic model of
     #: :func:`~megatron.pipeline.costs.stages.part_sizes`); () when unknown
     part_bytes: tuple[float, ...] = ()
@@ -77,7 +76,7 @@ def relayout_stage_costs(relayout: Relayout, num_stages: int, num_microbatches: 
     """(its layout, each part's costs, what the simulator takes: per stage, the mean of its
     parts' costs, :func:`~megatron.pipeline.costs.stages.simulator_costs`) of ``relayout``."""
     cand = relayout.candidate(num_stages, num_microbatches)
-    layout = schedule_class(cand.schedule).layout_of(cand.config(1))
+    layout = schedule_class(cand.schedule).traits.layout_of(cand.config(1))
     per_part = part_costs(costs, stage_layers, relayout.part_layers)
     return layout, per_part, st.simulator_costs(layout, per_part)
 

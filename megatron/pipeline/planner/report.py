@@ -33,7 +33,7 @@ def flags(cand: Candidate, num_layers: int) -> list[str]:
     """The trainer's flags that select ``cand`` (to paste after the user's own)."""
     out = ["--pipeline-model-parallel-size", str(cand.pipeline_model_parallel_size),
            "--pipeline-schedule", cand.schedule, "--micro-batch-size", str(cand.micro_batch_size)]
-    if schedule_class(cand.schedule).takes_model_chunks and cand.virtual_stages > 1:
+    if schedule_class(cand.schedule).traits.takes_model_chunks and cand.virtual_stages > 1:
         out += ["--num-layers-per-virtual-pipeline-stage",
                 str(num_layers // (cand.pipeline_model_parallel_size * cand.virtual_stages))]
     out += _RECOMPUTE_FLAGS[cand.recompute]

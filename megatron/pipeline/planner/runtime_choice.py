@@ -29,29 +29,25 @@ from megatron.pipeline.costs.memory import StageMemory
 from megatron.pipeline.planner.ranking import rank
 from megatron.pipeline.planner.relayout import Relayout, peaks_in_chain_units, relayout_stage_costs
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, schedule_class
-from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.schedules.zero_bubble.flags import memory_limited, without_order_costs
 from megatron.pipeline.costs.op_costs import OpCosts
-
-_BASE_LR = object()  # a stand-in learning-rate schedule: a schedule returning it keeps the run's
-
 
 def switchable(name: str, config: ScheduleConfig, include_async: bool) -> bool:
     """Whether a run built for ``config``'s one-chain layout can switch to schedule ``name``
     at a drained iteration boundary (module docstring)."""
     cls = schedule_class(name)
-    if cls.asynchronous and not include_async:
+    if cls.traits.asynchronous and not include_async:
         return False
-    probe = ScheduleConfig(config.num_stages, config.num_microbatches, 1 if not cls.asynchronous else None,
+    probe = ScheduleConfig(config.num_stages, config.num_microbatches, 1 if not cls.traits.asynchronous else None,
                            data_parallel_size=config.data_parallel_size)
     try:
         cls.check_config(probe)
-        if cls.layout_of(probe) != config.layout or config.num_chunks != 1:
+        policy = cls.traits.policy_for(probe)
+        if policy.layout != config.layout or config.num_chunks != 1:
             return False
     except ScheduleConfigError:
         return False
-    stages = range(config.num_stages)
-    return all(cls.weight_copies(probe, s) == 1 and cls.stage_weight_policy(probe, s) is None
-               and cls.stage_lr_schedule(probe, s, _BASE_LR) is _BASE_LR for s in stages)
+    return not policy.adds_weight_or_lr_policy
 
 
 @dataclass(frozen=True)
@@ -92,7 +88,7 @@ def simulate_choice(name: str, config: ScheduleConfig, costs: Sequence[OpCosts],
     it cannot run, e.g. a greedy with no order under the limit); ``cores``: the cores the
     pipeline's stages share on a CPU host (None: a device each)."""
     cand = Candidate(name, config.num_stages, 1, config.num_microbatches, 1, "none", "even")
-    options = {} if memory_limit is None else {"memory_limit": float(memory_limit)}
+    options = memory_limited(schedule_class(name).traits.options, memory_limit)
     per_update, result, _ = steady_span(cand, list(costs), config.data_parallel_size, options, cores)
     peak = tuple(float(p) for p in result.peak_memory)
     fits = memory_limit is None or max(peak) <= memory_limit * (1 + 1e-9)  # the limit itself fits
@@ -110,7 +106,7 @@ def simulate_relayout(relayout: Relayout, config: ScheduleConfig, costs: Sequenc
     cand = relayout.candidate(config.num_stages, config.num_microbatches)
     layout, per_part, priced = relayout_stage_costs(relayout, config.num_stages, config.num_microbatches, costs,
                                                     stage_layers)
-    options = {k: v for k, v in relayout.options.items() if k not in ("costs", PROFILE_OPTION)}
+    options = without_order_costs(relayout.options)
     per_update, result, _ = steady_span(cand, priced, config.data_parallel_size, options, cores,
                                         order_costs=ordering_costs(relayout.options, priced))
     if relayout.part_bytes and stage_bytes:

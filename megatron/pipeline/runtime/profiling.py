@@ -115,11 +115,11 @@ def _due(schedule: "ProfiledSchedule", op: Op) -> bool:
 
 def schedule_profiling(schedule: "Schedule", transport: "Transport",
                        workers: Sequence["StageWorker"]) -> Callable[[list[Op]], None] | None:
-    """Start profiling on the local workers of a schedule that profiles (its
-    :meth:`~megatron.pipeline.schedules.base.Schedule.profiles_ops`); return the executors'
+    """Start profiling on the local workers of a schedule that profiles (its policy's
+    ``profiles_ops``); return the executors'
     sync hook, which at the step ending profiling gathers every stage's measurements over
     ``transport`` and decides the order (None: nothing to profile)."""
-    if not schedule.profiles_ops():
+    if not schedule.policy.profiles_ops():
         return None
     profiled: "ProfiledSchedule" = schedule  # type: ignore[assignment]
     log = transport.is_coordinator
@@ -154,11 +154,11 @@ def log_fixed_choice(schedule: "Schedule") -> None:
     or the choice ``auto`` made from them."""
     from megatron.pipeline.schedules.zero_bubble.profiled import describe_choice
 
-    start_lines = schedule.start_lines()  # auto: decided from fixed costs
+    start_lines = schedule.policy.start_lines()  # auto: decided from fixed costs
     if start_lines is not None:
         _print_lines(start_lines)
         return
-    costs = schedule.fixed_costs()
+    costs = schedule.policy.fixed_costs
     if costs is None:
         return
     try:

@@ -21,7 +21,10 @@ from megatron.pipeline.schedules.v_shape.v_min import VMin
 from megatron.pipeline.schedules.v_shape.zb_v import ZBV
 from megatron.pipeline.schedules.options import Flag, FlagGroup
 from megatron.pipeline.schedules.zero_bubble.profiled import ProfiledSchedule
-from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.schedules.zero_bubble.flags import profile_iterations
+from megatron.pipeline.schedules.config import ScheduleOptions
+from megatron.pipeline.schedules.policy import SchedulePolicy
+from megatron.pipeline.schedules.traits import ScheduleTraits
 from megatron.pipeline.schedules.asynchronous.paci import PACI, Async1F1B
 from megatron.pipeline.schedules.asynchronous.pipedream_2bw import PipeDream2BW
 from megatron.pipeline.schedules.asynchronous.pipemare import PipeMare
@@ -71,11 +74,11 @@ def schedule_class(name: str) -> type[Schedule]:
 
 
 def build_schedule(name: str, config: ScheduleConfig) -> Schedule:
-    """The schedule ``name`` for ``config``; with ``options["profile_iters"] = K > 0`` (zb-1p /
-    zb-2p) a :class:`~.profiled.ProfiledSchedule` that decides its order from costs profiled
-    during the first K iterations."""
+    """The schedule ``name`` for ``config``; with ``ZeroBubbleOptions.profile_iters = K > 0``
+    (zb-1p / zb-2p / zb-v) a :class:`~.profiled.ProfiledSchedule` that decides its order from
+    costs profiled during the first K iterations."""
     cls = schedule_class(name)
-    if config.options.get(PROFILE_OPTION) and name not in SELECTORS:  # a selector profiles by itself
+    if profile_iterations(config.options) and name not in SELECTORS:  # a selector profiles by itself
         return ProfiledSchedule(cls, config)
     return cls(config)
 
@@ -85,14 +88,14 @@ def flag_groups() -> dict[FlagGroup, list[str]]:
     schedules that take it (the trainer's parser and its refusals are built from this)."""
     groups: dict[FlagGroup, list[str]] = {}
     for name, cls in SCHEDULES.items():
-        for group in cls.flag_groups:
+        for group in cls.traits.flag_groups:
             groups.setdefault(group, []).append(name)
     return groups
 
 
 def chunked_schedules() -> list[str]:
     """Names of the registered schedules that run several model chunks per stage."""
-    return [name for name, cls in SCHEDULES.items() if cls.takes_model_chunks]
+    return [name for name, cls in SCHEDULES.items() if cls.traits.takes_model_chunks]
 
 
 __all__ = [
@@ -103,6 +106,9 @@ __all__ = [
     "Schedule",
     "ScheduleConfig",
     "ScheduleConfigError",
+    "ScheduleOptions",
+    "SchedulePolicy",
+    "ScheduleTraits",
     "SynchronousSchedule",
     "AsynchronousSchedule",
     "build_schedule",

@@ -1,11 +1,13 @@
 """Command-line options a schedule declares: the flags, and how their values become options.
 
-A schedule class lists the :class:`FlagGroup` objects it takes (``Schedule.flag_groups``); a
-group shared by several schedules (Zero Bubble's ``--zb-*``, post-validation) is declared once
+A schedule class lists the :class:`FlagGroup` objects it takes (``Schedule.traits.flag_groups``);
+a group shared by several schedules (Zero Bubble's ``--zb-*``, post-validation) is declared once
 and referenced by each. The trainer adds every registered schedule's groups to its parser,
-refuses a flag given to a schedule that does not take it, and turns the values into
-``ScheduleConfig.options`` with :meth:`FlagGroup.to_options` -- so it never compares schedule
-names, and a new schedule brings its flags with it. Pure data: no argparse, no torch.
+refuses a flag given to a schedule that does not take it, and turns the values into the
+schedule's typed options (``ScheduleConfig.options``, built by
+:meth:`~megatron.pipeline.schedules.traits.ScheduleTraits.options_from_flags` from each group's
+:meth:`FlagGroup.to_options`) -- so it never compares schedule names, and a new schedule brings
+its flags with it. Pure data: no argparse, no torch.
 """
 from __future__ import annotations
 
@@ -52,15 +54,19 @@ class Flag:
         return value == self.default_value
 
 
-OptionsBuilder = Callable[[Mapping[str, Any], "ScheduleConfig"], dict[str, Any]]
+#: A group's part of a schedule's options dataclass: field name -> value, for the fields the
+#: group's flags set (the dataclass's constructor refuses a name it does not declare)
+OptionFields = dict[str, Any]
+OptionsBuilder = Callable[[Mapping[str, Any], "ScheduleConfig"], OptionFields]
 
 
 @dataclass(frozen=True)
 class FlagGroup:
-    """Flags that belong together, and how their values become ``ScheduleConfig.options``.
+    """Flags that belong together, and how their values become fields of a schedule's options.
 
     ``to_options(values, config)`` gets every flag of the group by ``dest`` and the schedule's
-    config without options (stages, micro-batches, chunks, data-parallel size); it raises
+    config without options (stages, micro-batches, chunks, data-parallel size) and returns the
+    group's fields of the options dataclass (:data:`OptionFields`); it raises
     :class:`~megatron.pipeline.schedules.base.ScheduleConfigError` (one line naming the flag)
     for values no schedule of the group can use. ``requirement`` qualifies the schedules that
     take the group in the refusal of a flag given to another one ("a synchronous").

@@ -206,7 +206,7 @@ def schedule_state(schedule: Schedule | None, chosen_by: dict[str, Any] | None =
     ``auto`` rebuilt in another layout (``chosen_by``: its decision), the decision with the
     schedule's own state as ``inner``, so a resumed ``auto`` run keeps the layout
     (:func:`~megatron.trainer.checkpointing.load.restore_schedule_state` unwraps it)."""
-    own = None if schedule is None else schedule.checkpoint_state()
+    own = None if schedule is None else schedule.policy.checkpoint.save()
     if chosen_by is None:
         return own
     return {**chosen_by, "inner": own}

@@ -38,9 +38,9 @@ def restore_schedule_state(schedule: Schedule, point: "ResumePoint | None") -> N
     if state.get("relayout") and schedule.name not in SELECTORS:  # auto's decision to rebuild the stages
         inner = state.get("inner")  # the rebuilt schedule's own state
         if inner is not None:
-            schedule.restore_checkpoint_state(inner)
+            schedule.policy.checkpoint.restore(inner)
         return
-    schedule.restore_checkpoint_state(state)
+    schedule.policy.checkpoint.restore(state)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron.pipeline.schedules import schedule_class
+from megatron.pipeline.schedules import SchedulePolicy, schedule_class
 from megatron.pipeline.schedules.base import ScheduleConfig
 from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
 from megatron.trainer.checkpointing.shards import Region, ShardError, plan_region, shard_entry
@@ -114,6 +114,18 @@ def global_batch(signature: dict[str, Any]) -> int | None:
     return parts[0] * parts[1] * parts[2]
 
 
+def schedule_policy(signature: dict[str, Any]) -> SchedulePolicy | None:
+    """The policy of the signature's schedule for its stages and chunks (None: no schedule
+    recorded); the schedule's options are not in a signature, and nothing read here needs them."""
+    name = signature.get("pipeline_schedule")
+    if not name:
+        return None
+    pp, chunks = signature.get("pipeline_model_parallel_size"), signature.get("num_model_chunks") or 1
+    stages = pp if isinstance(pp, int) and pp > 0 else 1
+    return schedule_class(name).traits.policy_for(ScheduleConfig(num_stages=stages, num_microbatches=1,
+                                                                 num_chunks=chunks))
+
+
 def partition(signature: dict[str, Any]) -> tuple[Any, ...]:
     """Which layers each stage holds: (stages, chunks, layers per model part, the model parts
     each stage hosts), an even split spelled out, so ``--pipeline-layer-split 2 2`` and the
@@ -126,9 +138,9 @@ def partition(signature: dict[str, Any]) -> tuple[Any, ...]:
     if not split and chunks == 1 and isinstance(pp, int) and isinstance(layers, int) and pp > 0 and layers % pp == 0:
         split = [layers // pp] * pp
     hosted = None
-    if signature.get("pipeline_schedule") and isinstance(pp, int) and pp > 0:
-        layout = schedule_class(signature["pipeline_schedule"]).layout_of(
-            ScheduleConfig(num_stages=pp, num_microbatches=1, num_chunks=chunks))
+    policy = schedule_policy(signature)
+    if policy is not None and isinstance(pp, int) and pp > 0:
+        layout = policy.layout
         hosted = tuple(tuple(layout.model_stage(s, c) for c in range(layout.num_chunks)) for s in range(pp))
         if hosted == tuple((s,) for s in range(pp)):
             hosted = None  # one part per stage, in order: what a signature without a schedule means
@@ -235,8 +247,9 @@ def plan(metadata: dict[str, Any], ours: dict[str, Any], config: JobConfig, wher
     if not finetune and global_batch(saved) != global_batch(ours):
         raise ReshardError(f"checkpoint {where} was saved with a global batch of {global_batch(saved)} samples, "
                            f"this run has {global_batch(ours)} (the data position would not continue)")
-    for name in (saved.get("pipeline_schedule"), ours.get("pipeline_schedule")):
-        refusal = schedule_class(name).reshard_refusal if name else None
+    for signature in (saved, ours):
+        policy = schedule_policy(signature)
+        refusal = None if policy is None else policy.reshard_refusal
         if refusal:
             raise ReshardError(f"checkpoint {where}: {describe(saved)} cannot load into {describe(ours)} ({refusal})")
     index = metadata.get("index")
@@ -287,8 +300,8 @@ def _notices(saved: dict[str, Any], ours: dict[str, Any], same_ranks: bool, same
         changed = "stage partition" if partition(saved) != partition(ours) else "tensor-parallel size"
         notices.append(f"{changed} changed: dropout RNG streams restart from --seed, "
                        "drift histograms start empty")
-    policies = {name for name in (saved.get("pipeline_schedule"), ours.get("pipeline_schedule"))
-                if name and schedule_class(name).weight_policy_has_state}
+    policies = {signature["pipeline_schedule"] for signature in (saved, ours)
+                if (policy := schedule_policy(signature)) is not None and policy.weight_policy_has_state}
     if policies and not (same_ranks and same_schedule):
         notices.append(f"weight-version state of {'/'.join(sorted(policies))} reset (2BW's stash, "
                        f"PipeMare's delta start fresh)")

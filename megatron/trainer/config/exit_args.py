@@ -56,7 +56,7 @@ def check_exit_flags(args: argparse.Namespace) -> None:
     """Check the exit flags; set ``args.exit_check_every`` (extra segment boundaries, or None)."""
     args.exit_check_every = None
     schedule = SCHEDULES.get(args.pipeline_schedule)  # an unknown name is reported later
-    asynchronous = schedule is not None and schedule.asynchronous
+    asynchronous = schedule is not None and schedule.traits.asynchronous
     if args.exit_signal is not None and not args.exit_signal_handler:
         raise ConfigError("--exit-signal needs --exit-signal-handler")
     # Ranges (finite, > 0, >= 1) are flag_checks.DOMAINS' job, checked before this.

@@ -110,7 +110,7 @@ class ScheduleSettings:
     #: schedule class, its config (options from its flags) and the layout
     run: RunConfig
     schedule_check: bool
-    #: every registered schedule's own flags by ``dest`` (``Schedule.flag_groups``)
+    #: every registered schedule's own flags by ``dest`` (``Schedule.traits.flag_groups``)
     flags: dict[str, Any]
     #: ``auto``: the job configs of the layouts it may rebuild the run in, by label
     #: (:mod:`megatron.trainer.launch.auto_relayout`)
@@ -341,9 +341,10 @@ NOT_CONFIG = frozenset({"task_checks", "task_options"})
 
 
 def with_schedule_options(config: JobConfig, **options: Any) -> JobConfig:
-    """A copy whose schedule config has ``options`` added (a launch-time decision for ``auto``)."""
+    """A copy whose schedule config has the fields ``options`` of its options dataclass set (a
+    launch-time decision for ``auto``; a field the schedule's options lack is a TypeError)."""
     run = config.run
-    schedule = dataclasses.replace(run.schedule, options={**run.schedule.options, **options})
+    schedule = dataclasses.replace(run.schedule, options=dataclasses.replace(run.schedule.options, **options))
     return replace_in(config, "schedule", run=dataclasses.replace(run, schedule=schedule, built=None))
 
 

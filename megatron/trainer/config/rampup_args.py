@@ -32,9 +32,9 @@ import dataclasses
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from megatron.pipeline.schedules import SCHEDULES, ScheduleConfigError, schedule_class
+from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, ScheduleOptions, schedule_class
 from megatron.pipeline.schedules.base import Schedule
-from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.schedules.zero_bubble.flags import profile_iterations
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.run_config import schedule_config
 
@@ -114,11 +114,12 @@ def check_rampup_flags(args: argparse.Namespace) -> None:
     if args.rampup_batch_size is None:
         return
     cls = schedule_class(args.pipeline_schedule)
-    fixed = _built_for_one_accumulation(cls)
-    if schedule_config(args).options.get(PROFILE_OPTION):
+    config = schedule_config(args)
+    fixed = _built_for_one_accumulation(cls, config)
+    if profile_iterations(config.options):
         fixed = "plans from costs profiled once at the run's start (pass --zb-costs and --zb-profile-iters 0)"
     if fixed:
-        ramping = [name for name, other in SCHEDULES.items() if _built_for_one_accumulation(other) is None]
+        ramping = [name for name, other in SCHEDULES.items() if _built_for_one_accumulation(other, config) is None]
         raise ConfigError(f"--rampup-batch-size: {args.pipeline_schedule} {fixed}, which a rampup changes "
                           f"({', '.join(ramping)} ramp)")
     per_microbatch = args.micro_batch_size * args.data_parallel_size
@@ -136,14 +137,11 @@ def check_rampup_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"--rampup-batch-size: global batch {batch} of the ramp: {exc}") from None
 
 
-def _built_for_one_accumulation(cls: type[Schedule]) -> str | None:
+def _built_for_one_accumulation(cls: type[Schedule], config: ScheduleConfig) -> str | None:
     """Why ``cls`` cannot change its accumulation mid-run (None: it can, segment by segment).
 
     Weight policies (2BW's double buffer, PipeMare's delay and correction) and per-stage
-    learning-rate rules are built once per stage from the run's ``a``.
+    learning-rate rules are built once per stage from the run's ``a``; the schedule's policy
+    says so (``fixed_accumulation``), whatever its options (the run's are another schedule's).
     """
-    if cls.stage_weight_policy.__func__ is not Schedule.stage_weight_policy.__func__:  # type: ignore[attr-defined]
-        return "keeps weight versions counted in micro-batches per update"
-    if cls.stage_lr_schedule.__func__ is not Schedule.stage_lr_schedule.__func__:  # type: ignore[attr-defined]
-        return "derives its per-stage learning rate from the micro-batches per update"
-    return None
+    return cls.traits.policy_for(dataclasses.replace(config, options=ScheduleOptions())).fixed_accumulation

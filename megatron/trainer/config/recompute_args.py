@@ -48,7 +48,7 @@ def _chunk_layer_counts(args: argparse.Namespace) -> list[int]:
     """Layers of every model part of the schedule's layout (the unit megatron-core's blocks
     recompute over): one part per stage, one per virtual stage with interleaving, two per stage
     on a V (each stage's ``--pipeline-layer-split`` count halved between them)."""
-    layout = chosen_schedule(args).layout_of(schedule_config(args))
+    layout = chosen_schedule(args).traits.layout_of(schedule_config(args))
     split = layout.part_layer_split(args.pipeline_layer_split)
     if split is not None:
         return split

@@ -3,7 +3,7 @@
 ``parse_args`` attaches a :class:`RunConfig` as ``args.run``; the driver, the tasks and the
 checkpointing read the schedule class, its config and the pipeline layout from there instead
 of recomputing them from flags at every call site. The schedule's options come from its own
-flags (``Schedule.flag_groups``): nothing here knows a schedule by name.
+flags (``Schedule.traits.flag_groups``): nothing here knows a schedule by name.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class RunConfig:
     @property
     def asynchronous(self) -> bool:
         """Whether stages step locally (no pipeline-wide optimizer step)."""
-        return self.schedule_cls.asynchronous
+        return self.schedule_cls.traits.asynchronous
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunConfig:
@@ -60,16 +60,17 @@ class RunConfig:
         config = schedule_config(args)
         schedule_cls = schedule_class(args.pipeline_schedule)
         shardable = args.optimizer in SHARDABLE_OPTIMIZERS
-        return cls(schedule_cls=schedule_cls, schedule=config, layout=schedule_cls.layout_of(config),
+        policy = schedule_cls.traits.policy_for(config)
+        return cls(schedule_cls=schedule_cls, schedule=config, layout=policy.layout,
                    pipeline_size=args.pipeline_model_parallel_size,
                    data_parallel_size=args.data_parallel_size,
                    tensor_parallel_size=args.tensor_model_parallel_size,
-                   shards_optimizer_state=schedule_cls.shards_optimizer_state(config, shardable))
+                   shards_optimizer_state=policy.optimizer_sharding.decide(shardable))
 
 
 def schedule_flag_values(args: argparse.Namespace, schedule_cls: type[Schedule]) -> dict[str, Any]:
     """The values of ``schedule_cls``'s own flags, by ``dest`` (defaults where ``args`` lacks one)."""
-    return {dest: value for group in schedule_cls.flag_groups for dest, value in group.values(args).items()}
+    return {dest: value for group in schedule_cls.traits.flag_groups for dest, value in group.values(args).items()}
 
 
 def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
@@ -84,7 +85,7 @@ def job_schedule_config(config: JobConfig) -> ScheduleConfig:
     """:func:`schedule_config` of a built (or provisional: the flag checks') job config."""
     parallel, schedule, training = config.parallel, config.schedule, config.training
     schedule_cls = schedule_class(schedule.pipeline_schedule)
-    flags = {flag.dest: schedule.flags[flag.dest] for group in schedule_cls.flag_groups for flag in group.flags}
+    flags = {flag.dest: schedule.flags[flag.dest] for group in schedule_cls.traits.flag_groups for flag in group.flags}
     return _schedule_config(schedule_cls, parallel.pipeline_model_parallel_size,
                             training.num_microbatches, training.train_iters,
                             parallel.num_model_chunks, parallel.data_parallel_size, flags)
@@ -94,7 +95,7 @@ def _schedule_config(schedule_cls: type[Schedule], stages: int, microbatches: in
                      data_parallel: int | None, flags: dict[str, Any]) -> ScheduleConfig:
     base = ScheduleConfig(num_stages=stages, num_microbatches=microbatches, num_iterations=iterations,
                           num_chunks=chunks, data_parallel_size=data_parallel or 1)
-    return dataclasses.replace(base, options=schedule_cls.options_from_flags(flags, base))
+    return dataclasses.replace(base, options=schedule_cls.traits.options_from_flags(flags, base))
 
 
 def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:

@@ -1,6 +1,6 @@
 """The schedules' own flags on the command line, and the checks every schedule shares.
 
-Each schedule class declares its flags (``flag_groups``, :mod:`megatron.pipeline.schedules.options`);
+Each schedule class declares its flags (``traits.flag_groups``, :mod:`megatron.pipeline.schedules.options`);
 this module adds those of every registered schedule to the parser, each group once, and refuses
 with one line a flag the chosen schedule does not take. It compares no schedule names: which
 schedule takes what is read from the registry, so a new schedule needs no edit here.
@@ -39,7 +39,7 @@ def check_schedule_flags(args: argparse.Namespace) -> None:
     cls, name = chosen_schedule(args), args.pipeline_schedule
     for group, takers in flag_groups().items():
         given = group.given(args)
-        if given and group not in cls.flag_groups:
+        if given and group not in cls.traits.flag_groups:
             which = (f"{group.requirement} --pipeline-schedule ({', '.join(takers)})" if group.requirement
                      else f"--pipeline-schedule {' or '.join(takers)}")
             raise ConfigError(f"{given[0].name} needs {which}; got {name}")
@@ -48,7 +48,7 @@ def check_schedule_flags(args: argparse.Namespace) -> None:
         config = schedule_config(args)  # the options from the flags: their values are checked here
     except ScheduleConfigError as exc:
         raise ConfigError(str(exc)) from None
-    _check_part_split(args, cls.layout_of(config))
+    _check_part_split(args, cls.traits.layout_of(config))
 
 
 def _check_part_split(args: argparse.Namespace, layout: PipelineLayout) -> None:
@@ -83,7 +83,7 @@ def _check_model_chunks(args: argparse.Namespace, cls: type[Schedule]) -> None:
         raise ConfigError(
             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
             f"{flag} {per_chunk}")
-    if args.num_model_chunks > 1 and not cls.takes_model_chunks:
+    if args.num_model_chunks > 1 and not cls.traits.takes_model_chunks:
         raise ConfigError(
             f"{flag} {per_chunk} gives {args.num_model_chunks} model chunks per stage, which only "
             f"--pipeline-schedule {' or '.join(chunked_schedules())} runs (not {args.pipeline_schedule})")

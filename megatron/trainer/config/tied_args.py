@@ -35,7 +35,7 @@ UNTIE = "--untie-embeddings-and-output-weights"
 def _untied_because(args: argparse.Namespace) -> str | None:
     """Why this run cannot tie (None: it can)."""
     cls = schedule_class(args.pipeline_schedule)
-    if cls.asynchronous or issubclass(cls, AutoAsyncSchedule):  # auto-async may switch to one
+    if cls.traits.asynchronous or issubclass(cls, AutoAsyncSchedule):  # auto-async may switch to one
         return (f"as every asynchronous schedule ({args.pipeline_schedule}): each stage steps on its own clock, "
                 f"and tying would make the first and last stage meet at every update")
     if args.pipeline_model_parallel_size == 1:

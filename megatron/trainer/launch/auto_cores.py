@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from megatron.pipeline.planner.auto_schedule import HOST_CORES_OPTION
+from megatron.pipeline.planner.auto_schedule import auto_options
 from megatron.trainer.config.job_config import JobConfig, with_schedule_options
 from megatron.trainer.launch.host import runs_on_cpu
 
@@ -31,7 +31,7 @@ def apply_auto_host_cores(config: JobConfig) -> JobConfig:
 
     run = config.run
     if config.schedule.pipeline_schedule not in SELECTORS or run is None or not runs_on_cpu(config) \
-            or run.schedule.options.get(HOST_CORES_OPTION) is not None:
+            or auto_options(run.schedule.options).host_cores is not None:
         return config
     stages = config.parallel.pipeline_model_parallel_size
     ranks = stages * config.parallel.data_parallel_size * (config.parallel.tensor_model_parallel_size or 1)
@@ -39,4 +39,4 @@ def apply_auto_host_cores(config: JobConfig) -> JobConfig:
     cores = pipeline_cores(os.cpu_count() or 1, local, stages)
     if cores is None:
         return config
-    return with_schedule_options(config, **{HOST_CORES_OPTION: cores})
+    return with_schedule_options(config, host_cores=cores)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from megatron.pipeline.schedules.zero_bubble.flags import memory_limit_of
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, with_schedule_options
 
@@ -41,7 +42,7 @@ def apply_auto_memory_limit(config: JobConfig) -> JobConfig:
     room = config.launch.memory_room
     estimate = config.launch.memory_estimate
     if config.schedule.pipeline_schedule not in SELECTORS or run is None or room is None or estimate is None \
-            or not config.launch.memory_check or run.schedule.options.get("memory_limit") is not None:
+            or not config.launch.memory_check or memory_limit_of(run.schedule.options) is not None:
         return config
     limit = device_memory_limit(estimate, *room)
     if math.isinf(limit):

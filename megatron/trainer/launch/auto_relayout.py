@@ -37,12 +37,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from megatron.pipeline.planner.auto_schedule import (RELAYOUTS_OPTION, STAGE_BYTES_OPTION, STAGE_LAYERS_OPTION,
-                                                      AutoSchedule)
+from megatron.pipeline.planner.auto_schedule import AutoSchedule, auto_options
 from megatron.pipeline.planner.candidates import chunk_counts
 from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.planner.relayout import Relayout, relayout_stage_costs
-from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.schedules.zero_bubble.flags import profile_iterations
 from megatron.pipeline.planner.runtime_choice import switchable
 from megatron.pipeline.costs.stages import part_sizes
 from megatron.pipeline.schedules import SCHEDULES, schedule_class
@@ -61,8 +60,8 @@ from megatron.trainer.tasks.task import PretrainTask
 def without_flags(argv: Sequence[str], schedule: str, target: str) -> list[str]:
     """``argv`` without the flags of ``schedule``'s groups that ``target`` does not take (each
     with its value)."""
-    kept_groups = set(schedule_class(target).flag_groups)
-    dropped = {flag.name: flag.action == "store_true" for group in schedule_class(schedule).flag_groups
+    kept_groups = set(schedule_class(target).traits.flag_groups)
+    dropped = {flag.name: flag.action == "store_true" for group in schedule_class(schedule).traits.flag_groups
                if group not in kept_groups for flag in group.flags}
     out: list[str] = []
     skip = 0
@@ -80,7 +79,7 @@ def without_flags(argv: Sequence[str], schedule: str, target: str) -> list[str]:
 
 def _layout_argv(name: str, chunks: int, num_layers: int, stages: int) -> list[str]:
     flag = ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (stages * chunks))] \
-        if schedule_class(name).takes_model_chunks else []
+        if schedule_class(name).traits.takes_model_chunks else []
     return ["--pipeline-schedule", name, *flag]
 
 
@@ -116,9 +115,9 @@ def relayout_configs(task: PretrainTask, config: JobConfig, argv: Sequence[str])
     stages, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
     out: dict[str, JobConfig] = {}
     for name, cls in SCHEDULES.items():
-        if cls.asynchronous or switchable(name, config.run.schedule, include_async=False):
+        if cls.traits.asynchronous or switchable(name, config.run.schedule, include_async=False):
             continue
-        for chunks in chunk_counts(name, layers, stages) if cls.takes_model_chunks else [2]:
+        for chunks in chunk_counts(name, layers, stages) if cls.traits.takes_model_chunks else [2]:
             alt = _quiet_config(task, [*without_flags(argv, auto, name), *_layout_argv(name, chunks, layers, stages)])
             if alt is None or alt.run.layout.num_chunks != chunks or not _same_model(task, config, alt):
                 continue
@@ -140,7 +139,7 @@ def relayout_of(alt: JobConfig) -> Relayout:
     options its flags give (its op order) and its parts' activation bytes."""
     parts = _part_layers(alt)
     return Relayout(alt.schedule.pipeline_schedule, alt.run.layout.num_chunks, parts,
-                    dict(alt.run.schedule.options), _activation_bytes(alt, parts))
+                    alt.run.schedule.options, _activation_bytes(alt, parts))
 
 
 def offers_relayouts(config: JobConfig) -> bool:
@@ -163,9 +162,8 @@ def apply_auto_relayouts(task: PretrainTask, config: JobConfig, argv: Sequence[s
     if not alts:
         return config
     chain = tuple(part_layer_counts(config, config.parallel.pipeline_model_parallel_size))
-    config = with_schedule_options(config, **{RELAYOUTS_OPTION: tuple(relayout_of(a) for a in alts.values()),
-                                              STAGE_LAYERS_OPTION: chain,
-                                              STAGE_BYTES_OPTION: _activation_bytes(config, chain)})
+    config = with_schedule_options(config, relayouts=tuple(relayout_of(a) for a in alts.values()),
+                                   stage_layers=chain, stage_activation_bytes=_activation_bytes(config, chain))
     return replace_in(config, "schedule", relayouts=alts)
 
 
@@ -174,9 +172,9 @@ def chosen_config(config: JobConfig, decision: dict[str, Any]) -> JobConfig:
     in, marked with the decision (its checkpoints keep it), with ``config``'s launch, logging,
     exit and checkpoint settings; KeyError where this run offers no such layout."""
     alt = config.schedule.relayouts[decision["relayout"]]
-    if alt.run.schedule.options.get(PROFILE_OPTION):  # zb-v: ordered by the costs auto ranked it with
+    if profile_iterations(alt.run.schedule.options):  # zb-v: ordered by the costs auto ranked it with
         priced = priced_costs(config, decision)
-        alt = with_schedule_options(alt, **{PROFILE_OPTION: None, "costs": priced})
+        alt = with_schedule_options(alt, profile_iters=0, costs=priced)
     return dataclasses.replace(alt, schedule=dataclasses.replace(alt.schedule, chosen_by=decision),
                                checkpoint=config.checkpoint, logging=config.logging, exit=config.exit,
                                launch=config.launch)
@@ -186,18 +184,18 @@ def priced_costs(config: JobConfig, decision: dict[str, Any]) -> tuple[OpCosts, 
     """The per-stage costs ``auto`` ranked the chosen layout with, priced from the chain's
     profiled costs in ``decision`` (what a cost-ordered schedule is then ordered by, instead of
     profiling again)."""
-    options = config.run.schedule.options
-    relayout = next(r for r in options[RELAYOUTS_OPTION] if r.label == decision["relayout"])
+    options = auto_options(config.run.schedule.options)
+    relayout = next(r for r in options.relayouts if r.label == decision["relayout"])
     chain = tuple(OpCosts.from_dict(c) for c in decision["costs"])
     run = config.run.schedule
     return tuple(relayout_stage_costs(relayout, run.num_stages, run.num_microbatches, chain,
-                                      options[STAGE_LAYERS_OPTION])[2])
+                                      options.stage_layers)[2])
 
 
 def chosen_relayout(schedule: Schedule | None) -> dict[str, Any] | None:
-    """``auto``'s decision (:meth:`AutoSchedule.checkpoint_state`) when it chose to rebuild."""
+    """``auto``'s decision (its policy's checkpoint state, :meth:`AutoSchedule.checkpoint_state`) when it chose to rebuild."""
     if isinstance(schedule, AutoSchedule) and schedule.relayout is not None:
-        return schedule.checkpoint_state()
+        return schedule.policy.checkpoint.save()
     return None
 
 

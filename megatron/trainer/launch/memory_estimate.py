@@ -13,7 +13,7 @@ pipeline stage (a rank is one stage of one data-parallel, tensor-parallel replic
   (:func:`megatron.pipeline.costs.memory.stage_memory`, one source for both) over the analytic
   parameter counts of :mod:`megatron.pipeline.costs.cost_model` for the stage's model parts, divided by the tensor-parallel
   size; weights ``param_bytes`` each (2 in bf16/fp16) times the schedule's weight copies
-  (``Schedule.weight_copies``: 2BW's stash, PipeMare's delta), gradients ``param_bytes`` each,
+  (``SchedulePolicy.weight_copies``: 2BW's stash, PipeMare's delta), gradients ``param_bytes`` each,
   AdamW's two fp32 moments plus an fp32 master in bf16/fp16, divided over the data-parallel
   replicas with ``--use-distributed-optimizer`` (ZeRO-1) and over AMDP's replicas when the
   schedule shards the state;
@@ -149,6 +149,7 @@ def estimate_memory(config: JobConfig, baseline_bytes: float = 0.0, device: str 
     in_flight = schedule_in_flight(config)
     factor = HOST_HEAP_FACTOR if device == "cpu" else 1.0
     tokens = shape.seq_length * shape.micro_batch
+    weight_copies = schedule_class(config.schedule.pipeline_schedule).traits.policy_for(run.schedule).weight_copies
     stages = []
     for stage in range(layout.num_stages):
         held = [layout.model_stage(stage, c) for c in range(layout.num_chunks)]
@@ -157,7 +158,7 @@ def estimate_memory(config: JobConfig, baseline_bytes: float = 0.0, device: str 
                                            _recompute_kept(config, shape, counts[p])) for p in held) / tp
         has_layers = any(counts[p] for p in held)
         working = layer_activation_elements(shape) * shape.activation_bytes / tp if has_layers else 0.0
-        copies = schedule_class(config.schedule.pipeline_schedule).weight_copies(run.schedule, stage)
+        copies = weight_copies[stage]
         shards = _optimizer_shards(config, run.shards_optimizer_state, layout.num_chunks)
         last = (parts - 1) in held
         one = factor * per_mb / layout.num_chunks

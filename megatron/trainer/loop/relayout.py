@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron.pipeline.planner.auto_schedule import RELAYOUTS_OPTION, AutoSchedule
+from megatron.pipeline.planner.auto_schedule import AutoSchedule, auto_options
 from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.pipeline.runtime.transport import Transport
@@ -42,7 +42,7 @@ RELAYOUT_DIR = "auto-relayout"
 def relayout_boundary(schedule: Schedule, start: int, end: int) -> int | None:
     """The iteration an ``auto`` run may rebuild at (a segment must end there): where its
     profiling ends, when it profiles with layouts to rebuild in; None otherwise."""
-    if not isinstance(schedule, AutoSchedule) or schedule.decided or not schedule.config.options.get(RELAYOUTS_OPTION):
+    if not isinstance(schedule, AutoSchedule) or schedule.decided or not auto_options(schedule.config.options).relayouts:
         return None
     k = schedule.profile_end
     return k if start < k < end else None

@@ -18,6 +18,7 @@ from megatron.pipeline.runtime.profiling import schedule_profiling
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.schedules.evaluation import evaluation_ops
+from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.runtime.tracing import StageTracer
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing import checkpoint as ckpt
@@ -25,6 +26,12 @@ from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.tasks.task import Batch, PretrainTask
+
+
+def _validation_outcomes(schedule: Schedule) -> ValidationOutcomes | None:
+    """Post-validation's outcomes the executors record into (None: the streams validate nothing)."""
+    validation = schedule.policy.post_validation
+    return None if validation is None else validation.outcomes
 
 
 def _tracer(config: JobConfig, worker: StageWorker, dp_rank: int, executor: str) -> StageTracer | None:
@@ -96,7 +103,7 @@ class PipelineRunner:
             self.transport.align_clocks([t for t in self.tracers if t is not None])
         with _tracing(self.workers, self.tracers, self.config, writes=self.transport.tp_rank == 0):
             run_streams(self.transport, self.workers, self.transport.local_streams(schedule), self.cadence,
-                        self.sink, sync_hook=hook, outcomes=schedule.validation_outcomes,
+                        self.sink, sync_hook=hook, outcomes=_validation_outcomes(schedule),
                         after_update=self.collector.after_update)
         for w in self.workers:  # a segment ends with whole weights (--overlap-param-gather)
             w.params_ready()

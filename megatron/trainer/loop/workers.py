@@ -51,13 +51,13 @@ def build_worker(task: PretrainTask, config: JobConfig, stage: int, dp_rank: int
     )
     shape, dtype = task.activation_spec(config)
     # Asynchronous variants shape what a stage's passes read and its learning rate (2BW, PipeMare).
-    schedule_cls, schedule_config = run.schedule_cls, run.schedule
+    policy = run.schedule_cls.traits.policy_for(run.schedule)
     setup = StageSetup(
         stage=stage,
         layout=layout,
         chunks=chunks,
         optimizer=optimizer,
-        lr_schedule=schedule_cls.stage_lr_schedule(schedule_config, stage, schedule),
+        lr_schedule=policy.lr_schedule(stage, schedule),
         microbatches_per_update=training.num_microbatches,
         batch_fn=task.batch_fn(config, dp_rank, device),
         loss_fn=task.loss_fn,
@@ -68,8 +68,8 @@ def build_worker(task: PretrainTask, config: JobConfig, stage: int, dp_rank: int
         seed=training.seed,
         inject_nonfinite_updates=frozenset(logging.nonfinite_injections.get(stage, ())),
         inject_nonfinite_losses=frozenset(logging.inject_nonfinite_loss),
-        weight_policy=build_weight_policy(schedule_cls.stage_weight_policy(schedule_config, stage), optimizer),
-        loss_scaler=_loss_scaler(config, schedule_cls.asynchronous),
+        weight_policy=build_weight_policy(policy.weight_policies[stage], optimizer),
+        loss_scaler=_loss_scaler(config, run.asynchronous),
         report_params_norm=logging.log_params_norm,
         measure_activations=logging.log_activation_memory,
         aux_loss_fn=getattr(task, "aux_loss_fn", None),

@@ -49,7 +49,7 @@ def one_part_per_stage(config: JobConfig) -> bool:
     from megatron.trainer.config.run_config import job_schedule_config
 
     schedule_cls = schedule_class(config.schedule.pipeline_schedule)
-    return schedule_cls.layout_of(job_schedule_config(config)).num_chunks == 1
+    return schedule_cls.traits.layout_of(job_schedule_config(config)).num_chunks == 1
 
 
 def why_not_balanced(config: JobConfig) -> str | None:

@@ -44,7 +44,7 @@ among those to the oldest micro-batch. A message-consuming op is admissible only
 message is at the head of its device-pair queue, so each device consumes a peer's messages in
 send order.
 
-Weights: a device holds D/2 stage replicas, W/2 of the model (:meth:`AMDP.weight_copies`).
+Weights: a device holds D/2 stage replicas, W/2 of the model (:func:`amdp_policy`'s weight copies).
 
 Why it cannot deadlock (for any even D and any T = kD): the scheduler's run *is* an execution
 of the emitted streams under the replay model, so if it completes the streams are
@@ -61,24 +61,49 @@ streams for D in {2, 4, 6, 8} in the tests.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.pipeline.event_clock import EventClock
-from megatron.pipeline.ir import BW, F, OPT, MultiPipelineLayout, Op, OpKind, PipelineLayout
+from megatron.pipeline.ir import BW, F, OPT, MultiPipelineLayout, Op, OpKind
 from megatron.pipeline.replay import ScheduleError
 from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError
-from megatron.pipeline.schedules.options import Flag, FlagGroup
+from megatron.pipeline.schedules.config import ScheduleOptions, options_as
+from megatron.pipeline.schedules.options import Flag, FlagGroup, OptionFields
+from megatron.pipeline.schedules.policy import OptimizerSharding, SchedulePolicy
 
-OPTIMIZER_STATE_OPTION = "optimizer_state"
 OPTIMIZER_STATES = ("sharded", "replicated")
 
 
-def _amdp_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
-    state = values["amdp_optimizer_state"]
-    return {} if state is None else {OPTIMIZER_STATE_OPTION: state}
+@dataclass(frozen=True)
+class AMDPOptions(ScheduleOptions):
+    """AMDP's options: ``optimizer_state`` is ``"sharded"``, ``"replicated"`` or None (sharded
+    where the optimizer allows)."""
+
+    optimizer_state: str | None = None
+
+
+def _amdp_options(values: Mapping[str, Any], config: ScheduleConfig) -> OptionFields:
+    return {"optimizer_state": values["amdp_optimizer_state"]}
+
+
+def amdp_policy(config: ScheduleConfig) -> SchedulePolicy:
+    """D/2 pipelines in alternating directions; a device hosts one stage replica per pipeline
+    (D/2 stages' weights, W/2 of the model); AdamW state sharded over a stage's replicas unless
+    ``--amdp-optimizer-state replicated``, or by default when the optimizer's state is not
+    element-wise (basis rotation rotates whole matrices)."""
+    layout = MultiPipelineLayout(config.num_stages, max(1, config.num_stages // 2))
+    state = options_as(config.options, AMDPOptions).optimizer_state
+    sharding = OptimizerSharding(
+        shard=None if state is None else state == "sharded",
+        refusal="amdp: --amdp-optimizer-state sharded needs an optimizer with element-wise state (adamw); "
+                "use --amdp-optimizer-state replicated")
+    plain = SchedulePolicy.plain(layout)
+    return dataclasses.replace(plain, weight_copies=(max(1, config.num_stages // 2),) * config.num_stages,
+                               optimizer_sharding=sharding)
 
 
 #: ``sharded`` (the default where the optimizer allows it, the paper's §3.4) keeps AdamW state
@@ -232,11 +257,8 @@ class AMDP(AsynchronousSchedule):
     """Asynchronous multi-directional pipelines (AMDP), see the module docstring."""
 
     name = "amdp"
-    flag_groups = (AMDP_FLAGS,)
-
-    @classmethod
-    def layout_of(cls, config: ScheduleConfig) -> PipelineLayout:
-        return MultiPipelineLayout(config.num_stages, max(1, config.num_stages // 2))
+    traits = dataclasses.replace(AsynchronousSchedule.traits, flag_groups=(AMDP_FLAGS,), options=AMDPOptions,
+                                 policy_for=amdp_policy)
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:
@@ -252,21 +274,6 @@ class AMDP(AsynchronousSchedule):
             raise ScheduleConfigError(
                 f"amdp: the window (micro-batches per iteration, {t}) must be a multiple of the "
                 f"pipeline depth {d}, so every pipeline gets 2 micro-batches of every block of {d}")
-
-    @classmethod
-    def shards_optimizer_state(cls, config: ScheduleConfig, shardable: bool) -> bool:
-        """Sharded unless ``--amdp-optimizer-state replicated``, or by default when the optimizer's
-        state is not element-wise (basis rotation rotates whole matrices)."""
-        state = config.options.get(OPTIMIZER_STATE_OPTION)
-        if state == "sharded" and not shardable:
-            raise ScheduleConfigError("amdp: --amdp-optimizer-state sharded needs an optimizer with element-wise "
-                                      "state (adamw); use --amdp-optimizer-state replicated")
-        return state == "sharded" or (state is None and shardable)
-
-    @classmethod
-    def weight_copies(cls, config: ScheduleConfig, stage: int) -> int:
-        """A device holds one stage replica per pipeline: D/2 stages' weights (W/2 of the model)."""
-        return max(1, config.num_stages // 2)
 
     def segment_ops(self, stage: int, microbatches: Iterable[int]) -> Iterator[Op]:
         raise NotImplementedError("amdp generates all stages together; use stage_ops")

@@ -19,15 +19,27 @@ version per window makes every stage follow the same 1-stale recursion the paper
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.asynchronous.paci import PACI
-from megatron.pipeline.weight_policy import DoubleBuffered
+from megatron.pipeline.schedules.policy import SchedulePolicy
+from megatron.pipeline.weight_policy import COUNTED_WEIGHT_VERSIONS, DoubleBuffered
+
+
+def double_buffered_policy(config: ScheduleConfig) -> SchedulePolicy:
+    """Every stage stashes one weight version (two copies) and reads window ``w - 1``'s; the
+    stash is weight-policy state a checkpoint saves."""
+    n = config.num_stages
+    return dataclasses.replace(SchedulePolicy.plain(config.layout), weight_copies=(2,) * n,
+                               weight_policies=(DoubleBuffered(config.num_microbatches),) * n,
+                               stashes_weights=True, weight_policy_has_state=True,
+                               fixed_accumulation=COUNTED_WEIGHT_VERSIONS)
 
 
 class PipeDream2BW(PACI):
     name = "pipedream-2bw"
-    stashes_weights = True
-    weight_policy_has_state = True
+    traits = dataclasses.replace(PACI.traits, policy_for=double_buffered_policy)
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:
@@ -36,11 +48,3 @@ class PipeDream2BW(PACI):
             raise ScheduleConfigError(
                 f"pipedream-2bw keeps two weight versions, which needs at least N - 1 = {config.num_stages - 1} "
                 f"micro-batches per update (global batch / (micro batch x DP)); got {config.num_microbatches}")
-
-    @classmethod
-    def weight_copies(cls, config: ScheduleConfig, stage: int) -> int:
-        return 2
-
-    @classmethod
-    def stage_weight_policy(cls, config: ScheduleConfig, stage: int) -> DoubleBuffered:
-        return DoubleBuffered(config.num_microbatches)

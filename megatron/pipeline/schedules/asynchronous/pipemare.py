@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -54,18 +55,19 @@ from typing import Any
 from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
-from megatron.pipeline.schedules.options import Flag, FlagGroup
+from megatron.pipeline.schedules.config import ScheduleOptions, options_as
+from megatron.pipeline.schedules.options import Flag, FlagGroup, OptionFields
 from megatron.pipeline.schedules.asynchronous.paci import PACI, drift_bound
-from megatron.pipeline.weight_policy import DiscrepancyCorrected
+from megatron.pipeline.schedules.policy import SchedulePolicy
+from megatron.pipeline.weight_policy import COUNTED_WEIGHT_VERSIONS, DiscrepancyCorrected
 
-OPTION = "pipemare"
 DELAY_MODELS = ("stream", "paper")
 DELAY_ALIASES = {"1f1b": "stream"}  # old name, kept working
 
 
 @dataclass(frozen=True)
-class PipeMareOptions:
-    """``ScheduleConfig.options["pipemare"]``; None switches a technique off."""
+class PipeMareOptions(ScheduleOptions):
+    """PipeMare's options (``ScheduleConfig.options``); None switches a technique off."""
 
     lr_anneal_iters: int | None = None  # T1's K
     discrepancy_decay: float | None = None  # T2's D
@@ -105,11 +107,51 @@ class RescheduledLR:
         return rate / self.tau ** (1.0 - min(k / self.anneal_iters, 1.0))
 
 
-def _pipemare_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
-    return {OPTION: PipeMareOptions(
-        lr_anneal_iters=values["pipemare_lr_anneal_iters"], discrepancy_decay=values["pipemare_discrepancy_decay"],
-        sync_warmup_iters=values["pipemare_sync_warmup_iters"],
-        delay_model=canonical_delay_model(values["pipemare_delay_model"]))}
+def _pipemare_options(values: Mapping[str, Any], config: ScheduleConfig) -> OptionFields:
+    return {"lr_anneal_iters": values["pipemare_lr_anneal_iters"],
+            "discrepancy_decay": values["pipemare_discrepancy_decay"],
+            "sync_warmup_iters": values["pipemare_sync_warmup_iters"],
+            "delay_model": canonical_delay_model(values["pipemare_delay_model"])}
+
+
+def pipemare_tau(config: ScheduleConfig, stage: int) -> int:
+    """``tau`` of ``stage`` under the configured delay model (module docstring)."""
+    options = options_as(config.options, PipeMareOptions)
+    return stage_delay(config.num_stages, stage, config.num_microbatches, options.delay_model)
+
+
+def _corrects(config: ScheduleConfig, stage: int) -> bool:
+    """T2 is on and the stage's stream really has a forward/backward delay (never the last stage)."""
+    return (options_as(config.options, PipeMareOptions).discrepancy_decay is not None
+            and pipemare_tau(config, stage) >= 1 and drift_bound(config.num_stages, stage, config.num_microbatches) >= 1)
+
+
+def _weight_policy(config: ScheduleConfig, stage: int) -> DiscrepancyCorrected | None:
+    """T2's correction on a stage it corrects (the delta is one more weight-sized buffer)."""
+    opts = options_as(config.options, PipeMareOptions)
+    if not _corrects(config, stage):
+        return None
+    assert opts.discrepancy_decay is not None
+    return DiscrepancyCorrected(pipemare_tau(config, stage), opts.discrepancy_decay, config.num_microbatches,
+                                sync_until=opts.sync_warmup_iters,
+                                measured_delay=canonical_delay_model(opts.delay_model) == "stream")
+
+
+def pipemare_policy(config: ScheduleConfig) -> SchedulePolicy:
+    """T1 rescales each stage's learning rate (:class:`RescheduledLR`); T2 corrects the weights its
+    backwards read, from a delta that is weight-policy state a checkpoint saves."""
+    opts = options_as(config.options, PipeMareOptions)
+    stages = range(config.num_stages)
+    stage_lr = tuple(
+        None if opts.lr_anneal_iters is None else
+        functools.partial(RescheduledLR, tau=pipemare_tau(config, s), anneal_iters=opts.lr_anneal_iters,
+                          start=opts.sync_warmup_iters)
+        for s in stages)
+    return dataclasses.replace(SchedulePolicy.plain(config.layout),
+                               weight_copies=tuple(2 if _corrects(config, s) else 1 for s in stages),
+                               weight_policies=tuple(_weight_policy(config, s) for s in stages),
+                               stage_lr=stage_lr, weight_policy_has_state=True,
+                               fixed_accumulation=COUNTED_WEIGHT_VERSIONS)
 
 
 #: Each technique has its own flag and is off without it.
@@ -132,12 +174,12 @@ PIPEMARE_FLAGS = FlagGroup("PipeMare techniques", (
 
 class PipeMare(PACI):
     name = "pipemare"
-    flag_groups = (PIPEMARE_FLAGS,)
-    weight_policy_has_state = True
+    traits = dataclasses.replace(PACI.traits, flag_groups=(PIPEMARE_FLAGS,), options=PipeMareOptions,
+                                 policy_for=pipemare_policy)
 
     @staticmethod
     def options(config: ScheduleConfig) -> PipeMareOptions:
-        return config.options.get(OPTION) or PipeMareOptions()
+        return options_as(config.options, PipeMareOptions)
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:
@@ -154,34 +196,7 @@ class PipeMare(PACI):
 
     @classmethod
     def tau(cls, config: ScheduleConfig, stage: int) -> int:
-        return stage_delay(config.num_stages, stage, config.num_microbatches, cls.options(config).delay_model)
-
-    @classmethod
-    def _corrects(cls, config: ScheduleConfig, stage: int) -> bool:
-        """T2 is on and the stage's stream really has a forward/backward delay (never the last stage)."""
-        return (cls.options(config).discrepancy_decay is not None and cls.tau(config, stage) >= 1
-                and drift_bound(config.num_stages, stage, config.num_microbatches) >= 1)
-
-    @classmethod
-    def weight_copies(cls, config: ScheduleConfig, stage: int) -> int:
-        return 2 if cls._corrects(config, stage) else 1  # delta: one weight-sized buffer
-
-    @classmethod
-    def stage_weight_policy(cls, config: ScheduleConfig, stage: int) -> DiscrepancyCorrected | None:
-        opts = cls.options(config)
-        if not cls._corrects(config, stage):
-            return None
-        assert opts.discrepancy_decay is not None
-        return DiscrepancyCorrected(cls.tau(config, stage), opts.discrepancy_decay, config.num_microbatches,
-                                    sync_until=opts.sync_warmup_iters,
-                                    measured_delay=canonical_delay_model(opts.delay_model) == "stream")
-
-    @classmethod
-    def stage_lr_schedule(cls, config: ScheduleConfig, stage: int, base: Any) -> Any:
-        opts = cls.options(config)
-        if opts.lr_anneal_iters is None:
-            return base
-        return RescheduledLR(base, cls.tau(config, stage), opts.lr_anneal_iters, opts.sync_warmup_iters)
+        return pipemare_tau(config, stage)
 
     def stage_ops(self, stage: int) -> Iterator[Op]:
         """``W`` synchronous 1F1B iterations (counted from the run's iteration 0), then PACI's stream."""
@@ -191,7 +206,7 @@ class PipeMare(PACI):
         if end is not None:
             sync_end = min(sync_end, end)
         if sync_end > cfg.first_iteration:
-            warmup = dataclasses.replace(cfg, num_iterations=sync_end - cfg.first_iteration, options={})
+            warmup = dataclasses.replace(cfg, num_iterations=sync_end - cfg.first_iteration, options=ScheduleOptions())
             yield from OneFOneBFlush(warmup).stage_ops(stage)
         if end is not None and sync_end >= end:
             return

@@ -33,19 +33,28 @@ forward -- the schedule check rejects it, and ``check_config`` refuses ``G != N`
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from megatron.pipeline.ir import BW, F, Op
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
-from megatron.pipeline.schedules.options import Flag, FlagGroup
+from megatron.pipeline.schedules.config import options_as
+from megatron.pipeline.schedules.options import Flag, FlagGroup, OptionFields
+from megatron.pipeline.schedules.zero_bubble.post_validation_flags import PostValidationOptions
 
-GROUP_OPTION = "microbatch_group_size"
+
+@dataclass(frozen=True)
+class InterleavedOptions(PostValidationOptions):
+    """Interleaving's options: ``microbatch_group_size`` is ``G``, the consecutive micro-batches
+    per chunk (None: the stage count, Megatron-LM's default)."""
+
+    microbatch_group_size: int | None = None
 
 
-def _group_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
-    group = values["microbatch_group_size_per_virtual_pipeline_stage"]
-    return {} if group is None else {GROUP_OPTION: group}
+def _group_options(values: Mapping[str, Any], config: ScheduleConfig) -> OptionFields:
+    return {"microbatch_group_size": values["microbatch_group_size_per_virtual_pipeline_stage"]}
 
 
 #: Megatron-LM's flag for ``G`` (module docstring).
@@ -75,18 +84,19 @@ class Interleaved1F1B(SynchronousSchedule):
     """Megatron-LM's interleaved 1F1B (virtual pipeline stages), flushed every iteration."""
 
     name = "interleaved-1f1b"
-    takes_model_chunks = True
-    flag_groups = (*SynchronousSchedule.flag_groups, INTERLEAVING_FLAGS)
+    traits = dataclasses.replace(SynchronousSchedule.traits, takes_model_chunks=True, options=InterleavedOptions,
+                                 flag_groups=(*SynchronousSchedule.traits.flag_groups, INTERLEAVING_FLAGS))
 
     @classmethod
     def group_size(cls, config: ScheduleConfig) -> int:
-        group = config.options.get(GROUP_OPTION)
+        group = options_as(config.options, InterleavedOptions).microbatch_group_size
         return config.num_stages if group is None else int(group)
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:
         # The base check rejects chunks; run it on the one-chunk equivalent.
-        super().check_config(ScheduleConfig(config.num_stages, config.num_microbatches, config.num_iterations))
+        super().check_config(ScheduleConfig(config.num_stages, config.num_microbatches, config.num_iterations,
+                                            options=config.options))
         n, m, v, g = config.num_stages, config.num_microbatches, config.num_chunks, cls.group_size(config)
         if n < 2:
             raise ScheduleConfigError(f"{cls.name}: needs at least 2 pipeline stages, got {n}")

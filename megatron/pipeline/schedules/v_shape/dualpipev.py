@@ -25,10 +25,13 @@ in flight per device.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections import Counter, deque
 from collections.abc import Iterator
 
 from megatron.pipeline.ir import BW, B, F, Op, OpKind, W
+from megatron.pipeline.schedules.policy import SchedulePolicy
 from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 
 
@@ -72,6 +75,11 @@ class DualPipeV(VShapeSchedule):
 
     name = "dualpipev"
     min_microbatches_per_stage = 2
+
+    @functools.cached_property
+    def policy(self) -> SchedulePolicy:
+        """The V policy, with this schedule's overlapped F&B slots for the timing simulator."""
+        return dataclasses.replace(super().policy, overlapped_backward=self.overlapped_backward)
 
     def overlapped_backward(self, op: Op) -> bool:
         """Whether ``op`` is the fused backward of an F&B slot (it runs right after the slot's

@@ -7,18 +7,30 @@ messages go, so a V schedule only orders each stage's F, B, W (or BW) ops.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from megatron.pipeline.ir import Op, PipelineLayout, VShapeLayout
-from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
+from megatron.pipeline.ir import Op, VShapeLayout
+from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule, synchronous_policy
+from megatron.pipeline.schedules.config import options_as
+from megatron.pipeline.schedules.policy import SchedulePolicy
+from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
 from megatron.pipeline.schedules.v_shape.blocks import Block, block_plan
 from megatron.pipeline.schedules.v_shape.greedy import InfeasibleVMemory, PlannedOp, best_v_plan
 from megatron.pipeline.costs.op_costs import stage_costs
 
 
+def v_shape_policy(config: ScheduleConfig) -> SchedulePolicy:
+    """A synchronous schedule's policy on the V placement (two chunks per stage)."""
+    return dataclasses.replace(synchronous_policy(config), layout=VShapeLayout(config.num_stages))
+
+
 class VShapeSchedule(SynchronousSchedule):
     """A synchronous schedule over the V placement (two chunks per stage, always)."""
+
+    traits = dataclasses.replace(SynchronousSchedule.traits, policy_for=v_shape_policy)
 
     #: fewest micro-batches per iteration, as a multiple of the stage count
     min_microbatches_per_stage: ClassVar[int] = 1
@@ -29,10 +41,6 @@ class VShapeSchedule(SynchronousSchedule):
         """The planned order over this iteration's micro-batches (then the synchronous step)."""
         for kind, index, chunk in self.plan[stage]:
             yield Op(kind, stage, microbatches[index], chunk)
-
-    @classmethod
-    def layout_of(cls, config: ScheduleConfig) -> PipelineLayout:
-        return VShapeLayout(config.num_stages)
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:
@@ -52,13 +60,16 @@ class PlannedVSchedule(VShapeSchedule):
     decides once, from per-stage costs and an activation-memory limit in chunk units of
     ``M_B``; every iteration runs that order, split B/W, then the synchronous step."""
 
+    traits = dataclasses.replace(VShapeSchedule.traits, options=ZeroBubbleOptions)
+
     def __init__(self, config: ScheduleConfig):
         super().__init__(config)
+        options = options_as(config.options, ZeroBubbleOptions)
         try:
-            self.costs = stage_costs(config.options.get("costs"), config.num_stages)
+            self.costs = stage_costs(options.costs, config.num_stages)
         except (TypeError, ValueError) as e:
             raise ScheduleConfigError(f"{self.name}: bad costs option: {e}") from None
-        limit = config.options.get("memory_limit")
+        limit = options.memory_limit
         self.memory_limit = float(self.default_memory_limit(config.num_stages) if limit is None else limit)
         try:
             self.plan = best_v_plan(self.costs, config.num_microbatches, self.memory_limit)
@@ -70,8 +81,10 @@ class PlannedVSchedule(VShapeSchedule):
         """The limit in chunk activations (``M_B`` of one chunk); two make a whole stage's."""
         raise NotImplementedError
 
-    def fixed_costs(self) -> tuple[Any, ...]:
-        return self.costs
+    @functools.cached_property
+    def policy(self) -> SchedulePolicy:
+        """The V policy, with the costs this order was decided from (the start logs its bubble)."""
+        return dataclasses.replace(super().policy, fixed_costs=self.costs)
 
 
 class BlockVSchedule(VShapeSchedule):

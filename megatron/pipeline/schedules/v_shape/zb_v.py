@@ -11,22 +11,16 @@ activations (``M_B`` of one chunk), default ``2p``: ``p`` whole-stage activation
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import dataclasses
 
-from megatron.pipeline.schedules.base import ScheduleConfig
 from megatron.pipeline.schedules.v_shape.layout import PlannedVSchedule
 from megatron.pipeline.schedules.zero_bubble.flags import ZERO_BUBBLE_FLAGS
 
 
 class ZBV(PlannedVSchedule):
     name = "zb-v"
-    flag_groups = (*PlannedVSchedule.flag_groups, ZERO_BUBBLE_FLAGS)
-
-    @classmethod
-    def options_from_flags(cls, values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
-        iters = values.get("zb_profile_iters")
-        return super().options_from_flags({**values, "zb_profile_iters": 0 if iters is None else iters}, config)
+    traits = dataclasses.replace(PlannedVSchedule.traits, flag_defaults=(("zb_profile_iters", 0),),
+                                 flag_groups=(*PlannedVSchedule.traits.flag_groups, ZERO_BUBBLE_FLAGS))
 
     @classmethod
     def default_memory_limit(cls, num_stages: int) -> float:

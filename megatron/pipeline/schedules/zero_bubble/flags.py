@@ -11,17 +11,66 @@ same order), which makes an emulator run bitwise comparable with a distributed o
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError
-from megatron.pipeline.schedules.options import Flag, FlagGroup
+from megatron.pipeline.schedules.config import ScheduleConfig, ScheduleConfigError, ScheduleOptions, options_as
+from megatron.pipeline.schedules.options import Flag, FlagGroup, OptionFields
+from megatron.pipeline.schedules.zero_bubble.post_validation_flags import PostValidationOptions
 from megatron.pipeline.costs.op_costs import UNPROFILED_M_W, OpCosts, costs_from_profile, load_profile
 
-PROFILE_OPTION = "profile_iters"
 DEFAULT_PROFILE_ITERS = 2
+
+
+@dataclass(frozen=True)
+class ZeroBubbleOptions(PostValidationOptions):
+    """The options of the schedules whose order the greedy search decides (zb-1p, zb-2p, zb-v)
+    from ``costs`` (:class:`ScheduleOptions`).
+
+    ``memory_limit``: the search's activation-memory limit in ``M_B`` (None: the schedule's
+    default). ``profile_iters``: the first K iterations profile the costs the order is then
+    decided from (0: no profiling).
+    """
+
+    memory_limit: float | None = None
+    profile_iters: int = 0
+
+
+def profile_iterations(options: ScheduleOptions) -> int:
+    """The iterations ``options`` profile before deciding an order (0: none, or not a Zero
+    Bubble schedule's options)."""
+    return options.profile_iters if isinstance(options, ZeroBubbleOptions) else 0
+
+
+def memory_limit_of(options: ScheduleOptions) -> float | None:
+    """The activation-memory limit ``options`` set (None: none set, or not a Zero Bubble
+    schedule's options)."""
+    return options.memory_limit if isinstance(options, ZeroBubbleOptions) else None
+
+
+def memory_limited(kind: type[ScheduleOptions], limit: float | None) -> ScheduleOptions:
+    """Default options of a schedule whose options type is ``kind``, with the activation-memory
+    ``limit`` where it takes one (a Zero Bubble search); other schedules have no limit to set."""
+    if limit is None or not issubclass(kind, ZeroBubbleOptions):
+        return kind()
+    return kind(memory_limit=float(limit))
+
+
+def without_order_costs(options: ScheduleOptions) -> ScheduleOptions:
+    """``options`` without the costs and profiling an order is decided from (the rest, a
+    memory limit, kept)."""
+    if isinstance(options, ZeroBubbleOptions):
+        return dataclasses.replace(options, costs=None, profile_iters=0)
+    return dataclasses.replace(options, costs=None)
+
+
+def with_order_costs(options: ScheduleOptions, kind: type[ScheduleOptions], costs: Any) -> ScheduleOptions:
+    """``options`` read as a schedule's whose options type is ``kind``, with ``costs``."""
+    return dataclasses.replace(options_as(options, kind), costs=costs)
 
 
 def parse_costs(text: str, num_stages: int) -> tuple[OpCosts, ...]:
@@ -54,9 +103,9 @@ def parse_costs(text: str, num_stages: int) -> tuple[OpCosts, ...]:
     return (OpCosts(values[0], values[1], values[2], t_comm=values[3], m_w=m_w),) * num_stages
 
 
-def zero_bubble_options(values: Mapping[str, Any], config: ScheduleConfig) -> dict[str, Any]:
-    """``ScheduleConfig.options``: ``costs`` (fixed or placeholder), ``memory_limit`` if given,
-    ``profile_iters`` when profiling (``--zb-profile-iters`` resolved against ``--zb-costs``)."""
+def zero_bubble_options(values: Mapping[str, Any], config: ScheduleConfig) -> OptionFields:
+    """:class:`ZeroBubbleOptions`' fields: ``costs`` (fixed or placeholder), ``memory_limit`` if
+    given, ``profile_iters`` (``--zb-profile-iters`` resolved against ``--zb-costs``)."""
     iters, text, limit = values["zb_profile_iters"], values["zb_costs"], values["zb_memory_limit"]
     if iters is not None and iters < 0:
         raise ScheduleConfigError(f"--zb-profile-iters must be >= 0, got {iters}")
@@ -74,12 +123,7 @@ def zero_bubble_options(values: Mapping[str, Any], config: ScheduleConfig) -> di
         raise ScheduleConfigError(
             f"--zb-memory-limit must be at least 1 (one micro-batch's activations, M_B), got {limit}")
     iters = DEFAULT_PROFILE_ITERS if iters is None else iters
-    options: dict[str, Any] = {"costs": costs}
-    if limit is not None:
-        options["memory_limit"] = float(limit)
-    if iters:
-        options[PROFILE_OPTION] = int(iters)
-    return options
+    return {"costs": costs, "memory_limit": None if limit is None else float(limit), "profile_iters": int(iters)}
 
 
 ZERO_BUBBLE_FLAGS = FlagGroup("zero bubble", (

@@ -2,7 +2,7 @@
 
 A synchronous schedule ends every iteration with ``OPT(sync=True)``, a pipeline-wide
 collective: the global gradient norm (for clipping) and the non-finite check need every
-stage's gradients. Post-validation (``ScheduleConfig.options["post_validation"] = True``)
+stage's gradients. Post-validation (``PostValidationOptions.post_validation = True``)
 replaces that barrier by a chain in each direction:
 
 ``PSTEP #k`` (end of iteration k on stage s)
@@ -77,7 +77,8 @@ from megatron.pipeline.ir import (
     PipelineLayout,
 )
 
-#: ``ScheduleConfig.options`` key that turns each synchronous step into PSTEP + VALIDATE
+#: the option (``PostValidationOptions.post_validation``) that turns each synchronous step into
+#: PSTEP + VALIDATE, and the flag group's name for it
 POST_VALIDATION = "post_validation"
 
 
@@ -117,6 +118,21 @@ class ValidationOutcomes:
 
     def __repr__(self) -> str:
         return f"ValidationOutcomes({self._rerun}, assume={self.assume})"
+
+
+class PostValidation:
+    """A post-validated schedule's runtime state: the outcomes its streams read after each VALIDATE.
+
+    Owned by the schedule's policy (one per schedule instance; a segment gets its own), and
+    replaceable: a check replays the streams once per outcome pattern with fresh outcomes, and
+    consecutive segments checked as one stream share one object.
+    """
+
+    def __init__(self, outcomes: ValidationOutcomes | None = None):
+        self.outcomes = ValidationOutcomes() if outcomes is None else outcomes
+
+    def __repr__(self) -> str:
+        return f"PostValidation({self.outcomes!r})"
 
 
 # ------------------------------------------------------------------------------ streams

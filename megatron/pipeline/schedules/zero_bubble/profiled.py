@@ -4,7 +4,7 @@ Zero Bubble (Qi et al., §3.1 and App. G; spec §9.1-9.2) feeds the scheduling h
 ``T_F, T_B, T_W, T_comm`` profiled during the first iterations of the real run; before that a
 fixed schedule runs. :class:`ProfiledSchedule` is that, as a lazy stream:
 
-* iterations ``0 .. K-1`` (``K = options["profile_iters"]``) run ZB-H1, which splits B/W like
+* iterations ``0 .. K-1`` (``K = ZeroBubbleOptions.profile_iters``) run ZB-H1, which splits B/W like
   the target and needs no costs, while the executors time every F, B and W
   (:mod:`megatron.pipeline.runtime.profiling`); with a memory limit below ZB-H1's ``N M_B`` they run
   the target's order for placeholder costs instead;
@@ -12,7 +12,7 @@ fixed schedule runs. :class:`ProfiledSchedule` is that, as a lazy stream:
   per-stage measurements from all ranks and calls :meth:`ProfiledSchedule.set_costs`; every
   rank computes the same costs from the same gathered numbers and the greedy is
   deterministic, so every stage derives the same order;
-* iterations ``K ..`` run the target schedule (ZB-1p or ZB-2p, with ``options["memory_limit"]``
+* iterations ``K ..`` run the target schedule (ZB-1p or ZB-2p, with ``ZeroBubbleOptions.memory_limit``
   if given) built from those costs.
 
 The stream asks for the costs only when the stage's generator is advanced past that step,
@@ -28,17 +28,20 @@ changes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import zlib
 from collections.abc import Iterator
 from typing import Any
 
-from megatron.pipeline.ir import Op, PipelineLayout
+from megatron.pipeline.ir import Op
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
+from megatron.pipeline.schedules.config import ScheduleOptions, options_as
+from megatron.pipeline.schedules.policy import CheckpointCodec, SchedulePolicy
 from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.zero_bubble.zb_1p import ZB1P, ZeroBubbleAuto
 from megatron.pipeline.schedules.zero_bubble.zb_2p import ZB2P
-from megatron.pipeline.schedules.zero_bubble.flags import PROFILE_OPTION
+from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
 from megatron.pipeline.schedules.zero_bubble.zb_h1 import ZBH1
 from megatron.pipeline.schedules.v_shape.v_half import VHalf
 from megatron.pipeline.schedules.v_shape.zb_v import ZBV
@@ -67,6 +70,7 @@ class ProfiledSchedule(SynchronousSchedule):
     profiled costs."""
 
     name = "profiled"  # replaced per instance by the target's name
+    traits = dataclasses.replace(SynchronousSchedule.traits, options=ZeroBubbleOptions)
 
     def __init__(self, target: type[Target], config: ScheduleConfig):
         if target not in WARMUP:
@@ -76,7 +80,8 @@ class ProfiledSchedule(SynchronousSchedule):
         target.check_config(config)
         super().__init__(config)
         self.target_class = target
-        self.profile_iters = int(config.options.get(PROFILE_OPTION) or 0)
+        self.layout = target.traits.layout_of(config)
+        self.profile_iters = options_as(config.options, ZeroBubbleOptions).profile_iters
         if self.profile_iters < 1:
             raise ScheduleConfigError(f"{self.name}: profiling needs at least one iteration, got {self.profile_iters}")
         self.costs: tuple[OpCosts, ...] | None = None
@@ -93,13 +98,20 @@ class ProfiledSchedule(SynchronousSchedule):
         self.warmup: SynchronousSchedule = warmup if peak <= self.memory_limit + 1e-9 else placeholder
 
     @property
-    def layout(self) -> PipelineLayout:
-        return self.target_class.layout_of(self.config)
+    def synchronous_iterations(self) -> int:
+        """The run's first K (profiling) iterations keep the synchronous step under post-validation."""
+        return self.run_start + self.profile_iters
+
+    @functools.cached_property
+    def policy(self) -> SchedulePolicy:
+        """The synchronous policy on the target's layout, with the decision as checkpoint state
+        and the ops timed until it is made."""
+        return dataclasses.replace(super().policy, layout=self.layout, profiles_ops=self.profiles_ops,
+                                   checkpoint=CheckpointCodec(self.checkpoint_state, self.restore_checkpoint_state))
 
     # -- costs ---------------------------------------------------------------------------
     def _build_target(self, costs: CostsLike) -> Target:
-        options = {k: v for k, v in self.config.options.items() if k != PROFILE_OPTION}
-        options["costs"] = costs
+        options = dataclasses.replace(options_as(self.config.options, ZeroBubbleOptions), profile_iters=0, costs=costs)
         return self.target_class(dataclasses.replace(self.config, options=options))
 
     def set_costs(self, costs: CostsLike) -> None:
@@ -168,7 +180,7 @@ class ProfiledSchedule(SynchronousSchedule):
         return self.target.iteration_ops(stage, microbatches)
 
 
-def one_iteration(config: ScheduleConfig, options: dict[str, Any]) -> ScheduleConfig:
+def one_iteration(config: ScheduleConfig, options: ScheduleOptions) -> ScheduleConfig:
     return ScheduleConfig(config.num_stages, config.num_microbatches, 1, options=options)
 
 
@@ -177,8 +189,8 @@ def describe_choice(
 ) -> dict[str, Any]:
     """What the log line reports: per-stage costs, the memory limit and one simulated iteration
     of the chosen order and of ZB-H1 and 1F1B (makespan, bubble rate, peak memory in M_B)."""
-    base = {k: v for k, v in config.options.items() if k not in (PROFILE_OPTION, "costs")}
-    chosen = target(one_iteration(config, {**base, "costs": costs}))
+    base = options_as(config.options, ZeroBubbleOptions)
+    chosen = target(one_iteration(config, dataclasses.replace(base, profile_iters=0, costs=costs)))
     out: dict[str, Any] = {
         "schedule": target.name,
         "num_stages": config.num_stages,
@@ -189,8 +201,8 @@ def describe_choice(
         "greedy_options": list(getattr(chosen.plan, "options", ())),
     }
     for key, schedule in (("chosen", chosen),
-                          (ZBH1.name, ZBH1(one_iteration(config, {}))),
-                          (OneFOneBFlush.name, OneFOneBFlush(one_iteration(config, {})))):
+                          (ZBH1.name, ZBH1(one_iteration(config, ScheduleOptions()))),
+                          (OneFOneBFlush.name, OneFOneBFlush(one_iteration(config, ScheduleOptions())))):
         result = simulate_schedule(schedule, costs)
         out[key] = {"makespan": result.makespan, "cost": result.cost, "bubble_rate": result.bubble_rate,
                     "peak_memory": result.peak_memory}
@@ -227,7 +239,7 @@ def schedule_from_choice(description: dict[str, Any], num_iterations: int = 1) -
     target = {cls.name: cls for cls in WARMUP}[description["schedule"]]
     costs = tuple(OpCosts.from_dict(c) for c in description["costs"])
     config = ScheduleConfig(description["num_stages"], description["num_microbatches"], num_iterations,
-                            options={"costs": costs, "memory_limit": description["memory_limit"]})
+                            options=ZeroBubbleOptions(costs=costs, memory_limit=description["memory_limit"]))
     schedule = target(config)
     assert isinstance(schedule, (ZeroBubbleAuto, ZBV)), description["schedule"]
     return schedule

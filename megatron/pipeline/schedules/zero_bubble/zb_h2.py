@@ -10,7 +10,7 @@ long as in ZB-H1, turning the trapezoid into a parallelogram. Stage ``s`` (0-ind
 Memory ``(2(N - s) - 1) M_B + 2s M_W`` on stage ``s`` (peak ``(2N - 1) M_B`` on stage 0); the
 bubble is ``(N - 1)(T_F + T_B - 2 T_W)``, zero with equal pass times, once ``m >= 2N - 1``.
 The paper removes the optimizer synchronisation to keep the parallelogram across iterations
-(post-validation, ``options["post_validation"]`` / ``--enable-optimizer-post-validation``);
+(post-validation, ``PostValidationOptions.post_validation`` / ``--enable-optimizer-post-validation``);
 without it each iteration ends with the synchronous step, and the per-stage span of the
 simulator measures one iteration the way the paper does.
 """
