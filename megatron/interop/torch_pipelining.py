@@ -61,6 +61,8 @@ def torch_order(schedule: str, num_ranks: int, num_microbatches: int) -> dict[in
         return types.SimpleNamespace(stage_index=index, num_stages=parts, group_size=num_ranks, group_rank=rank,
                                      is_first=index == 0, is_last=index == parts - 1, submod=torch.nn.Identity())
 
+    if schedule == "Schedule1F1B":
+        return {rank: _schedule_1f1b_order(rank, num_ranks, num_microbatches) for rank in range(num_ranks)}
     loss = lambda output, target: output  # noqa: E731 - never called
     if placement == "chain":
         order = cls(fake(0, 0), n_microbatches=num_microbatches, loss_fn=loss).pipeline_order
@@ -69,6 +71,29 @@ def torch_order(schedule: str, num_ranks: int, num_microbatches: int) -> dict[in
                     loss_fn=loss).pipeline_order
     return {rank: [str(a) for a in actions if a is not None and a.is_compute_op]
             for rank, actions in sorted(order.items())}
+
+
+def _schedule_1f1b_order(rank: int, num_ranks: int, num_microbatches: int) -> list[str]:
+    """The order ``Schedule1F1B._step_microbatches`` runs on ``rank``: ``min(m, N - r)`` warm-up
+    forwards, then a backward and the next forward in turn, then the remaining backwards.
+
+    Not its ``pipeline_order`` (``_get_pipeline_order``, informational: ``step()`` never reads
+    it), which in torch 2.13 numbers the last rank's steady-state forwards from 1, so its last
+    rank runs ``F1 .. F{m}`` and never ``F0`` (our import refuses that order: "stage N-1 never
+    runs F0"... and an ``F{m}``)."""
+    m = num_microbatches
+    warmup = min(m, num_ranks - rank)
+    out = [f"{rank}F{i}" for i in range(warmup)]
+    fwd, bwd = warmup, 0
+    while True:
+        out.append(f"{rank}B{bwd}")
+        bwd += 1
+        if fwd == m:
+            break
+        out.append(f"{rank}F{fwd}")
+        fwd += 1
+    out += [f"{rank}B{i}" for i in range(bwd, m)]
+    return out
 
 
 def torch_order_csv(schedule: str, num_ranks: int, num_microbatches: int) -> str:
