@@ -51,3 +51,19 @@ def torchtitan_settings(order: TorchOrder, csv_path: str) -> str:
             f"pipeline_parallel_layers_per_stage = layers / {parts}; "
             f"pipeline_parallel_microbatch_size = local_batch_size / {order.num_microbatches} "
             f"({order.num_microbatches} micro-batches)")
+
+
+def candidate_order(result: Any, data_parallel: int = 1) -> TorchOrder:
+    """The order the planner simulated for a ranked synchronous candidate
+    (:class:`~megatron.pipeline.planner.evaluate.CandidateResult`): its schedule ordered by the
+    costs its flags run with (:func:`~megatron.pipeline.planner.evaluate.flag_order_costs`)."""
+    from megatron.pipeline.planner.evaluate import flag_order_costs
+
+    cand = result.candidate
+    costs = flag_order_costs(cand, list(result.stage_costs), data_parallel)
+    return order_from_schedule(build_schedule(cand.schedule, cand.config(1, {"costs": costs}, data_parallel)))
+
+
+def candidate_file_name(rank: int, cand: Any) -> str:
+    return (f"{rank:02d}_{cand.schedule}_pp{cand.pipeline_model_parallel_size}_mbs{cand.micro_batch_size}"
+            f"_m{cand.microbatches}_v{cand.virtual_stages}_{cand.recompute}_{cand.layer_split}.csv")
