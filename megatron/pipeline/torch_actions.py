@@ -158,7 +158,8 @@ class TorchOrder:
             kind, mb, chunk, stage = match.group(1), int(match.group(2)), int(match.group(3) or 0), int(match.group(4))
             action = TorchAction(self.layout.virtual(stage, chunk), TORCH_TYPE[OpKind(kind)], mb)
             return f"action {action} (rank {stage})"
-        return _OP_TEXT.sub(sub, message)
+        return re.sub(r"^(?:deadlock: )?stage (\d+):", lambda m: m.group(0).replace("stage", "rank"),
+                      _OP_TEXT.sub(sub, message))
 
 
 def order_from_streams(streams: Sequence[Iterable[Op]], layout: PipelineLayout, num_microbatches: int,
@@ -272,7 +273,10 @@ def parse_csv(text: str, source: str = "CSV") -> TorchOrder:
     parsed: list[list[tuple[int, TorchAction]]] = []
     stage_to_rank: dict[int, int] = {}
     for rank, row in enumerate(rows):
-        actions = [(index, a) for index, cell in enumerate(row) for a in _parse_cell(cell, rank, index)]
+        try:
+            actions = [(index, a) for index, cell in enumerate(row) for a in _parse_cell(cell, rank, index)]
+        except TorchOrderError as exc:
+            raise TorchOrderError(f"{source}: {exc}") from None
         if not actions:
             raise TorchOrderError(f"{source}: rank {rank} has no actions")
         for index, action in actions:
