@@ -24,8 +24,13 @@ weight decay, no clipping, constant rate, ``--adam-kernel single-tensor`` = torc
   order is the last part's forward order (ours) or micro-batch order (torch's ``losses``).
 
 So losses and parameters are compared with the project's derived bounds (tests/adam_bounds.py:
-``rho`` per loss, a per-element bound per parameter, from the reference run's own Adam steps),
-and where the order is the same on both sides (an exported order replayed here) bit for bit.
+``rho`` per loss, a per-element bound per parameter, from the reference run's own Adam steps);
+the first iteration's loss (forwards only, on the same initial weights) exactly; and where the
+order is the same on both sides (an exported order replayed here) the parameters bit for bit.
+Observed (torch 2.13, CPU): torch's runtime running our exported orders matches our losses bit
+for bit in every iteration too -- the same order gives the same sums -- but only the bounds are
+asserted there, since torch's split backward (``I`` then ``W``, through ``autograd.grad``) is
+another code path than ours, with no promise of the same kernels.
 """
 from __future__ import annotations
 
@@ -256,7 +261,10 @@ def test_exported_orders_train_in_torch_runtime_like_ours(tmp_path, megatron_wor
     rho = {}
     for name in SYNCHRONOUS:
         ref = emulated_reference(job(n, m, name, *native_flags(name, n)), tmp_path / f"{name}.jsonl")
-        assert got[name] == pytest.approx(losses(ref.records), rel=ref.rho), name
+        want = losses(ref.records)
+        assert len(got[name]) == len(want) == 2, name
+        assert got[name][0] == want[0], name  # iteration 1: the same forwards on the same weights and data
+        assert got[name] == pytest.approx(want, rel=ref.rho), name
         rho[name] = ref.rho
     # our distributed runtime, running the exported dualpipev CSV itself
     records, _ = run_pretrain(job(n, m, f"torch-csv:{jobs['dualpipev'][1]}", *csv_flags(n)), tmp_path / "dist")
@@ -280,4 +288,6 @@ def test_planner_top_candidate_runs_in_torch_runtime(tmp_path, capsys, megatron_
     flags = [*model, *top["flags"], "--train-iters", "2", "--log-interval", "1", *COMPARABLE_FLAGS]
     ref = emulated_reference(flags, tmp_path / "ref.jsonl")
     got = run_in_torch({"top": (flags, str(csv[0]))}, n, tmp_path / "torch")
-    assert got["top"] == pytest.approx(losses(ref.records), rel=ref.rho), top["flags"]
+    want = losses(ref.records)
+    assert len(got["top"]) == len(want) == 2 and got["top"][0] == want[0]
+    assert got["top"] == pytest.approx(want, rel=ref.rho), top["flags"]
