@@ -190,6 +190,23 @@ def test_simulator_reads_a_torch_csv(tmp_path, capsys):
     assert got["chunks"] == 2 and 0 < got["bubble_rate"] < 0.1
 
 
+def test_torch_classes_that_are_ours_build_our_orders():
+    """docs/schedules.md: four of torch's classes order exactly as one of ours."""
+    for torch_class, ours in (("ScheduleDualPipeV", "dualpipev"), ("ScheduleInterleaved1F1B", "interleaved-1f1b"),
+                              ("Schedule1F1B", "1f1b"), ("ScheduleGPipe", "gpipe")):
+        for m in (8, 16):
+            assert parse_csv(torch_order_csv(torch_class, 4, m)).ranks == export_order(ours, 4, m).ranks, torch_class
+
+
+def test_docs_table_is_the_tools_output():
+    """docs/schedules.md's torch comparison is what the command above it prints."""
+    rows = _load_tool("export_schedule").compare_rows(4, [8, 16])
+    doc = (REPO / "docs" / "schedules.md").read_text()
+    assert "tools/export_schedule.py --compare-torch --pipeline-model-parallel-size 4 --microbatches 8 16" in doc
+    assert all(row in doc for row in rows), [row for row in rows if row not in doc]
+    assert len(rows) == len(TORCH_SCHEDULES) + len(SYNCHRONOUS)
+
+
 # --------------------------------------------------------------------------- emulator: import
 
 
