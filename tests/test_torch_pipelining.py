@@ -210,11 +210,11 @@ def test_docs_table_is_the_tools_output():
 # --------------------------------------------------------------------------- emulator: import
 
 
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
 @pytest.mark.parametrize("torch_class", sorted(EQUIVALENT))
-def test_torch_orders_import_check_and_train_like_ours(torch_class, tmp_path, megatron_world1):
+def test_torch_orders_import_check_and_train_like_ours(torch_class, n, m, tmp_path, megatron_world1):
     """torch's own order, imported: passes the schedule check and trains (emulator) like our
     equivalent synchronous schedule (another backward order: the derived bounds)."""
-    n, m = 2, 4
     path = tmp_path / f"{torch_class}.csv"
     path.write_text(torch_order_csv(torch_class, n, m))
     order = parse_csv(path.read_text())
