@@ -266,7 +266,8 @@ def run_in_torch(jobs: dict[str, tuple[list[str], str]], world: int, out: Path) 
 def test_exported_orders_train_in_torch_runtime_like_ours(tmp_path, megatron_world1):
     """Every synchronous schedule at N = 2, exported and run by torch's _PipelineScheduleRuntime on
     gloo over our GPT stages: the losses of our runtime (the emulator per schedule, which is bitwise
-    the distributed runtime; and the distributed runtime itself on one imported V order)."""
+    the distributed runtime, tests/test_*: assert_runtime_equals_emulator; and the distributed
+    runtime itself on zb-h1 and on the exported dualpipev CSV)."""
     n, m = 2, 4
     jobs = {}
     for name in SYNCHRONOUS:
@@ -283,8 +284,11 @@ def test_exported_orders_train_in_torch_runtime_like_ours(tmp_path, megatron_wor
         assert got[name][0] == want[0], name  # iteration 1: the same forwards on the same weights and data
         assert got[name] == pytest.approx(want, rel=ref.rho), name
         rho[name] = ref.rho
-    # our distributed runtime, running the exported dualpipev CSV itself
-    records, _ = run_pretrain(job(n, m, f"torch-csv:{jobs['dualpipev'][1]}", *csv_flags(n)), tmp_path / "dist")
+    # our distributed runtime: running zb-h1 itself, and running the exported dualpipev CSV
+    records, _ = run_pretrain(job(n, m, "zb-h1", *native_flags("zb-h1", n)), tmp_path / "dist-zbh1")
+    assert got["zb-h1"][0] == losses(records)[0] and got["zb-h1"] == pytest.approx(losses(records), rel=rho["zb-h1"])
+    records, _ = run_pretrain(job(n, m, f"torch-csv:{jobs['dualpipev'][1]}", *csv_flags(n)), tmp_path / "dist-v")
+    assert got["dualpipev"][0] == losses(records)[0]
     assert got["dualpipev"] == pytest.approx(losses(records), rel=rho["dualpipev"])
 
 
