@@ -35,7 +35,6 @@ another code path than ours, with no promise of the same kernels.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

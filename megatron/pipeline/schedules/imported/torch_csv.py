@@ -4,8 +4,11 @@ The whole order lives in :mod:`megatron.pipeline.torch_actions` (parsing, placem
 schedule check); this module is the one small :class:`SynchronousSchedule` subclass that
 replays it every iteration (then the pipeline-wide optimizer step), so adapting it to another
 Schedule API touches this file only. Its dependencies on that API: ``SynchronousSchedule``
-(``iteration_ops``), the class attributes ``name`` / ``takes_model_chunks`` / ``flag_groups``,
-and the class methods ``layout_of`` and ``check_config``.
+(its ``stage_ops`` yields ``iteration_ops`` then the sync OPT per iteration; its metaclass is
+``abc.ABCMeta``, which ``_PerPathClass`` extends), the class attributes ``name`` /
+``takes_model_chunks`` / ``flag_groups`` (no post-validation flags), and the class methods
+``layout_of`` and ``check_config``. The registry's hook is one prefix test in
+``megatron.pipeline.schedules.schedule_class``.
 
 The class is made per CSV path (:func:`torch_csv_class`, cached), named ``torch-csv:PATH`` so a
 checkpoint's signature names it again, and the CSV is parsed and checked when it is made: a
