@@ -306,16 +306,16 @@ def export_csvs(directory: str, ranked: list, data_parallel: int, num_layers: in
     lines = ["# Ranked synchronous candidates as torch.distributed.pipelining schedule CSVs", "",
              "Each CSV is one iteration's compute order per rank (`tools/export_schedule.py`'s format); "
              "run it in torchtitan with the settings on its line, or here with `--pipeline-schedule torch-csv:PATH`.", ""]
-    for rank, result in enumerate(ranked, 1):
+    for place, result in enumerate(ranked, 1):
         cand = result.candidate
-        path = out / candidate_file_name(rank, cand)
+        path = out / candidate_file_name(place, cand)
         try:
             order = candidate_order(result, data_parallel or 1)
         except (TorchOrderError, ScheduleConfigError) as e:
-            lines.append(f"{rank}. `{cand.schedule}`: not exported ({e})")
+            lines.append(f"{place}. `{cand.schedule}`: not exported ({e})")
             continue
         write_csv(order, str(path))
-        lines.append(f"{rank}. `{path.name}` ({cand.schedule}, {result.tokens_per_s:.0f} tokens/s simulated; ours: "
+        lines.append(f"{place}. `{path.name}` ({cand.schedule}, {result.tokens_per_s:.0f} tokens/s simulated; ours: "
                      f"`{' '.join(flags(cand, num_layers))}`): torchtitan {torchtitan_settings(order, path.name)}"
                      f"; layers per stage in order {list(cand.counts)}")
     (out / "README.md").write_text("\n".join(lines) + "\n")
