@@ -231,11 +231,9 @@ def _virtual_stages(schedule: str, rank: int, world: int) -> list[int]:
     """The model parts this rank holds: one for single-chunk schedules, rank and rank + world
     for the interleaved ones (loop placement), rank and 2·world − 1 − rank for ZBV and
     DualPipeV (V shape)."""
-    if schedule not in MULTI_CHUNK:
-        return [rank]
-    if schedule in V_SHAPE:
-        return [rank, 2 * world - 1 - rank]
-    return [rank, rank + world]
+    from megatron.interop.torch_pipelining import TORCH_SCHEDULES, rank_parts  # shared with the CSV bridge (#44)
+
+    return rank_parts(TORCH_SCHEDULES[schedule], rank, world)
 
 
 def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split: list[int] | None = None,

@@ -21,12 +21,13 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _rank(rank: int, store_file: str, timeout_s: float, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+def _rank(rank: int, store_file: str, timeout_s: float, fn: Callable[..., None], args: tuple[Any, ...],
+          world_size: int = 2) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         fn(rank, *args)
@@ -39,9 +40,14 @@ def _rank(rank: int, store_file: str, timeout_s: float, fn: Callable[..., None],
 
 def run_on_two_gloo_ranks(fn: Callable[..., None], *args: Any, timeout_s: float = 60) -> None:
     """``fn(rank, *args)`` on ranks 0 and 1 of a gloo group; raises if either raises."""
+    run_on_gloo_ranks(fn, *args, world_size=2, timeout_s=timeout_s)
+
+
+def run_on_gloo_ranks(fn: Callable[..., None], *args: Any, world_size: int, timeout_s: float = 60) -> None:
+    """``fn(rank, *args)`` on every rank of a gloo group of ``world_size``; raises if one raises."""
     directory = tempfile.mkdtemp(prefix="gloo_ranks_")
     try:
-        mp.start_processes(_rank, args=(os.path.join(directory, "store"), timeout_s, fn, args), nprocs=2,
-                           join=True, start_method="spawn")
+        mp.start_processes(_rank, args=(os.path.join(directory, "store"), timeout_s, fn, args, world_size),
+                           nprocs=world_size, join=True, start_method="spawn")
     finally:
         shutil.rmtree(directory, ignore_errors=True)

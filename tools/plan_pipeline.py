@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top", type=int, default=10)
     g.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     g.add_argument("--png", default=None, metavar="FILE", help="tokens/s against peak memory, Pareto front")
+    g.add_argument("--export-csv", default=None, metavar="DIR",
+                   help="write each ranked synchronous candidate's order (the top --top) as torch's compute-only "
+                        "CSV into DIR, with a README.md of the matching torchtitan settings")
     g.add_argument("--probe-convergence", type=int, default=None, metavar="N_UPDATES",
                    help="train 1F1B and each asynchronous candidate N_UPDATES updates at reduced width on the "
                         "emulator with your data flags; loss gap and time to 1F1B's loss (docs/planning.md)")
@@ -283,6 +286,40 @@ def main(argv: list[str] | None = None) -> int:
             print(probe_table(probe_rows))
     if args.png:
         draw(results, args.png, f"{shape.num_layers} layers, h={shape.hidden}; {unit.source}")
+    if args.export_csv:
+        return export_csvs(args.export_csv, sync[:args.top], args.data_parallel_size, shape.num_layers)
+    return 0
+
+
+def export_csvs(directory: str, ranked: list, data_parallel: int, num_layers: int) -> int:
+    """``--export-csv DIR``: the ranked synchronous candidates' orders and the README (issue #44)."""
+    from megatron.pipeline.planner.report import flags
+    from megatron.pipeline.torch_actions import TorchOrderError, write_csv
+    from megatron.pipeline.torch_export import candidate_file_name, candidate_order, torchtitan_settings
+
+    out = Path(directory)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"error: --export-csv {directory}: {e.strerror}", file=sys.stderr)
+        return 2
+    lines = ["# Ranked synchronous candidates as torch.distributed.pipelining schedule CSVs", "",
+             "Each CSV is one iteration's compute order per rank (`tools/export_schedule.py`'s format); "
+             "run it in torchtitan with the settings on its line, or here with `--pipeline-schedule torch-csv:PATH`.", ""]
+    for place, result in enumerate(ranked, 1):
+        cand = result.candidate
+        path = out / candidate_file_name(place, cand)
+        try:
+            order = candidate_order(result, data_parallel or 1)
+        except (TorchOrderError, ScheduleConfigError) as e:
+            lines.append(f"{place}. `{cand.schedule}`: not exported ({e})")
+            continue
+        write_csv(order, str(path))
+        lines.append(f"{place}. `{path.name}` ({cand.schedule}, {result.tokens_per_s:.0f} tokens/s simulated; ours: "
+                     f"`{' '.join(flags(cand, num_layers))}`): torchtitan {torchtitan_settings(order, path.name)}"
+                     f"; layers per stage in order {list(cand.counts)}")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {sum(1 for p in out.glob('*.csv'))} CSVs and README.md to {out}", file=sys.stderr)
     return 0
 
 

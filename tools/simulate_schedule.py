@@ -62,9 +62,12 @@ MATPLOTLIB_MISSING = (
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schedule", required=True, choices=sorted(SCHEDULES))
-    ap.add_argument("--stages", type=int, required=True)
-    ap.add_argument("--microbatches", type=int, required=True, help="m per iteration (a for async schedules)")
+    ap.add_argument("--schedule", choices=sorted(SCHEDULES))
+    ap.add_argument("--torch-csv", default=None, metavar="PATH",
+                    help="simulate the order of a torch.distributed.pipelining compute-only CSV instead of --schedule "
+                         "(stages and micro-batches from the CSV; costs per chunk as for interleaved schedules)")
+    ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--microbatches", type=int, default=None, help="m per iteration (a for async schedules)")
     ap.add_argument("--iterations", type=int, default=1, help="iterations (async: optimizer updates)")
     ap.add_argument("--chunks", type=int, default=1,
                     help="model chunks per stage (interleaved schedules; a V schedule always has 2)")
@@ -78,7 +81,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "as PyTorch without a custom overlap function and our executors) to 1 (max(F, B))")
     ap.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     ap.add_argument("--png", help="draw the timeline to this file (needs matplotlib)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.torch_csv is not None:
+        _from_torch_csv(ap, args)
+    elif args.schedule is None or args.stages is None or args.microbatches is None:
+        ap.error("--schedule, --stages and --microbatches are required (or --torch-csv PATH)")
+    return args
+
+
+def _from_torch_csv(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--torch-csv PATH``: the imported schedule ``torch-csv:PATH``, its ranks and micro-batches."""
+    from megatron.pipeline.schedules import schedule_class
+
+    if args.schedule is not None:
+        ap.error("--torch-csv replaces --schedule; give one")
+    args.schedule = f"torch-csv:{args.torch_csv}"
+    try:
+        order = schedule_class(args.schedule).order  # type: ignore[attr-defined]
+    except ScheduleConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for flag, value in (("stages", order.num_ranks), ("microbatches", order.num_microbatches)):
+        if getattr(args, flag) not in (None, value):
+            ap.error(f"--{flag} {getattr(args, flag)}: the CSV has {value}")
+        setattr(args, flag, value)
 
 
 def build_costs(args: argparse.Namespace) -> dict[str, Any]:

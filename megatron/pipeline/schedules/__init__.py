@@ -64,7 +64,11 @@ def register_selector(cls: type[Schedule]) -> type[Schedule]:
 
 def schedule_class(name: str) -> type[Schedule]:
     """A registered schedule or a selector (``auto``, ``auto-async``: not in :data:`SCHEDULES`,
-    which lists what they choose from)."""
+    which lists what they choose from), or ``torch-csv:PATH`` (an order in torch's compute-only
+    CSV, :mod:`.imported.torch_csv`)."""
+    if name.startswith("torch-csv:"):  # an order exported by torch.distributed.pipelining (issue #44)
+        from megatron.pipeline.schedules.imported.torch_csv import torch_csv_class
+        return torch_csv_class(name)
     try:
         return SCHEDULES[name] if name in SCHEDULES else SELECTORS[name]
     except KeyError:

@@ -118,7 +118,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-schedule", default=DEFAULT_SCHEDULE,
                    help=f"one of {', '.join(SCHEDULES)} (see docs/schedules); each takes its own flags below; "
                         "auto / auto-async: profile, then the fastest synchronous (auto-async: or "
-                        "asynchronous) one that fits (docs/planning.md)")
+                        "asynchronous) one that fits (docs/planning.md); torch-csv:PATH: replay an order "
+                        "in torch.distributed.pipelining's compute-only CSV (docs/schedules.md)")
     g.add_argument("--pipeline-executor", choices=["distributed", "emulator"], default="distributed",
                    help="emulator: all stages in this one process, bitwise the same numbers")
     g.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,

@@ -1,0 +1,1 @@
+"""Bridges to other pipeline runtimes (torch.distributed.pipelining); they need torch."""

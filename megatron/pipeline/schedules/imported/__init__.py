@@ -1,0 +1,1 @@
+"""Schedules whose order comes from outside the registry (``torch-csv:PATH``)."""
