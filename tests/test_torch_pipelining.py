@@ -97,7 +97,7 @@ def losses(records: list[dict]) -> list[float]:
 
 
 def test_every_synchronous_schedule_exports_and_reads_back():
-    assert sorted(SYNCHRONOUS) == sorted(n for n, c in SCHEDULES.items() if not c.asynchronous)
+    assert sorted(SYNCHRONOUS) == sorted(n for n, c in SCHEDULES.items() if not c.traits.asynchronous)
     for n in (2, 4):
         for name in SYNCHRONOUS:
             order = export_order(name, n, 2 * n)
@@ -119,7 +119,7 @@ def test_every_synchronous_schedule_exports_and_reads_back():
 
 def test_asynchronous_schedules_are_refused_with_the_reason(capsys):
     tool = _load_tool("export_schedule")
-    for name in (n for n, c in SCHEDULES.items() if c.asynchronous and n != "async-1f1b"):
+    for name in (n for n, c in SCHEDULES.items() if c.traits.asynchronous and n != "async-1f1b"):
         assert tool.main(["--schedule", name, "--pipeline-model-parallel-size", "2", "--microbatches", "4"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "asynchronous" in err[0] and "no optimizer step inside an iteration" in err[0], err

@@ -42,7 +42,7 @@ COMPARE_M_W = 0.5
 
 
 def synchronous_schedules() -> list[str]:
-    return [name for name, cls in SCHEDULES.items() if not cls.asynchronous]
+    return [name for name, cls in SCHEDULES.items() if not cls.traits.asynchronous]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def export(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in (("zb_costs", args.zb_costs), ("zb_memory_limit", args.zb_memory_limit)) if v is not None}
-    taken = {flag.dest for group in schedule_class(args.schedule).flag_groups for flag in group.flags}
+    taken = {flag.dest for group in schedule_class(args.schedule).traits.flag_groups for flag in group.flags}
     extra = sorted(set(flags) - taken)
     if extra:
         print(f"error: --{extra[0].replace('_', '-')} is not a flag of {args.schedule}", file=sys.stderr)
@@ -125,10 +125,10 @@ def compare_rows(num_stages: int, microbatches: list[int]) -> list[str]:
         for m in microbatches:
             for costs in COMPARE_COSTS.values():
                 cls = schedule_class(name)
-                v = cls.layout_of(ScheduleConfig(num_stages, m, num_chunks=2 if cls.takes_model_chunks else 1)).num_chunks
+                v = cls.traits.layout_of(ScheduleConfig(num_stages, m, num_chunks=2 if cls.traits.takes_model_chunks else 1)).num_chunks
                 per_chunk = (costs[0] / v, costs[1] / v, costs[2] / v, costs[3], COMPARE_M_W)  # zb-v plans per chunk
                 zb = ",".join(f"{c:g}" for c in per_chunk)
-                taken = {f.dest for g in cls.flag_groups for f in g.flags}
+                taken = {f.dest for g in cls.traits.flag_groups for f in g.flags}
                 try:
                     order = export_order(name, num_stages, m, None, {"zb_costs": zb} if "zb_costs" in taken else None)
                 except (ScheduleConfigError, TorchOrderError) as exc:

@@ -190,8 +190,8 @@ def order_from_streams(streams: Sequence[Iterable[Op]], layout: PipelineLayout, 
 def order_from_schedule(schedule: object) -> TorchOrder:
     """The first iteration of a built synchronous schedule (read through ``streams()``, its layout
     and config); asynchronous schedules are refused with the reason."""
-    name = getattr(schedule, "name", type(schedule).__name__)
-    if getattr(schedule, "asynchronous", False):
+    name = schedule.name
+    if schedule.traits.asynchronous:
         raise TorchOrderError(ASYNC_REFUSAL.format(name=name))
     config = schedule.config  # type: ignore[attr-defined]
     m = config.num_microbatches

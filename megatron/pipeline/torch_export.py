@@ -10,29 +10,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
+from megatron.pipeline.schedules import ScheduleConfig, ScheduleOptions, build_schedule, schedule_class
 from megatron.pipeline.torch_actions import TorchOrder, order_from_schedule
 
 
-def schedule_options(name: str, config: ScheduleConfig, flags: dict[str, Any] | None = None) -> dict[str, Any]:
+def schedule_options(name: str, config: ScheduleConfig, flags: dict[str, Any] | None = None) -> ScheduleOptions:
     """``config.options`` of schedule ``name`` from its flags (by ``dest``; absent ones at their
     defaults), with profiling off (``zb_profile_iters = 0``) where the schedule takes that flag."""
     cls = schedule_class(name)
-    values = {flag.dest: flag.default_value for group in cls.flag_groups for flag in group.flags}
+    values = {flag.dest: flag.default_value for group in cls.traits.flag_groups for flag in group.flags}
     values.update(flags or {})
     if "zb_profile_iters" in values:
         values["zb_profile_iters"] = 0
-    return cls.options_from_flags(values, config)
+    return cls.traits.options_from_flags(values, config)
 
 
 def export_order(name: str, num_stages: int, num_microbatches: int, num_chunks: int | None = None,
-                 flags: dict[str, Any] | None = None, options: dict[str, Any] | None = None) -> TorchOrder:
+                 flags: dict[str, Any] | None = None, options: ScheduleOptions | None = None) -> TorchOrder:
     """One iteration of schedule ``name`` as torch's order (raises ScheduleConfigError or
     :class:`~megatron.pipeline.torch_actions.TorchOrderError`, one line). ``num_chunks``: model
     chunks per stage of a schedule that takes them (default 2); ``flags``: its flag values by
     ``dest`` (``{"zb_costs": "1,2,1,0"}``); ``options``: replace the options outright."""
     cls = schedule_class(name)
-    chunks = (num_chunks or 2) if cls.takes_model_chunks else 1
+    chunks = (num_chunks or 2) if cls.traits.takes_model_chunks else 1
     base = ScheduleConfig(num_stages, num_microbatches, num_iterations=1, num_chunks=chunks)
     opts = schedule_options(name, base, flags) if options is None else options
     return order_from_schedule(build_schedule(name, ScheduleConfig(
@@ -61,7 +61,8 @@ def candidate_order(result: Any, data_parallel: int = 1) -> TorchOrder:
 
     cand = result.candidate
     costs = flag_order_costs(cand, list(result.stage_costs), data_parallel)
-    return order_from_schedule(build_schedule(cand.schedule, cand.config(1, {"costs": costs}, data_parallel)))
+    options = schedule_class(cand.schedule).traits.options(costs=costs)
+    return order_from_schedule(build_schedule(cand.schedule, cand.config(1, options, data_parallel)))
 
 
 def candidate_file_name(rank: int, cand: Any) -> str:

@@ -5,9 +5,8 @@ schedule check); this module is the one small :class:`SynchronousSchedule` subcl
 replays it every iteration (then the pipeline-wide optimizer step), so adapting it to another
 Schedule API touches this file only. Its dependencies on that API: ``SynchronousSchedule``
 (its ``stage_ops`` yields ``iteration_ops`` then the sync OPT per iteration; its metaclass is
-``abc.ABCMeta``, which ``_PerPathClass`` extends), the class attributes ``name`` /
-``takes_model_chunks`` / ``flag_groups`` (no post-validation flags), and the class methods
-``layout_of`` and ``check_config``. The registry's hook is one prefix test in
+``abc.ABCMeta``, which ``_PerPathClass`` extends), ``name``, the class's ``traits`` (no flags,
+several chunks per rank, a policy on the CSV's layout) and ``check_config``. The registry's hook is one prefix test in
 ``megatron.pipeline.schedules.schedule_class``.
 
 The class is made per CSV path (:func:`torch_csv_class`, cached), named ``torch-csv:PATH`` so a
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import copyreg
+import dataclasses
 import functools
 import os
 from collections.abc import Iterator
@@ -25,6 +25,7 @@ from typing import ClassVar
 
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.schedules.base import ScheduleConfig, ScheduleConfigError, SynchronousSchedule
+from megatron.pipeline.schedules.policy import SchedulePolicy
 from megatron.pipeline.torch_actions import TorchOrder, TorchOrderError, check_order, read_csv
 
 PREFIX = "torch-csv:"
@@ -46,13 +47,10 @@ class TorchCSVSchedule(SynchronousSchedule, metaclass=_PerPathClass):
     """Every iteration runs :attr:`order` (micro-batches renumbered from the iteration's first)."""
 
     name = "torch-csv"
-    flag_groups = ()  # no post-validation: the CSV fixes where the steps are
-    takes_model_chunks = True  # the CSV's loop placement may hold several chunks per rank
+    # no flags (no post-validation: the CSV fixes where the steps are); the CSV's loop placement
+    # may hold several chunks per rank; the policy's layout is the CSV's (set per path below)
+    traits = dataclasses.replace(SynchronousSchedule.traits, flag_groups=(), takes_model_chunks=True)
     order: ClassVar[TorchOrder]
-
-    @classmethod
-    def layout_of(cls, config: ScheduleConfig) -> PipelineLayout:
-        return cls.order.layout
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:
@@ -79,7 +77,13 @@ def _class_for(path: str, mtime: float) -> type[TorchCSVSchedule]:
         check_order(order, source=path)
     except TorchOrderError as exc:
         raise ScheduleConfigError(f"{PREFIX}{exc}") from None
-    return type("TorchCSVSchedule", (TorchCSVSchedule,), {"name": PREFIX + path, "order": order})
+    traits = dataclasses.replace(TorchCSVSchedule.traits, policy_for=functools.partial(_plain_on, order.layout))
+    return type("TorchCSVSchedule", (TorchCSVSchedule,), {"name": PREFIX + path, "order": order, "traits": traits})
+
+
+def _plain_on(layout: PipelineLayout, config: ScheduleConfig) -> SchedulePolicy:
+    """The CSV's policy: live weights on the placement the CSV's stage-to-rank mapping gives."""
+    return SchedulePolicy.plain(layout)
 
 
 def torch_csv_class(name: str) -> type[TorchCSVSchedule]:
