@@ -82,11 +82,11 @@ def semantics(schedule: str) -> str:
     """``exact`` (synchronous: every stage computes the same numbers as one device),
     ``bounded-stale`` (asynchronous with a drift bound: every registered one, PACI's
     ``ceil((N-1-s)/a)``, AMDP's one step, 2BW's stash, PipeMare's PACI bound) or ``unbounded``
-    (an asynchronous schedule that declares no bound: ``drift_bounded = False``)."""
+    (an asynchronous schedule whose traits declare no bound: ``drift_bounded=False``)."""
     cls = schedule_class(schedule)
     if not cls.traits.asynchronous:
         return "exact"
-    return "bounded-stale" if getattr(cls, "drift_bounded", True) else "unbounded"
+    return "bounded-stale" if cls.traits.drift_bounded else "unbounded"
 
 
 def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSizes], list[OpCosts], list[OpCosts]]:

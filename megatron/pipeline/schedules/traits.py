@@ -35,7 +35,10 @@ class ScheduleTraits:
     ``flag_groups``: the command-line flags it takes (groups shared by several schedules are
     declared once). ``options``: its options dataclass, deriving from the options of each of its
     groups. ``flag_defaults``: its defaults, by ``dest``, for shared flags that default
-    differently here (zb-v does not profile unless asked). ``policy_for``: its policy for a
+    differently here (zb-v does not profile unless asked). ``drift_bounded``: an asynchronous
+    schedule's weight-version drift has a declared bound (every registered one does: PACI's
+    ``ceil((N-1-s)/a)``, AMDP's one step, 2BW's stash, PipeMare's PACI bound); the planner
+    calls a schedule without one ``unbounded``. ``policy_for``: its policy for a
     config (layout, weights, learning rate, sharding, ...; :class:`SchedulePolicy`), what the
     trainer needs before a schedule is built; an instance adds what it decides at run time
     (``Schedule.policy``).
@@ -46,6 +49,7 @@ class ScheduleTraits:
     flag_groups: tuple[FlagGroup, ...] = ()
     options: type[ScheduleOptions] = ScheduleOptions
     flag_defaults: tuple[tuple[str, Any], ...] = ()
+    drift_bounded: bool = True
     policy_for: PolicyBuilder = plain_policy
 
     def options_from_flags(self, values: Mapping[str, Any], config: ScheduleConfig) -> ScheduleOptions:
