@@ -200,3 +200,20 @@ def test_auto_on_a_cpu_host_with_more_ranks_than_cores_gets_the_shared_cores(mon
     assert host_cores([*flags, "--pipeline-schedule", "1f1b"]) is None
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     assert host_cores([*flags, "--pipeline-schedule", "auto"]) is None
+
+
+def test_the_decision_says_what_its_costs_were_and_when_there_is_nothing_to_choose() -> None:
+    """``--zb-profile-iters 0`` without ``--zb-costs`` ranks placeholder costs: the log used to
+    say "fixed by --zb-costs", which the user never gave; at one stage every schedule ties (#42)."""
+    def reason(n: int, **fields) -> str:
+        auto = build_schedule("auto", ScheduleConfig(n, 4, num_iterations=3, options=AutoOptions(**fields)))
+        first = auto.decision_lines()[0]
+        assert first.startswith("auto: chose ")
+        return first
+
+    placeholder = reason(2, profile_iters=0)
+    assert "placeholder F = B = W (--zb-profile-iters 0 and no --zb-costs: nothing measured" in placeholder
+    assert "--zb-costs:" not in placeholder.replace("no --zb-costs:", "") and "one stage" not in placeholder
+    given = reason(2, profile_iters=0, costs=(OpCosts(1.0, 2.0, 1.0), OpCosts(1.0, 2.0, 1.0)))
+    assert "with costs fixed by --zb-costs" in given and "placeholder" not in given
+    assert "one stage: no pipeline bubble to remove, every schedule takes the same time" in reason(1, profile_iters=0)

@@ -122,6 +122,8 @@ class AutoSchedule(ProfiledSchedule):
         options = auto_options(config.options)
         self.limit: float | None = options.memory_limit
         fixed = None if options.profile_iters else (PLACEHOLDER_COSTS if options.costs is None else options.costs)
+        #: ranked with PLACEHOLDER_COSTS (--zb-profile-iters 0 without --zb-costs): nothing measured
+        self.placeholder_costs = fixed is PLACEHOLDER_COSTS
         if fixed is None:
             self._init_profiled(config)
         else:  # --zb-costs (or --zb-profile-iters 0): decide now, profile nothing
@@ -188,6 +190,8 @@ class AutoSchedule(ProfiledSchedule):
             raise CostsNotProfiled(f"{self.name}: no schedule chosen yet")
         best, ranked = self.choice["best"], self.choice["ranked"]
         where = (f"profiled over iterations 1-{self.profile_iters}" if self.profile_iters
+                 else "placeholder F = B = W (--zb-profile-iters 0 and no --zb-costs: nothing measured, "
+                      "so the order only follows the stage count)" if self.placeholder_costs
                  else "fixed by --zb-costs")
         runner_up = next((c for c in ranked[1:] if c.iteration_time > best.iteration_time), None)
         margin = (f"{runner_up.schedule} {runner_up.iteration_time:.3f}" if runner_up is not None
@@ -196,6 +200,9 @@ class AutoSchedule(ProfiledSchedule):
         reason = (f"fastest of {len(ranked)} fitting {'' if self.include_async else 'synchronous '}schedules "
                   f"with costs {where}: simulated iteration {best.iteration_time:.3f} (next: {margin}), "
                   f"peak {max(best.peak):.2f} M_B, {limit}")
+        if self.config.num_stages == 1:
+            reason += ("; one stage: no pipeline bubble to remove, every schedule takes the same time "
+                       "(the first of the tie runs)")
         first = self.profile_end
         rebuilt = "" if best.relayout is None else f" (stages rebuilt as {best.relayout.label})"
         return [f"{CHOICE_PREFIX}{best.schedule}{rebuilt} from iteration {first}; order {self.order_text()}; "
