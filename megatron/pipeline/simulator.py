@@ -297,7 +297,8 @@ def simulate_streams(
         return _SameForEvery(end, end + pricing.comm(part))
 
     def execute_sync(ops: list[Op]) -> None:
-        start, end = clock.align([op.stage for op in ops], [pricing.sync_step(op.stage) for op in ops])
+        start = clock.align([op.stage for op in ops], [pricing.sync_step(op.stage) for op in ops])
+        end = clock.free[ops[0].stage]  # all members leave together
         for op in ops:
             spans[op.stage].append(OpSpan(start, end, op))
             versions[op.stage] += 1

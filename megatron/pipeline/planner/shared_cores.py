@@ -19,7 +19,10 @@ The model (pure, no torch):
   ``r`` runnable stages on ``c`` cores each progresses at rate ``min(1, c / r)``: the
   scheduler's fair share (the runtime's CPU ranks compute on one thread each, and a rank
   blocked in a receive sleeps). Time advances from event to event: an op ends, a message
-  arrives.
+  arrives. The time keeping is the layer's one event clock under its shared-core model
+  (:class:`~megatron.pipeline.event_clock.EventClock` with ``cores``), the clock of the
+  simulator and the greedy schedulers; this module is its policy: which op is next on each
+  stage, when its inputs are there, when a collective's members have all reached it.
 * **Synchronous OPT.** A collective over ``layout.sync_group``: each member's part
   (``t_opt + t_sync``) becomes runnable once every member has reached it, and no member goes
   on before all have finished, as in the simulator.
@@ -31,17 +34,16 @@ pipeline ``cores / (D * T)`` (:func:`cores_per_pipeline`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.pipeline.comm import Message
+from megatron.pipeline.event_clock import EventClock
 from megatron.pipeline.ir import Op, PipelineLayout
 from megatron.pipeline.replay import ReplayEngine
 from megatron.pipeline.costs.op_costs import CostsLike
 from megatron.pipeline.costs.pricing import OpPricing
-
-_EPS = 1e-9
 
 
 @dataclass
@@ -99,79 +101,52 @@ def op_graph(streams: Sequence[Any], layout: PipelineLayout,
 
 
 def shared_core_makespan(streams: Sequence[Any], layout: PipelineLayout, costs: CostsLike, cores: float) -> float:
-    """End of the last op when the stages share ``cores`` cores (module docstring)."""
-    if cores <= 0:
-        raise ValueError(f"cores must be positive, got {cores}")
+    """End of the last op when the stages share ``cores`` cores (module docstring).
+
+    The policy of the event clock's shared model: a stage's next op goes on the clock once the
+    stage is idle and the ops it receives from have ended (a collective once every member has
+    reached it); the clock keeps the time and resolves the ends."""
+    clock = EventClock(layout.num_stages, cores=cores)  # checks cores before the replay's work
     nodes, order, groups = op_graph(streams, layout, costs)
     n = len(order)
     pos = [0] * n  # index of each stage's next op in order[s]
-    left = [nodes[order[s][0]].work if order[s] else 0.0 for s in range(n)]
-    end: dict[int, float] = {}
-    group_done = [0] * len(groups)
-    parts_done: set[int] = set()  # collective members whose own part has run
-    now = 0.0
+    unfinished = sum(map(len, order))
 
     def current(s: int) -> int | None:
         return order[s][pos[s]] if pos[s] < len(order[s]) else None
 
-    def arrival(node: _Node) -> float | None:
-        """When every input of ``node`` is here (None: a sender has not finished)."""
-        latest = 0.0
-        for sender, delay in node.inputs:
-            if sender not in end:
-                return None
-            latest = max(latest, end[sender] + delay)
-        return latest
-
-    def runnable(s: int) -> tuple[bool, float | None]:
-        """(runnable now, a future time it becomes runnable if known)."""
-        nid = current(s)
-        if nid is None:
-            return False, None
+    def try_start(nid: int) -> None:
+        """Put node ``nid`` (the next op of its idle stage) on the clock if it can start."""
         node = nodes[nid]
-        if node.group is not None:
-            members = groups[node.group]
-            if nid in parts_done:  # its part has run; it waits for the rest of the collective
-                return False, None
-            return all(current(nodes[m].stage) == m for m in members), None
-        at = arrival(node)
-        if at is None:
-            return False, None
-        return (True, None) if at <= now + _EPS else (False, at)
+        if node.group is None:
+            ready = _inputs_ready(node, clock.ends)
+            if ready is not None:
+                clock.place(node.stage, node.work, ready, key=nid)
+            return
+        members = groups[node.group]
+        if all(current(nodes[m].stage) == m for m in members):
+            clock.align([nodes[m].stage for m in members], [nodes[m].work for m in members])
 
-    while any(current(s) is not None for s in range(n)):
-        states = [runnable(s) for s in range(n)]
-        active = [s for s in range(n) if states[s][0]]
-        arrivals = [t for _, t in states if t is not None]
-        if not active and not arrivals:
-            raise RuntimeError("shared-core replay stalled (the replay engine accepted this schedule)")
-        rate = min(1.0, cores / len(active)) if active else 0.0
-        step = min([left[s] / rate for s in active] + [t - now for t in arrivals])
-        now += step
-        for s in active:
-            left[s] -= step * rate
-        for s in active:
-            if left[s] > _EPS:
-                continue
+    while unfinished:
+        for s in range(n):
             nid = current(s)
-            assert nid is not None
-            node = nodes[nid]
-            if node.group is None:
-                _finish(s, nid, now, pos, left, end, order, nodes)
-                continue
-            parts_done.add(nid)
-            group_done[node.group] += 1
-            if group_done[node.group] == len(groups[node.group]):
-                for m in groups[node.group]:
-                    _finish(nodes[m].stage, m, now, pos, left, end, order, nodes)
-    return max(end.values(), default=0.0)
+            if nid is not None and clock.idle(s):
+                try_start(nid)
+        for s in clock.advance():
+            pos[s] += 1
+            unfinished -= 1
+    return clock.makespan()
 
 
-def _finish(s: int, nid: int, now: float, pos: list[int], left: list[float], end: dict[int, float],
-            order: list[list[int]], nodes: list[_Node]) -> None:
-    end[nid] = now
-    pos[s] += 1
-    left[s] = nodes[order[s][pos[s]]].work if pos[s] < len(order[s]) else 0.0
+def _inputs_ready(node: _Node, ends: dict[Hashable, float]) -> float | None:
+    """When every input of ``node`` is here (None while a sender has not ended)."""
+    latest = 0.0
+    for sender, delay in node.inputs:
+        end = ends.get(sender)
+        if end is None:
+            return None
+        latest = max(latest, end + delay)
+    return latest
 
 
 def cores_per_pipeline(host_cores: float, data_parallel: int = 1, tensor_parallel: int = 1) -> float:
