@@ -58,7 +58,7 @@ PAYLOAD_ARG = {"all_reduce": 0, "broadcast": 0, "isend": 0, "send": 0, "gather":
                "all_to_all_single": 1, "barrier": None}
 #: the runtime function calling a collective -> what the traffic is (the frame above decides
 #: between the two uses of ``replica_gather``)
-CATEGORY = {"DistributedTransport._average_over_replicas": "data_parallel",
+CATEGORY = {"_all_reduce_mean": "data_parallel",  # GradientSync's flat all-reduce average
             "OverlappedGradReduce._launch": "data_parallel",
             "DistributedTransport.sync_gather": "sync_norms",
             "ReplicaReduction.norms": "replica_grads",
