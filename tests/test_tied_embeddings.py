@@ -276,3 +276,26 @@ def test_v_layout_overlapped_reduction_at_pp2_dp2_ties_and_trains_like_one_stage
     """zb-v: the shared parameter's bucket launches once both chunks of stage 0 accumulated
     into it (a bucket launched after the first would average half the gradient)."""
     _assert_dp2_tied_like_reference(tmp_path, "zb-v", *flags)
+
+
+def test_banner_json_log_and_planner_say_tied_or_why_not(megatron_world1, tmp_path: Path) -> None:
+    """The tied parameter count is in the banner and every --log-json record; an asynchronous
+    schedule's reason for staying untied is in both and in the planner's candidate records."""
+    from megatron.pipeline.planner.evaluate import tied_embeddings
+    from megatron.trainer.loop.run_banner import banner_lines
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    config, counts = _stage_counts(_argv(2, "1f1b"), GPTTask())
+    tied = config.model.padded_vocab_size * config.model.hidden_size
+    assert f"tied parameters: {tied:,}" in "\n".join(banner_lines(config, counts, "emulator"))
+    records = {}
+    for schedule in ("1f1b", "paci"):
+        log = tmp_path / f"{schedule}.jsonl"
+        emulate([*_argv(2, schedule, iters=1), "--pipeline-executor", "emulator", "--log-json", str(log)])
+        records[schedule] = [r["embeddings"] for r in read_log(log)]
+    assert records["1f1b"] and all(r["tied"] and r["tied_parameters"] == tied for r in records["1f1b"])
+    (paci,) = set(json.dumps(r) for r in records["paci"])
+    paci = json.loads(paci)
+    assert not paci["tied"] and paci["tied_parameters"] == 0 and "each stage steps on its own clock" in paci["line"]
+    assert tied_embeddings("1f1b") == tied_embeddings("zb-v") == "tied"
+    assert tied_embeddings("paci").startswith("untied: each stage steps on its own clock")

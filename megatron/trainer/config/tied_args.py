@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.pipeline.planner.auto_schedule import AutoAsyncSchedule
+from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 
@@ -39,13 +40,26 @@ def _untied_because(args: argparse.Namespace) -> str | None:
     """Why this run cannot tie (None: it can)."""
     cls = schedule_class(args.pipeline_schedule)
     if cls.traits.asynchronous or issubclass(cls, AutoAsyncSchedule):  # auto-async may switch to one
-        return (f"as every asynchronous schedule ({args.pipeline_schedule}): each stage steps on its own clock, "
-                f"and tying would make the first and last stage meet at every update")
+        return f"as every asynchronous schedule ({args.pipeline_schedule}): {ASYNCHRONOUS_UNTIED}"
     if args.pipeline_model_parallel_size == 1:
         return None
     if args.enable_optimizer_post_validation and not issubclass(cls, VShapeSchedule):
         return "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
     return None
+
+
+def tied_parameter_count(model) -> int:
+    """Elements of the tied weight (the vocabulary matrix, whole: TP shards it): counted once in
+    the banner's totals, however many stages hold a copy; 0 when untied."""
+    return model.padded_vocab_size * model.hidden_size if model.tie_embeddings else 0
+
+
+def embeddings_record(model) -> dict:
+    """What ``--log-json`` records say of the embeddings (with the banner's words)."""
+    record = {"tied": bool(model.tie_embeddings), "tied_parameters": tied_parameter_count(model)}
+    if model.embeddings_line is not None:
+        record["line"] = model.embeddings_line
+    return record
 
 
 def resolve_tied_embeddings(args: argparse.Namespace) -> None:
