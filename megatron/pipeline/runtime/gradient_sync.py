@@ -68,7 +68,12 @@ class GradientSync:
         then come before it, on the whole gradients, as Megatron-LM's ``finalize_model_grads``
         sums its embedding group before the reduce-scatter. Every other reduction averages every
         gradient, and the sum, being linear, may come after it (it does: the buckets are
-        in flight by then)."""
+        in flight by then).
+
+        The two ends then reduce-scatter equal values over their own replicas; at D = 2 each
+        element's average is ``(a + b) / 2`` on both, the same bits. At D > 2 a backend's
+        summation order may depend on where the element sits in the flat gradients (which
+        differs between the two stages): the copies may then differ in the last bit."""
         return self._replicas.size > 1 and self.buckets is None and self._optimizer.sharded
 
     def reduce(self) -> None:
