@@ -213,6 +213,9 @@ def _dp2(schedule: str, *more: str) -> list[str]:
 
 
 def _assert_dp2_tied_like_reference(tmp_path: Path, schedule: str, *flags: str) -> None:
+    from async_helpers import _parse
+    from megatron.trainer.tasks.gpt import GPTTask
+
     ref = emulated_reference(_argv(1, "1f1b", batch=8), tmp_path / "ref.jsonl")
     records, params = run_pretrain(_dp2(schedule, *flags), tmp_path / "dist")
     stages = [torch.load(f) for f in sorted((tmp_path / "dist" / "params").glob("stage*.pt"))]
@@ -220,7 +223,11 @@ def _assert_dp2_tied_like_reference(tmp_path: Path, schedule: str, *flags: str) 
         assert TIED in stages[0] and not any(n in stages[1] for n in (TIED, "output_layer.weight"))
     else:  # each stage's rank dumped its own end: the copies stayed bitwise equal
         assert torch.equal(stages[0][TIED], stages[-1][TIED])
-    assert "embeddings: tied" in (tmp_path / "dist" / "stdout.txt").read_text()
+    stdout = (tmp_path / "dist" / "stdout.txt").read_text()
+    model = _parse(_dp2(schedule, *flags), GPTTask()).model
+    tied = model.padded_vocab_size * model.hidden_size  # the tied parameter count, in the banner and the log
+    assert "embeddings: tied" in stdout and f"tied parameters: {tied:,}" in stdout
+    assert all(r["embeddings"]["tied"] and r["embeddings"]["tied_parameters"] == tied for r in records)
     assert_trains_like(records, params, ref, context=f"{schedule} PP2 DP2 {' '.join(flags)}")
 
 
