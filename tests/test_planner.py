@@ -134,6 +134,7 @@ def test_json_schema():
         assert set(CANDIDATE_FIELDS) <= set(cand)
         assert len(cand["peak_memory_gb"]) == len(cand["max_drift"]) == cand["pipeline_model_parallel_size"]
         assert cand["semantics"] in ("exact", "bounded-stale", "unbounded")
+        assert cand["tied_embeddings"] == "tied"  # synchronous schedules tie (asynchronous: "untied: why")
         assert cand["flags"][:4] == ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", cand["schedule"]]
     assert plan["synchronous"] == [0, 1]  # equal time (a flush each), 1F1B needs less memory
     assert "1f1b" in table([results[0]], 4, "t")

@@ -196,14 +196,51 @@ def test_v_layout_banner_counts_the_tied_model(megatron_world1, pp: int) -> None
     assert sum(counts) == sum(one) and sum(untied) - sum(counts) == model.vocab_size * model.hidden_size
 
 
-@pytest.mark.parametrize("flag, says", [("--overlap-grad-reduce", "reduces each V chunk's gradients on their own"),
-                                        ("--use-distributed-optimizer", "on the V layout")])
-def test_v_layout_stays_untied_with_and_says_why(megatron_world1, flag: str, says: str) -> None:
+@pytest.mark.parametrize("schedule, flags", [
+    ("1f1b", ("--use-distributed-optimizer",)), ("zb-v", ("--use-distributed-optimizer",)),
+    ("zb-v", ("--overlap-grad-reduce",)), ("zb-v", ("--overlap-grad-reduce", "--use-distributed-optimizer"))])
+def test_data_parallel_options_tie_at_pp2(megatron_world1, schedule: str, flags: tuple[str, ...]) -> None:
     from megatron.trainer.tasks.gpt import GPTTask
 
-    config, _ = _stage_counts([*_v_argv(2, "zb-v"), flag], GPTTask())
-    model = config.model
-    assert not model.tie_embeddings and says in model.embeddings_line, model.embeddings_line
+    config, _ = _stage_counts([*_argv(2, schedule), *flags], GPTTask())
+    assert config.model.tie_embeddings, config.model.embeddings_line
+
+
+def _dp2(schedule: str, *more: str) -> list[str]:
+    """PP 2 x DP 2 on gloo: 8 samples, 2 micro-batches per replica and update (the reference:
+    one stage, one replica, the same 8 samples per update)."""
+    return [*_argv(2, schedule, batch=8), "--data-parallel-size", "2", *more]
+
+
+def _assert_dp2_tied_like_reference(tmp_path: Path, schedule: str, *flags: str) -> None:
+    from async_helpers import _parse
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    ref = emulated_reference(_argv(1, "1f1b", batch=8), tmp_path / "ref.jsonl")
+    records, params = run_pretrain(_dp2(schedule, *flags), tmp_path / "dist")
+    stages = [torch.load(f) for f in sorted((tmp_path / "dist" / "params").glob("stage*.pt"))]
+    if schedule == "zb-v":  # the V's stage 0 holds the one shared parameter
+        assert TIED in stages[0] and not any(n in stages[1] for n in (TIED, "output_layer.weight"))
+    else:  # each stage's rank dumped its own end: the copies stayed bitwise equal
+        assert torch.equal(stages[0][TIED], stages[-1][TIED])
+    stdout = (tmp_path / "dist" / "stdout.txt").read_text()
+    model = _parse(_dp2(schedule, *flags), GPTTask()).model
+    tied = model.padded_vocab_size * model.hidden_size  # the tied parameter count, in the banner and the log
+    assert "embeddings: tied" in stdout and f"tied parameters: {tied:,}" in stdout
+    assert all(r["embeddings"]["tied"] and r["embeddings"]["tied_parameters"] == tied for r in records)
+    assert_trains_like(records, params, ref, context=f"{schedule} PP2 DP2 {' '.join(flags)}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, flags", [
+    ("1f1b", ()), ("zb-v", ()), ("1f1b", ("--overlap-grad-reduce",))], ids=["1f1b", "zb-v", "1f1b-overlap"])
+def test_distributed_optimizer_at_pp2_dp2_ties_and_trains_like_one_stage(megatron_world1, tmp_path: Path,
+                                                                        schedule: str, flags: tuple[str, ...]) -> None:
+    """The embedding group sums the whole gradients before the data-parallel reduce-scatter; each
+    replica steps its own range of them: the two ends stay bitwise equal (1f1b) and the run
+    trains like the tied one-stage reference. With overlapped buckets (all-reduces of every
+    gradient) the sum comes after them, as without the distributed optimizer."""
+    _assert_dp2_tied_like_reference(tmp_path, schedule, "--use-distributed-optimizer", *flags)
 
 
 def test_asynchronous_schedules_stay_untied_and_say_why(megatron_world1) -> None:
@@ -238,3 +275,36 @@ def test_v_layout_ties_at_tp2_like_tp1(megatron_world1, tmp_path: Path) -> None:
         ref = emulated_reference([*tied, "--pipeline-schedule", "zb-v", *flags], tmp_path / "tp1.jsonl")
     assert TIED in ref.params and "output_layer.weight" not in ref.params
     assert_trains_like(*result, ref, context="zb-v TP=2 tied: ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--overlap-grad-reduce",), ("--overlap-grad-reduce", "--use-distributed-optimizer")],
+                         ids=["overlap", "overlap-distributed-optimizer"])
+def test_v_layout_overlapped_reduction_at_pp2_dp2_ties_and_trains_like_one_stage(
+        megatron_world1, tmp_path: Path, flags: tuple[str, ...]) -> None:
+    """zb-v: the shared parameter's bucket launches once both chunks of stage 0 accumulated
+    into it (a bucket launched after the first would average half the gradient)."""
+    _assert_dp2_tied_like_reference(tmp_path, "zb-v", *flags)
+
+
+def test_banner_json_log_and_planner_say_tied_or_why_not(megatron_world1, tmp_path: Path) -> None:
+    """The tied parameter count is in the banner and every --log-json record; an asynchronous
+    schedule's reason for staying untied is in both and in the planner's candidate records."""
+    from megatron.pipeline.planner.evaluate import tied_embeddings
+    from megatron.trainer.loop.run_banner import banner_lines
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    config, counts = _stage_counts(_argv(2, "1f1b"), GPTTask())
+    tied = config.model.padded_vocab_size * config.model.hidden_size
+    assert f"tied parameters: {tied:,}" in "\n".join(banner_lines(config, counts, "emulator"))
+    records = {}
+    for schedule in ("1f1b", "paci"):
+        log = tmp_path / f"{schedule}.jsonl"
+        emulate([*_argv(2, schedule, iters=1), "--pipeline-executor", "emulator", "--log-json", str(log)])
+        records[schedule] = [r["embeddings"] for r in read_log(log)]
+    assert records["1f1b"] and all(r["tied"] and r["tied_parameters"] == tied for r in records["1f1b"])
+    (paci,) = set(json.dumps(r) for r in records["paci"])
+    paci = json.loads(paci)
+    assert not paci["tied"] and paci["tied_parameters"] == 0 and "each stage steps on its own clock" in paci["line"]
+    assert tied_embeddings("1f1b") == tied_embeddings("zb-v") == "tied"
+    assert tied_embeddings("paci").startswith("untied: each stage steps on its own clock")

@@ -89,6 +89,19 @@ def semantics(schedule: str) -> str:
     return "bounded-stale" if cls.traits.drift_bounded else "unbounded"
 
 
+ASYNCHRONOUS_UNTIED = ("each stage steps on its own clock, and tying would make the first and last stage "
+                       "meet at every update")
+
+
+def tied_embeddings(schedule: str) -> str:
+    """Whether ``schedule`` ties the input embedding and the output layer by default (the
+    trainer's banner and ``--log-json`` say the same): ``tied`` (every synchronous schedule,
+    Megatron-LM's default), or ``untied: <why>`` (asynchronous schedules keep the two apart)."""
+    if not schedule_class(schedule).traits.asynchronous:
+        return "tied"
+    return f"untied: {ASYNCHRONOUS_UNTIED}"
+
+
 def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSizes], list[OpCosts], list[OpCosts]]:
     """The candidate's part sizes, each part's costs, and the simulator's per-stage (or per-part)
     costs; stages that time-share the host's cores pay a message's CPU as measured there."""

@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron.pipeline.planner.candidates import Candidate
-from megatron.pipeline.planner.evaluate import CandidateResult, Problem
+from megatron.pipeline.planner.evaluate import CandidateResult, Problem, tied_embeddings
 from megatron.pipeline.planner.ranking import pareto_front, rank, split_by_semantics
 from megatron.pipeline.schedules import schedule_class
 
 CANDIDATE_FIELDS = (
     "schedule", "pipeline_model_parallel_size", "microbatches", "virtual_stages", "recompute", "layer_split",
     "iteration_time_ms", "tokens_per_s", "bubble_fraction", "peak_memory_gb", "fits", "max_drift", "semantics",
-    "flags",
+    "tied_embeddings", "flags",
 )
 
 _RECOMPUTE_FLAGS = {
@@ -54,6 +54,7 @@ def candidate_dict(result: CandidateResult, num_layers: int) -> dict[str, Any]:
         "bubble_fraction": result.bubble_fraction, "peak_memory_gb": result.peak_memory_gb,
         "memory_breakdown_gb": [{k: v / 1e9 for k, v in dataclasses.asdict(m).items()} for m in result.memory],
         "fits": result.fits, "max_drift": result.max_drift, "semantics": result.semantics,
+        "tied_embeddings": tied_embeddings(c.schedule),
         "comm_bytes_per_step": result.comm_bytes_per_step, "flags": flags(c, num_layers),
     }
 

@@ -52,6 +52,7 @@ from megatron.pipeline.runtime.sharding import (
     STATE_KINDS, add_whole_state, assign_flat, flat_dtype, flat_values, owned_entries, owned_ranges, owned_state,
     padded_part, part_length, shard_range, unpadded)
 from megatron.pipeline.runtime.tensor_parallel import count_replicated_once, split_sq_sums
+from megatron.pipeline.runtime.tied_embeddings import is_tied_copy
 
 # torch >= 2.11 renames the tensor collectives (the old names warn); same signatures.
 _reduce_scatter: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -172,7 +173,8 @@ class DataParallelShardedOptimizer(StageOptimizer):
         TP rank 0 only (counted once)."""
         parts = ((self._params[i], None if self._params[i].grad is None else
                   self._params[i].grad.reshape(-1)[start:stop])
-                 for i, start, stop in owned_ranges(self._params, self.lo, self.hi) if stop > start)
+                 for i, start, stop in owned_ranges(self._params, self.lo, self.hi)
+                 if stop > start and not is_tied_copy(self._params[i]))  # a tied embedding once
         sums = split_sq_sums(parts).to(self._params[0].device)  # an empty range's zeros too
         dist.all_reduce(sums, group=self.group)
         return count_replicated_once(sums, tp_group).sum()

@@ -19,6 +19,11 @@ never a flat copy of all gradients); ``.grad`` stays a tensor of its own because
 frees and re-creates gradients (``zero_grad``), which would silently detach views into a buffer.
 A gradient op of a chunk whose buckets are in flight raises: the reduced values would overwrite
 what it accumulated.
+
+A parameter listed by several chunks (the tied embedding the V layout's stage 0 shares between
+its first and last chunk) accumulates from all of them: it gets a bucket of its own, owned by
+those chunks, which is final (and launches: from the hook inside the op, or at its end) only in
+the window's last completing op of the last of its chunks to complete.
 """
 from __future__ import annotations
 
@@ -39,11 +44,18 @@ from megatron.pipeline.runtime.executors.send_reaper import wait_or_raise
 class GradBucket:
     """Parameters whose gradients are all-reduced together, and their in-flight reduction."""
 
-    chunk: int
+    chunk: int  # the first of ``chunks``
     params: list[torch.nn.Parameter]
     buffer: torch.Tensor | None = None
     work: dist.Work | None = None
     pending: set[int] = field(default_factory=set)  # ids of parameters not yet final in this op
+    chunks: frozenset[int] = frozenset()  # the chunks accumulating into it (default: {chunk})
+    done: set[int] = field(default_factory=set)  # of ``chunks``, those whose window completed
+    armed: bool = False  # in the op that makes it final: its hooks may launch it
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            self.chunks = frozenset({self.chunk})
 
     @property
     def launched(self) -> bool:
@@ -53,12 +65,23 @@ class GradBucket:
 def make_buckets(chunk_params: Sequence[Sequence[torch.nn.Parameter]], bucket_size: int) -> list[GradBucket]:
     """Buckets of at least ``bucket_size`` elements (the last of a chunk may be smaller), per
     chunk in reverse order of the chunk's parameters (the order backward finishes them); a
-    bucket holds one dtype."""
+    bucket holds one dtype. A parameter listed by several chunks gets a bucket of its own,
+    owned by all of them (after the others)."""
+    holders: dict[int, list[int]] = {}
+    for chunk, params in enumerate(chunk_params):
+        for p in params:
+            if chunk not in holders.setdefault(id(p), []):
+                holders[id(p)].append(chunk)
     buckets: list[GradBucket] = []
+    shared: list[GradBucket] = []
     for chunk, params in enumerate(chunk_params):
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(list(params)):
+            if len(holders[id(p)]) > 1:
+                if holders[id(p)][0] == chunk:
+                    shared.append(GradBucket(chunk, [p], chunks=frozenset(holders[id(p)])))
+                continue
             if current and (size >= bucket_size or p.dtype != current[0].dtype):
                 buckets.append(GradBucket(chunk, current))
                 current, size = [], 0
@@ -66,7 +89,7 @@ def make_buckets(chunk_params: Sequence[Sequence[torch.nn.Parameter]], bucket_si
             size += p.numel()
         if current:
             buckets.append(GradBucket(chunk, current))
-    return buckets
+    return buckets + shared
 
 
 class OverlappedGradReduce:
@@ -77,7 +100,6 @@ class OverlappedGradReduce:
         self.buckets = make_buckets(chunk_params, bucket_size)
         self.group, self.size, self.timeout = group, size, timeout
         self._done: Counter[tuple[int, int]] = Counter()  # (update, chunk) -> completing ops so far
-        self._armed: set[int] = set()  # chunks in their window's last completing op
         self._bucket_of: dict[int, GradBucket] = {}
         #: How each bucket was launched, in order: "backward" (from a hook inside the op),
         #: "op end" (when the completing op returned) or "step" (at :meth:`finish`). Tests
@@ -95,25 +117,29 @@ class OverlappedGradReduce:
         """Around an op that accumulates gradients of ``chunk`` for update ``update``, whose
         window is ``window`` micro-batches (read per op: a batch-size rampup changes it);
         ``completes``: the op finishes that micro-batch's gradients (BW, or W)."""
-        mine = [b for b in self.buckets if b.chunk == chunk]
+        mine = [b for b in self.buckets if chunk in b.chunks]
         if any(b.launched for b in mine):
             raise RuntimeError(f"chunk {chunk}: a gradient op of update {update} runs while the "
                                "chunk's gradient buckets are being reduced (before the step)")
         key = (update, chunk)
         last = completes and self._done[key] + 1 == window
-        if last:
-            for b in mine:
-                b.pending = {id(p) for p in b.params}
-            self._armed.add(chunk)
+        # the buckets this op makes final: the chunk's own, and a shared one whose other chunks are done
+        final = [b for b in mine if b.chunks - b.done <= {chunk}] if last else []
+        for b in final:
+            b.pending = {id(p) for p in b.params}
+            b.armed = True
         try:
             yield
         finally:
-            self._armed.discard(chunk)
+            for b in final:
+                b.armed = False
         if not completes:
             return
         if last:
             del self._done[key]
             for b in mine:
+                b.done.add(chunk)
+            for b in final:
                 if not b.launched:
                     self._launch(b, "op end")
         else:
@@ -121,7 +147,7 @@ class OverlappedGradReduce:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         bucket = self._bucket_of[id(p)]
-        if bucket.chunk not in self._armed or bucket.launched:
+        if not bucket.armed or bucket.launched:
             return
         bucket.pending.discard(id(p))
         if not bucket.pending:
@@ -155,3 +181,4 @@ class OverlappedGradReduce:
                 p.grad.copy_(bucket.buffer[offset:offset + n].view_as(p.grad))
                 offset += n
             bucket.buffer = bucket.work = None
+            bucket.done.clear()

@@ -61,6 +61,21 @@ class GradientSync:
             return contextlib.nullcontext()
         return self.buckets.grad_op(op.microbatch // window, window, op.chunk, completes)
 
+    @property
+    def keeps_one_range(self) -> bool:
+        """Whether :meth:`reduce` leaves only this replica's range of the gradients averaged (the
+        distributed optimizer's reduce-scatter): a sum over stages (the tied embeddings') must
+        then come before it, on the whole gradients, as Megatron-LM's ``finalize_model_grads``
+        sums its embedding group before the reduce-scatter. Every other reduction averages every
+        gradient, and the sum, being linear, may come after it (it does: the buckets are
+        in flight by then).
+
+        The two ends then reduce-scatter equal values over their own replicas; at D = 2 each
+        element's average is ``(a + b) / 2`` on both, the same bits. At D > 2 a backend's
+        summation order may depend on where the element sits in the flat gradients (which
+        differs between the two stages): the copies may then differ in the last bit."""
+        return self._replicas.size > 1 and self.buckets is None and self._optimizer.sharded
+
     def reduce(self) -> None:
         """Average the gradients over the replicas, then sum the sequence-parallel ones over the
         TP group (after the average: the buckets write ``p.grad`` back when they finish)."""
@@ -79,12 +94,13 @@ class GradientSync:
 
 
 def _overlapped(setup: StageSetup, replicas: DataParallelGroup, bucket_size: int) -> OverlappedGradReduce:
-    """The stage's buckets, per model chunk (a bucket is final when its chunk's window is)."""
+    """The stage's buckets, per model chunk (a bucket is final when its chunk's window is; the
+    tied parameter a V's stage 0 shares between its chunks, when both chunks' windows are)."""
     trained = {id(p) for p in setup.optimizer.parameters()}
     chunk_params = [[p for p in chunk.parameters() if id(p) in trained] for chunk in setup.chunks]
-    if sum(map(len, chunk_params)) != len(trained):
+    if {id(p) for params in chunk_params for p in params} != trained:
         raise RuntimeError(f"stage {setup.stage}: --overlap-grad-reduce needs every trained parameter "
-                           "in exactly one model chunk")
+                           "in a model chunk")
     return OverlappedGradReduce(chunk_params, bucket_size, replicas.group, replicas.size, replicas.timeout)
 
 

@@ -10,22 +10,26 @@ its own clock; an exact tie would need the first and the last stage to meet at e
 the synchronisation they exist to avoid. Their default is untied and the banner says why
 (Megatron-LM has no flag that asks for tying, so there is no request to refuse).
 
-Where the two ends live on different stages, two synchronous setups cannot keep the copies tied
-yet, and default to untied the same way, with the reason in the banner: Zero Bubble's
-post-validation (its optimistic per-stage step has no synchronous point to sum at; the V layout
-ties under it, having nothing to sum) and
-``--use-distributed-optimizer`` (each replica steps only its own range of a stage's flat
-gradients, which differ between the two stages). On the V layout ``--overlap-grad-reduce``
-unties too: it launches a chunk's buckets when that chunk's gradients are final, and the shared
-parameter is accumulated by both chunks; ``--use-distributed-optimizer`` unties it as on a chain
-(its sharded step is not checked against the shared parameter yet). Megatron-LM's flag set with any of these flags keeps
-running unchanged; the checkpoint records the untied model.
+With ``--use-distributed-optimizer`` at PP > 1 the two ends are tied too: the embedding group
+sums the whole gradients before the data-parallel reduce-scatter (where Megatron-LM's
+``finalize_model_grads`` sums them), so both ends' replicas step identical values with the
+element-wise AdamW, whatever range of their stage's flat gradients the parameter falls in.
+
+Where the two ends live on different stages, Zero Bubble's post-validation still defaults to
+untied, with the reason in the banner (its optimistic per-stage step has no synchronous point
+to sum at; the V layout ties under it, having nothing to sum). Megatron-LM's flag set with it
+keeps running unchanged; the checkpoint records the untied model.
+
+On the V layout ``--overlap-grad-reduce`` ties: the shared parameter's bucket is launched once
+both chunks of stage 0 have accumulated into it
+(:mod:`~megatron.pipeline.runtime.grad_buckets`).
 """
 from __future__ import annotations
 
 import argparse
 
 from megatron.pipeline.planner.auto_schedule import AutoAsyncSchedule
+from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 
@@ -36,22 +40,26 @@ def _untied_because(args: argparse.Namespace) -> str | None:
     """Why this run cannot tie (None: it can)."""
     cls = schedule_class(args.pipeline_schedule)
     if cls.traits.asynchronous or issubclass(cls, AutoAsyncSchedule):  # auto-async may switch to one
-        return (f"as every asynchronous schedule ({args.pipeline_schedule}): each stage steps on its own clock, "
-                f"and tying would make the first and last stage meet at every update")
+        return f"as every asynchronous schedule ({args.pipeline_schedule}): {ASYNCHRONOUS_UNTIED}"
     if args.pipeline_model_parallel_size == 1:
         return None
-    if issubclass(cls, VShapeSchedule) and args.overlap_grad_reduce:
-        return ("--overlap-grad-reduce reduces each V chunk's gradients on their own, and the two chunks "
-                "of stage 0 share the tied parameter")
     if args.enable_optimizer_post_validation and not issubclass(cls, VShapeSchedule):
         return "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
-    if args.use_distributed_optimizer and issubclass(cls, VShapeSchedule):
-        return ("--use-distributed-optimizer on the V layout: its sharded step is not checked against the "
-                "shared tied parameter yet")
-    if args.use_distributed_optimizer:
-        return ("--use-distributed-optimizer at --pipeline-model-parallel-size > 1 steps each replica's own range "
-                "of the two copies' gradients")
     return None
+
+
+def tied_parameter_count(model) -> int:
+    """Elements of the tied weight (the vocabulary matrix, whole: TP shards it): counted once in
+    the banner's totals, however many stages hold a copy; 0 when untied."""
+    return model.padded_vocab_size * model.hidden_size if model.tie_embeddings else 0
+
+
+def embeddings_record(model) -> dict:
+    """What ``--log-json`` records say of the embeddings (with the banner's words)."""
+    record = {"tied": bool(model.tie_embeddings), "tied_parameters": tied_parameter_count(model)}
+    if model.embeddings_line is not None:
+        record["line"] = model.embeddings_line
+    return record
 
 
 def resolve_tied_embeddings(args: argparse.Namespace) -> None:

@@ -63,6 +63,8 @@ class TrainingLogger:
     # logged per stage (synchronous stages share both).
     per_stage_optimizer: bool = False
     aux_loss_name: str | None = None  # a task's separately logged loss part ("sop loss")
+    # Every training record's "embeddings": tied or not (and why), the tied parameter count.
+    embeddings: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stream is None:  # looked up now, not at import: tests and tools swap sys.stdout
@@ -157,6 +159,8 @@ class TrainingLogger:
         aux_count = sum(r.aux_loss_count for r in reports)
         if self.aux_loss_name and aux_count:
             record[_json_key(self.aux_loss_name)] = sum(r.aux_loss_sum for r in reports) / aux_count
+        if self.embeddings is not None:
+            record["embeddings"] = self.embeddings
         self._print(record)
         self._write(record)
         self.summary.add_training(record)

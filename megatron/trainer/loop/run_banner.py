@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from megatron.trainer.config.job_config import JobConfig, flag_values
+from megatron.trainer.config.tied_args import tied_parameter_count
 from megatron.trainer.launch.optional_packages import optional_packages_line
 from megatron.trainer.launch.memory_estimate import memory_banner_line
 from megatron.trainer.tasks.balanced_partition import layer_split_line
@@ -61,7 +62,9 @@ def banner_lines(config: JobConfig, params_per_stage: Sequence[int], executor: s
     if memory:
         lines.append(memory)
     if config.model.embeddings_line:
-        lines.append(config.model.embeddings_line)
+        tied = tied_parameter_count(config.model)
+        count = f" | tied parameters: {tied:,} (counted once)" if tied else ""
+        lines.append(config.model.embeddings_line + count)
     lines.append(data_source_line(config))
     optional = optional_packages_line()
     if optional:

@@ -14,6 +14,7 @@ from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import ResumePoint, load_stage_state, restore_schedule_state
 from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.tied_args import embeddings_record
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
 from megatron.trainer.loop.logger import TrainingLogger
 from megatron.trainer.loop.rampup import segment_boundaries
@@ -71,6 +72,7 @@ def make_logger(config: JobConfig, start_iteration: int = 0, task: PretrainTask 
         wandb=wandb_run(config),
         per_stage_optimizer=config.run.asynchronous,
         aux_loss_name=getattr(task, "aux_loss_name", None),
+        embeddings=embeddings_record(config.model),
     )
 
 

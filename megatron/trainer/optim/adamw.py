@@ -152,7 +152,8 @@ class StageAdamW(AdamWRollback, StageOptimizer):
     def owned_grad_sq_norm(self) -> Tensor:
         """Sum of squares of the gradient elements this optimizer steps (all of them unsharded;
         the owned ranges when sharded): the distributed optimizer sums these over its replicas."""
-        return sum_of_squares((slot.grad() for slot in self._slots), self._device())
+        # The tied embedding's copy is left out as in :meth:`grad_sq_norm`: counted once.
+        return sum_of_squares((slot.grad() for slot in self._slots if not is_tied_copy(slot.param)), self._device())
 
     def grads_finite(self) -> bool:
         """True when no grad holds inf/NaN.

@@ -88,11 +88,16 @@ class OpCore:
 
     def step(self, ops: Sequence[Op]) -> None:
         """An OPT: one stage-local step, or the local stages' ops of one synchronous step."""
+        # Every tied end of the local stages, and of the other holders, gets their sum (Megatron's
+        # embedding group): on the whole gradients, so before a reduction that keeps one range.
+        tied_first = ops[0].sync and any(_keeps_one_range(self.workers[op.stage]) for op in ops)
+        if tied_first:
+            self._sum_tied(ops)
         for op in ops:
             _reduce_gradients(self.workers[op.stage])
-        if ops[0].sync:  # every tied end of the local stages, and of the other holders, gets their sum
-            sum_tied_gradients([p for op in ops for p in tied_parameters(self.workers[op.stage].setup.chunks)],
-                               self.transport.tied_all_reduce())  # Megatron's embedding group
+        if ops[0].sync:
+            if not tied_first:
+                self._sum_tied(ops)
             norms = self.reduction.norms(self.transport, self.workers, ops)
         else:
             (op,) = ops
@@ -108,9 +113,17 @@ class OpCore:
         if self.after_update is not None:
             self.after_update(ops[0].update)
 
+    def _sum_tied(self, ops: Sequence[Op]) -> None:
+        sum_tied_gradients([p for op in ops for p in tied_parameters(self.workers[op.stage].setup.chunks)],
+                           self.transport.tied_all_reduce())
+
     def _maybe_report(self, worker: StageWorker, op: Op) -> None:
         if self.cadence.due(op.update):
             self.sink.submit(worker.take_report(op.update), replica=self.transport.dp_rank)
+
+
+def _keeps_one_range(worker: StageWorker) -> bool:
+    return worker.grad_sync is not None and worker.grad_sync.keeps_one_range
 
 
 def _reduce_gradients(worker: StageWorker) -> None:
