@@ -308,3 +308,61 @@ def test_banner_json_log_and_planner_say_tied_or_why_not(megatron_world1, tmp_pa
     assert not paci["tied"] and paci["tied_parameters"] == 0 and "each stage steps on its own clock" in paci["line"]
     assert tied_embeddings("1f1b") == tied_embeddings("zb-v") == "tied"
     assert tied_embeddings("paci").startswith("untied: each stage steps on its own clock")
+
+
+def _gpt_closed_form(argv: list[str], vocab: int) -> int:
+    """GPT's parameter count from the flags alone, the vocabulary matrix once (tied): V h + P h
+    (learned positions) + L (12 h^2 + 13 h) + 2 h. Per layer: QKV 3h^2 + 3h, projection h^2 + h,
+    MLP (ffn 4h) 8h^2 + 5h, two LayerNorms 4h; the final LayerNorm 2h; no output layer."""
+    def flag(name: str) -> int:
+        return int(argv[len(argv) - 1 - argv[::-1].index(name) + 1])  # the last occurrence wins
+
+    h, layers, positions = flag("--hidden-size"), flag("--num-layers"), flag("--max-position-embeddings")
+    assert "--ffn-hidden-size" not in argv and "--disable-bias-linear" not in argv
+    assert "--normalization" not in argv and "--position-embedding-type" not in argv  # LayerNorm, learned
+    return vocab * h + positions * h + layers * (12 * h * h + 13 * h) + 2 * h
+
+
+def _gpt3_175b_distributed_optimizer(tmp_path: Path, *more: str) -> list[str]:
+    """Megatron-LM's GPT-3 175B flags (shrunk), with --use-distributed-optimizer at PP = 2."""
+    from tests.test_megatron_examples import GPT_175B, shrink
+
+    argv = shrink(GPT_175B, tmp_path)
+    assert argv[argv.index("--pipeline-model-parallel-size") + 1] == "2"
+    return [*argv, "--use-distributed-optimizer", *more]
+
+
+def test_megatron_gpt3_flag_set_with_distributed_optimizer_builds_the_tied_closed_form(
+        megatron_world1, tmp_path: Path, capsys) -> None:
+    """GPT-3 175B's flags with --use-distributed-optimizer at PP = 2 tie: the run's banner (emulator,
+    one replica) and the stages built for PP 2 x DP 2 count the closed form."""
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    argv = _gpt3_175b_distributed_optimizer(tmp_path, "--train-iters", "1")
+    config, counts = _stage_counts([*argv, "--pipeline-executor", "distributed", "--data-parallel-size", "2"],
+                                   GPTTask())
+    vocab = config.model.padded_vocab_size
+    closed_form = _gpt_closed_form(argv, vocab)
+    assert config.model.tie_embeddings and config.parallel.use_distributed_optimizer
+    assert sum(counts) == closed_form, (counts, closed_form)
+    emulate(argv)
+    stdout = capsys.readouterr().out
+    assert f"total: {closed_form:,}" in stdout and f"tied parameters: {vocab * 64:,}" in stdout, stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_megatron_gpt3_flag_set_with_distributed_optimizer_at_pp2_dp2_runs_the_tied_closed_form(
+        megatron_world1, tmp_path: Path) -> None:
+    """The same flags on 4 ranks (PP 2 x DP 2, gloo): the banner's total is the closed form."""
+    from async_helpers import _parse
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    argv = _gpt3_175b_distributed_optimizer(tmp_path, "--train-iters", "2",
+                                           "--pipeline-executor", "distributed", "--data-parallel-size", "2")
+    vocab = _parse(argv, GPTTask()).model.padded_vocab_size
+    closed_form = _gpt_closed_form(argv, vocab)
+    records, _ = run_pretrain(argv, tmp_path / "dist")
+    stdout = (tmp_path / "dist" / "stdout.txt").read_text()
+    assert f"total: {closed_form:,}" in stdout and "embeddings: tied" in stdout, stdout[-2000:]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert all(r["embeddings"]["tied"] and r["embeddings"]["tied_parameters"] == vocab * 64 for r in records)
