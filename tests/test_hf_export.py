@@ -144,3 +144,64 @@ def test_an_export_that_does_not_load_back_is_not_reported_done(megatron_world1,
     err = captured.err.strip().splitlines()
     assert "exported" not in captured.out
     assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'hf'} does not hold a loadable transformers model")
+
+
+def test_a_tied_v_checkpoint_exports_and_reshards_to_a_chain_and_back(megatron_world1, tmp_path: Path, capsys,
+                                                                       monkeypatch) -> None:
+    """zb-v at PP = 2 saves one tied parameter (stage 0 holds both ends): the checkpoint exports
+    (tied, our logits) and loads into 1F1B at PP = 2 with every parameter bitwise the saved one
+    (both ends of the chain included); the chain's checkpoint exports alike and loads back into
+    zb-v, again bitwise."""
+    from megatron.trainer.checkpointing import checkpoint as ckpt
+    from megatron.trainer.checkpointing.full_state import read_full_state
+    from megatron.trainer.loop import run_start
+    from megatron.pipeline.runtime.tied_embeddings import tied_parameters
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    tied = "embedding.word_embeddings.weight"
+    loaded: list[dict[str, torch.Tensor]] = []  # per stage, right after loading (before any update)
+    load = run_start.load_stage_state
+
+    def recorded(task, worker, *args, **kwargs):
+        load(task, worker, *args, **kwargs)
+        loaded.append({n: p.detach().clone() for n, p in GPTTask().named_parameters(worker.setup.chunks)})
+        if len(tied_parameters(worker.setup.chunks)) == 2:  # a V's stage 0: one parameter, both ends
+            assert tied_parameters(worker.setup.chunks)[0] is tied_parameters(worker.setup.chunks)[1]
+
+    monkeypatch.setattr(run_start, "load_stage_state", recorded)
+
+    def exports(root: Path, out: Path) -> dict[str, torch.Tensor]:
+        assert _tool("export_hf")(["--load", str(root), "--output", str(out)]) == 0
+        assert "transformers gpt2 model" in capsys.readouterr().out
+        assert transformers.AutoConfig.from_pretrained(out).tie_word_embeddings
+        assert_logits_match(root, out)
+        _, state, _ = read_full_state(root)
+        assert tied in state and "output_layer.weight" not in state
+        return state
+
+    def resumed_bitwise(state: dict[str, torch.Tensor]) -> None:
+        names = [n for stage in loaded for n in stage]
+        assert sorted(set(names)) == sorted(state), (names, sorted(state))
+        assert all(torch.equal(p, state[n]) for stage in loaded for n, p in stage.items())
+        loaded.clear()
+
+    v = _train(tmp_path / "v", 2, "--pipeline-schedule", "zb-v", "--num-layers", "4", "--global-batch-size", "4")
+    v_state = exports(v, tmp_path / "v-hf")
+    chain = tmp_path / "chain"
+    emulate([*TIED_GPT, "--hidden-size", "32", "--num-attention-heads", "4", "--num-layers", "4",
+             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b", "--global-batch-size", "4",
+             "--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--pipeline-executor", "emulator", "--load", str(v), "--save", str(chain), "--save-interval", "3"])
+    assert sum(tied in stage for stage in loaded) == 2  # the chain's two ends, each the saved parameter
+    resumed_bitwise(v_state)
+    chain_state = exports(chain, tmp_path / "chain-hf")
+    ends = [torch.load(ckpt.iteration_dir(chain, 3) / ckpt.rank_file_name(s, 0), weights_only=False)["model"][tied]
+            for s in (0, 1)]
+    assert torch.equal(ends[0], ends[1])  # the chain saved both ends, bitwise equal
+    emulate([*TIED_GPT, "--hidden-size", "32", "--num-attention-heads", "4", "--num-layers", "4",
+             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v", "--global-batch-size", "4",
+             "--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--pipeline-executor", "emulator", "--load", str(chain)])
+    assert sum(tied in stage for stage in loaded) == 1  # the V's stage 0 holds the one parameter
+    resumed_bitwise(chain_state)
+    assert (chain / ckpt.POINTER).read_text().strip() == "3"
