@@ -155,3 +155,56 @@ def test_pipeline_sizes_that_cannot_be_ranked_say_why(capsys):
     captured = capsys.readouterr()
     assert "note: --pipeline-sizes 16: 4 layers cannot fill 16 stages (each needs a layer at least)" in captured.err
     assert "1f1b" in captured.out
+
+
+def _gpt_parameters(tied: bool) -> int:
+    """MODEL's GPT from its flags (h 32, 4 layers, vocabulary 64, 16 learned positions): V h + P h
+    + L (12 h^2 + 13 h) + 2 h with the vocabulary matrix once, twice when untied."""
+    h, layers, vocab, positions = 32, 4, 64, 16
+    return vocab * h + positions * h + layers * (12 * h * h + 13 * h) + 2 * h + (0 if tied else vocab * h)
+
+
+def _rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line[:2].strip().isdigit()]
+
+
+def test_candidates_record_their_model_and_those_training_another_are_marked_after_the_rest(capsys):
+    """Like with like: the user's flags ask for the tied model (Megatron-LM's default); every
+    candidate records its tie and parameter count, and the asynchronous ones (untied) are
+    marked ``same_model: false``, listed in ``different_model`` and starred in the table."""
+    out = _json(capsys, [*SMALL, "--device", "h100"])
+    assert out["model"]["tied_embeddings"] is True and out["model"]["parameters"] == _gpt_parameters(True)
+    untied = [i for i, c in enumerate(out["candidates"]) if c["semantics"] != "exact"]
+    assert untied and out["different_model"] == untied
+    for c in out["candidates"]:
+        exact = c["semantics"] == "exact"
+        assert c["same_model"] is exact and c["tied_embeddings"].startswith("tied" if exact else "untied: each stage")
+        assert c["parameters"] == _gpt_parameters(exact)
+    assert plan.main([*SMALL, "--device", "h100"]) == 0
+    sync, asyn = capsys.readouterr().out.split("asynchronous (stale weights")
+    assert _rows(sync) and not any(row[2] == "*" for row in _rows(sync)) and "note:" not in sync
+    assert _rows(asyn) and all(row[2] == "*" for row in _rows(asyn))
+    assert (f"note: your flags ask for tied embeddings ({_gpt_parameters(True):,} parameters); " in asyn
+            and f"train another model, listed after the rest: untied: each stage steps on its own clock" in asyn
+            and f"({_gpt_parameters(False):,} parameters)" in asyn)
+
+
+def test_untied_flags_make_every_candidate_the_same_model(capsys):
+    out = _json(capsys, [*SMALL, "--device", "h100", "--untie-embeddings-and-output-weights"])
+    assert out["model"]["tied_embeddings"] is False and out["different_model"] == []
+    assert all(c["same_model"] and c["parameters"] == _gpt_parameters(False)
+               and c["tied_embeddings"] == "untied: --untie-embeddings-and-output-weights" for c in out["candidates"])
+
+
+def test_post_validation_chains_are_listed_after_the_v_layouts_that_tie(capsys):
+    """Under --enable-optimizer-post-validation a chain at PP 2 trains untied; the V (both ends on
+    stage 0) ties: the synchronous ranking lists every V candidate before any chain."""
+    out = _json(capsys, [*MODEL, "--pipeline-sizes", "2", "--schedules", "zb-h1,zb-v", "--recompute", "none",
+                         "--device", "h100", "--enable-optimizer-post-validation"])
+    ranked = [out["candidates"][i] for i in out["synchronous"]]
+    assert {c["schedule"] for c in ranked} == {"zb-h1", "zb-v"}
+    same = [c["same_model"] for c in ranked]
+    assert same == sorted(same, reverse=True)
+    assert all(c["same_model"] == (c["schedule"] == "zb-v") for c in ranked)
+    assert all(c["tied_embeddings"].startswith("untied: --enable-optimizer-post-validation")
+               for c in ranked if c["schedule"] == "zb-h1")

@@ -220,6 +220,7 @@ def draw(results, path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron.trainer.config.tied_args import asks_for_tied
     from megatron.trainer.tasks.balanced_partition import model_shape
 
     args = parse(argv)
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = Problem(shape, unit, args.global_batch_size,
                       Parallelism(args.data_parallel_size, args.tensor_model_parallel_size,
                                   config.parallel.use_distributed_optimizer),
-                      None if memory is None else memory * 1e9)
+                      None if memory is None else memory * 1e9, tied=asks_for_tied(config.model),
+                      post_validation=bool(getattr(args, "enable_optimizer_post_validation", False)))
     results, refused = [], []
     for cand, reason in enumerate_candidates(shape, args.pipeline_sizes, args.global_batch_size,
                                              args.data_parallel_size, args.schedules, args.plan_recompute,
@@ -278,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         fitting = sum(r.fits for r in results)
         print(f"{len(results)} candidates simulated, {fitting} fit {memory} GB; costs: {unit.source}\n")
-        print(table(sync, shape.num_layers, "synchronous (exact semantics), by tokens/s", args.top))
+        print(table(sync, shape.num_layers, "synchronous (exact semantics), by tokens/s", args.top, problem))
         print()
-        print(table(asyn, shape.num_layers, "asynchronous (stale weights, drift per stage), by tokens/s", args.top))
+        print(table(asyn, shape.num_layers, "asynchronous (stale weights, drift per stage), by tokens/s", args.top,
+                    problem))
         if probe_rows is not None:
             print()
             print(probe_table(probe_rows))

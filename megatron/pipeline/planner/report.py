@@ -4,6 +4,12 @@ The JSON schema is an interface (``docs/planning.md``; scripts read it): one obj
 ``model``, ``costs``, ``target``, ``synchronous`` and ``asynchronous`` (ranked indices into
 ``candidates``), ``pareto`` (indices) and ``candidates``, one object per candidate with at least
 the fields of :data:`CANDIDATE_FIELDS`.
+
+Like with like: each candidate records ``tied_embeddings``, its model's ``parameters`` and
+``same_model`` (whether it trains the model the user's flags ask for: tied unless they pass
+``--untie-embeddings-and-output-weights``). In the ranked lists and the text tables a candidate
+training another model comes after every one that trains the asked-for model, marked
+(``different_model`` in the JSON, ``*`` and a note in the table).
 """
 from __future__ import annotations
 
@@ -12,14 +18,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron.pipeline.planner.candidates import Candidate
-from megatron.pipeline.planner.evaluate import CandidateResult, Problem, tied_embeddings
+from megatron.pipeline.planner.evaluate import CandidateResult, Problem, model_parameters, same_model, tied_embeddings
 from megatron.pipeline.planner.ranking import pareto_front, rank, split_by_semantics
 from megatron.pipeline.schedules import schedule_class
 
 CANDIDATE_FIELDS = (
     "schedule", "pipeline_model_parallel_size", "microbatches", "virtual_stages", "recompute", "layer_split",
     "iteration_time_ms", "tokens_per_s", "bubble_fraction", "peak_memory_gb", "fits", "max_drift", "semantics",
-    "tied_embeddings", "flags",
+    "tied_embeddings", "parameters", "same_model", "flags",
 )
 
 _RECOMPUTE_FLAGS = {
@@ -44,7 +50,24 @@ def flags(cand: Candidate, num_layers: int) -> list[str]:
     return out
 
 
-def candidate_dict(result: CandidateResult, num_layers: int) -> dict[str, Any]:
+def model_fields(result: CandidateResult, problem: Problem | None) -> dict[str, Any]:
+    """``tied_embeddings``, ``parameters`` (of the model the candidate trains) and ``same_model``."""
+    c = result.candidate
+    tied = tied_embeddings(c.schedule, problem, c.pipeline_model_parallel_size)
+    shape = problem.shape if problem is not None else None
+    return {"tied_embeddings": tied,
+            "parameters": None if shape is None else model_parameters(shape, tied == "tied"),
+            "same_model": same_model(c.schedule, problem, c.pipeline_model_parallel_size)}
+
+
+def like_with_like(results: Sequence[CandidateResult], problem: Problem | None) -> list[CandidateResult]:
+    """``results`` (ranked) with the candidates that train another model than the user's flags
+    ask for moved after the rest, each group in its own order."""
+    same = [r for r in results if model_fields(r, problem)["same_model"]]
+    return same + [r for r in results if not model_fields(r, problem)["same_model"]]
+
+
+def candidate_dict(result: CandidateResult, num_layers: int, problem: Problem | None = None) -> dict[str, Any]:
     c = result.candidate
     return {
         "schedule": c.schedule, "pipeline_model_parallel_size": c.pipeline_model_parallel_size,
@@ -54,7 +77,7 @@ def candidate_dict(result: CandidateResult, num_layers: int) -> dict[str, Any]:
         "bubble_fraction": result.bubble_fraction, "peak_memory_gb": result.peak_memory_gb,
         "memory_breakdown_gb": [{k: v / 1e9 for k, v in dataclasses.asdict(m).items()} for m in result.memory],
         "fits": result.fits, "max_drift": result.max_drift, "semantics": result.semantics,
-        "tied_embeddings": tied_embeddings(c.schedule),
+        **model_fields(result, problem),
         "comm_bytes_per_step": result.comm_bytes_per_step, "flags": flags(c, num_layers),
     }
 
@@ -62,27 +85,43 @@ def candidate_dict(result: CandidateResult, num_layers: int) -> dict[str, Any]:
 def plan_dict(problem: Problem, results: Sequence[CandidateResult], refused: Sequence[str] = ()) -> dict[str, Any]:
     """The ``--json`` object (module docstring)."""
     index = {id(r): i for i, r in enumerate(results)}
-    sync, asyn = split_by_semantics(rank(results))
+    sync, asyn = (like_with_like(group, problem) for group in split_by_semantics(rank(results)))
     return {
-        "model": dataclasses.asdict(problem.shape),
+        "model": {**dataclasses.asdict(problem.shape), "tied_embeddings": problem.tied,
+                  "parameters": model_parameters(problem.shape, problem.tied)},
         "costs": problem.unit.to_dict(),
         "target": {"global_batch_size": problem.global_batch, **dataclasses.asdict(problem.parallel),
                    "device_memory_gb": None if problem.device_bytes is None else problem.device_bytes / 1e9},
         "synchronous": [index[id(r)] for r in sync],
         "asynchronous": [index[id(r)] for r in asyn],
         "pareto": [index[id(r)] for r in pareto_front(results)],
+        "different_model": [i for i, r in enumerate(results) if not model_fields(r, problem)["same_model"]],
         "refused": sorted(set(refused)),
-        "candidates": [candidate_dict(r, problem.shape.num_layers) for r in results],
+        "candidates": [candidate_dict(r, problem.shape.num_layers, problem) for r in results],
     }
 
 
-def table(results: Sequence[CandidateResult], num_layers: int, title: str, top: int = 10) -> str:
-    """The top ``top`` of ranked ``results`` as text, with each one's flags."""
-    lines = [title, f"{'#':>2} {'schedule':<16} {'PP':>3} {'m':>4} {'v':>2} {'recomp':<9} {'split':<8} "
-                    f"{'iter ms':>10} {'tokens/s':>11} {'bubble':>7} {'peak GB':>8} {'drift':>6}"]
+def table(results: Sequence[CandidateResult], num_layers: int, title: str, top: int = 10,
+          problem: Problem | None = None) -> str:
+    """The top ``top`` of ranked ``results`` as text, with each one's flags. With ``problem``
+    (the user's flags), candidates training another model come after the rest, marked ``*``."""
+    lines = [title]
+    if problem is not None:
+        results = like_with_like(results, problem)
+        other = [r for r in results if not model_fields(r, problem)["same_model"]]
+        if other:
+            asked = "tied" if problem.tied else "untied"
+            lines.append(f"note: your flags ask for {asked} embeddings "
+                         f"({model_parameters(problem.shape, problem.tied):,} parameters); candidates "
+                         f"marked * train another model, listed after the rest: "
+                         f"{model_fields(other[0], problem)['tied_embeddings']} "
+                         f"({model_fields(other[0], problem)['parameters']:,} parameters)")
+    lines.append(f"{'#':>2} {'schedule':<16} {'PP':>3} {'m':>4} {'v':>2} {'recomp':<9} {'split':<8} "
+                 f"{'iter ms':>10} {'tokens/s':>11} {'bubble':>7} {'peak GB':>8} {'drift':>6}")
     for i, r in enumerate(results[:top], 1):
         c = r.candidate
-        lines.append(f"{i:>2} {c.schedule:<16} {c.pipeline_model_parallel_size:>3} {c.microbatches:>4} "
+        mark = "*" if problem is not None and not model_fields(r, problem)["same_model"] else " "
+        lines.append(f"{i:>2}{mark}{c.schedule:<16} {c.pipeline_model_parallel_size:>3} {c.microbatches:>4} "
                      f"{c.virtual_stages:>2} {c.recompute:<9} {c.layer_split:<8} {r.iteration_time_ms:>10.2f} "
                      f"{r.tokens_per_s:>11.1f} {r.bubble_fraction:>7.3f} {max(r.peak_memory_gb):>8.3f} "
                      f"{max(r.max_drift, default=0):>6}")

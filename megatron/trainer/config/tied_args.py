@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.pipeline.planner.auto_schedule import AutoAsyncSchedule
-from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED
+from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED, POST_VALIDATION_UNTIED
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 
@@ -44,7 +44,7 @@ def _untied_because(args: argparse.Namespace) -> str | None:
     if args.pipeline_model_parallel_size == 1:
         return None
     if args.enable_optimizer_post_validation and not issubclass(cls, VShapeSchedule):
-        return "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
+        return POST_VALIDATION_UNTIED
     return None
 
 
@@ -62,10 +62,22 @@ def embeddings_record(model) -> dict:
     return record
 
 
+UNTIED_BY_FLAG_LINE = f"embeddings: untied ({UNTIE})"
+
+
+def asks_for_tied(model) -> bool:
+    """Whether the user's flags ask for the tied model (no ``--untie-embeddings-and-output-weights``),
+    whatever the chosen schedule runs (an asynchronous one unties by default). Before
+    :func:`resolve_tied_embeddings` (the planner's flags) the flag is still the user's own."""
+    if model.embeddings_line is None:
+        return not model.untie_embeddings_and_output_weights
+    return model.embeddings_line != UNTIED_BY_FLAG_LINE
+
+
 def resolve_tied_embeddings(args: argparse.Namespace) -> None:
     """Set ``args.tie_embeddings`` and ``args.embeddings_line`` (the banner's words)."""
     if args.untie_embeddings_and_output_weights:
-        args.tie_embeddings, args.embeddings_line = False, f"embeddings: untied ({UNTIE})"
+        args.tie_embeddings, args.embeddings_line = False, UNTIED_BY_FLAG_LINE
         return
     reason = _untied_because(args)
     if reason is None:
