@@ -121,14 +121,27 @@ def _offered(*extra: str) -> list[str]:
     return [r.label for r in auto_schedule.auto_options(config.run.schedule.options).relayouts]
 
 
-def test_only_layouts_of_the_same_model_are_offered() -> None:
-    """Tied embeddings with --overlap-grad-reduce: a V would untie them (another model, whose
-    checkpoint the chain's could not load into), so only interleaving is offered; untied, every
-    layout is. An odd layer split cannot halve into a V's chunks, nor split interleaved stages."""
+def test_only_layouts_of_the_same_model_are_offered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tied embeddings with --overlap-grad-reduce (with or without the distributed optimizer):
+    the V layouts tie there too now (#42), so they train the chain's model and are offered beside
+    interleaving, as untied. (This test used to expect interleaving only: a V untied under
+    overlap.) A layout whose flags would derive another model is still not offered (its
+    checkpoint signature differs): a V made to untie is dropped. An odd layer split cannot halve
+    into a V's chunks, nor split interleaved stages."""
+    from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
+    from megatron.pipeline.schedules import schedule_class
+    from megatron.trainer.config import tied_args
+
     every = ["interleaved-1f1b x2", "interleaved-1f1b x4", "zb-v x2", "v-half x2", "v-min x2", "dualpipev x2"]
     assert TINY_GPT[-1] == "--untie-embeddings-and-output-weights"
-    assert _offered("--overlap-grad-reduce") == every[:2]
+    assert _offered("--overlap-grad-reduce") == every
+    assert _offered("--overlap-grad-reduce", "--use-distributed-optimizer") == every
     assert _offered("--overlap-grad-reduce", "--untie-embeddings-and-output-weights") == every
+    untied = tied_args._untied_because
+    monkeypatch.setattr(tied_args, "_untied_because", lambda args: "untied for this test" if issubclass(
+        schedule_class(args.pipeline_schedule), VShapeSchedule) else untied(args))
+    assert _offered("--overlap-grad-reduce") == every[:2]
+    monkeypatch.undo()
     assert _offered("--pipeline-layer-split", "3", "5") == []
     assert _offered("--pipeline-layer-split", "2", "6") == every[2:]
 

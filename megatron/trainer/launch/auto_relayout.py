@@ -22,9 +22,9 @@ the chain's units: each layout's activation bytes per part come from the planner
 model (:func:`~megatron.pipeline.costs.stages.part_sizes`), the chain's too, and a stage's
 peak is compared in its chain stage's ``M_B``.
 
-Not offered: a layout whose flags derive another model (a V unties the embedding under
-``--overlap-grad-reduce``: its checkpoint signature differs, and the rebuild could not load),
-over several nodes without ``--save`` (the rebuild goes through a checkpoint
+Not offered: a layout whose flags derive another model (its checkpoint signature differs, and
+the rebuild could not load; the V layouts now tie under ``--overlap-grad-reduce`` and the
+distributed optimizer as the chain does, so they are offered there), over several nodes without ``--save`` (the rebuild goes through a checkpoint
 every rank must read), with a batch-size rampup, and to ``auto-async`` (only synchronous
 layouts are rebuilt: the numbers stay those of the chain).
 """
@@ -102,8 +102,8 @@ def _part_layers(config: JobConfig) -> tuple[int, ...]:
 
 def _same_model(task: PretrainTask, config: JobConfig, alt: JobConfig) -> bool:
     """Whether ``alt`` runs the model ``config`` does (every checkpoint signature entry but the
-    layout's): the flags derive some of it from the schedule (a V unties the embedding under
-    ``--overlap-grad-reduce``), and the rebuild's checkpoint must load."""
+    layout's): the flags derive some of it from the schedule (whether the embeddings tie), and
+    the rebuild's checkpoint must load."""
     ours, theirs = run_signature(task, config), run_signature(task, alt)
     return all(theirs.get(key) == value for key, value in ours.items() if key not in LAYOUT_FLAGS)
 
