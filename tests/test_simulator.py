@@ -330,3 +330,18 @@ def test_cli_png_without_matplotlib(cli, capsys, tmp_path, monkeypatch) -> None:
     err = capsys.readouterr().err
     assert err.strip() == cli.MATPLOTLIB_MISSING and err.count("\n") == 1
     assert not png.exists()
+
+
+def test_a_post_validated_schedule_is_timed_without_an_executor() -> None:
+    """No executor runs the VALIDATEs in a timing model: a VALIDATE nobody recorded keeps its
+    update (the common case) instead of raising, which crashed ``auto`` pricing a post-validated
+    relayout; a recorded re-run is kept, and the schedule's own outcomes are left alone."""
+    config = ScheduleConfig(2, 4, num_iterations=3, options=options_for("zb-h1", post_validation=True))
+    schedule = build_schedule("zb-h1", config)
+    kept = simulate_schedule(schedule)
+    outcomes = schedule.policy.post_validation.outcomes
+    with pytest.raises(RuntimeError, match="read before it ran"):
+        outcomes.rerun(0)  # the timed copy decided nothing for the schedule's own streams
+    outcomes.record(0, True)
+    rerun = simulate_schedule(schedule)
+    assert math.isfinite(kept.makespan) and rerun.makespan > kept.makespan

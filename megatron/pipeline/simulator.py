@@ -336,11 +336,20 @@ def simulate_schedule(
     how much of an overlapped F&B slot runs concurrently (schedules whose policy has an
     ``overlapped_backward`` predicate, DualPipeV; :mod:`megatron.pipeline.overlap`).
     """
-    config, policy = schedule.config, schedule.policy
+    config = schedule.config
     if costs is None:
         costs = config.options.costs
     if config.num_iterations is None and max_microbatches is None:
         raise ValueError(f"{schedule.name}: unbounded stream; pass max_microbatches to simulate it")
+    if schedule.policy.post_validation is not None:
+        # No executor runs the VALIDATEs here: time a copy (outcomes are per stream) in which the
+        # unrecorded ones keep their update, the common case (comm_volume walks the same way).
+        outcomes = schedule.policy.post_validation.outcomes
+        schedule = schedule.segment(config.first_iteration, config.num_iterations)  # type: ignore[arg-type]
+        validation = schedule.policy.post_validation
+        assert validation is not None
+        validation.outcomes = outcomes.assuming(False)
+    policy = schedule.policy
     return simulate_streams(
         schedule.streams(), schedule.layout, costs,
         max_microbatches=max_microbatches, max_ops=max_ops, stashes_weights=policy.stashes_weights,

@@ -116,6 +116,13 @@ class ValidationOutcomes:
             f"post-validation: the outcome of VALIDATE #{update} is read before it ran; an "
             f"executor must run a VALIDATE before pulling the ops that follow it")
 
+    def assuming(self, rerun: bool) -> ValidationOutcomes:
+        """A copy that keeps the recorded outcomes and answers ``rerun`` for the others: what a
+        timing model without an executor replays (it runs no VALIDATE to decide one)."""
+        copy = ValidationOutcomes(assume=rerun)
+        copy._rerun = dict(self._rerun)
+        return copy
+
     def __repr__(self) -> str:
         return f"ValidationOutcomes({self._rerun}, assume={self.assume})"
 
