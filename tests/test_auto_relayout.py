@@ -178,16 +178,25 @@ def _losses(log: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
 
 
-def _rebuilt_as(out: str) -> str:
-    found = re.search(r"auto: rebuilt the stages as (\S+) x\d at iteration 2", out)
+def _rebuilt_as(out: str) -> tuple[str, int]:
+    """The layout ``auto`` rebuilt the stages in: (schedule, model chunks per stage)."""
+    found = re.search(r"auto: rebuilt the stages as (\S+) x(\d+) at iteration 2", out)
     assert found, out[-3000:]
-    return found.group(1)
+    return found.group(1), int(found.group(2))
 
 
-def _saved_and_resumed(tmp_path: Path, chosen: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _layout_flags(chosen: tuple[str, int]) -> list[str]:
+    """The flags that build ``chosen`` from the start: a V holds two chunks by itself, an
+    interleaving needs its layers per virtual stage (4 layers over PP 2)."""
+    schedule, chunks = chosen
+    return ["--num-layers-per-virtual-pipeline-stage", str(4 // (2 * chunks))] if schedule == "interleaved-1f1b" else []
+
+
+def _saved_and_resumed(tmp_path: Path, chosen: tuple[str, int]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """ZB-H1 (auto's profiling order) saved and stopped at K, resumed with ``chosen``."""
     first, _ = _emulate(_gpt("zb-h1", "--save", str(tmp_path / "ck"), "--exit-interval", str(K)), tmp_path / "a.jsonl")
-    rest, params = _emulate(_gpt(chosen, "--load", str(tmp_path / "ck")), tmp_path / "b.jsonl")
+    rest, params = _emulate(_gpt(chosen[0], *_layout_flags(chosen), "--load", str(tmp_path / "ck")),
+                            tmp_path / "b.jsonl")
     return first + rest, params
 
 
@@ -205,12 +214,12 @@ def test_a_resumed_auto_run_keeps_the_rebuilt_layout(tmp_path: Path, capsys) -> 
     ck = tmp_path / "ck"
     losses, _ = _emulate(_gpt("auto", "--zb-profile-iters", str(K), "--save", str(ck), "--save-interval", "4"),
                          tmp_path / "a.jsonl")
-    chosen = _rebuilt_as(capsys.readouterr().out)
+    chosen, chunks = _rebuilt_as(capsys.readouterr().out)
     assert not (ck / "auto-relayout").exists()  # the rebuild's checkpoint is gone
     (ck / "latest_checkpointed_iteration.txt").write_text("4\n")
     resumed, _ = _emulate(_gpt("auto", "--zb-profile-iters", str(K), "--load", str(ck)), tmp_path / "b.jsonl")
     out = capsys.readouterr().out
-    assert f"auto: resuming as {chosen} x2, the layout the checkpoint's run chose" in out
+    assert f"auto: resuming as {chosen} x{chunks}, the layout the checkpoint's run chose" in out
     assert f"{chosen} on 2 stages" in out and "auto: chose" not in out
     assert resumed == losses[4:]
 
