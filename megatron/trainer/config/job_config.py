@@ -19,10 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from megatron.pipeline.schedules import ScheduleConfig, schedule_class
+from megatron.trainer.config.batch_plan import BatchPlan
+from megatron.trainer.config.run_config import RunConfig, schedule_config_of
+
 if TYPE_CHECKING:
-    from megatron.trainer.config.run_config import RunConfig
-    from megatron.trainer.launch.memory_estimate import MemoryEstimate
-    from megatron.trainer.loop.rampup import BatchPlan
+    from megatron.pipeline.costs.memory import MemoryEstimate
 
 
 @dataclass(frozen=True)
@@ -338,6 +340,16 @@ RENAMED = {"_balanced_split": "balanced_split", "_memory_estimate": "memory_esti
 NOT_FLAGS = frozenset({"flags", "relayouts", "chosen_by", *RENAMED.values()})
 # Namespace attributes that are not configuration: the task's flag checks.
 NOT_CONFIG = frozenset({"task_checks", "task_options"})
+
+
+def jobschedule_config_of(config: JobConfig) -> ScheduleConfig:
+    """:func:`schedule_config` of a built (or provisional: the flag checks') job config."""
+    parallel, schedule, training = config.parallel, config.schedule, config.training
+    schedule_cls = schedule_class(schedule.pipeline_schedule)
+    flags = {flag.dest: schedule.flags[flag.dest] for group in schedule_cls.traits.flag_groups for flag in group.flags}
+    return schedule_config_of(schedule_cls, parallel.pipeline_model_parallel_size,
+                            training.num_microbatches, training.train_iters,
+                            parallel.num_model_chunks, parallel.data_parallel_size, flags)
 
 
 def with_schedule_options(config: JobConfig, **options: Any) -> JobConfig:

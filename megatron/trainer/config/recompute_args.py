@@ -23,7 +23,8 @@ from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.run_config import schedule_config
 from megatron.trainer.config.schedule_args import chosen_schedule
-from megatron.trainer.models.recompute import GRANULARITIES, METHODS, SELECTIVE_MODULES
+from megatron.trainer.config.choices import (
+    RECOMPUTE_GRANULARITIES as GRANULARITIES, RECOMPUTE_METHODS as METHODS, SELECTIVE_MODULES)
 
 
 def add_recompute_args(p: argparse.ArgumentParser) -> None:

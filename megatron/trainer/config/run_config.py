@@ -15,7 +15,6 @@ from typing import Any
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
 from megatron.pipeline.schedules.base import Schedule
-from megatron.trainer.config.job_config import JobConfig
 
 # Optimizers whose state is element-wise, so a schedule may shard it over stage replicas by
 # ranges of elements (basis rotation rotates whole matrices; the sharded path is AdamW's).
@@ -77,22 +76,12 @@ def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
     """The schedule's config from the flags (its options included); raises
     :class:`~megatron.pipeline.schedules.ScheduleConfigError` for option values it cannot use."""
     schedule_cls = schedule_class(args.pipeline_schedule)
-    return _schedule_config(schedule_cls, args.pipeline_model_parallel_size, args.num_microbatches, args.train_iters,
+    return schedule_config_of(schedule_cls, args.pipeline_model_parallel_size, args.num_microbatches, args.train_iters,
                             args.num_model_chunks, args.data_parallel_size, schedule_flag_values(args, schedule_cls))
 
 
-def job_schedule_config(config: JobConfig) -> ScheduleConfig:
-    """:func:`schedule_config` of a built (or provisional: the flag checks') job config."""
-    parallel, schedule, training = config.parallel, config.schedule, config.training
-    schedule_cls = schedule_class(schedule.pipeline_schedule)
-    flags = {flag.dest: schedule.flags[flag.dest] for group in schedule_cls.traits.flag_groups for flag in group.flags}
-    return _schedule_config(schedule_cls, parallel.pipeline_model_parallel_size,
-                            training.num_microbatches, training.train_iters,
-                            parallel.num_model_chunks, parallel.data_parallel_size, flags)
-
-
-def _schedule_config(schedule_cls: type[Schedule], stages: int, microbatches: int, iterations: int, chunks: int,
-                     data_parallel: int | None, flags: dict[str, Any]) -> ScheduleConfig:
+def schedule_config_of(schedule_cls: type[Schedule], stages: int, microbatches: int, iterations: int, chunks: int,
+                       data_parallel: int | None, flags: dict[str, Any]) -> ScheduleConfig:
     base = ScheduleConfig(num_stages=stages, num_microbatches=microbatches, num_iterations=iterations,
                           num_chunks=chunks, data_parallel_size=data_parallel or 1)
     return dataclasses.replace(base, options=schedule_cls.traits.options_from_flags(flags, base))

@@ -71,7 +71,7 @@ def make_logger(config: JobConfig, start_iteration: int = 0, task: PretrainTask 
         log_activation_memory=config.logging.log_activation_memory,
         wandb=wandb_run(config),
         per_stage_optimizer=config.run.asynchronous,
-        aux_loss_name=getattr(task, "aux_loss_name", None),
+        aux_loss_name=task.aux_loss_name,
         embeddings=embeddings_record(config.model),
     )
 
