@@ -67,10 +67,10 @@ def imported_names(module: str, path: pathlib.Path) -> list[tuple[int, str]]:
     return found
 
 
-def import_graph() -> dict[str, dict[str, int]]:
+def import_graph(mods: dict[str, pathlib.Path] | None = None) -> dict[str, dict[str, int]]:
     """module -> {imported megatron module: first line}; a package's own ``__init__`` imported by
     its submodules (Python runs it first anyway) is not an arrow."""
-    mods = module_files()
+    mods = module_files() if mods is None else mods
 
     def resolve(name: str) -> str | None:
         while name and name not in mods:
@@ -181,6 +181,23 @@ def test_pipeline_imports_neither_runtime_nor_trainer(graph):
             if pure and target.startswith("megatron.pipeline.runtime"):
                 upward.append(f"{module}:{line} -> {target} (the pure library imports its runtime)")
     assert not upward, "imports against the pipeline library's order:\n" + "\n".join(sorted(upward))
+
+
+def test_relative_submodule_and_type_only_imports_are_arrows(tmp_path):
+    """``from . import sub`` imports the submodule, and an import under ``TYPE_CHECKING`` or
+    inside a function is an arrow too (it ties the two modules' designs all the same)."""
+    pkg = tmp_path / "megatron" / "pkg"
+    pkg.mkdir(parents=True)
+    for name in ("__init__", "sub", "other", "lazy"):
+        (pkg / f"{name}.py").write_text("")
+    mod = pkg / "mod.py"
+    mod.write_text("from typing import TYPE_CHECKING\nfrom . import sub\n"
+                   "if TYPE_CHECKING:\n    from megatron.pkg import other\n"
+                   "def f():\n    import megatron.pkg.lazy\n")
+    mods = {"megatron.pkg": pkg / "__init__.py", "megatron.pkg.mod": mod,
+            **{f"megatron.pkg.{name}": pkg / f"{name}.py" for name in ("sub", "other", "lazy")}}
+    assert set(import_graph(mods)["megatron.pkg.mod"]) == {
+        "megatron.pkg.sub", "megatron.pkg.other", "megatron.pkg.lazy"}
 
 
 def test_the_checks_catch_a_cycle_and_an_upward_arrow():
