@@ -342,7 +342,7 @@ NOT_FLAGS = frozenset({"flags", "relayouts", "chosen_by", *RENAMED.values()})
 NOT_CONFIG = frozenset({"task_checks", "task_options"})
 
 
-def jobschedule_config_of(config: JobConfig) -> ScheduleConfig:
+def job_schedule_config(config: JobConfig) -> ScheduleConfig:
     """:func:`schedule_config` of a built (or provisional: the flag checks') job config."""
     parallel, schedule, training = config.parallel, config.schedule, config.training
     schedule_cls = schedule_class(schedule.pipeline_schedule)
