@@ -314,7 +314,7 @@ def check_flags(args: argparse.Namespace) -> None:
         check(build_job_config(args))
     try:
         args.run = RunConfig.from_args(args)  # the typed view every later step reads
-        # Build it now: its checks run and a searched order (Zero Bubble) that cannot meet its
+        # Build it once now: its checks run and a searched order (Zero Bubble) that cannot meet its
         # memory limit fails here, before any process starts, not at the first iteration.
         args.run.run_schedule(args.pipeline_schedule)
     except ScheduleConfigError as exc:

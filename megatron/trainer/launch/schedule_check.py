@@ -28,7 +28,7 @@ def check_schedule(config: JobConfig) -> PreflightReplay | None:
     Raises :class:`ConfigError`."""
     if not config.schedule.schedule_check or os.environ.get(LAUNCHED_ENV):
         return None
-    schedule = config.run.run_schedule(config.schedule.pipeline_schedule)  # check_flags built it
+    schedule = config.run.run_schedule(config.schedule.pipeline_schedule)
     try:
         return replay_first_iterations(schedule)
     except ScheduleError as exc:
