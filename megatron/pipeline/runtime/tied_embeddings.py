@@ -4,7 +4,8 @@ With one chunk holding both ends (PP = 1) the output layer reads the embedding's
 one parameter, whose gradient autograd sums. With the ends on different chunks, the chunk of
 the output layer holds a copy (:data:`TIED_COPY`), initialised from the embedding's global name
 (so the two start equal), and before each synchronous step the two gradients are summed and
-both copies receive the sum. The same sum, the same optimizer state and the same step keep the
+both copies receive the sum (under post-validation, before each end's optimistic step:
+:mod:`megatron.pipeline.runtime.tied_exchange_ops`). The same sum, the same optimizer state and the same step keep the
 copies bitwise equal; ``a + b == b + a`` in IEEE arithmetic, so a two-rank all-reduce gives both
 ends the same bits and the emulator's local sum the same bits again.
 

@@ -17,8 +17,9 @@ element-wise AdamW, whatever range of their stage's flat gradients the parameter
 
 Under Zero Bubble's post-validation the two ends are tied too: each end's stage sums the two
 gradients right before its optimistic step, in point-to-point ops placed in the streams
-(:mod:`megatron.pipeline.schedules.zero_bubble.tied_exchange`), so both ends step, roll back
-and redo the same bits.
+(:mod:`megatron.pipeline.schedules.zero_bubble.tied_exchange`), so both ends step and redo the
+same bits, and an end rolls back bitwise (its stage may roll back a step the other end's stage
+never took).
 
 On the V layout ``--overlap-grad-reduce`` ties: the shared parameter's bucket is launched once
 both chunks of stage 0 have accumulated into it

@@ -36,7 +36,8 @@ class AdamWRollback:
         of each value, not bitwise (a moment that was ~0 before the step comes back as a
         tiny rounding residue instead of 0). With ``exact=True`` the optimizer instead
         keeps a copy of (theta, m, v) from before every step and restores it bitwise, at
-        the cost of one more copy of the optimizer state in memory.
+        the cost of one more copy of the optimizer state in memory;
+        :meth:`roll_back_exactly` does the same for some parameters only.
 
         Only the most recent step can be rolled back, once.
         """
