@@ -37,7 +37,8 @@ PV = "--enable-optimizer-post-validation"
 COSTS = ("--zb-costs", "1,1,1,0")  # zb-2p ordered from given costs: every iteration post-validated
 
 
-def _tied_streams(schedule):
+def _tied_streams(schedule) -> tuple[list, PipelineLayout]:
+    """Every stage's stream with the exchange a tied model's runtime adds (run_streams)."""
     layout = schedule.layout
     return [with_tied_exchange(s, stage, layout) for stage, s in enumerate(schedule.streams())], layout
 

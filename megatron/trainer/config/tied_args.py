@@ -8,7 +8,9 @@ dualpipev) holds both ends on stage 0, in its two chunks: they share one paramet
 PP = 1, so there is no copy and nothing to sum or send. Asynchronous schedules step each stage on
 its own clock; an exact tie would need the first and the last stage to meet at every update,
 the synchronisation they exist to avoid. Their default is untied and the banner says why
-(Megatron-LM has no flag that asks for tying, so there is no request to refuse).
+(Megatron-LM has no flag that asks for tying, so there is no request to refuse). They are the
+only configurations that fall back to untied: every synchronous one ties, under any of the
+options below (``tests/test_tied_post_validation.py`` checks every registered schedule).
 
 With ``--use-distributed-optimizer`` at PP > 1 the two ends are tied too: the embedding group
 sums the whole gradients before the data-parallel reduce-scatter (where Megatron-LM's
