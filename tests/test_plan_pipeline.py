@@ -196,15 +196,13 @@ def test_untied_flags_make_every_candidate_the_same_model(capsys):
                and c["tied_embeddings"] == "untied: --untie-embeddings-and-output-weights" for c in out["candidates"])
 
 
-def test_post_validation_chains_are_listed_after_the_v_layouts_that_tie(capsys):
-    """Under --enable-optimizer-post-validation a chain at PP 2 trains untied; the V (both ends on
-    stage 0) ties: the synchronous ranking lists every V candidate before any chain."""
+def test_post_validation_chains_and_v_layouts_all_tie(capsys):
+    """Under --enable-optimizer-post-validation a chain at PP 2 ties (its two ends sum their
+    gradients before each optimistic step) as the V does: every candidate trains the same tied
+    model, none is listed apart."""
     out = _json(capsys, [*MODEL, "--pipeline-sizes", "2", "--schedules", "zb-h1,zb-v", "--recompute", "none",
                          "--device", "h100", "--enable-optimizer-post-validation"])
     ranked = [out["candidates"][i] for i in out["synchronous"]]
     assert {c["schedule"] for c in ranked} == {"zb-h1", "zb-v"}
-    same = [c["same_model"] for c in ranked]
-    assert same == sorted(same, reverse=True)
-    assert all(c["same_model"] == (c["schedule"] == "zb-v") for c in ranked)
-    assert all(c["tied_embeddings"].startswith("untied: --enable-optimizer-post-validation")
-               for c in ranked if c["schedule"] == "zb-h1")
+    assert out["different_model"] == []
+    assert all(c["same_model"] and c["tied_embeddings"] == "tied" for c in ranked)

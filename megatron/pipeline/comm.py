@@ -9,7 +9,7 @@ import enum
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from megatron.pipeline.ir import BACKWARD_KINDS, Hop, Op, OpKind, PipelineLayout
+from megatron.pipeline.ir import BACKWARD_KINDS, TIED_EXCHANGE_KINDS, Hop, Op, OpKind, PipelineLayout
 
 
 class MsgKind(str, enum.Enum):
@@ -20,6 +20,10 @@ class MsgKind(str, enum.Enum):
     # stage; stages the partial state has not reached yet are 0).
     PARTIAL_STATE = "partial_state"  # PSTEP: stage s -> s + 1
     GLOBAL_STATE = "global_state"  # VALIDATE: stage s + 1 -> s
+    # Tied embeddings under post-validation (TGRAD, TSUM), between the stage of the output
+    # layer's copy and the embedding's (:func:`tied_ends`); ``microbatch`` holds the update.
+    TIED_GRAD = "tied_grad"  # TGRAD: the copy's gradient, output layer's stage -> embedding's
+    TIED_SUM = "tied_sum"  # TSUM: the two ends' sum, embedding's stage -> output layer's
 
 
 class Lane(str, enum.Enum):
@@ -37,6 +41,7 @@ class Lane(str, enum.Enum):
 
     FORWARD = "forward"  # ACT, PARTIAL_STATE
     BACKWARD = "backward"  # GRAD, GLOBAL_STATE
+    TIED = "tied"  # TIED_GRAD, TIED_SUM: the tied embedding's two ends, each direction alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,8 @@ class Message:
 
     @property
     def lane(self) -> Lane:
+        if self.kind in (MsgKind.TIED_GRAD, MsgKind.TIED_SUM):
+            return Lane.TIED
         return Lane.FORWARD if self.kind in (MsgKind.ACT, MsgKind.PARTIAL_STATE) else Lane.BACKWARD
 
     @property
@@ -58,7 +65,7 @@ class Message:
         return self.src_stage == self.dst_stage
 
     def __str__(self) -> str:
-        if self.kind in (MsgKind.PARTIAL_STATE, MsgKind.GLOBAL_STATE):
+        if self.kind not in (MsgKind.ACT, MsgKind.GRAD):
             return f"{self.kind.value}(update {self.microbatch}) s{self.src_stage}->s{self.dst_stage}"
         return (
             f"{self.kind.value}(mb{self.microbatch}) s{self.src_stage}.c{self.src_chunk}"
@@ -85,6 +92,42 @@ def directed_lanes(layout: PipelineLayout) -> list[tuple[int, int, Lane]]:
     return sorted(lanes)
 
 
+def tied_ends(layout: PipelineLayout) -> tuple[int, int]:
+    """(stage of the embedding, stage of the output layer): the hosts of the first and the last
+    model part, where a tied embedding's two ends live (one stage on a V or at PP = 1)."""
+    def host(part: int) -> int:
+        return next(s for s in range(layout.num_stages) for c in range(layout.num_chunks)
+                    if layout.model_stage(s, c) == part)
+
+    return host(0), host(layout.num_model_stages - 1)
+
+
+def tied_lanes(layout: PipelineLayout) -> list[tuple[int, int, Lane]]:
+    """The (src, dst, lane) the tied embedding's exchange travels (TGRAD, TSUM): both directions
+    between its two ends' stages; none when one stage holds both."""
+    embedding, output = tied_ends(layout)
+    return [] if embedding == output else [(output, embedding, Lane.TIED), (embedding, output, Lane.TIED)]
+
+
+def _tied_messages(op: Op, layout: PipelineLayout, sends: bool) -> list[Message]:
+    """What a TGRAD or TSUM of ``op.stage`` sends (``sends``) or receives: the output layer's
+    stage sends the copy's gradient at TGRAD and receives the sum at TSUM; the embedding's stage
+    receives that gradient and sends the sum at TSUM."""
+    embedding, output = tied_ends(layout)
+    if embedding == output or op.stage not in (embedding, output):
+        raise ValueError(f"{op}: only the two stages of a tied embedding's ends exchange (stages "
+                         f"{embedding} and {output})")
+    grad = Message(MsgKind.TIED_GRAD, op.update, output, embedding, 0, 0)
+    total = Message(MsgKind.TIED_SUM, op.update, embedding, output, 0, 0)
+    if op.kind is OpKind.TGRAD:
+        if op.stage != output:
+            raise ValueError(f"{op}: only the output layer's stage ({output}) sends its copy's gradient")
+        return [grad] if sends else []
+    if op.stage == embedding:
+        return [total] if sends else [grad]
+    return [] if sends else [total]
+
+
 def _message(kind: MsgKind, mb: int, src: Hop, dst: Hop) -> Message:
     return Message(kind, mb, src[0], dst[0], src[1], dst[1])
 
@@ -100,6 +143,8 @@ def op_recvs(op: Op, layout: PipelineLayout) -> list[Message]:
     ``EVAL`` receives and sends what an ``F`` does.
     """
     s, last = op.stage, layout.num_stages - 1
+    if op.kind in TIED_EXCHANGE_KINDS:
+        return _tied_messages(op, layout, sends=False)
     if op.kind is OpKind.PSTEP:
         return [_state_message(MsgKind.PARTIAL_STATE, op.update, s - 1, s)] if s > 0 else []
     if op.kind is OpKind.VALIDATE:
@@ -115,6 +160,8 @@ def op_recvs(op: Op, layout: PipelineLayout) -> list[Message]:
 def op_sends(op: Op, layout: PipelineLayout) -> list[Message]:
     """Messages ``op`` produces when it finishes."""
     s, last = op.stage, layout.num_stages - 1
+    if op.kind in TIED_EXCHANGE_KINDS:
+        return _tied_messages(op, layout, sends=True)
     if op.kind is OpKind.PSTEP:
         return [_state_message(MsgKind.PARTIAL_STATE, op.update, s, s + 1)] if s < last else []
     if op.kind is OpKind.VALIDATE:

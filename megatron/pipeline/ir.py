@@ -24,11 +24,20 @@ class OpKind(str, enum.Enum):
     VALIDATE = "VALIDATE"  # full global state s+1 -> s -> s-1; keep / redo / skip the step
     DISCARD = "DISCARD"  # drop a forward run on invalid weights (its stash and loss)
     DRAIN = "DRAIN"  # receive and drop a stale activation the upstream stage will re-send
+    # Tied embeddings under post-validation (megatron.pipeline.schedules.zero_bubble.tied_exchange):
+    TGRAD = "TGRAD"  # the output layer's stage sends its tied copy's gradient to the embedding's
+    TSUM = "TSUM"  # embedding's stage: add that gradient, send the sum back; output's: take the sum
     EVAL = "EVAL"  # forward-only evaluation of one micro-batch (no grad, no stash, no dropout)
 
 
+#: ops that sum the tied embedding's two ends before a post-validated step
+TIED_EXCHANGE_KINDS = (OpKind.TGRAD, OpKind.TSUM)
+
 #: ops that post-validation adds to a synchronous stream
-POST_VALIDATION_KINDS = (OpKind.PSTEP, OpKind.VALIDATE, OpKind.DISCARD, OpKind.DRAIN)
+POST_VALIDATION_KINDS = (OpKind.PSTEP, OpKind.VALIDATE, OpKind.DISCARD, OpKind.DRAIN, *TIED_EXCHANGE_KINDS)
+
+#: ops naming an update (``Op.update``) rather than a micro-batch, besides OPT
+UPDATE_KINDS = (OpKind.PSTEP, OpKind.VALIDATE, *TIED_EXCHANGE_KINDS)
 
 
 BACKWARD_KINDS = (OpKind.B, OpKind.BW)
@@ -57,7 +66,7 @@ class Op:
     def __str__(self) -> str:
         if self.kind is OpKind.OPT:
             return f"OPT#{self.update}{'(sync)' if self.sync else ''}@s{self.stage}"
-        if self.kind in (OpKind.PSTEP, OpKind.VALIDATE):
+        if self.kind in UPDATE_KINDS:
             return f"{self.kind.value}#{self.update}@s{self.stage}"
         chunk = f".c{self.chunk}" if self.chunk else ""
         return f"{self.kind.value}{self.microbatch}{chunk}@s{self.stage}"
@@ -95,6 +104,14 @@ def PSTEP(stage: int, update: int) -> Op:
 
 def VALIDATE(stage: int, update: int) -> Op:
     return Op(OpKind.VALIDATE, stage, update=update)
+
+
+def TGRAD(stage: int, update: int) -> Op:
+    return Op(OpKind.TGRAD, stage, update=update)
+
+
+def TSUM(stage: int, update: int) -> Op:
+    return Op(OpKind.TSUM, stage, update=update)
 
 
 def DISCARD(stage: int, mb: int, chunk: int = 0) -> Op:

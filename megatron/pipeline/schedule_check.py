@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from megatron.pipeline.comm import Message, op_sends
-from megatron.pipeline.ir import Op, OpKind, PipelineLayout
+from megatron.pipeline.ir import TIED_EXCHANGE_KINDS, Op, OpKind, PipelineLayout
 from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.replay import ReplayEngine, ScheduleError
 
@@ -108,6 +108,12 @@ class _StageChecker:
             self.weighted.add(key)
         elif op.kind is OpKind.OPT:
             self._step(op, fail)
+        elif op.kind in TIED_EXCHANGE_KINDS:  # before the PSTEP: the update's gradients are final
+            if op.update != self.updates:
+                fail(f"sums the tied gradients of update {op.update} but {self.updates} updates were applied")
+            if self.awaiting_w:
+                fail(f"sums the tied gradients while the weight gradient of micro-batch "
+                     f"{sorted(self.awaiting_w)[0][0]} is still deferred")
 
     def _step(self, op: Op, fail: Callable[[str], None]) -> None:
         """An optimizer step (OPT or PSTEP): the next update in order, no weight gradient pending."""

@@ -50,7 +50,7 @@ class Problem:
     device_bytes: float | None = None
     host_cores: float | None = None  # cores a node's ranks share (a CPU host); None: the unit costs' own
     tied: bool = True  # the user's flags ask for tied embeddings (no --untie-embeddings-and-output-weights)
-    post_validation: bool = False  # --enable-optimizer-post-validation (a chain at PP > 1 unties under it)
+    post_validation: bool = False  # --enable-optimizer-post-validation
 
     def pipeline_cores(self) -> float | None:
         """The cores one pipeline's stages share (every replica's ranks run on the host), or None
@@ -97,25 +97,18 @@ ASYNCHRONOUS_UNTIED = ("each stage steps on its own clock, and tying would make 
 
 
 UNTIED_BY_FLAG = "--untie-embeddings-and-output-weights"
-POST_VALIDATION_UNTIED = "--enable-optimizer-post-validation has no synchronous step to sum the two copies' gradients at"
 
 
-def tied_embeddings(schedule: str, problem: "Problem | None" = None, pipeline_size: int = 2) -> str:
+def tied_embeddings(schedule: str, problem: "Problem | None" = None) -> str:
     """Whether ``schedule`` ties the input embedding and the output layer under the user's flags
     (``problem``; None: Megatron-LM's defaults), as the trainer's banner and ``--log-json`` say:
-    ``tied`` (every synchronous schedule, Megatron-LM's default), or ``untied: <why>``
-    (asynchronous schedules keep the two apart; so does the user's
-    ``--untie-embeddings-and-output-weights``, and post-validation with the ends on two stages)."""
-    from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
-
+    ``tied`` (every synchronous schedule, Megatron-LM's default, post-validated or not), or
+    ``untied: <why>`` (asynchronous schedules keep the two apart; so does the user's
+    ``--untie-embeddings-and-output-weights``)."""
     if problem is not None and not problem.tied:
         return f"untied: {UNTIED_BY_FLAG}"
-    cls = schedule_class(schedule)
-    if cls.traits.asynchronous:
+    if schedule_class(schedule).traits.asynchronous:
         return f"untied: {ASYNCHRONOUS_UNTIED}"
-    if (problem is not None and problem.post_validation and pipeline_size > 1
-            and not issubclass(cls, VShapeSchedule)):
-        return f"untied: {POST_VALIDATION_UNTIED}"
     return "tied"
 
 
@@ -127,10 +120,10 @@ def model_parameters(shape: ModelShape, tied: bool) -> int:
     return int(total - (shape.vocab * shape.hidden if tied else 0))
 
 
-def same_model(schedule: str, problem: "Problem | None", pipeline_size: int = 2) -> bool:
+def same_model(schedule: str, problem: "Problem | None") -> bool:
     """Whether the candidate trains the model the user's flags ask for: tied unless they untie."""
     asked = problem is None or problem.tied
-    return (tied_embeddings(schedule, problem, pipeline_size) == "tied") == asked
+    return (tied_embeddings(schedule, problem) == "tied") == asked
 
 
 def candidate_costs(problem: Problem, cand: Candidate) -> tuple[list[st.PartSizes], list[OpCosts], list[OpCosts]]:

@@ -53,11 +53,11 @@ def flags(cand: Candidate, num_layers: int) -> list[str]:
 def model_fields(result: CandidateResult, problem: Problem | None) -> dict[str, Any]:
     """``tied_embeddings``, ``parameters`` (of the model the candidate trains) and ``same_model``."""
     c = result.candidate
-    tied = tied_embeddings(c.schedule, problem, c.pipeline_model_parallel_size)
+    tied = tied_embeddings(c.schedule, problem)
     shape = problem.shape if problem is not None else None
     return {"tied_embeddings": tied,
             "parameters": None if shape is None else model_parameters(shape, tied == "tied"),
-            "same_model": same_model(c.schedule, problem, c.pipeline_model_parallel_size)}
+            "same_model": same_model(c.schedule, problem)}
 
 
 def like_with_like(results: Sequence[CandidateResult], problem: Problem | None) -> list[CandidateResult]:

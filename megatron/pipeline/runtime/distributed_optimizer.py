@@ -189,6 +189,9 @@ class DataParallelShardedOptimizer(StageOptimizer):
         """The inner optimizer's :meth:`StageAdamW.step_consuming_grads` (the caller zeroes grads next)."""
         self.step(lr, grad_scale, grads_disposable=True)
 
+    def roll_back_exactly(self, params: list[torch.nn.Parameter]) -> None:
+        self.inner.roll_back_exactly(params)  # the own range's slots of ``params``
+
     def rollback(self, lr: float, grad_scale: float = 1.0) -> None:
         self.wait_params()
         self.inner.rollback(lr, grad_scale=grad_scale)

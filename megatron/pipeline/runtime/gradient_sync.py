@@ -5,7 +5,8 @@ computes a stage (the worker); it is the data-parallel wrapping of a stage, as D
 module next to ``torch.distributed.pipelining``'s stage and schedule. A worker is given its
 :class:`GradientSync` at construction and runs every gradient op inside :meth:`GradientSync.grad_op`
 (the overlapped buckets launch from inside the backward); the op core calls
-:meth:`GradientSync.reduce` before every step (and before post-validation's PSTEP).
+:meth:`GradientSync.reduce` before every step (and before post-validation's PSTEP, or the tied
+embedding's exchange that precedes it).
 
 What the reduction is, by the options:
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron.pipeline.comm import Lane, directed_lanes
+from megatron.pipeline.comm import Lane, directed_lanes, tied_ends, tied_lanes
 from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
 
 
@@ -132,16 +132,18 @@ class StageGroups:
 
     def _create_embedding_group(self, stage_layout: PipelineLayout, timeout: timedelta) -> None:
         """The stages hosting the first and the last model part (embedding, output layer), when
-        they differ: Megatron's embedding group, at every dp/tp index."""
-        def host(part: int) -> int:
-            return next(s for s in range(stage_layout.num_stages) for c in range(stage_layout.num_chunks)
-                        if stage_layout.model_stage(s, c) == part)
-
-        ends = sorted({host(0), host(stage_layout.num_model_stages - 1)})
+        they differ: Megatron's embedding group, at every dp/tp index (the synchronous step's
+        sum); and the two directions of post-validation's exchange between them (TGRAD, TSUM:
+        :func:`~megatron.pipeline.comm.tied_lanes`)."""
+        ends = sorted(set(tied_ends(stage_layout)))
         if len(ends) == 2:
             group = self._create_over_stages(ends, timeout)
             if self.stage in ends:
                 self.embedding = group
+        for src, dst, lane in tied_lanes(stage_layout):
+            group = self._create_over_stages([src, dst], timeout)
+            if self.stage in (src, dst):
+                self.p2p[(src, dst, lane)] = group
 
     def _create_p2p_groups(self, stage_layout: PipelineLayout, timeout: timedelta) -> None:
         """Both directions (each lane) of every hop of the layout's chains, at every dp/tp index."""

@@ -55,6 +55,12 @@ class StageOptimizer(abc.ABC):
         an optimizer may then overwrite them. Default: a plain :meth:`step`."""
         self.step(lr, grad_scale)
 
+    def roll_back_exactly(self, params: list[torch.nn.Parameter]) -> None:
+        """Make :meth:`rollback` restore ``params`` bitwise (post-validation's tied embedding
+        ends: one stage may roll back a step its other end's stage never took). Default: refuse,
+        for an optimizer whose rollback is not built on backups."""
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back parameters exactly")
+
     def wait_params(self) -> None:
         """Block until the parameters are whole (an overlapped parameter all-gather). Default:
         they always are."""

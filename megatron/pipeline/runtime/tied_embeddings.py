@@ -4,7 +4,8 @@ With one chunk holding both ends (PP = 1) the output layer reads the embedding's
 one parameter, whose gradient autograd sums. With the ends on different chunks, the chunk of
 the output layer holds a copy (:data:`TIED_COPY`), initialised from the embedding's global name
 (so the two start equal), and before each synchronous step the two gradients are summed and
-both copies receive the sum. The same sum, the same optimizer state and the same step keep the
+both copies receive the sum (under post-validation, before each end's optimistic step:
+:mod:`megatron.pipeline.runtime.tied_exchange_ops`). The same sum, the same optimizer state and the same step keep the
 copies bitwise equal; ``a + b == b + a`` in IEEE arithmetic, so a two-rank all-reduce gives both
 ends the same bits and the emulator's local sum the same bits again.
 
@@ -67,20 +68,33 @@ def share_local_ends(output_layer: torch.nn.Module, embedding: torch.nn.Paramete
     output_layer.weight = embedding
 
 
+def local_tied_gradient(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """The sum of the gradients of the ends in ``params`` (this process's, in model order: the
+    embedding's first), a fresh tensor (a missing gradient counts as zeros)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total += g
+    return total
+
+
+def set_tied_gradient(params: Sequence[torch.nn.Parameter], total: torch.Tensor) -> None:
+    """Give every end in ``params`` the gradient ``total`` (written into existing gradients:
+    they may be views of a flat buffer)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = total.clone()
+        else:
+            p.grad.copy_(total)
+
+
 def sum_tied_gradients(params: Sequence[torch.nn.Parameter],
                        all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
     """Give every end in ``params`` (this process's, in model order) the sum of all ends'
     gradients; ``all_reduce`` sums this process's partial sum with the other holders'."""
     if not params or (len(params) == 1 and all_reduce is None):
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    total = grads[0].clone()
-    for g in grads[1:]:
-        total += g
+    total = local_tied_gradient(params)
     if all_reduce is not None:
         all_reduce(total)
-    for p in params:
-        if p.grad is None:
-            p.grad = total.clone()
-        else:
-            p.grad.copy_(total)
+    set_tied_gradient(params, total)

@@ -51,7 +51,7 @@ from megatron.pipeline.runtime.report import StageReport
 from megatron.pipeline.runtime.stage_rng import StageRNG
 from megatron.pipeline.runtime.stage_setup import Batch, StageSetup
 from megatron.pipeline.runtime.tensor_parallel import tp_sq_sum
-from megatron.pipeline.runtime.tied_embeddings import counted
+from megatron.pipeline.runtime.tied_embeddings import counted, tied_parameters
 from megatron.pipeline.runtime.weight_versions import WeightPolicy
 from megatron.pipeline.runtime.wgrad import DeferredWeightGrads, defer_weight_grads
 
@@ -162,6 +162,9 @@ class StageWorker:
         """Shape and dtype of a tensor this stage receives."""
         if is_state_message(msg):
             return state_spec(self.layout)
+        if msg.kind in (MsgKind.TIED_GRAD, MsgKind.TIED_SUM):  # the tied embedding's gradient
+            (end,) = tied_parameters(self.setup.chunks)
+            return tuple(end.shape), end.dtype
         if msg.kind is MsgKind.GRAD and self._stage_local_scaling:
             return self.setup.activation_shape, torch.float32  # unscaled gradients (loss_scaling)
         return self.setup.activation_shape, self.setup.activation_dtype

@@ -8,17 +8,20 @@ dualpipev) holds both ends on stage 0, in its two chunks: they share one paramet
 PP = 1, so there is no copy and nothing to sum or send. Asynchronous schedules step each stage on
 its own clock; an exact tie would need the first and the last stage to meet at every update,
 the synchronisation they exist to avoid. Their default is untied and the banner says why
-(Megatron-LM has no flag that asks for tying, so there is no request to refuse).
+(Megatron-LM has no flag that asks for tying, so there is no request to refuse). They are the
+only configurations that fall back to untied: every synchronous one ties, under any of the
+options below (``tests/test_tied_post_validation.py`` checks every registered schedule).
 
 With ``--use-distributed-optimizer`` at PP > 1 the two ends are tied too: the embedding group
 sums the whole gradients before the data-parallel reduce-scatter (where Megatron-LM's
 ``finalize_model_grads`` sums them), so both ends' replicas step identical values with the
 element-wise AdamW, whatever range of their stage's flat gradients the parameter falls in.
 
-Where the two ends live on different stages, Zero Bubble's post-validation still defaults to
-untied, with the reason in the banner (its optimistic per-stage step has no synchronous point
-to sum at; the V layout ties under it, having nothing to sum). Megatron-LM's flag set with it
-keeps running unchanged; the checkpoint records the untied model.
+Under Zero Bubble's post-validation the two ends are tied too: each end's stage sums the two
+gradients right before its optimistic step, in point-to-point ops placed in the streams
+(:mod:`megatron.pipeline.schedules.zero_bubble.tied_exchange`), so both ends step and redo the
+same bits, and an end rolls back bitwise (its stage may roll back a step the other end's stage
+never took).
 
 On the V layout ``--overlap-grad-reduce`` ties: the shared parameter's bucket is launched once
 both chunks of stage 0 have accumulated into it
@@ -29,22 +32,19 @@ from __future__ import annotations
 import argparse
 
 from megatron.pipeline.planner.auto_schedule import AutoAsyncSchedule
-from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED, POST_VALIDATION_UNTIED
+from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED
 from megatron.pipeline.schedules import schedule_class
-from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 
 UNTIE = "--untie-embeddings-and-output-weights"
 
 
 def _untied_because(args: argparse.Namespace) -> str | None:
-    """Why this run cannot tie (None: it can)."""
+    """Why this run cannot tie (None: it can). Only the asynchronous schedules (and
+    ``auto-async``, which may pick one) fall back to untied; every synchronous configuration
+    ties, post-validated or not, whatever the layout, the data-parallel options or the size."""
     cls = schedule_class(args.pipeline_schedule)
     if cls.traits.asynchronous or issubclass(cls, AutoAsyncSchedule):  # auto-async may switch to one
         return f"as every asynchronous schedule ({args.pipeline_schedule}): {ASYNCHRONOUS_UNTIED}"
-    if args.pipeline_model_parallel_size == 1:
-        return None
-    if args.enable_optimizer_post_validation and not issubclass(cls, VShapeSchedule):
-        return POST_VALIDATION_UNTIED
     return None
 
 

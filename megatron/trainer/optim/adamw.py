@@ -101,7 +101,8 @@ class StageAdamW(AdamWRollback, StageOptimizer):
         # slot's (target, exp_avg, exp_avg_sq) from before that step.
         self.exact = bool(exact)
         self._last_step: Optional[tuple[float, float]] = None
-        self._backup: Optional[list[tuple[Tensor, Tensor, Tensor]]] = None
+        self._backup: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # slot index -> (target, m, v)
+        self._exact_slots: tuple[int, ...] = ()  # backed up without ``exact`` (roll_back_exactly)
 
     # ------------------------------------------------------------------ params
 
@@ -199,7 +200,7 @@ class StageAdamW(AdamWRollback, StageOptimizer):
             raise ValueError(f"StageAdamW.step: lr must be finite and >= 0, got {lr}")
         if not (math.isfinite(grad_scale) and grad_scale >= 0.0):
             raise ValueError(f"StageAdamW.step: grad_scale must be finite and >= 0, got {grad_scale}")
-        if self.exact:
+        if self.exact or self._exact_slots:
             self._save_backup()
         self.step_count += 1
         with torch.no_grad():

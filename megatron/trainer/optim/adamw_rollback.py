@@ -5,6 +5,8 @@ A mixin: it reads the optimizer's slots, hyper-parameters and step arithmetic.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from megatron.trainer.optim.adamw_slots import Slot
@@ -34,7 +36,8 @@ class AdamWRollback:
         of each value, not bitwise (a moment that was ~0 before the step comes back as a
         tiny rounding residue instead of 0). With ``exact=True`` the optimizer instead
         keeps a copy of (theta, m, v) from before every step and restores it bitwise, at
-        the cost of one more copy of the optimizer state in memory.
+        the cost of one more copy of the optimizer state in memory;
+        :meth:`roll_back_exactly` does the same for some parameters only.
 
         Only the most recent step can be rolled back, once.
         """
@@ -47,6 +50,7 @@ class AdamWRollback:
         if self.exact:
             self._restore_backup()
         else:
+            exact = set(self._exact_slots)
             beta1, beta2 = self.betas
             if beta1 == 0.0 or beta2 == 0.0:
                 raise RuntimeError("StageAdamW.rollback: in-place rollback needs beta1, beta2 > 0 (use exact=True)")
@@ -54,8 +58,11 @@ class AdamWRollback:
                 raise RuntimeError("StageAdamW.rollback: lr * weight_decay == 1 cannot be inverted (use exact=True)")
             step_size, bias_correction2_sqrt = self._bias_corrections(lr)  # post-step t
             with torch.no_grad():
-                for slot in self._slots:
-                    self._invert(slot, lr, grad_scale, step_size, bias_correction2_sqrt)
+                for i, slot in enumerate(self._slots):
+                    if i not in exact:
+                        self._invert(slot, lr, grad_scale, step_size, bias_correction2_sqrt)
+            if exact:
+                self._restore_backup()
         self.step_count -= 1
         self._last_step = None
 
@@ -83,23 +90,36 @@ class AdamWRollback:
         slot.exp_avg_sq.copy_((slot.exp_avg_sq.double() - inc_v.double()).div_(beta2).clamp_(min=0.0))
         slot.write_back()
 
+    def roll_back_exactly(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Make :meth:`rollback` restore ``params`` bitwise whatever the others' rollback: their
+        (target, exp_avg, exp_avg_sq) are backed up before every step, as ``exact`` backs up
+        every slot. Post-validation's tied embedding: its two ends live on two stages, of which
+        one may roll back a step the other never took, so an end must come back to the very
+        bits its other end kept."""
+        wanted = {id(p) for p in params}
+        self._exact_slots = tuple(i for i, slot in enumerate(self._slots) if id(slot.param) in wanted)
+
+    def _backed_up(self) -> list[int]:
+        """The slots :meth:`_save_backup` copies: all (``exact``), or :meth:`roll_back_exactly`'s."""
+        return list(range(len(self._slots))) if self.exact else list(self._exact_slots)
+
     def _save_backup(self) -> None:
-        """Exact mode: copy every slot's (target, exp_avg, exp_avg_sq) into reused buffers."""
+        """Copy the backed-up slots' (target, exp_avg, exp_avg_sq) into reused buffers."""
         with torch.no_grad():
-            if self._backup is None:
-                self._backup = [
-                    (torch.empty_like(s.target()), torch.empty_like(s.exp_avg), torch.empty_like(s.exp_avg_sq))
-                    for s in self._slots
-                ]
-            for slot, (theta, m, v) in zip(self._slots, self._backup):
+            for i in self._backed_up():
+                slot = self._slots[i]
+                if i not in self._backup:
+                    self._backup[i] = (torch.empty_like(slot.target()), torch.empty_like(slot.exp_avg),
+                                       torch.empty_like(slot.exp_avg_sq))
+                theta, m, v = self._backup[i]
                 theta.copy_(slot.target())
                 m.copy_(slot.exp_avg)
                 v.copy_(slot.exp_avg_sq)
 
     def _restore_backup(self) -> None:
-        assert self._backup is not None
         with torch.no_grad():
-            for slot, (theta, m, v) in zip(self._slots, self._backup):
+            for i in self._backed_up():
+                slot, (theta, m, v) = self._slots[i], self._backup[i]
                 slot.target().copy_(theta)
                 slot.exp_avg.copy_(m)
                 slot.exp_avg_sq.copy_(v)

@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron.pipeline.comm import Message
-from megatron.pipeline.ir import POST_VALIDATION_KINDS, Op, OpKind, PipelineLayout
+from megatron.pipeline.ir import POST_VALIDATION_KINDS, TIED_EXCHANGE_KINDS, Op, OpKind, PipelineLayout
 from megatron.pipeline.schedules.zero_bubble.post_validation import ValidationOutcomes
 from megatron.pipeline.runtime.post_validation_ops import run_post_validation_op
+from megatron.pipeline.runtime.tied_exchange_ops import run_tied_exchange_op
 from megatron.pipeline.runtime.executors.common import ReportCadence, run_compute_op
 from megatron.pipeline.runtime.replicas import ReplicaReduction, has_replicas
 from megatron.pipeline.runtime.tied_embeddings import sum_tied_gradients, tied_parameters
@@ -69,15 +70,20 @@ class OpCore:
         self.outcomes = outcomes  # post-validated streams read what VALIDATE records here
         self.after_update = after_update
         self.reduction = step_reduction(transport.layout)
+        self._reduced: dict[int, int] = {}  # stage -> the post-validated update its gradients are averaged for
 
     def execute(self, op: Op, inputs: dict[Message, torch.Tensor], send: Send) -> None:
         """Run a non-OPT op with its received tensors; hand each tensor to send to ``send``."""
         worker = self.workers[op.stage]
         if op.kind not in POST_VALIDATION_KINDS:
             outputs = run_compute_op(worker, op, inputs)
+        elif op.kind in TIED_EXCHANGE_KINDS:
+            if not _keeps_one_range(worker):  # the sum after the replicas' average, as at a step
+                self._reduce_once(worker, op)
+            outputs = run_tied_exchange_op(worker, op, inputs)
         else:
             if op.kind is OpKind.PSTEP:  # steps on this replica's share: average over replicas first
-                _reduce_gradients(worker)
+                self._reduce_once(worker, op)
             outputs = run_post_validation_op(worker, op, inputs, self.outcomes)
         for msg, tensor in outputs.items():
             send(msg, tensor)
@@ -112,6 +118,13 @@ class OpCore:
             self.sync_hook(list(ops))
         if self.after_update is not None:
             self.after_update(ops[0].update)
+
+    def _reduce_once(self, worker: StageWorker, op: Op) -> None:
+        """Average the stage's gradients of update ``op.update`` over its replicas, unless an
+        earlier op of that update did (a tied exchange before the PSTEP)."""
+        if self._reduced.get(worker.stage) != op.update:
+            _reduce_gradients(worker)
+            self._reduced[worker.stage] = op.update
 
     def _sum_tied(self, ops: Sequence[Op]) -> None:
         sum_tied_gradients([p for op in ops for p in tied_parameters(self.workers[op.stage].setup.chunks)],
