@@ -241,16 +241,25 @@ def test_toml_writer_round_trips_through_tomllib():
 # ------------------------------------------------------------------------ training from a dumped file
 
 
-def test_a_run_from_a_dumped_file_trains_bitwise_like_the_command_line(megatron_world1, tmp_path, monkeypatch):
+TRAINED = {
+    "gpt-pipemare": (tiny_args(2, "pipemare", 2, 3, "--pipemare-lr-anneal-iters", "2", "--log-params-norm"), None),
+    "bert": (tiny_args(2, "1f1b", 2, 2, "--bert-no-binary-head", "--mask-prob", "0.3",
+                       "--max-position-embeddings", "16", "--log-params-norm"), BertTask()),
+}
+
+
+@pytest.mark.parametrize("case", TRAINED)
+def test_a_run_from_a_dumped_file_trains_bitwise_like_the_command_line(case, megatron_world1, tmp_path,
+                                                                        monkeypatch):
     """Emulator: the command line, and its dump read back (with another --log-json on the
     command line, so it also overrides): the same records, bitwise, and the same parameters."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    argv = tiny_args(2, "pipemare", 2, 3, "--pipeline-executor", "emulator", "--pipemare-lr-anneal-iters", "2",
-                     "--log-params-norm", "--log-json", str(tmp_path / "argv.jsonl"))
-    _dump(argv, tmp_path / "run.toml")
-    params = final_params(emulate(argv))
+    flags, task = TRAINED[case]
+    argv = [*flags, "--pipeline-executor", "emulator", "--log-json", str(tmp_path / "argv.jsonl")]
+    _dump(argv, tmp_path / "run.toml", task)
+    params = final_params(emulate(argv, task))
     from_file = final_params(emulate(["--config-file", str(tmp_path / "run.toml"),
-                                      "--log-json", str(tmp_path / "file.jsonl")]))
+                                      "--log-json", str(tmp_path / "file.jsonl")], task))
     _assert_same_training(read_log(tmp_path / "argv.jsonl"), read_log(tmp_path / "file.jsonl"))
     assert params.keys() == from_file.keys() and all(torch.equal(params[k], from_file[k]) for k in params)
 
