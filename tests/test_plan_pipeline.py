@@ -55,6 +55,7 @@ def test_saved_costs_round_trip(capsys, tmp_path):
     (["--device", "h100", "--pipeline-sizes", "0"], "positive integers"),
     (["--device", "h100", "--schedules", "nope"], "choose from"),
     (["--device", "h100", "--device-memory-gb", "0"], "must be positive"),
+    (["--device", "h100", "--config-file", "run.toml"], "--config-file and --dump-config are the trainers'"),
 ])
 def test_refusals_are_one_line(capsys, extra, message):
     with pytest.raises(SystemExit) as e:

@@ -127,6 +127,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
     p = build_parser()
     args = p.parse_args(argv)
+    if args.config_file is not None or args.dump_config is not None:  # the trainer's (config_file.py)
+        p.error("--config-file and --dump-config are the trainers'; give the planner its flags on the command line")
+    del args.config_file, args.dump_config  # no part of the run's JobConfig
     sources = [s for s in ("device", "costs", "profile") if getattr(args, s)]
     if len(sources) != 1:
         p.error("give exactly one cost source: --device NAME, --costs FILE or --profile")

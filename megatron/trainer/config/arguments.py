@@ -29,6 +29,7 @@ from megatron.trainer.config.ddp_args import add_ddp_args, check_ddp_flags
 from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_flags
 from megatron.trainer.config.tied_args import resolve_tied_embeddings
 from megatron.trainer.config.megatron_split_args import add_megatron_split_args, resolve_megatron_split
+from megatron.trainer.config.config_file import add_config_file_args
 from megatron.trainer.config.megatron_compat_args import (
     add_megatron_compat_args, finalize_megatron_compat_args, check_megatron_compat_flags)
 
@@ -201,6 +202,7 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     _add_logging_args(p)
     add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
     add_megatron_split_args(p)  # --decoder-first/last-pipeline-num-layers, --account-for-*, layout
+    add_config_file_args(p)  # --config-file, --dump-config (config_file.py)
     return p
 
 

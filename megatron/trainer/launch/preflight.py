@@ -5,6 +5,7 @@ import sys
 
 from megatron.trainer.checkpointing.load import check_resume_or_exit
 from megatron.trainer.config.arguments import build_parser
+from megatron.trainer.config.config_file import inline_config_file
 from megatron.trainer.plan.parse import parse_args
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config
@@ -29,6 +30,7 @@ def preflight(task: PretrainTask, argv: list[str]) -> JobConfig:
         parser = build_parser(f"Megatron-Async {task.name} pretraining")
         task.add_arguments(parser)
         config = build_job_config(parse_args(argv, parser))
+        argv = inline_config_file(parser, argv)  # auto's candidates edit argv: the file's flags in it
     if not is_worker_process():  # a bad checkpoint fails here, before any rank starts
         check_resume_or_exit(task, config)
     try:  # a run that cannot fit memory, or whose schedule deadlocks: refused here, not inside a rank
