@@ -21,7 +21,8 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "megatron"
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository
+MEGATRON = ROOT / "megatron"
 
 #: floor of each ``megatron.trainer`` sub-package or top-level module
 TRAINER_FLOORS: dict[str, int] = {
@@ -40,8 +41,8 @@ TRAINER_FLOORS: dict[str, int] = {
 def module_files() -> dict[str, pathlib.Path]:
     """Every module of ``megatron/`` by dotted name (a package by its ``__init__``)."""
     mods = {}
-    for path in ROOT.rglob("*.py"):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    for path in MEGATRON.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         mods[".".join(parts)] = path
@@ -151,7 +152,7 @@ def test_no_module_cycle(graph):
 
 
 def test_every_trainer_package_has_a_floor():
-    names = {p.stem if p.is_file() else p.name for p in (ROOT / "trainer").iterdir()
+    names = {p.stem if p.is_file() else p.name for p in (MEGATRON / "trainer").iterdir()
              if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
     assert names == set(TRAINER_FLOORS), "a trainer package without a floor in TRAINER_FLOORS (or a stale one)"
 
