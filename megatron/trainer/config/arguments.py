@@ -14,6 +14,7 @@ from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleCon
 import megatron.pipeline.planner.auto_schedule  # noqa: F401,E402  registers --pipeline-schedule auto, auto-async
 from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
 from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, check_basis_rotation_flags
+from megatron.trainer.config.muon_args import add_muon_args, check_muon_flags
 from megatron.trainer.config.schedule_args import add_schedule_args, check_schedule_flags
 from megatron.trainer.config.run_control_args import add_run_control_args, check_run_control_flags
 from megatron.trainer.config.insight_args import add_insight_args, check_insight_flags
@@ -73,7 +74,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=[*OPTIMIZERS, "sgd"], default="adamw",  # sgd: refused with one line
                    help="adam: Megatron-LM's name for AdamW (decoupled weight decay); "
-                        "basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md)")
+                        "basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md); "
+                        "muon: orthogonalised momentum (Newton-Schulz) for 2-D hidden weights, AdamW for the rest")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -89,6 +91,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                         "the sharding); single-tensor: torch.optim.AdamW(foreach=False)'s arithmetic, bit for "
                         "bit; auto: fused for adam/adamw, single-tensor for basis-rotation")
     add_basis_rotation_args(g)
+    add_muon_args(g)
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -308,6 +311,7 @@ def check_flags(args: argparse.Namespace) -> None:
     resolve_tied_embeddings(args)  # tied by default (sync schedules); --untie-embeddings-and-output-weights
     check_mixed_precision_flags(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
     check_basis_rotation_flags(args)  # --optimizer basis-rotation, --rotation-*
+    check_muon_flags(args)  # --optimizer muon, --muon-*
     check_recompute_flags(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)
     check_ddp_flags(args)  # --overlap-grad-reduce, --ddp-bucket-size
     check_megatron_compat_flags(args)  # Megatron-LM's model, rampup, loading and logging flags

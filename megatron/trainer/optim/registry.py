@@ -14,6 +14,7 @@ import torch
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.optim.adamw import Shards, StageAdamW
 from megatron.trainer.optim.basis_rotation import BasisRotationAdamW, RotationConfig
+from megatron.trainer.optim.muon import MuonConfig, StageMuon, qkv_split_rows
 
 NamedParameters = list[tuple[str, torch.nn.Parameter]]
 OptimizerBuilder = Callable[[JobConfig, NamedParameters, int, "Shards | None"], StageAdamW]
@@ -41,10 +42,25 @@ def _basis_rotation(config: JobConfig, named: NamedParameters, stage: int,
     return BasisRotationAdamW(named, rotation=rotation, **_hyperparameters(config))
 
 
+def _muon(config: JobConfig, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
+    """Muon for 2-D hidden weights, AdamW (the same hyper-parameters) for the rest; the QKV split
+    comes from the model's heads and query groups."""
+    optimizer, model = config.optimizer, config.model
+    split = qkv_split_rows(model.num_attention_heads, model.num_query_groups, model.kv_channels,
+                           model.hidden_size) if optimizer.muon_split_qkv else None
+    muon = MuonConfig(momentum=optimizer.muon_momentum, use_nesterov=optimizer.muon_use_nesterov,
+                      num_ns_steps=optimizer.muon_num_ns_steps, scale_mode=optimizer.muon_scale_mode,
+                      extra_scale_factor=optimizer.muon_extra_scale_factor, ns_dtype=optimizer.muon_ns_dtype,
+                      qkv_split=split)
+    return StageMuon(named, exact=config.schedule.flag("optimizer_post_validation_exact"), muon=muon,
+                     **_hyperparameters(config))
+
+
 OPTIMIZERS: dict[str, OptimizerBuilder] = {
     "adamw": _adamw,
     "adam": _adamw,  # Megatron-LM's name for AdamW (decoupled weight decay)
     "basis-rotation": _basis_rotation,  # Adam in a rotated eigenbasis for 2-D weights
+    "muon": _muon,  # orthogonalised momentum for 2-D hidden weights, AdamW for the rest
 }
 
 
