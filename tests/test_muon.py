@@ -310,6 +310,10 @@ def test_post_validated_muon_with_in_place_rollback_stays_within_its_rounding(me
     (["--optimizer", "muon", "--adam-kernel", "fused"], "has its own update"),
     (["--muon-use-nesterov"], "--muon-use-nesterov needs --optimizer muon"),
     (["--optimizer", "muon", "--muon-scale-mode", "bogus"], "invalid choice"),
+    (["--optimizer", "muon", "--pipeline-schedule", "amdp", "--amdp-optimizer-state", "sharded"],
+     "needs an optimizer with element-wise state"),
+    (["--optimizer", "muon", "--tensor-model-parallel-size", "2", "--pipeline-executor", "distributed"],
+     "Newton-Schulz of a weight's shard is not that of the full weight"),
 ])
 def test_bad_muon_flags_are_refused_in_one_line(capsys, argv: list[str], fragment: str) -> None:
     assert_flag_error(capsys, ["--mock-data", *argv], fragment)
