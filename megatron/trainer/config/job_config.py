@@ -174,6 +174,8 @@ class OptimizerConfig:
     muon_extra_scale_factor: float = 1.0
     muon_split_qkv: bool = True
     muon_ns_dtype: str = "float32"
+    lookahead_max_momentum: float = 0.99
+    nadam_momentum_decay: float = 0.004
 
 
 @dataclass(frozen=True)

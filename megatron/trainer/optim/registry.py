@@ -14,6 +14,7 @@ import torch
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.optim.adamw import Shards, StageAdamW
 from megatron.trainer.optim.basis_rotation import BasisRotationAdamW, RotationConfig
+from megatron.trainer.optim.delay_nesterov import DelayNesterovAdamW, Lookahead
 from megatron.trainer.optim.muon import MuonConfig, StageMuon, qkv_split_rows
 
 NamedParameters = list[tuple[str, torch.nn.Parameter]]
@@ -56,11 +57,24 @@ def _muon(config: JobConfig, named: NamedParameters, stage: int, shards: Shards 
                      **_hyperparameters(config))
 
 
+def _delay_nesterov(config: JobConfig, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
+    """NAdam with the look-ahead of the stage's declared gradient delay (the schedule policy's)."""
+    run = config.schedule.run
+    delays = run.schedule_cls.traits.policy_for(run.schedule).gradient_delays
+    if delays is None:
+        raise ValueError(f"--optimizer delay-nesterov: {config.schedule.pipeline_schedule} declares no gradient delay")
+    optimizer = config.optimizer
+    lookahead = Lookahead(delay=delays[stage], num_stages=len(delays), max_momentum=optimizer.lookahead_max_momentum,
+                          momentum_decay=optimizer.nadam_momentum_decay)
+    return DelayNesterovAdamW(named, lookahead=lookahead, shards=shards, **_hyperparameters(config))
+
+
 OPTIMIZERS: dict[str, OptimizerBuilder] = {
     "adamw": _adamw,
     "adam": _adamw,  # Megatron-LM's name for AdamW (decoupled weight decay)
     "basis-rotation": _basis_rotation,  # Adam in a rotated eigenbasis for 2-D weights
     "muon": _muon,  # orthogonalised momentum for 2-D hidden weights, AdamW for the rest
+    "delay-nesterov": _delay_nesterov,  # NAdam whose look-ahead grows with the stage's gradient delay
 }
 
 
