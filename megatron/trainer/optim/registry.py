@@ -78,6 +78,16 @@ OPTIMIZERS: dict[str, OptimizerBuilder] = {
 }
 
 
+#: Optimizers that adapt to a gradient delay the schedule declares (``SchedulePolicy.gradient_delays``):
+#: refused with synchronous schedules.
+DELAY_AWARE = frozenset({"delay-nesterov"})
+
+
+def takes_schedule(optimizer: str, asynchronous: bool) -> bool:
+    """Whether ``optimizer`` runs under a schedule that is (or is not) asynchronous."""
+    return asynchronous or optimizer not in DELAY_AWARE
+
+
 def build_optimizer(config: JobConfig, named: NamedParameters, stage: int,
                     shards: Shards | None = None) -> StageAdamW:
     """The stage's optimizer for ``--optimizer`` (checked at parse time against the registry)."""
