@@ -317,3 +317,19 @@ def test_post_validated_muon_with_in_place_rollback_stays_within_its_rounding(me
 ])
 def test_bad_muon_flags_are_refused_in_one_line(capsys, argv: list[str], fragment: str) -> None:
     assert_flag_error(capsys, ["--mock-data", *argv], fragment)
+
+
+@pytest.mark.parametrize("precision", [("--bf16",), ("--fp16", "--loss-scale-window", "3")], ids=["bf16", "fp16"])
+def test_half_precision_muon_steps_fp32_masters(megatron_world1, precision: tuple[str, ...]) -> None:
+    """bf16/fp16 weights (12 PACI updates): Muon steps the fp32 masters, the weights are their
+    rounding, and everything stays finite (fp16: through the stage-local loss scales)."""
+    workers = emulate([*tiny_args(2, "paci", 4, 12, "--lr-decay-style", "constant"), *MUON, *precision])
+    half = torch.bfloat16 if precision[0] == "--bf16" else torch.float16
+    for w in workers:
+        opt = w.setup.optimizer
+        for name in opt.orthogonalised_names:
+            master = opt.master_weight(name)
+            param = dict(opt.named_parameters())[name]
+            assert master.dtype == torch.float32 and param.dtype == half
+            assert torch.equal(param.detach(), master.to(half)), name
+    assert all(torch.isfinite(v.float()).all() for v in final_params(workers).values())
