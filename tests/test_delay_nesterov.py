@@ -163,6 +163,7 @@ def test_amdp_sharded_state_equals_replicated_bitwise(megatron_world1) -> None:
     (["--optimizer", "delay-nesterov", "--pipeline-schedule", "paci", "--lookahead-max-momentum", "1.0"],
      "--lookahead-max-momentum must be in [0, 1)"),
     (["--optimizer", "nesterov"], "invalid choice"),
+    (["--pipeline-schedule", "paci", "--nadam-momentum-decay", "0.01"], "--nadam-momentum-decay needs --optimizer"),
 ])
 def test_bad_lookahead_flags_are_refused_in_one_line(capsys, argv: list[str], fragment: str) -> None:
     assert_flag_error(capsys, ["--mock-data", *argv], fragment)

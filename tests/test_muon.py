@@ -309,6 +309,7 @@ def test_post_validated_muon_with_in_place_rollback_stays_within_its_rounding(me
     (["--optimizer", "muon", "--muon-num-ns-steps", "0"], "--muon-num-ns-steps must be >= 1"),
     (["--optimizer", "muon", "--adam-kernel", "fused"], "has its own update"),
     (["--muon-use-nesterov"], "--muon-use-nesterov needs --optimizer muon"),
+    (["--muon-num-ns-steps", "3"], "--muon-num-ns-steps needs --optimizer muon"),
     (["--optimizer", "muon", "--muon-scale-mode", "bogus"], "invalid choice"),
     (["--optimizer", "muon", "--pipeline-schedule", "amdp", "--amdp-optimizer-state", "sharded"],
      "needs an optimizer with element-wise state"),
