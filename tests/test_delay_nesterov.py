@@ -112,7 +112,7 @@ def test_update_on_a_delayed_quadratic_equals_the_hand_computed_oracle(delay: in
 @pytest.mark.parametrize("schedule", ["paci", "async-1f1b", "pipedream-2bw", "pipemare", "amdp"])
 def test_every_async_schedule_gives_each_stage_the_beta1_of_its_declared_delay(megatron_world1,
                                                                                schedule: str) -> None:
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
 
     argv = [*tiny_args(2, schedule, 4, 4), *SCHEDULE_FLAGS[schedule], "--optimizer", "delay-nesterov"]
     run = parse_job_config(argv).schedule.run

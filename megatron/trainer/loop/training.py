@@ -29,9 +29,10 @@ from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.launch import flight_recorder
 from megatron.trainer.launch.exit_control import StopControl, Terminated, rank_signal_defaults, stop_control
 from megatron.trainer.launch.host import prepare_host, resolve_device
-from megatron.trainer.launch.launcher import is_worker_process
+from megatron.trainer.environment import is_worker_process
 from megatron.trainer.launch.local import enter_process, launch_ranks
-from megatron.trainer.launch.preflight import check_resume_or_exit, preflight
+from megatron.trainer.checkpointing.load import check_resume_or_exit
+from megatron.trainer.launch.preflight import preflight
 from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.loop.logger import ReportCollector
 from megatron.trainer.loop.rampup import segment_schedules
@@ -118,7 +119,7 @@ def emulate(task: PretrainTask, config: JobConfig) -> list[StageWorker]:
         # process before the store binds it: two emulator runs at once failed with EADDRINUSE).
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(minutes=config.launch.distributed_timeout_minutes))
-    if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
+    if task.uses_megatron_core:  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
     device = resolve_device(config, 0)
     config = apply_auto_partition(task, config, device)  # --pipeline-partition auto: profile, then split
