@@ -148,6 +148,27 @@ def assert_runtime_equals_emulator(argv: list[str], out_dir: Path) -> tuple[list
     return records, workers
 
 
+def assert_emulated_resume_is_bitwise(argv: list[str], total: int, stop: int, tmp_path: Path) -> None:
+    """``argv`` (``total`` iterations, needs ``megatron_world1``) stopped at a checkpoint after
+    ``stop`` and resumed equals the run trained straight through (saving at the same cut):
+    the same losses at every iteration, bitwise-equal final parameters."""
+    from megatron.trainer.checkpointing import checkpoint as ckpt
+
+    def run(tag: str, *more: str) -> tuple[dict[str, torch.Tensor], list[tuple[int, float]]]:
+        log = tmp_path / f"{tag}.jsonl"
+        params = final_params(emulate([*argv, "--log-json", str(log), *more]))
+        return params, [(r["iteration"], r["loss"]) for r in read_log(log) if "loss" in r]
+
+    straight, straight_losses = run("straight", "--save", str(tmp_path / "a"), "--save-interval", str(stop))
+    _, first_losses = run("first", "--save", str(tmp_path / "b"), "--exit-interval", str(stop))
+    assert (tmp_path / "b" / ckpt.POINTER).read_text().strip() == str(stop)
+    resumed, resumed_losses = run("resumed", "--load", str(tmp_path / "b"))
+    assert [it for it, _ in first_losses + resumed_losses] == list(range(1, total + 1))
+    assert first_losses + resumed_losses == straight_losses
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
 def assert_flag_error(capsys, argv: list[str], fragment: str) -> None:
     """``argv`` (on a 2-stage, 2-layer GPT) exits 2 with one line of stderr containing ``fragment``."""
     import pytest

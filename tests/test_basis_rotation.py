@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from async_helpers import emulate, final_params, tiny_args
+from async_helpers import assert_emulated_resume_is_bitwise, emulate, final_params, tiny_args
 from test_checkpoint_resume import SCHEDULE_FLAGS, _losses
 from test_optimizer import (
     BETAS,
@@ -25,7 +25,6 @@ from test_optimizer import (
 )
 from torch import Tensor, nn
 
-from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.plan.parse import parse_args
 from megatron.trainer.optim.basis_rotation import (
     BasisRotationAdamW,
@@ -300,22 +299,10 @@ def test_tiny_gpt_paci_trains(megatron_world1, tmp_path: Path) -> None:
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
 
 
-def _argv(log: Path, *more: str) -> list[str]:
-    return [*tiny_args(2, "paci", 4, TOTAL, "--hidden-dropout", "0.1", "--attention-dropout", "0.1"),
-            *ROTATION, "--log-json", str(log), *more]
-
-
 def test_tiny_gpt_paci_resumes_bitwise(megatron_world1, tmp_path: Path) -> None:
     """Stopped at a checkpoint and resumed == trained straight through (same segment cut)."""
-    straight_log, resumed_log = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
-    straight = final_params(emulate(_argv(straight_log, "--save", str(tmp_path / "a"), "--save-interval", str(STOP))))
-    emulate(_argv(resumed_log, "--save", str(tmp_path / "b"), "--exit-interval", str(STOP)))
-    assert (tmp_path / "b" / ckpt.POINTER).read_text().strip() == str(STOP)
-    resumed = final_params(emulate(_argv(resumed_log, "--load", str(tmp_path / "b"))))
-    assert _losses(resumed_log) == _losses(straight_log)
-    assert [it for it, _ in _losses(resumed_log)] == list(range(1, TOTAL + 1))
-    for name in straight:
-        assert torch.equal(straight[name], resumed[name]), name
+    argv = [*tiny_args(2, "paci", 4, TOTAL, "--hidden-dropout", "0.1", "--attention-dropout", "0.1"), *ROTATION]
+    assert_emulated_resume_is_bitwise(argv, TOTAL, STOP, tmp_path)
 
 
 ASYNC = [("paci", "bilateral", "second-moment"), ("async-1f1b", "unilateral", "momentum"),

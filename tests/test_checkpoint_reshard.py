@@ -204,10 +204,15 @@ def test_only_replica_zero_files_are_owners() -> None:
     assert not moved.same_partition and any("profiled order" in n for n in moved.notices)
 
 
-def test_basis_rotation_state_reshards_by_name(megatron_world1, tmp_path: Path) -> None:
-    """Basis rotation keeps its bases and statistics per parameter name: PP4 -> PP2 continues the
-    saved run (a refresh every 2 steps, so iteration 5's update uses the loaded bases)."""
-    rotation = ("--optimizer", "basis-rotation", "--rotation-refresh-interval", "2")
+@pytest.mark.parametrize("rotation,names", [
+    (("--optimizer", "basis-rotation", "--rotation-refresh-interval", "2"), "rotated_names"),
+    (("--optimizer", "muon", "--muon-use-nesterov"), "orthogonalised_names"),
+], ids=["basis-rotation", "muon"])
+def test_matrix_optimizer_state_reshards_by_name(megatron_world1, tmp_path: Path, rotation: tuple[str, ...],
+                                                 names: str) -> None:
+    """Basis rotation keeps its bases and statistics per parameter name, Muon its momentum and
+    which weights it orthogonalises: PP4 -> PP2 continues the saved run (with rotation a refresh
+    every 2 steps, so iteration 5's update uses the loaded bases)."""
     emulate(_argv(4, "1f1b", tmp_path / "ref.jsonl", *rotation, "--save", str(tmp_path / "all"),
                   "--save-interval", str(SAVED)))
     shutil.copytree(ckpt.iteration_dir(tmp_path / "all", SAVED), ckpt.iteration_dir(tmp_path / "ck", SAVED))
@@ -215,7 +220,7 @@ def test_basis_rotation_state_reshards_by_name(megatron_world1, tmp_path: Path) 
     workers = emulate(_argv(2, "1f1b", tmp_path / "pp2.jsonl", *rotation, "--load", str(tmp_path / "ck")))
     reference, losses = _losses(tmp_path / "ref.jsonl"), _losses(tmp_path / "pp2.jsonl")
     assert all(_close(losses[it], reference[it]) for it in (SAVED + 1, TOTAL)), (losses, reference)
-    assert all(w.setup.optimizer.rotated_names for w in workers)
+    assert all(getattr(w.setup.optimizer, names) for w in workers)
 
 
 def test_an_explicit_even_split_is_the_same_partition() -> None:

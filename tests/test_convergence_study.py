@@ -61,11 +61,15 @@ def test_every_run_of_a_preset_parses_and_varies_only_what_its_study_varies(pres
         assert _flag(r.flags, "--pipeline-model-parallel-size") == str(r.depth)
     paci = paci_study(preset)
     a = [preset.global_batch // int(_flag(r.flags, "--micro-batch-size")) for r in paci]
-    assert a == [1, *preset.paci_accumulations] * len(preset.paci_lrs)  # flush first, one micro-batch
+    # flush first, one micro-batch; then every a with AdamW, Muon and the look-ahead
+    assert a == [1, *preset.paci_accumulations * 3] * len(preset.paci_lrs)
     assert [float(_flag(r.flags, "--lr")) for r in paci[::len(a) // len(preset.paci_lrs)]] == list(preset.paci_lrs)
+    optimizers = [_flag(r.flags, "--optimizer") if "--optimizer" in r.flags else "adamw" for r in paci]
+    per_lr = ["adamw", *[o for o in ("adamw", "muon", "delay-nesterov") for _ in preset.paci_accumulations]]
+    assert optimizers == per_lr * len(preset.paci_lrs)
     depth = depth_study(preset)
     assert {r.depth for r in depth} == set(preset.depths)
-    assert len(depth) == 6 * len(preset.depths)  # AdamW, PipeMare-LR, basis rotation 2 x 2
+    assert len(depth) == 8 * len(preset.depths)  # AdamW, PipeMare-LR, basis rotation 2 x 2, Muon, look-ahead
     assert {_flag(r.flags, "--num-layers") for r in depth} == {str(preset.depth_layers)}  # one model
 
 
@@ -105,6 +109,8 @@ def test_ci_study_writes_curves_tables_and_plots(ci_study: Path) -> None:
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     summary = (ci_study / "summary.md").read_text()
     assert "| PACI a=4 |" in summary and "| BR 2nd/Bi |" in summary
+    assert "| PACI a=4 + Muon |" in summary and "| PACI a=4 + look-ahead |" in summary
+    assert "| Muon |" in summary and "| Look-ahead |" in summary
     depth = report["depth"]
     assert all(depth["slowdown"][m]["1"] == 1.0 for m in depth["slowdown"])  # JSON keys are strings
 

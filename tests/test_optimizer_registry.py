@@ -8,9 +8,14 @@ from megatron.trainer.plan.parse import parse_args, parse_job_config
 from megatron.trainer.optim.registry import OPTIMIZERS, build_optimizer
 
 
+# Optimizers that adapt to a gradient delay need a schedule that declares one.
+SCHEDULE = {"delay-nesterov": ["--pipeline-schedule", "paci"]}
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_registered_optimizer_parses_builds_and_steps_through_data(name):
-    config = parse_job_config(["--mock-data", "--optimizer", name, "--pipeline-executor", "emulator"])
+    config = parse_job_config(["--mock-data", "--optimizer", name, "--pipeline-executor", "emulator",
+                               *SCHEDULE.get(name, [])])
     weight = torch.nn.Parameter(torch.ones(4, 3))
     optimizer = build_optimizer(config, [("layer.weight", weight)], stage=0)
     weight.grad = torch.full_like(weight, 0.5)

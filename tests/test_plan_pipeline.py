@@ -128,6 +128,46 @@ def test_probe_convergence_end_to_end(capsys) -> None:
     assert all(math.isfinite(r["final_loss"]) for r in rows)
 
 
+def test_probe_pairs_every_optimizer_with_the_schedules_it_takes() -> None:
+    """1F1B with the run's optimizer first; the delay-aware look-ahead only on asynchronous
+    candidates; the reference pair not twice."""
+    from types import SimpleNamespace
+
+    from megatron.trainer.tasks.convergence_probe import probe_runs
+
+    flush, paci = (SimpleNamespace(candidate=SimpleNamespace(schedule=s)) for s in ("1f1b", "paci"))
+    pairs = probe_runs("adamw", [flush, paci], ["adamw", "muon", "delay-nesterov"])
+    assert [(r.candidate.schedule, o) for r, o in pairs] == [
+        ("1f1b", "adamw"), ("paci", "adamw"), ("1f1b", "muon"), ("paci", "muon"), ("paci", "delay-nesterov")]
+    assert [(r.candidate.schedule, o) for r, o in probe_runs("muon", [flush, paci], None)] == [
+        ("1f1b", "muon"), ("paci", "muon")]
+
+
+def test_probe_compares_paci_with_muon_against_1f1b_with_adamw(capsys) -> None:
+    """``--probe-optimizers``: every pair trained, each row naming its optimizer, 1F1B + AdamW the
+    reference (gap 0); the optimizers' curves differ (they really ran)."""
+    argv = [*MODEL, "--mock-data", "--pipeline-sizes", "2", "--schedules", "1f1b,paci", "--recompute", "none",
+            "--layer-splits", "even", "--device", "cpu", "--probe-convergence", "4",
+            "--probe-optimizers", "muon,delay-nesterov"]
+    rows = _json(capsys, argv)["convergence_probe"]
+    assert [(r["schedule"], r["optimizer"]) for r in rows] == [
+        ("1f1b", "adamw"), ("1f1b", "muon"), ("paci", "muon"), ("paci", "delay-nesterov")]
+    assert rows[0]["loss_gap"] == 0.0
+    assert len({r["final_loss"] for r in rows}) == 4 and all(math.isfinite(r["final_loss"]) for r in rows)
+
+
+@pytest.mark.parametrize("extra,fragment", [
+    (["--probe-optimizers", "muon"], "give --probe-convergence N"),
+    (["--probe-convergence", "4", "--probe-optimizers", "adamw,lamb"], "choose from"),
+])
+def test_bad_probe_optimizers_are_refused_in_one_line(capsys, extra: list[str], fragment: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        plan.main([*SMALL, "--device", "cpu", *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert fragment in err[-1], err
+
+
 @pytest.mark.parametrize("flag", ["--png", "--save-costs"])
 def test_an_output_path_that_cannot_be_written_is_refused_before_planning(tmp_path, capsys, flag):
     """A file where a directory should be used to end in a NotADirectoryError traceback after

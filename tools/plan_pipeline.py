@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--probe-convergence", type=int, default=None, metavar="N_UPDATES",
                    help="train 1F1B and each asynchronous candidate N_UPDATES updates at reduced width on the "
                         "emulator with your data flags; loss gap and time to 1F1B's loss (docs/planning.md)")
+    from megatron.trainer.optim.registry import OPTIMIZERS
+
+    g.add_argument("--probe-optimizers", type=_names(list(OPTIMIZERS)), default=None, metavar="NAMES",
+                   help="with --probe-convergence: probe every candidate with each of these optimizers (comma-"
+                        "separated; delay-aware ones only on asynchronous schedules) against 1F1B with --optimizer, "
+                        "e.g. adamw,muon,delay-nesterov")
     return p
 
 
@@ -139,6 +145,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--top must be at least 1")
     if args.probe_convergence is not None and args.probe_convergence < 2:
         p.error("--probe-convergence needs at least 2 updates")
+    if args.probe_optimizers is not None and args.probe_convergence is None:
+        p.error("--probe-optimizers chooses the optimizers of --probe-convergence; give --probe-convergence N")
     if args.host_cores is not None and args.host_cores < 0:
         p.error("--host-cores must be non-negative (0: a device per rank)")
     args.pipeline_sizes = args.pipeline_sizes or [args.pipeline_model_parallel_size]
@@ -271,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
 
         argv = sys.argv[1:] if argv is None else argv
         try:
-            probe_rows = probe(trainer_argv(argv, build_parser()), config, sync, asyn, args.probe_convergence)
+            probe_rows = probe(trainer_argv(argv, build_parser()), config, sync, asyn, args.probe_convergence,
+                               args.probe_optimizers)
         except (RuntimeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -8,6 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 STUDIES = ("paci", "depth")
+# The delay-tolerant optimizers the studies set beside AdamW (#45), at AdamW's learning rate:
+# Muon with Nesterov momentum and Moonshot's AdamW-matched update RMS (spectral scale x 0.2), and
+# the delay-aware Nesterov look-ahead (NAdam, beta1 raised with the stage's declared delay).
+MUON = ("--optimizer", "muon", "--muon-use-nesterov", "--muon-scale-mode", "spectral",
+        "--muon-extra-scale-factor", "0.2")
+LOOKAHEAD = ("--optimizer", "delay-nesterov")
+ASYNC_OPTIMIZERS: dict[str, tuple[str, ...]] = {"": (), " + Muon": MUON, " + look-ahead": LOOKAHEAD}
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,8 @@ class RunSpec:
 
 
 def paci_study(preset: Preset) -> list[RunSpec]:
-    """1F1B-flush against PACI at one depth, same global batch, at each peak LR: a = 1 is async 1F1B.
+    """1F1B-flush against PACI at one depth, same global batch, at each peak LR: a = 1 is async 1F1B;
+    every asynchronous run with AdamW, then with Muon, then with the look-ahead (flush: AdamW).
 
     Flush runs the whole global batch as one micro-batch: its trajectory does not depend on the
     micro-batch count (up to rounding; the PACI paper maps one flush run to all counts too), and
@@ -101,10 +109,12 @@ def paci_study(preset: Preset) -> list[RunSpec]:
         variant = f"lr{lr:g}"
         runs.append(RunSpec("paci", "1F1B-flush", "1f1b", n, (*base, "--pipeline-schedule", "1f1b",
                             "--micro-batch-size", str(preset.global_batch)), variant))
-        for a in preset.paci_accumulations:
-            schedule, label = ("async-1f1b", "async-1F1B (a=1)") if a == 1 else ("paci", f"PACI a={a}")
-            runs.append(RunSpec("paci", label, schedule, n, (*base, "--pipeline-schedule", schedule,
-                                "--micro-batch-size", str(preset.global_batch // a)), variant))
+        for suffix, optimizer in ASYNC_OPTIMIZERS.items():
+            for a in preset.paci_accumulations:
+                schedule, label = ("async-1f1b", "async-1F1B (a=1)") if a == 1 else ("paci", f"PACI a={a}")
+                runs.append(RunSpec("paci", label + suffix, schedule, n, (
+                    *base, "--pipeline-schedule", schedule, "--micro-batch-size", str(preset.global_batch // a),
+                    *optimizer), variant))
     return runs
 
 
@@ -121,6 +131,8 @@ def depth_methods(preset: Preset) -> dict[str, tuple[str, tuple[str, ...]]]:
         for geometry, g in (("unilateral", "Uni"), ("bilateral", "Bi")):
             methods[f"BR {s}/{g}"] = ("async-1f1b", (*rotation, "--rotation-source", source,
                                                      "--rotation-geometry", geometry))
+    methods["Muon"] = ("async-1f1b", MUON)
+    methods["Look-ahead"] = ("async-1f1b", LOOKAHEAD)
     return methods
 
 

@@ -104,7 +104,11 @@ class SchedulePolicy:
       (DualPipeV's), which the timing simulator may shorten;
     * ``fixed_accumulation``: why the stages' weight or learning-rate rules are built once from
       the run's micro-batches per update, so a batch-size rampup cannot change them (None: it
-      can, segment by segment).
+      can, segment by segment);
+    * ``gradient_delays``: the declared bound, in the stage's own updates, on how many updates
+      separate the weights a stage's gradient was computed on from the weights it is applied to
+      (its weight-version drift bound; what a delay-aware optimizer adapts to). None: not
+      declared (synchronous schedules: no delay).
     """
 
     layout: PipelineLayout
@@ -122,6 +126,7 @@ class SchedulePolicy:
     profiles_ops: Callable[[], bool] = _never
     overlapped_backward: Callable[[Op], bool] = _never_overlapped
     fixed_accumulation: str | None = None
+    gradient_delays: tuple[int, ...] | None = None
 
     @classmethod
     def plain(cls, layout: PipelineLayout) -> SchedulePolicy:

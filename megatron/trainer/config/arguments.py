@@ -11,6 +11,8 @@ import argparse
 from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError
 from megatron.pipeline.planner.auto_schedule import register_auto_selectors
 from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, check_basis_rotation_flags
+from megatron.trainer.config.muon_args import add_muon_args, check_muon_flags
+from megatron.trainer.config.delay_nesterov_args import add_delay_nesterov_args, check_delay_nesterov_flags
 from megatron.trainer.config.schedule_args import add_schedule_args, check_schedule_flags
 from megatron.trainer.config.run_control_args import add_run_control_args, check_run_control_flags
 from megatron.trainer.config.insight_args import add_insight_args
@@ -67,7 +69,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=[*OPTIMIZER_NAMES, "sgd"], default="adamw",  # sgd: refused with one line
                    help="adam: Megatron-LM's name for AdamW (decoupled weight decay); "
-                        "basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md)")
+                        "basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md); "
+                        "muon: orthogonalised momentum (Newton-Schulz) for 2-D hidden weights, AdamW for the rest; "
+                        "delay-nesterov: NAdam whose look-ahead grows with the stage's gradient delay (async schedules)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -83,6 +87,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                         "the sharding); single-tensor: torch.optim.AdamW(foreach=False)'s arithmetic, bit for "
                         "bit; auto: fused for adam/adamw, single-tensor for basis-rotation")
     add_basis_rotation_args(g)
+    add_muon_args(g)
+    add_delay_nesterov_args(g)
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -306,6 +312,7 @@ def check_flags(args: argparse.Namespace) -> None:
     resolve_tied_embeddings(args)  # tied by default (sync schedules); --untie-embeddings-and-output-weights
     check_mixed_precision_flags(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
     check_basis_rotation_flags(args)  # --optimizer basis-rotation, --rotation-*
+    check_muon_flags(args)  # --optimizer muon, --muon-*
     check_recompute_flags(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)
     check_ddp_flags(args)  # --overlap-grad-reduce, --ddp-bucket-size
     check_megatron_compat_flags(args)  # Megatron-LM's model, rampup, loading and logging flags
@@ -316,6 +323,7 @@ def check_flags(args: argparse.Namespace) -> None:
         check(build_job_config(args))
     try:
         args.run = RunConfig.from_args(args)  # the typed view every later step reads
+        check_delay_nesterov_flags(args, args.run.schedule_cls.traits.policy_for(args.run.schedule).gradient_delays)
         # Build it once now: its checks run and a searched order (Zero Bubble) that cannot meet its
         # memory limit fails here, before any process starts, not at the first iteration.
         args.run.run_schedule(args.pipeline_schedule)

@@ -23,7 +23,7 @@ TOKENIZER_TYPES = (
 
 #: ``--optimizer`` (:data:`megatron.trainer.optim.registry.OPTIMIZERS`); "adam" is Megatron-LM's
 #: name for AdamW (decoupled weight decay)
-OPTIMIZER_NAMES = ("adamw", "adam", "basis-rotation")
+OPTIMIZER_NAMES = ("adamw", "adam", "basis-rotation", "muon", "delay-nesterov")
 
 #: ``--lr-decay-style`` and ``--lr-wsd-decay-style`` (:mod:`megatron.trainer.optim.lr_schedule`)
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")

@@ -82,6 +82,8 @@ DOMAINS: dict[str, Domain] = {
     "lr": NON_NEGATIVE, "min_lr": NON_NEGATIVE, "lr_warmup_iters": NON_NEGATIVE, "lr_decay_iters": AT_LEAST_1,
     "weight_decay": NON_NEGATIVE, "adam_beta1": BETA, "adam_beta2": BETA, "adam_eps": POSITIVE,
     "clip_grad": NON_NEGATIVE, "rotation_refresh_interval": NON_NEGATIVE,
+    "muon_momentum": BETA, "muon_num_ns_steps": AT_LEAST_1, "muon_extra_scale_factor": POSITIVE,
+    "lookahead_max_momentum": BETA, "nadam_momentum_decay": NON_NEGATIVE,
     "loss_scale": POSITIVE, "initial_loss_scale": POSITIVE, "min_loss_scale": POSITIVE,
     "loss_scale_window": AT_LEAST_1, "hysteresis": AT_LEAST_1,
     # parallelism

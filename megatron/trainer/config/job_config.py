@@ -170,6 +170,15 @@ class OptimizerConfig:
     rotation_source: str
     rotation_refresh_interval: int
     rotation_stage_aware: bool
+    muon_momentum: float = 0.95
+    muon_use_nesterov: bool = False
+    muon_num_ns_steps: int = 5
+    muon_scale_mode: str = "spectral"
+    muon_extra_scale_factor: float = 1.0
+    muon_split_qkv: bool = True
+    muon_ns_dtype: str = "float32"
+    lookahead_max_momentum: float = 0.99
+    nadam_momentum_decay: float = 0.004
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ def check_megatron_compat_flags(args: argparse.Namespace) -> None:
         if getattr(args, dest):
             raise ConfigError(message)
     if args.optimizer == "sgd":
-        raise ConfigError("--optimizer sgd is not implemented (adam/adamw and basis-rotation are)")
+        raise ConfigError("--optimizer sgd is not implemented (adam/adamw, basis-rotation, muon and delay-nesterov are)")
     if args.optimizer == "adam":  # Megatron-LM's adam is AdamW: decoupled weight decay
         args.optimizer = "adamw"
     _check_wsd_flags(args)

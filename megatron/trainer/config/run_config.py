@@ -18,8 +18,9 @@ from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.config.values import FlagValue
 
 # Optimizers whose state is element-wise, so a schedule may shard it over stage replicas by
-# ranges of elements (basis rotation rotates whole matrices; the sharded path is AdamW's).
-SHARDABLE_OPTIMIZERS = ("adamw",)
+# ranges of elements (basis rotation rotates whole matrices, Muon orthogonalises them; the
+# sharded path is AdamW's, which delay-nesterov's NAdam shares).
+SHARDABLE_OPTIMIZERS = ("adamw", "delay-nesterov")
 
 
 @dataclass(frozen=True)

@@ -352,6 +352,9 @@ class StageAdamW(AdamWRollback, StageOptimizer):
         if "rotation" in sd and type(self) is StageAdamW:
             raise ValueError("StageAdamW.load_state_dict: the checkpoint holds basis-rotation state "
                              "(saved with --optimizer basis-rotation); its bases would be dropped")
+        if "muon" in sd and type(self) is StageAdamW:
+            raise ValueError("StageAdamW.load_state_dict: the checkpoint holds Muon state (saved with "
+                             "--optimizer muon); its momentum is not Adam's first moment")
         entries = sd["params"]
         expected = {slot.name for slot in self._slots}
         if set(entries) != expected:

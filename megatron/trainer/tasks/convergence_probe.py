@@ -15,6 +15,11 @@ divided by :data:`WIDTH_DIVISOR`, heads likewise), on the user's own data flags.
   updates) first reaches 1F1B's final one, divided by the plan's predicted tokens/s of its
   full-size candidate, next to 1F1B's own ``N`` updates at its predicted tokens/s.
 
+With ``--probe-optimizers`` every candidate is probed with each listed optimizer (a delay-aware
+one only on asynchronous schedules), against 1F1B with the run's ``--optimizer``: "paci + muon"
+and "1f1b + adamw" side by side by time to the same target loss. The optimizer does not change
+the plan's predicted tokens/s (its step is not in the cost model).
+
 What it can tell: whether, at this depth, micro-batch count and learning-rate schedule, the
 staleness costs a few percent of tokens or a multiple, and so whether an asynchronous schedule's
 throughput lead is worth taking. What it cannot: the full width's sensitivity to staleness (a
@@ -36,8 +41,10 @@ from pathlib import Path
 
 from megatron.pipeline.planner.evaluate import CandidateResult
 from megatron.pipeline.planner.report import flags as candidate_flags
+from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
 from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.optim.registry import takes_schedule
 
 WIDTH_DIVISOR = 4  # the probe's hidden size and heads: the user's over this
 MIN_HIDDEN = 32
@@ -54,6 +61,7 @@ class ProbeResult:
     losses: list[float]
     tokens_per_update: int
     predicted_tokens_per_s: float
+    optimizer: str = "adamw"
 
 
 def running_mean(values: Sequence[float], window: int = WINDOW) -> list[float]:
@@ -78,7 +86,8 @@ def summary(probes: Sequence[ProbeResult], window: int = WINDOW) -> list[dict]:
         final = running_mean(p.losses, window)[-1]
         tokens = tokens_to_target(p, target, window)
         seconds = None if tokens is None or not p.predicted_tokens_per_s else tokens / p.predicted_tokens_per_s
-        rows.append({"schedule": p.schedule, "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        rows.append({"schedule": p.schedule, "optimizer": p.optimizer,
+                     "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
                      "microbatches": p.microbatches, "final_loss": final, "loss_gap": final - target,
                      "tokens_to_target": tokens, "predicted_tokens_per_s": p.predicted_tokens_per_s,
                      "time_to_target_s": seconds})
@@ -116,34 +125,50 @@ def width_flags(config: JobConfig) -> list[str]:
     return out
 
 
+def probe_runs(reference_optimizer: str, candidates: Sequence[CandidateResult],
+               optimizers: Sequence[str] | None) -> list[tuple[CandidateResult, str]]:
+    """(candidate, optimizer) pairs to probe: 1F1B with ``reference_optimizer`` first, then each
+    optimizer on every candidate whose schedule it takes (1F1B's reference pair once)."""
+    pairs = [(candidates[0], reference_optimizer)]
+    for optimizer in optimizers or [reference_optimizer]:
+        for result in candidates:
+            asynchronous = schedule_class(result.candidate.schedule).traits.asynchronous
+            if not any(r is result and o == optimizer for r, o in pairs) and takes_schedule(optimizer, asynchronous):
+                pairs.append((result, optimizer))
+    return pairs
+
+
 def run_probe(user_argv: Sequence[str], config: JobConfig, result: CandidateResult, updates: int,
-              workdir: Path) -> ProbeResult:
-    """Train ``result``'s candidate at the reduced width for ``updates`` updates on the emulator."""
+              workdir: Path, optimizer: str | None = None) -> ProbeResult:
+    """Train ``result``'s candidate at the reduced width for ``updates`` updates on the emulator
+    (with ``optimizer``; None: the run's)."""
     model = config.model
     cand = result.candidate
-    log = workdir / f"probe-{cand.schedule}-{cand.pipeline_model_parallel_size}.jsonl"
+    optimizer = optimizer or config.optimizer.optimizer
+    log = workdir / f"probe-{cand.schedule}-{cand.pipeline_model_parallel_size}-{optimizer}.jsonl"
     script = Path(__file__).resolve().parents[3] / "pretrain_gpt.py"
     command = [sys.executable, str(script), *user_argv, *width_flags(config), *candidate_flags(cand, model.num_layers),
                "--data-parallel-size", "1", "--tensor-model-parallel-size", "1",
                "--global-batch-size", str(cand.microbatches * cand.micro_batch_size),
                "--pipeline-executor", "emulator", "--train-iters", str(updates), "--log-interval", "1",
-               "--eval-iters", "0", "--log-json", str(log)]
+               "--eval-iters", "0", "--log-json", str(log), "--optimizer", optimizer]
     run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode:
         tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"probe of {cand.schedule} failed (exit {run.returncode}): {tail[0]}")
+        raise RuntimeError(f"probe of {cand.schedule} with {optimizer} failed (exit {run.returncode}): {tail[0]}")
     records = [json.loads(line) for line in log.read_text().splitlines()]
     losses = [float(r["loss"]) for r in records if "loss" in r and "eval_split" not in r]
     return ProbeResult(cand.schedule, cand.pipeline_model_parallel_size, cand.microbatches, losses,
-                       cand.microbatches * cand.micro_batch_size * model.seq_length, result.tokens_per_s)
+                       cand.microbatches * cand.micro_batch_size * model.seq_length, result.tokens_per_s, optimizer)
 
 
 def probe(user_argv: Sequence[str], config: JobConfig, ranked_sync: Sequence[CandidateResult],
-          ranked_async: Sequence[CandidateResult], updates: int) -> list[dict]:
-    """The probe's rows (module docstring), 1F1B first."""
+          ranked_async: Sequence[CandidateResult], updates: int, optimizers: Sequence[str] | None = None
+          ) -> list[dict]:
+    """The probe's rows (module docstring), 1F1B with the run's optimizer first."""
+    pairs = probe_runs(config.optimizer.optimizer, probe_candidates(ranked_sync, ranked_async), optimizers)
     with tempfile.TemporaryDirectory() as tmp:
-        probes = [run_probe(user_argv, config, r, updates, Path(tmp))
-                  for r in probe_candidates(ranked_sync, ranked_async)]
+        probes = [run_probe(user_argv, config, r, updates, Path(tmp), optimizer) for r, optimizer in pairs]
     return summary(probes)
 
 
@@ -153,10 +178,12 @@ def table(rows: Sequence[dict]) -> str:
         return "not reached" if v is None else format(v, fmt)
 
     lines = ["convergence probe (reduced width, same depth; docs/planning.md says what it can tell)",
-             f"{'schedule':<16} {'PP':>3} {'m':>4} {'final loss':>10} {'gap':>8} {'tokens to target':>17} "
+             f"{'schedule':<16} {'optimizer':<15} {'PP':>3} {'m':>4} {'final loss':>10} {'gap':>8} "
+             f"{'tokens to target':>17} "
              f"{'pred. tok/s':>12} {'time to target s':>17} {'vs 1f1b':>8}"]
     for r in rows:
-        lines.append(f"{r['schedule']:<16} {r['pipeline_model_parallel_size']:>3} {r['microbatches']:>4} "
+        lines.append(f"{r['schedule']:<16} {r['optimizer']:<15} {r['pipeline_model_parallel_size']:>3} "
+                     f"{r['microbatches']:>4} "
                      f"{r['final_loss']:>10.4f} {r['loss_gap']:>+8.4f} {num(r['tokens_to_target'], '.0f'):>17} "
                      f"{r['predicted_tokens_per_s']:>12.1f} {num(r['time_to_target_s'], '.3f'):>17} "
                      f"{num(r['speedup_vs_1f1b'], '.3f'):>8}")

@@ -94,7 +94,8 @@ def amdp_policy(config: ScheduleConfig) -> SchedulePolicy:
     """D/2 pipelines in alternating directions; a device hosts one stage replica per pipeline
     (D/2 stages' weights, W/2 of the model); AdamW state sharded over a stage's replicas unless
     ``--amdp-optimizer-state replicated``, or by default when the optimizer's state is not
-    element-wise (basis rotation rotates whole matrices)."""
+    element-wise (basis rotation rotates whole matrices). A micro-batch's forward and backward
+    are at most one update apart (module doc): gradients are at most one update stale."""
     layout = MultiPipelineLayout(config.num_stages, max(1, config.num_stages // 2))
     state = options_as(config.options, AMDPOptions).optimizer_state
     sharding = OptimizerSharding(
@@ -103,7 +104,7 @@ def amdp_policy(config: ScheduleConfig) -> SchedulePolicy:
                 "use --amdp-optimizer-state replicated")
     plain = SchedulePolicy.plain(layout)
     return dataclasses.replace(plain, weight_copies=(max(1, config.num_stages // 2),) * config.num_stages,
-                               optimizer_sharding=sharding)
+                               optimizer_sharding=sharding, gradient_delays=(1,) * config.num_stages)
 
 
 #: ``sharded`` (the default where the optimizer allows it, the paper's §3.4) keeps AdamW state

@@ -12,6 +12,7 @@ most ``ceil((N - 1 - s) / a)`` of its own updates: the weight-version drift boun
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 
 from megatron.pipeline.ir import Op
@@ -21,10 +22,22 @@ from megatron.pipeline.schedules.base import (
     ScheduleConfigError,
     one_f_one_b,
 )
+from megatron.pipeline.schedules.policy import SchedulePolicy
+
+
+def drift_bounds(config: ScheduleConfig) -> tuple[int, ...]:
+    """:func:`drift_bound` of every stage of ``config`` (a = its micro-batches per update)."""
+    return tuple(drift_bound(config.num_stages, s, config.num_microbatches) for s in range(config.num_stages))
+
+
+def paci_policy(config: ScheduleConfig) -> SchedulePolicy:
+    """Live weights, the run's learning rate; a gradient is at most the drift bound stale."""
+    return dataclasses.replace(SchedulePolicy.plain(config.layout), gradient_delays=drift_bounds(config))
 
 
 class PACI(AsynchronousSchedule):
     name = "paci"
+    traits = dataclasses.replace(AsynchronousSchedule.traits, policy_for=paci_policy)
 
     def segment_ops(self, stage: int, microbatches: Iterable[int]) -> Iterator[Op]:
         return one_f_one_b(stage, self.config.num_stages, microbatches)

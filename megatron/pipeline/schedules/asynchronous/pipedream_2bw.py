@@ -28,13 +28,13 @@ from megatron.pipeline.weight_policy import COUNTED_WEIGHT_VERSIONS, DoubleBuffe
 
 
 def double_buffered_policy(config: ScheduleConfig) -> SchedulePolicy:
-    """Every stage stashes one weight version (two copies) and reads window ``w - 1``'s; the
-    stash is weight-policy state a checkpoint saves."""
+    """Every stage stashes one weight version (two copies) and reads window ``w - 1``'s (so every
+    gradient is one update stale); the stash is weight-policy state a checkpoint saves."""
     n = config.num_stages
     return dataclasses.replace(SchedulePolicy.plain(config.layout), weight_copies=(2,) * n,
                                weight_policies=(DoubleBuffered(config.num_microbatches),) * n,
                                stashes_weights=True, weight_policy_has_state=True,
-                               fixed_accumulation=COUNTED_WEIGHT_VERSIONS)
+                               fixed_accumulation=COUNTED_WEIGHT_VERSIONS, gradient_delays=(1,) * n)
 
 
 class PipeDream2BW(PACI):

@@ -57,7 +57,7 @@ from megatron.pipeline.schedules.base import AsynchronousSchedule, ScheduleConfi
 from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
 from megatron.pipeline.schedules.config import ScheduleOptions, options_as
 from megatron.pipeline.schedules.options import Flag, FlagGroup, OptionFields
-from megatron.pipeline.schedules.asynchronous.paci import PACI, drift_bound
+from megatron.pipeline.schedules.asynchronous.paci import PACI, drift_bound, drift_bounds
 from megatron.pipeline.schedules.policy import SchedulePolicy
 from megatron.pipeline.weight_policy import COUNTED_WEIGHT_VERSIONS, DiscrepancyCorrected
 
@@ -139,7 +139,8 @@ def _weight_policy(config: ScheduleConfig, stage: int) -> DiscrepancyCorrected |
 
 def pipemare_policy(config: ScheduleConfig) -> SchedulePolicy:
     """T1 rescales each stage's learning rate (:class:`RescheduledLR`); T2 corrects the weights its
-    backwards read, from a delta that is weight-policy state a checkpoint saves."""
+    backwards read, from a delta that is weight-policy state a checkpoint saves. The streams are
+    PACI's, so are the gradients' delays."""
     opts = options_as(config.options, PipeMareOptions)
     stages = range(config.num_stages)
     stage_lr = tuple(
@@ -151,7 +152,7 @@ def pipemare_policy(config: ScheduleConfig) -> SchedulePolicy:
                                weight_copies=tuple(2 if _corrects(config, s) else 1 for s in stages),
                                weight_policies=tuple(_weight_policy(config, s) for s in stages),
                                stage_lr=stage_lr, weight_policy_has_state=True,
-                               fixed_accumulation=COUNTED_WEIGHT_VERSIONS)
+                               fixed_accumulation=COUNTED_WEIGHT_VERSIONS, gradient_delays=drift_bounds(config))
 
 
 #: Each technique has its own flag and is off without it.
