@@ -376,7 +376,18 @@ def _check_data(args: argparse.Namespace) -> None:
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parse, derive and check; exits with status 2 and one line on a bad combination."""
     parser = parser or build_parser()
-    args = parser.parse_args(argv)
+    return check_args(parser, parse_flags(argv, parser))
+
+
+def parse_flags(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The user's flags as given (parsed, nothing derived or checked yet): what ``auto`` derives
+    the configs of its other layouts from (:mod:`megatron.trainer.loop.auto`)."""
+    return parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Derive and check the parsed ``args`` in place; exits with status 2 and one line on a bad
+    combination."""
     try:
         check_flag_values(parser, args)  # every numeric flag in its domain, list flags parsed strictly
         finalize_args(args)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,15 +30,15 @@ from megatron.trainer.launch.exit_control import StopControl, Terminated, rank_s
 from megatron.trainer.launch.host import prepare_host, resolve_device
 from megatron.trainer.launch.launcher import is_worker_process
 from megatron.trainer.launch.local import enter_process, launch_ranks
-from megatron.trainer.launch.preflight import check_resume_or_exit, preflight
+from megatron.trainer.launch.preflight import check_launch, check_resume_or_exit, refused_in_one_line
+from megatron.trainer.launch.schedule_check import check_schedule
 from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.loop.logger import ReportCollector
 from megatron.trainer.loop.rampup import segment_schedules
 from megatron.trainer.loop.ranks import _init_megatron_parallel_state, fail, init_rank_process_group, rank_transport
 from megatron.trainer.loop.run_start import make_logger, on_logged, resume_workers, run_plan, run_schedule, start_banner
 from megatron.trainer.loop.runners import PipelineRunner
-from megatron.trainer.launch.auto_relayout import chosen_relayout
-from megatron.trainer.loop.relayout import rebuild, rebuild_line, relayout_boundary
+from megatron.trainer.loop import auto
 from megatron.trainer.loop.segments import run_segments
 from megatron.trainer.loop.workers import build_worker, dump_parameters, local_workers, print_drift_histograms
 from megatron.trainer.tasks.auto_partition import apply_auto_partition
@@ -69,7 +68,8 @@ def drive(task: PretrainTask, config: JobConfig, transport: Transport, device: t
         log_fixed_choice(schedule)
     gc_policy = CollectorPolicy.from_args(config, freeze_startup=not transport.in_process)
     say = (lambda line: print(line, flush=True)) if coordinator else (lambda line: None)
-    boundary = relayout_boundary(schedule, start, config.training.train_iters) if make_transport else None
+    rebuilds = auto.Rebuilds(task, device, make_transport) if make_transport else None
+    boundary = rebuilds.boundary(schedule, start, config.training.train_iters) if rebuilds else None
     segments = run_plan(config, start, () if boundary is None else (boundary,))
 
     def runner_for(transport: Transport, config: JobConfig, workers: list[StageWorker]) -> PipelineRunner:
@@ -88,14 +88,12 @@ def drive(task: PretrainTask, config: JobConfig, transport: Transport, device: t
             if last is None:
                 break
             schedule = last
-            decision = chosen_relayout(last)
-            if decision is None or not segments:
-                continue
-            began, iteration = time.perf_counter(), now[-1].end
-            config, transport, workers, schedule = rebuild(task, config, transport, runner, decision, iteration,
-                                                           device, make_transport)  # type: ignore[arg-type]
-            runner = runner_for(transport, config, workers)
-            say(rebuild_line(decision, iteration, began))
+            rebuilt = rebuilds.after_segment(auto.Stages(config, transport, workers, schedule), runner,
+                                             now[-1].end, say) if rebuilds and segments else None
+            if rebuilt is not None:  # auto decided to rebuild the stages in another layout
+                config, transport, workers, schedule = rebuilt.config, rebuilt.transport, rebuilt.workers, \
+                    rebuilt.schedule
+                runner = runner_for(transport, config, workers)
     transport.flush()
     if logger:
         logger.log_summary()
@@ -152,6 +150,18 @@ def run_distributed(task: PretrainTask, config: JobConfig) -> int:
     dist.barrier(group=groups.reports)
     dist.destroy_process_group()
     return 0
+
+
+def preflight(task: PretrainTask, argv: list[str]) -> JobConfig:
+    """Every up-front check and decision of a launch, before any rank starts: the launch's
+    checks (:func:`~megatron.trainer.launch.preflight.check_launch`), ``auto``'s plan
+    (:func:`megatron.trainer.loop.auto.plan`), then a replay of the schedule's first iterations;
+    exits with status 2 and one ``error:`` line on the first problem."""
+    config, flags = check_launch(task, argv)
+    with refused_in_one_line():  # a schedule that deadlocks, or auto's choice that cannot run
+        config = auto.plan(task, config, flags)
+        check_schedule(config)
+    return config
 
 
 def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | None = None) -> int:
