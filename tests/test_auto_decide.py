@@ -64,3 +64,15 @@ def test_auto_schedule_decides_through_it() -> None:
 def test_decide_imports_no_torch() -> None:
     code = "import sys, megatron.pipeline.planner.decide; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("schedule, tied", [("auto", True), ("auto-async", False)])
+def test_auto_async_is_untied_as_an_asynchronous_schedule(schedule: str, tied: bool) -> None:
+    """``auto-async`` may switch to an asynchronous schedule, so it unties the embeddings as one
+    does (its trait, not its class, says so); ``auto`` chooses among synchronous ones and ties."""
+    from megatron.trainer.config.arguments import parse_job_config
+
+    model = parse_job_config(["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--mock-data",
+                              "--device", "cpu", "--pipeline-schedule", schedule]).model
+    assert model.tie_embeddings is tied
+    assert (f"as every asynchronous schedule ({schedule})" in (model.embeddings_line or "")) is not tied

@@ -107,13 +107,13 @@ def test_a_rebuilt_layout_is_held_to_the_memory_limit_in_the_chain_units() -> No
 def test_auto_only_flags_are_dropped_from_the_rebuilt_command_line() -> None:
     """The rebuilt layout's flags are the user's with ``auto``'s own back at their defaults (as
     if not given), those the target takes kept; the user's flags themselves unchanged."""
-    from megatron.trainer.config.arguments import build_parser, parse_flags
+    from megatron.trainer.config.arguments import build_parser
 
-    parser = build_parser()
+    parser = build_parser()  # the user's flags as given: parsed, nothing derived yet
     argv = ["--lr", "1e-2", "--zb-profile-iters", "2", "--zb-memory-limit=3", "--zb-costs", "c.json", "--seed", "3"]
-    flags = parse_flags(["--pipeline-schedule", "auto", *argv], parser)
-    given = vars(parse_flags(["--pipeline-schedule", "auto", *argv], parser))
-    plain = vars(parse_flags(["--pipeline-schedule", "auto", "--lr", "1e-2", "--seed", "3"], parser))
+    flags = parser.parse_args(["--pipeline-schedule", "auto", *argv])
+    given = vars(parser.parse_args(["--pipeline-schedule", "auto", *argv]))
+    plain = vars(parser.parse_args(["--pipeline-schedule", "auto", "--lr", "1e-2", "--seed", "3"]))
     assert vars(without_flags(flags, "auto", "dualpipev")) == plain
     assert vars(without_flags(flags, "auto", "zb-v")) == given  # zb-v takes the Zero Bubble flags itself
     assert vars(flags) == given

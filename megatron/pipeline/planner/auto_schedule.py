@@ -279,6 +279,7 @@ class AutoAsyncSchedule(AutoSchedule):
 
     name = "auto-async"
     include_async = True
+    traits = dataclasses.replace(AutoSchedule.traits, may_become_asynchronous=True)
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:

@@ -376,25 +376,25 @@ def _check_data(args: argparse.Namespace) -> None:
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parse, derive and check; exits with status 2 and one line on a bad combination."""
     parser = parser or build_parser()
-    return check_args(parser, parse_flags(argv, parser))
+    return checked_args(parser, parser.parse_args(argv))
 
 
-def parse_flags(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """The user's flags as given (parsed, nothing derived or checked yet): what ``auto`` derives
-    the configs of its other layouts from (:mod:`megatron.trainer.loop.auto`)."""
-    return parser.parse_args(argv)
-
-
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+def checked_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Derive and check the parsed ``args`` in place; exits with status 2 and one line on a bad
-    combination."""
+    combination. (The user's flags as parsed, before this, are what ``auto`` derives its other
+    layouts from: :mod:`megatron.trainer.loop.auto.candidates`.)"""
     try:
         check_flag_values(parser, args)  # every numeric flag in its domain, list flags parsed strictly
-        finalize_args(args)
-        check_flags(args)
+        check_args(args)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Derive and check a parsed namespace in place (raise :class:`ConfigError`, one line)."""
+    finalize_args(args)
+    check_flags(args)
 
 
 def parse_job_config(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> JobConfig:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.pipeline.planner.auto_schedule import AutoAsyncSchedule
 from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED, POST_VALIDATION_UNTIED
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
@@ -39,7 +38,7 @@ UNTIE = "--untie-embeddings-and-output-weights"
 def _untied_because(args: argparse.Namespace) -> str | None:
     """Why this run cannot tie (None: it can)."""
     cls = schedule_class(args.pipeline_schedule)
-    if cls.traits.asynchronous or issubclass(cls, AutoAsyncSchedule):  # auto-async may switch to one
+    if cls.traits.asynchronous or cls.traits.may_become_asynchronous:  # auto-async may switch to one
         return f"as every asynchronous schedule ({args.pipeline_schedule}): {ASYNCHRONOUS_UNTIED}"
     if args.pipeline_model_parallel_size == 1:
         return None

@@ -1,7 +1,7 @@
 """The up-front checks of a launch, before any rank starts (module docstrings of the checks).
 
 The schedule's own check (a replay of its first iterations) runs after ``auto`` planned the run
-(:func:`megatron.trainer.loop.training.preflight`), because what ``auto`` decides first (its
+(:func:`megatron.trainer.loop.trainer.preflight`), because what ``auto`` decides first (its
 memory limit, its layout) is what the replay must check."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 
 from megatron.trainer.checkpointing.checkpoint import CheckpointError, ResumePoint, check_resume
-from megatron.trainer.config.arguments import build_parser, check_args, parse_flags
+from megatron.trainer.config.arguments import build_parser, checked_args
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config
 from megatron.trainer.config.job_file import handed_config
@@ -53,8 +53,8 @@ def check_launch(task: PretrainTask, argv: list[str]) -> tuple[JobConfig, argpar
     if config is None:
         parser = build_parser(f"Megatron-Async {task.name} pretraining")
         task.add_arguments(parser)
-        flags = parse_flags(argv, parser)
-        config = build_job_config(check_args(parser, copy.deepcopy(flags)))
+        flags = parser.parse_args(argv)  # the user's flags as given (auto derives its other layouts from them)
+        config = build_job_config(checked_args(parser, copy.deepcopy(flags)))
     if not is_worker_process():  # a bad checkpoint fails here, before any rank starts
         check_resume_or_exit(task, config)
     with refused_in_one_line():  # a run that cannot fit memory: refused here, not inside a rank

@@ -4,7 +4,7 @@
 Why before: a rank holds only the configuration it was handed, not the command line, and
 every rank must rebuild into the same layout. So before any rank starts the trainer derives,
 from the user's own flags (the parsed namespace, before any check derived from it:
-:func:`megatron.trainer.config.arguments.parse_flags`), the configuration of each synchronous
+:func:`megatron.trainer.launch.preflight.check_launch`), the configuration of each synchronous
 schedule that needs another placement than the chain the run starts on (the V schedules;
 interleaving at each chunk count the layers divide into), keeps those whose flags pass every
 check (the same checks, on a copy of the namespace: no argv parsed again, no output
@@ -52,7 +52,7 @@ from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import check_resume
 from megatron.trainer.checkpointing.format import _read_metadata, run_signature
 from megatron.trainer.checkpointing.reshard import LAYOUT_FLAGS
-from megatron.trainer.config.arguments import check_flags, finalize_args
+from megatron.trainer.config.arguments import check_args
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config, replace_in, with_schedule_options
 from megatron.trainer.launch.memory_estimate import part_layer_counts
@@ -86,8 +86,7 @@ def checked_config(flags: argparse.Namespace) -> JobConfig | None:
     """The job config of ``flags`` (derived and checked as the run's own were), or None where a
     check refuses them (that layout is not offered)."""
     try:
-        finalize_args(flags)
-        check_flags(flags)
+        check_args(flags)
     except ConfigError:
         return None
     return build_job_config(flags)
@@ -109,7 +108,7 @@ def _same_model(task: PretrainTask, config: JobConfig, alt: JobConfig) -> bool:
 
 def relayout_configs(task: PretrainTask, config: JobConfig, flags: argparse.Namespace) -> dict[str, JobConfig]:
     """Each rebuildable layout's job config by its label (``dualpipev x2``), ``flags`` being the
-    user's flags (:func:`~megatron.trainer.config.arguments.parse_flags`) ``config`` came from."""
+    user's flags as parsed (:func:`~megatron.trainer.launch.preflight.check_launch`) ``config`` came from."""
     auto = config.schedule.pipeline_schedule
     stages, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
     out: dict[str, JobConfig] = {}
