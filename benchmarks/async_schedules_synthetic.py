@@ -49,7 +49,7 @@ from megatron.pipeline.schedules import build_schedule  # noqa: E402
 from megatron.pipeline.costs.op_costs import OpCosts  # noqa: E402
 from megatron.pipeline.simulator import simulate_schedule, steady_time_per_update  # noqa: E402
 from megatron.trainer.config.arguments import build_parser as trainer_parser  # noqa: E402
-from megatron.trainer.config.arguments import parse_args  # noqa: E402
+from megatron.trainer.plan.parse import parse_args  # noqa: E402
 from megatron.trainer.config.run_config import schedule_config  # noqa: E402
 from megatron.trainer.tasks.synthetic import SyntheticCostTask  # noqa: E402
 from schedule_efficiency import (  # noqa: E402

@@ -218,7 +218,8 @@ def shapes_for(model: Model, layout: PipelineLayout, dp: int, vocab: int, act_by
 
 
 def parsed(argv: list[str]) -> JobConfig:
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
 
     parser = build_parser()

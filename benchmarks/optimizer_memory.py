@@ -65,7 +65,8 @@ def _rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
 
     from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
     from megatron.pipeline.runtime.transport.distributed import DistributedTransport
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.loop.training import _init_megatron_parallel_state, drive
     from megatron.trainer.tasks.gpt import GPTTask
 

@@ -242,7 +242,7 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.gpt import gpt_model_args
     from megatron.trainer.models.gpt import build_gpt_stage
     from megatron.trainer.models.stage import split_layers
@@ -383,7 +383,7 @@ def layer_split(w: dict, stages: int, how: str) -> list[int]:
     ``even``. Both sides of a single-chunk comparison get these counts, so only the runtime differs."""
     if how == "even":
         return [w["num_layers"] // stages] * stages
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
 
     config = parse_job_config(model_flags(w) + ["--pipeline-model-parallel-size", str(stages), "--pipeline-schedule",
                                                 "1f1b", "--global-batch-size", str(w["mbs"] * stages)])

@@ -68,7 +68,8 @@ def argv_for(model: Model, pp: int, schedule: str, mode: str) -> list[str]:
 
 def measure(model: Model, pp: int, schedule: str, mode: str) -> tuple[list[int], list[int]]:
     """Per stage: peak activation bytes, and weight + gradient + optimizer-state bytes."""
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.loop.training import emulate
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -127,7 +128,8 @@ def check_distributed_optimizer(model: Model, dp: int | None) -> None:
         return
     if dp < 2:
         sys.exit("error: --distributed-optimizer needs DP >= 2 (the replicas the state is sharded over)")
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_args
 
     argv = [a for a in argv_for(model, 2, "1f1b", "none") if a not in ("--pipeline-executor", "emulator")]
     argv[argv.index("--global-batch-size") + 1] = str(model.micro_batch * model.microbatches * dp)

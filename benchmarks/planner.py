@@ -173,7 +173,8 @@ def measure_auto(n: int, m: int, iters: int, skip: int, workdir: Path) -> tuple[
 def runtime(args: argparse.Namespace) -> int:
     """``runtime``: the planner's predictions against measured runs on this machine."""
     from megatron.pipeline.costs.unit_costs import load_unit_costs
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.balanced_partition import model_shape
 
     print(f"load average before: {os.getloadavg()}")
@@ -262,7 +263,8 @@ def reevaluate(args: argparse.Namespace) -> int:
     """``reevaluate PASS...``: a recorded ``runtime`` pass (its profiled unit costs and measured
     times, e.g. ``benchmarks/results/planner_runtime/``) predicted again by this planner."""
     from megatron.pipeline.costs.unit_costs import UnitCosts
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.balanced_partition import model_shape
 
     shape = model_shape(parse_job_config([*MODEL, "--global-batch-size", "4", "--mock-data"], build_parser()))

@@ -34,7 +34,8 @@ def tiny_args(num_stages: int, schedule: str, accumulation: int, iters: int, *ex
 
 
 def _parse(argv: list[str], task):
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
 
     parser = build_parser()
     task.add_arguments(parser)
@@ -151,7 +152,7 @@ def assert_flag_error(capsys, argv: list[str], fragment: str) -> None:
     """``argv`` (on a 2-stage, 2-layer GPT) exits 2 with one line of stderr containing ``fragment``."""
     import pytest
 
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "2", *argv])

@@ -18,7 +18,7 @@ import torch
 
 from async_helpers import TINY_GPT, emulate, final_params
 from megatron.pipeline.schedules import SCHEDULES, build_schedule
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.plan.parse import parse_args
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "adding_a_schedule.md"
 NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0")

@@ -34,7 +34,7 @@ from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.simulator import steady_time_per_update as simulator_steady_time
 from megatron.pipeline.schedule_check import check_schedule
 from megatron.pipeline.runtime.worker import StageWorker
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.plan.parse import parse_args
 from megatron.trainer.tasks.gpt import GPTTask
 from tests.async_helpers import assert_runtime_equals_emulator, emulate, tiny_args
 

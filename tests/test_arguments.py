@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.plan.parse import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -49,7 +49,7 @@ def test_unbounded_stream_steps_every_a_backwards():
 
 
 def test_async_1f1b_rejects_accumulation_with_a_pointer_to_paci():
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args(tiny_args(2, "async-1f1b", 2, 2))

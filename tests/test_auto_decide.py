@@ -52,8 +52,9 @@ def test_a_checkpoints_choice_is_kept_and_an_impossible_one_refused() -> None:
 
 
 def test_auto_schedule_decides_through_it() -> None:
-    from megatron.pipeline.planner.auto_schedule import AutoOptions
+    from megatron.pipeline.planner.auto_schedule import AutoOptions, register_auto_selectors
 
+    register_auto_selectors()  # auto, auto-async
     options = AutoOptions(profile_iters=0, costs=EQUAL, relayouts=(V,), stage_layers=(2,) * N)
     auto = build_schedule("auto", ScheduleConfig(N, M, 5, options=options))
     decision = decide(EQUAL, Candidates(ScheduleConfig(N, M, 1), relayouts=(V,), stage_layers=(2,) * N), Limits())
@@ -70,7 +71,7 @@ def test_decide_imports_no_torch() -> None:
 def test_auto_async_is_untied_as_an_asynchronous_schedule(schedule: str, tied: bool) -> None:
     """``auto-async`` may switch to an asynchronous schedule, so it unties the embeddings as one
     does (its trait, not its class, says so); ``auto`` chooses among synchronous ones and ties."""
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
 
     model = parse_job_config(["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--mock-data",
                               "--device", "cpu", "--pipeline-schedule", schedule]).model

@@ -30,6 +30,8 @@ from megatron.pipeline.schedules import ScheduleConfig, build_schedule
 from megatron.trainer.loop.auto.candidates import without_flags
 from tests.async_helpers import TINY_GPT, final_params, run_pretrain
 
+auto_schedule.register_auto_selectors()  # auto, auto-async
+
 V_SCHEDULES = ("zb-v", "v-half", "v-min", "dualpipev")
 
 

@@ -16,7 +16,6 @@ import re
 import pytest
 import torch
 
-import megatron.pipeline.planner.auto_schedule  # noqa: F401  registers auto, auto-async
 from megatron.pipeline.ir import OpKind
 from megatron.pipeline.planner.runtime_choice import rank_choices, switchable
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
@@ -24,8 +23,10 @@ from megatron.pipeline.costs.op_costs import OpCosts
 from megatron.pipeline.simulator import simulate_schedule
 from megatron.pipeline.schedule_check import check_schedule
 from tests.async_helpers import TINY_GPT, emulate, final_params
-from megatron.pipeline.planner.auto_schedule import AutoOptions, auto_options
+from megatron.pipeline.planner.auto_schedule import AutoOptions, auto_options, register_auto_selectors
 from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
+
+register_auto_selectors()  # auto, auto-async
 
 N, M = 4, 8
 EQUAL = (OpCosts(1.0, 1.0, 1.0, t_comm=0.0, m_w=1.0),) * N
@@ -179,7 +180,7 @@ def test_auto_on_synthetic_stages_picks_the_analytic_best(capsys) -> None:
 def test_auto_on_a_cpu_host_with_more_ranks_than_cores_gets_the_shared_cores(monkeypatch) -> None:
     """4 stages x 2 replicas on 4 cores: each pipeline's 4 stages share 4 * 4 / 8 = 2 cores; with
     a core per rank there is no sharing (None); a non-auto schedule is left alone."""
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.loop.auto.limits import apply_auto_host_cores, pipeline_cores
 
     def host_cores(argv: list[str]) -> float | None:

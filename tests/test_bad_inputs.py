@@ -423,7 +423,7 @@ def test_save_without_room_for_a_checkpoint(refuse, tmp_path: Path, monkeypatch:
 
 def test_checkpoint_size_estimate_matches_the_model(inputs) -> None:
     """The estimate counts the parameters a real checkpoint holds (within 10 %)."""
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.checkpointing.paths import estimate_parameters
 
     point = ckpt.find_resume_point(inputs["ckpt"])

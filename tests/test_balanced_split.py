@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron.pipeline.costs.cost_model import head_flops, layer_flops
-from megatron.trainer.config.arguments import build_parser, parse_args, parse_job_config
+from megatron.trainer.config.arguments import build_parser
+from megatron.trainer.plan.parse import parse_args, parse_job_config
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config
 from megatron.trainer.tasks.balanced_partition import layer_split_line, model_shape
@@ -171,12 +172,11 @@ def test_balanced_split_trains_like_the_even_split() -> None:
 
 def test_refusals_are_one_line() -> None:
     with pytest.raises(ConfigError, match="drop --pipeline-layer-split"):
-        from megatron.trainer.config.arguments import finalize_args, check_flags
+        from megatron.trainer.plan.parse import check_args
 
         args = build_parser("t").parse_args([*ISSUE, "--pipeline-model-parallel-size", "2",
                                              "--pipeline-layer-split", "4", "4", "--pipeline-partition", "balanced"])
-        finalize_args(args)
-        check_flags(args)
+        check_args(args)
 
 
 def test_resume_keeps_the_checkpoints_split(tmp_path) -> None:

@@ -26,7 +26,7 @@ from test_optimizer import (
 from torch import Tensor, nn
 
 from megatron.trainer.checkpointing import checkpoint as ckpt
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.plan.parse import parse_args
 from megatron.trainer.optim.basis_rotation import (
     BasisRotationAdamW,
     RotationConfig,

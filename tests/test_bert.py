@@ -295,7 +295,7 @@ def test_no_binary_head_flag_and_middle_batch_keys_for_gpt(tmp_path: Path):
     op = Op(OpKind.F, stage=1, microbatch=0)
     gpt = emulate(tiny_args(3, "1f1b", 1, 1, "--pipeline-executor", "emulator"))
     assert gpt[1]._batch(op) == {}
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.config.job_config import replace_in
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -306,7 +306,8 @@ def test_no_binary_head_flag_and_middle_batch_keys_for_gpt(tmp_path: Path):
 
 
 def test_bert_flag_errors(capsys, monkeypatch):
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_args
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
@@ -394,7 +395,8 @@ def test_bert_trains_with_hugging_face_wordpiece_tokenizer(bert_corpus, tmp_path
 def test_bert_data_errors_are_one_line(bert_corpus, tmp_path: Path, capsys, monkeypatch):
     """A tokenizer without BERT's special tokens, and unsplit documents (one sentence each)
     with the sentence-order head, fail before any rank starts."""
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_args
     from tools.preprocess_data import main as preprocess
 
     root, _ = bert_corpus
@@ -424,7 +426,8 @@ def test_bert_data_errors_are_one_line(bert_corpus, tmp_path: Path, capsys, monk
 def test_evaluation_without_validation_documents_is_refused_up_front(bert_corpus, capsys, monkeypatch):
     """BERT samples need multi-sentence documents; a 2% validation share of 16 documents has
     none, so --eval-interval must fail before any rank starts (not skip evaluation silently)."""
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_args
 
     root, data = bert_corpus
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

@@ -23,7 +23,7 @@ from async_helpers import emulate, final_params, named_parameters, run_pretrain,
 from tests.adam_bounds import assert_within_bounds, gpt_gradient_noise, trace_adam
 
 from megatron.trainer.checkpointing import checkpoint as ckpt
-from megatron.trainer.config.arguments import parse_job_config
+from megatron.trainer.plan.parse import parse_job_config
 from megatron.trainer.tasks.gpt import GPTTask
 
 TOTAL = 5

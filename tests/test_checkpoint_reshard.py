@@ -20,7 +20,7 @@ from async_helpers import TINY_GPT, emulate, run_pretrain
 from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.checkpointing import load as ckpt_load
 from megatron.trainer.checkpointing import reshard
-from megatron.trainer.config.arguments import parse_job_config
+from megatron.trainer.plan.parse import parse_job_config
 from megatron.trainer.tasks.gpt import GPTTask
 
 SAVED, TOTAL = 3, 5

@@ -23,7 +23,7 @@ from async_helpers import REPO, emulate, eval_records, final_params, run_pretrai
 
 from megatron.pipeline.schedules import SCHEDULES
 from megatron.trainer.checkpointing import checkpoint as ckpt
-from megatron.trainer.config.arguments import parse_job_config
+from megatron.trainer.plan.parse import parse_job_config
 from megatron.trainer.tasks.gpt import GPTTask
 from megatron.trainer.loop.restart_report import PROGRESS_FILE  # the restart report's progress, beside the checkpoints
 

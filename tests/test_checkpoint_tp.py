@@ -28,7 +28,7 @@ from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.checkpointing import reshard
 from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
 from megatron.trainer.checkpointing.shards import ShardError, plan_region, shard_entry
-from megatron.trainer.config.arguments import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_job_config
 from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.trainer.models.tensor_parallel import ShardLayout, take_shard
 

@@ -93,7 +93,7 @@ PROBE = """
 import os, sys
 from pathlib import Path
 import megatron.trainer.launch.core_binding as core_binding
-from megatron.trainer.config.arguments import parse_job_config
+from megatron.trainer.plan.parse import parse_job_config
 from megatron.trainer.loop.training import prepare_host
 core_binding.claim_dir = lambda: Path(sys.argv[2])  # not the machine's: concurrent tests bind there
 config = parse_job_config(["--mock-data", "--device", "cpu", *sys.argv[3:]])
@@ -119,7 +119,7 @@ def test_a_rank_process_ends_up_on_its_share(tmp_path: Path) -> None:
 
 
 def test_the_flag_is_refused_with_a_bad_value(capsys) -> None:
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--mock-data", "--bind-cores", "all"])

@@ -31,7 +31,7 @@ def test_null_tokenizer_is_megatron_cores() -> None:
 
 @pytest.mark.parametrize("kind,package", [("SentencePieceTokenizer", "sentencepiece"), ("TikTokenizer", "tiktoken")])
 def test_optional_tokenizer_libraries_fail_in_one_line(kind: str, package: str, tmp_path, capsys) -> None:
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
 
     model = tmp_path / "missing.model"
     argv = ["--mock-data", "--tokenizer-type", kind, "--tokenizer-model", str(model)]

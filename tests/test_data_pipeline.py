@@ -16,7 +16,7 @@ import numpy
 import pytest
 import torch
 
-from megatron.trainer.config.arguments import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_job_config
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.data.corpus import pydoc_corpus, write_jsonl
 from megatron.trainer.tokenizer import TokenizerError, build_tokenizer

@@ -17,7 +17,7 @@ from async_helpers import emulate, read_log, tiny_args
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules.evaluation import evaluation_streams
 from megatron.pipeline.schedule_check import check_streams
-from megatron.trainer.config.arguments import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_job_config
 from megatron.trainer.tasks.gpt import GPTTask
 from megatron.trainer.loop.segments import Segment, plan_segments
 

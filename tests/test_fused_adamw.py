@@ -182,7 +182,7 @@ def test_fused_is_refused_for_an_optimizer_with_its_own_update() -> None:
 
 
 def test_adam_kernel_flag_resolves_and_refuses() -> None:
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
     from megatron.trainer.config.job_config import build_job_config
     from megatron.trainer.optim.registry import build_optimizer
 

@@ -122,7 +122,8 @@ def test_emulator_rng_rewind_repeats_dropout_masks(megatron_world1, device: str)
     (docs/gpu.md F3): the cuda case is a strict xfail, so fixing F3 turns it into a failure
     that asks for the mark to go."""
     from megatron.pipeline.ir import Op, OpKind
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import build_worker
 
@@ -151,7 +152,8 @@ def test_resolve_device_sets_current_device_before_init(monkeypatch):
     """``run_distributed`` selects LOCAL_RANK's GPU before ``init_process_group`` and binds the
     process group to it (``device_id``: eager NCCL init), on every local rank."""
     from megatron.trainer.loop import training
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
 
     class Stop(Exception):

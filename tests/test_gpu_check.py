@@ -95,7 +95,8 @@ def test_flops_are_megatron_lms_count():
     """Our count against the trainer's ``flops_per_iteration`` (written independently, without
     the causal halving of the attention): they differ by exactly the halved term, 6 * L * s * h
     per token; and GPT-2 medium's count per token is 6 x parameters plus the attention term."""
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.config.megatron_compat_args import flops_per_iteration
 
     m = GPTShape(layers=3, hidden=64, heads=4, seq=32, vocab=256)

@@ -21,7 +21,7 @@ from megatron.pipeline.ir import BW, F, OPT, OpKind, PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.sync.interleaved import Interleaved1F1B, forward_slots, warmup_forwards
 from megatron.pipeline.schedule_check import check_schedule, check_streams
-from megatron.trainer.config.arguments import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_job_config
 from tests.async_helpers import Reference, assert_trains_like, emulate, emulated_reference, final_params, run_pretrain, tiny_args
 from megatron.pipeline.schedules.sync.interleaved import InterleavedOptions
 

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from megatron.pipeline.schedules import flag_groups
-from megatron.trainer.config.arguments import build_parser, parse_args, parse_job_config
+from megatron.trainer.config.arguments import build_parser
+from megatron.trainer.plan.parse import parse_args, parse_job_config
 from megatron.trainer.config.job_config import (
     NOT_CONFIG, RENAMED, SECTION_TYPES, JobConfig, UnplacedFlagError, build_job_config, flag_values, replace_in)
 from megatron.trainer.tasks.bert import BertTask

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 WRAPPER = '''
 import os, sys
 from megatron.trainer.config import flag_checks
+from megatron.trainer import environment
 from megatron.trainer.launch import launcher
 
 _init = flag_checks.OneLineParser.__init__
@@ -35,7 +36,7 @@ def _counting_init(self, *args, **kwargs):
 
 
 flag_checks.OneLineParser.__init__ = _counting_init
-if launcher.is_worker_process():
+if environment.is_worker_process():
     with open(os.environ["RANK_FILE"], "a") as f:
         f.write(f"{os.environ['RANK']} {os.getpid()}\\n")
 elif os.environ.get("START_FRESH_RANKS"):  # as on GPU: each rank a new python process

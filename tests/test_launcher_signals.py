@@ -24,7 +24,7 @@ import torch
 from async_helpers import REPO, emulate, final_params, tiny_args
 from process_tree import children
 
-from megatron.trainer.config.arguments import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_job_config
 from megatron.trainer.loop.segments import plan_segments
 
 GONE_WITHIN_S = 5.0

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.trainer.config.arguments import build_parser, parse_args, parse_job_config
+from megatron.trainer.config.arguments import build_parser
+from megatron.trainer.plan.parse import parse_args, parse_job_config
 from megatron.trainer.config.job_config import build_job_config
 from megatron.trainer.tasks.bert import BertTask
 from megatron.trainer.config.megatron_compat_args import DEFAULT_BEHAVIOUR_FLAGS, REFUSED_FLAGS

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.trainer.config.arguments import parse_args
+from megatron.trainer.plan.parse import parse_args
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import build_job_config
 from megatron.trainer.config.megatron_split_args import accounted_split, layout_split, parse_layout, uneven_split

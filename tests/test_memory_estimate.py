@@ -7,7 +7,7 @@ memory check used), so the flags-to-estimate path is tested end to end.
 
 Tolerance 25 % (the issue's): the estimate is analytic (parameter counts and the cost model's
 saved activations) with one measured constant, the host heap factor, whose calibration runs
-spread +-16 % around it (``megatron/trainer/launch/memory_estimate.py``); the rest is the
+spread +-16 % around it (``megatron/trainer/plan/memory_estimate.py``); the rest is the
 baseline's variation between the launcher, which the estimate reads, and a forked rank (about
 30 MB of ~350 MB) and allocator noise between runs (a few MB, ``benchmarks/investigations/rank_peak_rss.py``).
 The configurations differ from the calibration ones (other sizes, schedules, PP, recompute) and

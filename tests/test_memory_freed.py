@@ -101,7 +101,7 @@ class LastUseTracker:
 
 
 def _workers(num_stages: int, microbatches: int):
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.loop.training import build_worker
     from megatron.trainer.tasks.gpt import GPTTask
 

@@ -79,7 +79,7 @@ def test_flag_errors_are_one_line(capsys, argv: list[str], fragment: str) -> Non
 
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
 def test_half_precision_post_validation_rolls_back_exactly_by_default(precision: str) -> None:
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
 
     base = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", precision, "--enable-optimizer-post-validation"]
     assert parse_args(base).optimizer_post_validation_exact

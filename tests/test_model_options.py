@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.trainer.config.arguments import build_parser, parse_job_config
+from megatron.trainer.config.arguments import build_parser
+from megatron.trainer.plan.parse import parse_job_config
 from megatron.trainer.tasks.bert import BertTask
 from megatron.trainer.tasks.gpt import GPTTask
 from tests.adam_bounds import assert_within_bounds, gpt_gradient_noise, trace_adam

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.trainer.config.arguments import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_job_config
 from megatron.trainer.optim.registry import OPTIMIZERS, build_optimizer
 
 

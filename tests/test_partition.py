@@ -105,7 +105,8 @@ def test_auto_partition_end_to_end_in_the_emulator(capsys: pytest.CaptureFixture
     """
     import re
 
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import emulate
 

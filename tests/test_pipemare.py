@@ -308,7 +308,7 @@ def test_discrepancy_correction_policy_on_the_quadratic_model(decay: float | Non
                                    ("--pipeline-schedule", "pipemare", "--pipemare-discrepancy-decay", "1.5"),
                                    ("--pipeline-schedule", "pipemare", "--pipemare-lr-anneal-iters", "0")])
 def test_bad_flags_fail_before_training(flags: tuple[str, ...]) -> None:
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args([*tiny_args(2, "pipemare", 2, 4), *flags])

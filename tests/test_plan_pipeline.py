@@ -27,7 +27,7 @@ def _json(capsys, argv: list[str]) -> dict:
 
 
 def test_json_interface_and_flags_the_trainer_accepts(capsys):
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
 
     out = _json(capsys, [*SMALL, "--device", "h100"])
     assert {c["schedule"] for c in out["candidates"]} == {"1f1b", "gpipe", "paci", "zb-h1"}

@@ -92,7 +92,7 @@ def test_manual_gc_run_collects_every_interval_and_restores_the_collector(
 
 @pytest.mark.parametrize("flags", [["--manual-gc-interval", "2"], ["--no-manual-gc-eval"]])
 def test_manual_gc_options_need_the_flag(flags: list[str], capsys) -> None:
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--mock-data", *flags])

@@ -209,7 +209,7 @@ def key_mask(shape: torch.Size) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reference(megatron_world1: None, launched) -> Reference:
     """Plain training of the unsplit model."""
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.data.mock import MockGPTData
     from megatron.trainer.tasks.gpt import gpt_model_args
     from megatron.trainer.models.gpt import build_gpt_stage

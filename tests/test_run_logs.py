@@ -123,7 +123,7 @@ def test_optional_package_notices_filtered_and_named_once() -> None:
     import importlib.util
     import warnings
 
-    from megatron.trainer.launch.optional_packages import optional_packages_line, quiet_imports
+    from megatron.trainer.optional_packages import optional_packages_line, quiet_imports
 
     with warnings.catch_warnings(record=True) as caught:  # restores the filters afterwards
         warnings.simplefilter("always")

@@ -103,7 +103,8 @@ def _synthetic_worker(t_b: float, t_w: float):
     """A one-stage synthetic-cost worker built exactly as the trainer builds it."""
     import torch
 
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
     from megatron.trainer.loop.training import build_worker
 
@@ -202,7 +203,8 @@ def test_synthetic_wgrad_defaults_to_zero() -> None:
 
 
 def _synthetic_config(*argv: str):
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
 
     parser = build_parser("synthetic")

@@ -152,7 +152,7 @@ def test_distributed_optimizer_checkpoint_at_tp2_dp2_resumes_bitwise_and_reshard
     (gathered over DP at save): a same-layout resume continues bitwise, and the checkpoint passes
     the up-front checks for another TP size and for whole (unsharded) optimizer states."""
     from megatron.trainer.checkpointing.checkpoint import check_resume
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
 
     save = tmp_path / "ckpt"
@@ -214,7 +214,7 @@ def test_transformer_engine_at_tp2_refused_and_auto_picks_the_local_spec():
     first), and ``auto`` resolves to the local spec at TP > 1 even where TE would run."""
     import argparse
 
-    from megatron.trainer.config.arguments import parse_args, parse_job_config
+    from megatron.trainer.plan.parse import parse_args, parse_job_config
     from megatron.trainer.config.errors import ConfigError
     from megatron.trainer.config.job_config import build_job_config
     from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_flags

@@ -151,7 +151,8 @@ def test_a_tied_v_checkpoint_resumes_and_reshards_into_a_chain(megatron_world1, 
 def _stage_counts(argv: list[str], task) -> tuple[JobConfig, list[int]]:
     """The flags' job config and the banner's parameters per stage (tied copies counted once)."""
     from megatron.pipeline.runtime.tied_embeddings import counted
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
 
     parser = build_parser()
     task.add_arguments(parser)

@@ -112,7 +112,8 @@ def test_emulator_traces_are_retimed(tmp_path: Path) -> None:
     """The emulator traces too (one file per stage, same format); the merge re-times its serial
     timestamps through the replay, so each stage's ops keep their durations and order and no
     op starts before its inputs exist. Fast: in process, 2 stages, 1 ms sleeps."""
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
     from megatron.trainer.loop.training import emulate
 

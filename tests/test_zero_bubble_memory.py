@@ -43,7 +43,7 @@ class _NoReports:
 
 
 def _workers(num_microbatches: int, measure: bool = True, schedule: str = "1f1b", num_layers: int = N):
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import build_worker
 
@@ -190,7 +190,7 @@ def test_trainer_plans_with_the_bound_unless_told(monkeypatch) -> None:
     """Without profiling, --zb-costs without M_W/M_B and the placeholder use M_W / M_B = 1."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
     from megatron.trainer.config.run_config import schedule_config
 
     base = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--global-batch-size", "8"]

@@ -207,7 +207,7 @@ BAD = {
 def test_bad_zb_flags_exit_2_with_one_line(case: str, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     import torch.distributed as dist
 
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a process group was started during argument validation")
@@ -223,7 +223,7 @@ def test_bad_zb_flags_exit_2_with_one_line(case: str, capsys: pytest.CaptureFixt
 
 
 def test_zb_flags_become_schedule_options(tmp_path) -> None:
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
     from megatron.trainer.config.run_config import schedule_config
 
     def options(*extra):

@@ -25,7 +25,8 @@ def _rank(runs: list[list[str]]) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.loop.training import drive, rank_transport
     from megatron.trainer.tasks.gpt import GPTTask
 

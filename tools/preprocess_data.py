@@ -34,7 +34,8 @@ from megatron.trainer.data.corpus import EncodingError, json_record, utf8_lines 
 from megatron.trainer.config.flag_checks import OneLineParser  # noqa: E402
 from megatron.trainer.data.sentence_split import TRAINING_SAMPLE_CHARS, build_splitter, split_sentences  # noqa: E402
 from megatron.trainer.tokenizer.factory import build_tokenizer  # noqa: E402
-from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES, TokenizerError  # noqa: E402
+from megatron.trainer.config.choices import TOKENIZER_TYPES  # noqa: E402
+from megatron.trainer.tokenizer.tokenizer import TokenizerError  # noqa: E402
 from megatron.trainer.checkpointing.writable import OutputPathError, check_writable_directory  # noqa: E402
 
 

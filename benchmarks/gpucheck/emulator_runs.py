@@ -38,7 +38,8 @@ def summarise(records: list[dict], warmup: int) -> dict:
 def run_one(argv: list[str], warmup: int, workdir: Path) -> dict:
     import torch
 
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.loop.training import emulate
     from megatron.trainer.tasks.gpt import GPTTask
 

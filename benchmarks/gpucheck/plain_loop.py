@@ -24,7 +24,8 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron.trainer.config.arguments import build_parser, parse_job_config
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.tasks.gpt import GPTTask
 
     warmup, flags = int(argv[0]), argv[argv.index("--") + 1:]

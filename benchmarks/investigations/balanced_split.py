@@ -81,7 +81,7 @@ def run(schedule: str, partition: str, stages: int, m: int, iters: int, skip: in
 
 def predicted(stages: int) -> str:
     """The cost model's per-stage cost (in transformer layers) of the even and balanced splits."""
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.plan.parse import parse_args
     from megatron.trainer.tasks.balanced_partition import model_shape
     from megatron.pipeline.costs.cost_model import layer_costs, layer_flops
 

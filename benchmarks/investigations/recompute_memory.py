@@ -32,7 +32,8 @@ SCHEDULES = ("1f1b", "zb-h1")
 
 def measure(opts: argparse.Namespace, schedule: str, mode: str) -> list[int]:
     """Per-stage peak activation bytes of one emulator run."""
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_args
     from megatron.trainer.loop.training import emulate
     from megatron.trainer.tasks.gpt import GPTTask
 

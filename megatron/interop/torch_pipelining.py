@@ -111,7 +111,7 @@ def train_torch_runtime(argv: Sequence[str], csv_path: str, rank: int, world: in
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from megatron.trainer.config.arguments import parse_job_config
+    from megatron.trainer.plan.parse import parse_job_config
     from megatron.trainer.loop.ranks import _init_megatron_parallel_state
     from megatron.trainer.tasks.gpt import GPTTask
 

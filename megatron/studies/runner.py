@@ -75,7 +75,8 @@ def run_argv(spec: RunSpec, data: StudyData, out_dir: Path) -> list[str]:
 
 def check_argv(argv: Sequence[str]) -> None:
     """Parse one run's flags here, before any run starts: a bad grid fails in one line, at once."""
-    from megatron.trainer.config.arguments import build_parser, parse_args
+    from megatron.trainer.config.arguments import build_parser
+    from megatron.trainer.plan.parse import parse_args
     from megatron.trainer.tasks.gpt import GPTTask
 
     parser = build_parser()

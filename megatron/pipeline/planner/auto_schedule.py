@@ -1,8 +1,8 @@
 """``--pipeline-schedule auto`` / ``auto-async``: profile, then run the schedule the planner ranks first.
 
-Registered as selectors (:func:`megatron.pipeline.schedules.register_selector`) when this module
-is imported (the trainer's argument parser does): the schedules package cannot import the
-planner, which ranks with the schedules.
+Registered as selectors (:func:`megatron.pipeline.schedules.register_selector`) by
+:func:`register_auto_selectors`, which the trainer's argument parser calls: the schedules
+package cannot import the planner, which ranks with the schedules.
 
 Why it is a profiled schedule: the run's first ``K = --zb-profile-iters`` iterations run ZB-H1
 while the executors time every F, B and W exactly as for zb-1p / zb-2p
@@ -289,5 +289,12 @@ class AutoAsyncSchedule(AutoSchedule):
                                       "every iteration; use auto")
 
 
-for _selector in (AutoSchedule, AutoAsyncSchedule):
-    register_selector(_selector)
+#: the selectors this module defines, registered by :func:`register_auto_selectors`
+AUTO_SELECTORS: tuple[type[AutoSchedule], ...] = (AutoSchedule, AutoAsyncSchedule)
+
+
+def register_auto_selectors() -> None:
+    """Make ``auto`` and ``auto-async`` valid ``--pipeline-schedule`` names. Called by whoever
+    offers them (the trainer's parser); idempotent."""
+    for selector in AUTO_SELECTORS:
+        register_selector(selector)

@@ -60,7 +60,7 @@ from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
 from megatron.trainer.checkpointing.paths import rank_file_name
 from megatron.trainer.checkpointing.reshard import file_index, tp_size
 from megatron.trainer.models.tensor_parallel import shard_layout
-from megatron.trainer.tasks.task import PretrainTask
+from megatron.trainer.checkpointing.model_names import NamedModel
 from megatron.trainer.checkpointing.format import (  # noqa: F401 - the checkpoint API, in one place
     FORMAT_VERSION, METADATA, POINTER, SIGNATURE_FLAGS, CheckpointError, _read_metadata, file_checksum,
     iteration_dir, run_signature, tensor_parallel_rank)
@@ -71,7 +71,7 @@ from megatron.trainer.checkpointing.load import (  # noqa: F401
 # ----------------------------------------------------------------------------- saving
 
 
-def stage_states(task: PretrainTask, transport: Transport, workers: Sequence[StageWorker]) -> list[dict[str, Any]]:
+def stage_states(task: NamedModel, transport: Transport, workers: Sequence[StageWorker]) -> list[dict[str, Any]]:
     """:func:`stage_state` of every local worker. AMDP's replicas, whose optimizer state is
     sharded over them, first gather each hosted logical stage's whole state (a collective of
     the replica groups, :func:`~megatron.pipeline.runtime.replicas.whole_optimizer_states`), so
@@ -92,7 +92,7 @@ def _check_drained(worker: StageWorker) -> None:
         raise CheckpointError(f"stage {worker.stage}: cannot checkpoint with accumulated gradients not yet applied")
 
 
-def stage_state(task: PretrainTask, worker: StageWorker,
+def stage_state(task: NamedModel, worker: StageWorker,
                 optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything one stage needs to continue exactly; refuses an undrained pipeline.
     ``optimizer_state``: the whole state gathered over AMDP's replicas (:func:`stage_states`);

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import signal
 
-from megatron.trainer.launch.rendezvous import restart_attempt
+from megatron.trainer.environment import restart_attempt
 
 KILL_DURING_SAVE_ENV = "MEGATRON_ASYNC_TEST_KILL_DURING_SAVE"
 POINTS = ("written", "renamed")

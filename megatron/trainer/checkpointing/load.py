@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from megatron.trainer.checkpointing.reshard import (
 from megatron.trainer.checkpointing.shards import Region, ShardError
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.models.tensor_parallel import shard_layout
-from megatron.trainer.tasks.task import PretrainTask
+from megatron.trainer.checkpointing.model_names import NamedModel
 
 
 def restore_schedule_state(schedule: Schedule, point: "ResumePoint | None") -> None:
@@ -67,7 +68,7 @@ def find_resume_point(root: str | Path) -> ResumePoint | None:
     return ResumePoint(iteration, directory)
 
 
-def check_resume(task: PretrainTask, config: JobConfig, verify_files: bool = True) -> ResumePoint | None:
+def check_resume(task: NamedModel, config: JobConfig, verify_files: bool = True) -> ResumePoint | None:
     """Validate ``--load`` before any rank starts; return where to resume (None: start fresh).
 
     A different model shape or precision, a layout change that cannot load correctly
@@ -123,6 +124,15 @@ def check_resume(task: PretrainTask, config: JobConfig, verify_files: bool = Tru
     return ResumePoint(point.iteration, point.directory, checksums,
                        metadata.get("schedule_state") if keeps_order else None, reshard)
 
+
+
+def check_resume_or_exit(task: NamedModel, config: JobConfig, verify_files: bool = True) -> ResumePoint | None:
+    """``--load``'s checkpoint, validated (one line and exit 2 if it does not fit this run)."""
+    try:
+        return check_resume(task, config, verify_files)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 def _check_sharded_optimizer(metadata: dict[str, Any], config: JobConfig, where: str) -> None:
     """Optimizer shards (files of AMDP or --use-distributed-optimizer written before their saves
@@ -185,7 +195,7 @@ def _load_rng(worker: StageWorker, state: dict[str, Any]) -> None:
     worker.drift_histogram.update(state.get("drift_histogram", {}))
 
 
-def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint, dp_rank: int,
+def load_stage_state(task: NamedModel, worker: StageWorker, point: ResumePoint, dp_rank: int,
                      optimizer: bool = True, rng: bool = True) -> None:
     """Restore one stage from its rank file (parameters, optimizer, RNG, drift histogram).
 
@@ -216,7 +226,7 @@ def load_stage_state(task: PretrainTask, worker: StageWorker, point: ResumePoint
         _load_rng(worker, state)
 
 
-def _load_resharded(task: PretrainTask, worker: StageWorker, point: ResumePoint, dp_rank: int,
+def _load_resharded(task: NamedModel, worker: StageWorker, point: ResumePoint, dp_rank: int,
                     optimizer: bool, rng: bool) -> None:
     """This stage's parameters and optimizer state by global name from the old files holding
     them, each tensor-parallel region assembled from the shards overlapping it (parameters and

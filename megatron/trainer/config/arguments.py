@@ -7,33 +7,26 @@ the rendezvous.
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Sequence
 
 from megatron.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleConfigError
-import megatron.pipeline.planner.auto_schedule  # noqa: F401,E402  registers --pipeline-schedule auto, auto-async
-from megatron.trainer.tokenizer.tokenizer import TOKENIZER_TYPES
+from megatron.pipeline.planner.auto_schedule import register_auto_selectors
 from megatron.trainer.config.basis_rotation_args import add_basis_rotation_args, check_basis_rotation_flags
 from megatron.trainer.config.schedule_args import add_schedule_args, check_schedule_flags
 from megatron.trainer.config.run_control_args import add_run_control_args, check_run_control_flags
-from megatron.trainer.config.insight_args import add_insight_args, check_insight_flags
+from megatron.trainer.config.insight_args import add_insight_args
 from megatron.trainer.config.mixed_precision_args import add_mixed_precision_args, check_mixed_precision_flags
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.optim.registry import OPTIMIZERS
-from megatron.trainer.launch.host_allocator import HOST_MALLOC_CHOICES
-from megatron.trainer.launch.core_binding import BIND_CORES_CHOICES
-from megatron.trainer.optim.fused_adamw import fused_adamw_available_in_torch
-from megatron.trainer.config.job_config import JobConfig, build_job_config
+from megatron.trainer.environment import world_size_from_env
+from megatron.trainer.config.choices import (
+    BIND_CORES_CHOICES, DECAY_STYLES, HOST_MALLOC_CHOICES, OPTIMIZER_NAMES, TOKENIZER_TYPES)
+from megatron.trainer.config.job_config import build_job_config
 from megatron.trainer.config.run_config import RunConfig
-from megatron.trainer.config.flag_checks import OneLineParser, check_flag_values
+from megatron.trainer.config.flag_checks import OneLineParser
 from megatron.trainer.config.exit_args import add_exit_args, check_exit_flags
 from megatron.trainer.config.restart_args import add_restart_args, check_restart_flags
 from megatron.trainer.config.recompute_args import add_recompute_args, check_recompute_flags
 from megatron.trainer.config.ddp_args import add_ddp_args, check_ddp_flags
-from megatron.trainer.launch.memory_check import add_memory_check_args
-from megatron.trainer.launch.schedule_check import add_schedule_check_args
 from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_flags
-from megatron.trainer.optim.lr_schedule import DECAY_STYLES
 from megatron.trainer.config.tied_args import resolve_tied_embeddings
 from megatron.trainer.config.megatron_split_args import add_megatron_split_args, resolve_megatron_split
 from megatron.trainer.config.megatron_compat_args import (
@@ -71,7 +64,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=[*OPTIMIZERS, "sgd"], default="adamw",  # sgd: refused with one line
+    g.add_argument("--optimizer", choices=[*OPTIMIZER_NAMES, "sgd"], default="adamw",  # sgd: refused with one line
                    help="adam: Megatron-LM's name for AdamW (decoupled weight decay); "
                         "basis-rotation: Adam in a rotated eigenbasis for 2-D weights (see docs/design.md)")
     g.add_argument("--lr", type=float, default=1e-3)
@@ -151,6 +144,18 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="with --manual-gc: no collection before and after each evaluation")
 
 
+def _add_preflight_args(p: argparse.ArgumentParser) -> None:
+    """The up-front checks' switches (the checks run in :mod:`megatron.trainer.launch.preflight`)."""
+    g = p.add_argument_group("memory check")
+    g.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="start even when the per-rank memory estimate (printed in the banner) exceeds the "
+                        "host's MemAvailable (CPU) or the GPU's free memory")
+    g = p.add_argument_group("schedule check")
+    g.add_argument("--no-schedule-check", dest="schedule_check", action="store_false",
+                   help="start without replaying the schedule's first iterations through the schedule "
+                        "check (a deadlock or a mismatched message then shows as a pipeline timeout)")
+
+
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
@@ -177,6 +182,7 @@ DERIVED_DEFAULTS = dict(
 
 
 def build_parser(description: str = "Megatron-Async pretraining") -> argparse.ArgumentParser:
+    register_auto_selectors()  # --pipeline-schedule auto, auto-async
     p = OneLineParser(description=description, allow_abbrev=False)
     p.set_defaults(**DERIVED_DEFAULTS)
     _add_model_args(p)
@@ -191,16 +197,11 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
     add_mixed_precision_args(p)  # --fp16, --loss-scale, --initial-loss-scale, ...
     add_recompute_args(p)  # --recompute-granularity/-method/-num-layers, --recompute-activations
     add_ddp_args(p)  # --overlap-grad-reduce, --ddp-bucket-size
-    add_memory_check_args(p)  # --no-memory-check (the check runs in launch.preflight)
-    add_schedule_check_args(p)  # --no-schedule-check (likewise)
+    _add_preflight_args(p)  # --no-memory-check, --no-schedule-check (the checks run in launch.preflight)
     _add_logging_args(p)
     add_megatron_compat_args(p)  # Megatron-LM's model, sample-count, rampup, loading and logging flags
     add_megatron_split_args(p)  # --decoder-first/last-pipeline-num-layers, --account-for-*, layout
     return p
-
-
-def _world_size_from_env() -> int | None:
-    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
 
 
 def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -208,7 +209,7 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
     if pp < 1 or tp < 1:
         raise ConfigError("--pipeline-model-parallel-size and --tensor-model-parallel-size must be >= 1")
-    world = _world_size_from_env()
+    world = world_size_from_env()
     if args.data_parallel_size is None:
         if world is not None and args.pipeline_executor == "distributed":
             if world % (pp * tp):
@@ -233,21 +234,11 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _resolve_adam_kernel(args: argparse.Namespace) -> None:
-    """``--adam-kernel auto`` becomes what runs; ``fused`` where it cannot run is refused."""
-    plain_adam = args.optimizer in ("adam", "adamw")
-    if args.adam_kernel == "auto":
-        args.adam_kernel = "fused" if plain_adam and fused_adamw_available_in_torch() else "single-tensor"
-    elif args.adam_kernel == "fused" and not plain_adam:
-        raise ConfigError(f"--adam-kernel fused runs plain AdamW; --optimizer {args.optimizer} has its own update")
-    elif args.adam_kernel == "fused" and not fused_adamw_available_in_torch():
-        raise ConfigError("--adam-kernel fused: this torch has no torch._fused_adamw_ (use single-tensor)")
-
-
-def check_flags(args: argparse.Namespace) -> None:
-    """Raise :class:`ConfigError` with one line for the first problem found."""
+def check_model_flags(args: argparse.Namespace) -> None:
+    """The sizes, batch, learning-rate and split flags, each on its own (raise :class:`ConfigError`
+    with one line for the first problem found); the first checks :func:`megatron.trainer.plan.parse.parse_args` runs."""
     pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
-    world = _world_size_from_env()
+    world = world_size_from_env()
     if world is not None and args.pipeline_executor == "distributed" and world != args.world_size:
         raise ConfigError(f"WORLD_SIZE={world} but pipeline {pp} x data {dp} x tensor "
                           f"{args.tensor_model_parallel_size} needs {args.world_size} processes")
@@ -285,8 +276,13 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--lr-warmup-iters exceeds --lr-decay-iters")
     if args.clip_grad < 0:
         raise ConfigError("--clip-grad must be >= 0")
-    _resolve_adam_kernel(args)
-    _check_data(args)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The combinations of flags, and the schedule built from them (raise :class:`ConfigError`
+    with one line for the first problem found); needs the padded vocabulary
+    (:func:`megatron.trainer.plan.data.check_data`)."""
+    pp = args.pipeline_model_parallel_size
     check_tensor_parallel_flags(args)  # emulator, divisibility (padded vocab), unsupported combinations
     if args.device == "cuda" or args.bf16:
         import torch
@@ -311,7 +307,6 @@ def check_flags(args: argparse.Namespace) -> None:
     check_recompute_flags(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)
     check_ddp_flags(args)  # --overlap-grad-reduce, --ddp-bucket-size
     check_megatron_compat_flags(args)  # Megatron-LM's model, rampup, loading and logging flags
-    check_insight_flags(args)  # --trace-dir, --pipeline-partition auto
     check_run_control_flags(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
     check_exit_flags(args)  # --exit-signal-handler, --exit-duration-in-mins (ConfigError)
     check_restart_flags(args)  # --max-restarts: the local launcher's, with --save = --load
@@ -319,84 +314,8 @@ def check_flags(args: argparse.Namespace) -> None:
         check(build_job_config(args))
     try:
         args.run = RunConfig.from_args(args)  # the typed view every later step reads
-        # Build it now: its checks run and a searched order (Zero Bubble) that cannot meet its
+        # Build it once now: its checks run and a searched order (Zero Bubble) that cannot meet its
         # memory limit fails here, before any process starts, not at the first iteration.
         args.run.run_schedule(args.pipeline_schedule)
     except ScheduleConfigError as exc:
         raise ConfigError(f"--pipeline-schedule: {exc}") from None
-
-
-def _check_data(args: argparse.Namespace) -> None:
-    """Data files, tokenizer files and the vocabulary, checked before any rank starts.
-
-    With a tokenizer the model's vocabulary is the tokenizer's padded like Megatron-LM
-    (``args.padded_vocab_size``, also stored in ``args.vocab_size``); NullTokenizer's own
-    size stays in ``args.null_vocab_size``.
-    """
-    if args.data_path is not None and args.mock_data:
-        raise ConfigError("--mock-data and --data-path are mutually exclusive")
-    if args.data_path is not None and args.tokenizer_type is None:
-        raise ConfigError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)")
-    if args.make_vocab_size_divisible_by < 1:
-        raise ConfigError("--make-vocab-size-divisible-by must be >= 1")
-    args.padded_vocab_size = args.vocab_size
-    if args.tokenizer_type is None:
-        return
-    from megatron.trainer.data.gpt_dataset import (
-        DataError, check_data, check_token_ids, parse_data_path, parse_split, usable_splits)
-    from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args, vocab_size_with_padding
-
-    if args.tokenizer_type == "NullTokenizer" and args.null_vocab_size is None:
-        args.null_vocab_size = args.vocab_size
-    try:
-        infos = []
-        if args.data_path is not None:
-            infos = check_data(parse_data_path(args.data_path)[0], parse_split(args.split), args.seq_length)
-        tokenizer = tokenizer_from_args(build_job_config(args))
-        check_token_ids(infos, tokenizer.vocab_size)
-        if infos and args.eval_interval and not usable_splits(infos, args.seq_length)[1]:
-            raise DataError(f"--eval-interval: --split {args.split} leaves no validation sample of "
-                            f"{args.seq_length} tokens in --data-path {infos[0].prefix}; give the validation "
-                            f"split a share or drop --eval-interval")
-    except (DataError, TokenizerError) as exc:
-        raise ConfigError(str(exc)) from None
-    if args.data_cache_path is not None:
-        try:
-            os.makedirs(args.data_cache_path, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"--data-cache-path {args.data_cache_path}: {exc.strerror}") from None
-        if not os.access(args.data_cache_path, os.W_OK):
-            raise ConfigError(f"--data-cache-path {args.data_cache_path}: not writable")
-    args.tokenizer_vocab_size = tokenizer.vocab_size
-    args.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    args.vocab_size = args.padded_vocab_size
-
-
-def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """Parse, derive and check; exits with status 2 and one line on a bad combination."""
-    parser = parser or build_parser()
-    return checked_args(parser, parser.parse_args(argv))
-
-
-def checked_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """Derive and check the parsed ``args`` in place; exits with status 2 and one line on a bad
-    combination. (The user's flags as parsed, before this, are what ``auto`` derives its other
-    layouts from: :mod:`megatron.trainer.loop.auto.candidates`.)"""
-    try:
-        check_flag_values(parser, args)  # every numeric flag in its domain, list flags parsed strictly
-        check_args(args)
-    except ConfigError as exc:
-        parser.exit(2, f"error: {exc}\n")
-    return args
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Derive and check a parsed namespace in place (raise :class:`ConfigError`, one line)."""
-    finalize_args(args)
-    check_flags(args)
-
-
-def parse_job_config(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> JobConfig:
-    """:func:`parse_args`, then the typed config the run reads (tools and tests that drive a run)."""
-    return build_job_config(parse_args(argv, parser))

@@ -19,10 +19,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from megatron.pipeline.schedules import ScheduleConfig, schedule_class
+from megatron.trainer.config.batch_plan import BatchPlan
+from megatron.trainer.config.run_config import RunConfig, schedule_config_of
+from megatron.trainer.config.values import FlagValue, JsonValue
+
 if TYPE_CHECKING:
-    from megatron.trainer.config.run_config import RunConfig
-    from megatron.trainer.launch.memory_estimate import MemoryEstimate
-    from megatron.trainer.loop.rampup import BatchPlan
+    from megatron.pipeline.costs.memory import MemoryEstimate
 
 
 @dataclass(frozen=True)
@@ -111,14 +114,14 @@ class ScheduleSettings:
     run: RunConfig
     schedule_check: bool
     #: every registered schedule's own flags by ``dest`` (``Schedule.traits.flag_groups``)
-    flags: dict[str, Any]
+    flags: dict[str, FlagValue]
     #: ``auto``: the job configs of the layouts it may rebuild the run in, by label
     #: (:mod:`megatron.trainer.loop.auto.candidates`)
     relayouts: dict[str, JobConfig] = field(default_factory=dict)
     #: a run ``auto`` rebuilt: its decision (:meth:`AutoSchedule.describe`), kept in checkpoints
-    chosen_by: dict[str, Any] | None = None
+    chosen_by: dict[str, JsonValue] | None = None
 
-    def flag(self, dest: str) -> Any:
+    def flag(self, dest: str) -> FlagValue:
         """One schedule flag's value (a :class:`KeyError` names an unknown one)."""
         return self.flags[dest]
 
@@ -340,18 +343,28 @@ NOT_FLAGS = frozenset({"flags", "relayouts", "chosen_by", *RENAMED.values()})
 NOT_CONFIG = frozenset({"task_checks", "task_options"})
 
 
+def job_schedule_config(config: JobConfig) -> ScheduleConfig:
+    """:func:`schedule_config` of a built (or provisional: the flag checks') job config."""
+    parallel, schedule, training = config.parallel, config.schedule, config.training
+    schedule_cls = schedule_class(schedule.pipeline_schedule)
+    flags = {flag.dest: schedule.flags[flag.dest] for group in schedule_cls.traits.flag_groups for flag in group.flags}
+    return schedule_config_of(schedule_cls, parallel.pipeline_model_parallel_size,
+                            training.num_microbatches, training.train_iters,
+                            parallel.num_model_chunks, parallel.data_parallel_size, flags)
+
+
 def with_schedule_options(config: JobConfig, **options: Any) -> JobConfig:
     """A copy whose schedule config has the fields ``options`` of its options dataclass set (a
     launch-time decision for ``auto``; a field the schedule's options lack is a TypeError)."""
     run = config.run
     schedule = dataclasses.replace(run.schedule, options=dataclasses.replace(run.schedule.options, **options))
-    return replace_in(config, "schedule", run=dataclasses.replace(run, schedule=schedule, built=None))
+    return replace_in(config, "schedule", run=dataclasses.replace(run, schedule=schedule))
 
 
-def flag_values(config: JobConfig) -> dict[str, Any]:
+def flag_values(config: JobConfig) -> dict[str, object]:
     """Every field of every section (the task's and the schedule's flags included) by its
     flag's ``dest``: the banner's argument list, and what a derived command line forwards."""
-    values: dict[str, Any] = {}
+    values: dict[str, object] = {}
     for section in (*(getattr(config, name) for name in SECTION_TYPES), config.task):
         values.update((f.name, getattr(section, f.name)) for f in dataclasses.fields(section)
                       if f.name not in NOT_FLAGS)
@@ -386,7 +399,7 @@ def build_job_config(args: argparse.Namespace, ignore: Iterable[str] = ()) -> Jo
 
     flags = {dest: values[dest] for dest in schedule_dests if dest in values}
     placed.update(flags)
-    sections: dict[str, Any] = {}
+    sections: dict[str, object] = {}
     for name, cls in SECTION_TYPES.items():
         if cls is ScheduleSettings:
             placed.update(("pipeline_schedule", "pipeline_executor", "run", "schedule_check"))

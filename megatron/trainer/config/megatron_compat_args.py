@@ -30,7 +30,7 @@ import importlib.util
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, flag_values
 from megatron.trainer.config.rampup_args import batch_plan, check_rampup_flags
-from megatron.trainer.optim.lr_schedule import WSD_DECAY_STYLES
+from megatron.trainer.config.choices import WSD_DECAY_STYLES
 
 DEFAULT_TRAIN_ITERS = 20
 

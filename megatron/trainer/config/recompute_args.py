@@ -17,13 +17,14 @@ is one chunk here (one per stage, or one per virtual stage with interleaving).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from megatron.trainer.config.values import FlagValue
 
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.run_config import schedule_config
 from megatron.trainer.config.schedule_args import chosen_schedule
-from megatron.trainer.models.recompute import GRANULARITIES, METHODS, SELECTIVE_MODULES
+from megatron.trainer.config.choices import (
+    RECOMPUTE_GRANULARITIES as GRANULARITIES, RECOMPUTE_METHODS as METHODS, SELECTIVE_MODULES)
 
 
 def add_recompute_args(p: argparse.ArgumentParser) -> None:
@@ -117,7 +118,7 @@ def _check_selective(args: argparse.Namespace) -> None:
                           "recomputes core attention, which has no weights)")
 
 
-def recompute_model_kwargs(config: JobConfig) -> dict[str, Any]:
+def recompute_model_kwargs(config: JobConfig) -> dict[str, FlagValue]:
     """The :class:`~megatron.trainer.models.stage.TransformerArgs` recompute fields of the flags."""
     return dict(recompute_granularity=config.recompute.recompute_granularity,
                 recompute_method=config.recompute.recompute_method,

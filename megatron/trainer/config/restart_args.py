@@ -15,7 +15,7 @@ import os
 
 
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.launch.launcher import LAUNCHED_ENV
+from megatron.trainer.environment import LAUNCHED_ENV
 
 
 def add_restart_args(p: argparse.ArgumentParser) -> None:

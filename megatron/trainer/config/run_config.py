@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from collections.abc import Mapping
 
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule, schedule_class
 from megatron.pipeline.schedules.base import Schedule
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.values import FlagValue
 
 # Optimizers whose state is element-wise, so a schedule may shard it over stage replicas by
 # ranges of elements (basis rotation rotates whole matrices; the sharded path is AdamW's).
@@ -34,20 +34,14 @@ class RunConfig:
     tensor_parallel_size: int
     #: each stage replica's optimizer keeps only its share of the state (the schedule decides)
     shards_optimizer_state: bool = False
-    #: the schedule built (and so checked) from ``schedule`` while checking the flags; this process's only
-    #: (a rank given the config builds its own once: it is not serialized)
-    built: Schedule | None = field(default=None, compare=False, repr=False)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "built": None}
 
     def run_schedule(self, name: str) -> Schedule:
-        """The schedule ``name`` of this config: the one built while checking the flags, else built now
-        (and kept); raises :class:`~megatron.pipeline.schedules.ScheduleConfigError`."""
-        if self.built is None or self.built.config != self.schedule:
-            object.__setattr__(self, "built", build_schedule(name, self.schedule))
-        assert self.built is not None
-        return self.built
+        """A new schedule ``name`` of this config (raises
+        :class:`~megatron.pipeline.schedules.ScheduleConfigError`). The config keeps no built
+        schedule: a schedule is a live object that records what it decides while running, and each
+        user (the flag checks, the schedule check, the run) builds its own; building the largest
+        searched orders takes a fraction of a second."""
+        return build_schedule(name, self.schedule)
 
     @property
     def asynchronous(self) -> bool:
@@ -68,7 +62,7 @@ class RunConfig:
                    shards_optimizer_state=policy.optimizer_sharding.decide(shardable))
 
 
-def schedule_flag_values(args: argparse.Namespace, schedule_cls: type[Schedule]) -> dict[str, Any]:
+def schedule_flag_values(args: argparse.Namespace, schedule_cls: type[Schedule]) -> dict[str, FlagValue]:
     """The values of ``schedule_cls``'s own flags, by ``dest`` (defaults where ``args`` lacks one)."""
     return {dest: value for group in schedule_cls.traits.flag_groups for dest, value in group.values(args).items()}
 
@@ -77,22 +71,12 @@ def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
     """The schedule's config from the flags (its options included); raises
     :class:`~megatron.pipeline.schedules.ScheduleConfigError` for option values it cannot use."""
     schedule_cls = schedule_class(args.pipeline_schedule)
-    return _schedule_config(schedule_cls, args.pipeline_model_parallel_size, args.num_microbatches, args.train_iters,
+    return schedule_config_of(schedule_cls, args.pipeline_model_parallel_size, args.num_microbatches, args.train_iters,
                             args.num_model_chunks, args.data_parallel_size, schedule_flag_values(args, schedule_cls))
 
 
-def job_schedule_config(config: JobConfig) -> ScheduleConfig:
-    """:func:`schedule_config` of a built (or provisional: the flag checks') job config."""
-    parallel, schedule, training = config.parallel, config.schedule, config.training
-    schedule_cls = schedule_class(schedule.pipeline_schedule)
-    flags = {flag.dest: schedule.flags[flag.dest] for group in schedule_cls.traits.flag_groups for flag in group.flags}
-    return _schedule_config(schedule_cls, parallel.pipeline_model_parallel_size,
-                            training.num_microbatches, training.train_iters,
-                            parallel.num_model_chunks, parallel.data_parallel_size, flags)
-
-
-def _schedule_config(schedule_cls: type[Schedule], stages: int, microbatches: int, iterations: int, chunks: int,
-                     data_parallel: int | None, flags: dict[str, Any]) -> ScheduleConfig:
+def schedule_config_of(schedule_cls: type[Schedule], stages: int, microbatches: int, iterations: int, chunks: int,
+                       data_parallel: int | None, flags: Mapping[str, FlagValue]) -> ScheduleConfig:
     base = ScheduleConfig(num_stages=stages, num_microbatches=microbatches, num_iterations=iterations,
                           num_chunks=chunks, data_parallel_size=data_parallel or 1)
     return dataclasses.replace(base, options=schedule_cls.traits.options_from_flags(flags, base))

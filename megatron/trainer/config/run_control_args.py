@@ -11,8 +11,6 @@ import argparse
 import importlib.util
 
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.checkpointing.paths import CheckpointPathError, check_checkpoint_paths
-from megatron.trainer.config.job_config import build_job_config
 
 
 def add_run_control_args(p: argparse.ArgumentParser) -> None:
@@ -45,7 +43,3 @@ def check_run_control_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
-    try:
-        check_checkpoint_paths(build_job_config(args))  # --save writable with room for a checkpoint, --load a directory
-    except CheckpointPathError as exc:
-        raise ConfigError(str(exc)) from None

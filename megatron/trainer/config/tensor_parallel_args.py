@@ -20,8 +20,32 @@ limits:
 from __future__ import annotations
 
 import argparse
+from typing import Protocol
 
 from megatron.trainer.config.errors import ConfigError
+
+
+class ShardedSizes(Protocol):
+    """The model sizes a tensor-parallel split divides (a ``ModelConfig`` or ``TransformerArgs``)."""
+
+    num_attention_heads: int
+    num_query_groups: int | None
+    hidden_size: int
+    ffn_hidden_size: int | None
+    vocab_size: int
+
+
+def check_tensor_parallel_args(model: ShardedSizes, tp_size: int) -> None:
+    """Raise ValueError with one line when the model cannot be sharded ``tp_size`` ways."""
+    if tp_size < 1:
+        raise ValueError(f"tensor-parallel size must be >= 1, got {tp_size}")
+    groups = model.num_query_groups or model.num_attention_heads
+    ffn = model.ffn_hidden_size or 4 * model.hidden_size
+    for what, value in (("--num-attention-heads", model.num_attention_heads),
+                        ("--num-query-groups", groups), ("--ffn-hidden-size", ffn),
+                        ("--vocab-size (padded)", model.vocab_size)):
+        if value % tp_size:
+            raise ValueError(f"{what} {value} is not divisible by --tensor-model-parallel-size {tp_size}")
 
 
 def check_tensor_parallel_flags(args: argparse.Namespace) -> None:
@@ -41,7 +65,6 @@ def check_tensor_parallel_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--tensor-model-parallel-size {tp} needs one process per tensor-parallel rank, which "
                           "the emulator (one process) does not have: use --pipeline-executor distributed")
     from megatron.trainer.config.job_config import build_job_config
-    from megatron.trainer.models.tensor_parallel import check_tensor_parallel_args
 
     try:
         check_tensor_parallel_args(build_job_config(args).model, tp)

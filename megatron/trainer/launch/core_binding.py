@@ -25,10 +25,10 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO
 
-BindCores = Literal["auto", "none"]
-BIND_CORES_CHOICES: tuple[BindCores, ...] = ("auto", "none")
+from megatron.trainer.config.choices import BindCores
+
 
 _held: list[IO[bytes]] = []  # this process's core claims, open (and locked) until it exits
 

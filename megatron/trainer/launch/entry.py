@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron.trainer.launch.launcher import is_worker_process
+from megatron.trainer.environment import is_worker_process
 from megatron.trainer.launch.process_guard import guard_rank_process
 from megatron.trainer.launch.slurm_env import SlurmEnvironmentError, adopt_slurm_task_environment
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from typing import Literal
 
-HostMalloc = Literal["retain", "system"]
-HOST_MALLOC_CHOICES: tuple[HostMalloc, ...] = ("retain", "system")
+from megatron.trainer.config.choices import HostMalloc
+
 
 # glibc's <malloc.h> parameter numbers
 _M_TRIM_THRESHOLD = -1

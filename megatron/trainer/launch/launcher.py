@@ -37,14 +37,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from megatron.trainer.launch.process_guard import LAUNCHER_PID_ENV, die_with_parent, exit_code_of
-from megatron.trainer.launch.rendezvous import MAX_RESTARTS_ENV, RESTART_COUNT_ENV
+from megatron.trainer.environment import LAUNCHED_ENV, MAX_RESTARTS_ENV, RESTART_COUNT_ENV
 
-LAUNCHED_ENV = "MEGATRON_ASYNC_LAUNCHED"
-
-
-def is_worker_process() -> bool:
-    """True inside torchrun or one of our own spawned ranks."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def free_port() -> int:

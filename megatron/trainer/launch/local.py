@@ -14,7 +14,8 @@ from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.job_file import job_config_file
 from megatron.trainer.launch.exit_control import launcher_signals
 from megatron.trainer.launch.host import runs_on_cpu
-from megatron.trainer.launch.launcher import grace_for, is_worker_process, launch_local
+from megatron.trainer.environment import is_worker_process
+from megatron.trainer.launch.launcher import grace_for, launch_local
 
 
 def launch_ranks(config: JobConfig, command: Sequence[str], run_rank: Callable[[], int]) -> int:

@@ -5,7 +5,7 @@ traceback (``DefaultCPUAllocator: can't allocate memory``, a CUDA OOM) after the
 rendezvous and model build; on a shared host it may push other jobs into the OOM killer first.
 Here, in the launching process before any rank starts (the local launcher, the emulator, a
 single-rank run) and, under torchrun or Slurm, in each rank before its process group exists,
-the estimate of :mod:`megatron.trainer.launch.memory_estimate` is compared with:
+the estimate of :mod:`megatron.trainer.plan.memory_estimate` is compared with:
 
 * **CPU**: ``MemAvailable`` of ``/proc/meminfo`` (what the kernel can hand out without swapping)
   against the ranks this host runs, summed: every rank for the local launcher, one process
@@ -23,19 +23,11 @@ runs it anyway. One ``error:`` line names the estimate and what is available.
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, replace_in
-from megatron.trainer.launch.memory_estimate import GIB, MemoryEstimate, current_rss_bytes, estimate_memory
-
-
-def add_memory_check_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("memory check")
-    g.add_argument("--no-memory-check", dest="memory_check", action="store_false",
-                   help="start even when the per-rank memory estimate (printed in the banner) exceeds the "
-                        "host's MemAvailable (CPU) or the GPU's free memory")
+from megatron.trainer.plan.memory_estimate import GIB, MemoryEstimate, current_rss_bytes, estimate_memory
 
 
 def host_available_bytes() -> float:

@@ -11,25 +11,16 @@ import copy
 import sys
 from collections.abc import Iterator
 
-from megatron.trainer.checkpointing.checkpoint import CheckpointError, ResumePoint, check_resume
-from megatron.trainer.config.arguments import build_parser, checked_args
+from megatron.trainer.checkpointing.load import check_resume_or_exit
+from megatron.trainer.config.arguments import build_parser
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config
 from megatron.trainer.config.job_file import handed_config
+from megatron.trainer.environment import is_worker_process
 from megatron.trainer.launch.host import runs_on_cpu
-from megatron.trainer.launch.launcher import is_worker_process
 from megatron.trainer.launch.memory_check import check_memory
+from megatron.trainer.plan.parse import checked_args
 from megatron.trainer.tasks.task import PretrainTask
-
-
-def check_resume_or_exit(task: PretrainTask, config: JobConfig,
-                         verify_files: bool = True) -> ResumePoint | None:
-    """``--load``'s checkpoint, validated (one line and exit 2 if it does not fit this run)."""
-    try:
-        return check_resume(task, config, verify_files)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 @contextlib.contextmanager

@@ -25,15 +25,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's; our launcher sets it as well
-MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
+
+from megatron.trainer.environment import restart_attempt
+
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-
-
-def restart_attempt(env: Mapping[str, str] | None = None) -> int:
-    """Which start of the workers this is: 0 first, k after k restarts."""
-    env = os.environ if env is None else env
-    return int(env.get(RESTART_COUNT_ENV, "0") or 0)
 
 
 def attempt_prefix(env: Mapping[str, str] | None = None) -> str:

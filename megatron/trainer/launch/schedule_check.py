@@ -14,21 +14,13 @@ is too slow. Ranks our own launcher started skip it: the launcher checked before
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 from megatron.trainer.config.errors import ConfigError
 from megatron.pipeline.preflight import PreflightReplay, replay_first_iterations
 from megatron.pipeline.replay import ScheduleError
 from megatron.trainer.config.job_config import JobConfig
-from megatron.trainer.launch.launcher import LAUNCHED_ENV
-
-
-def add_schedule_check_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("schedule check")
-    g.add_argument("--no-schedule-check", dest="schedule_check", action="store_false",
-                   help="start without replaying the schedule's first iterations through the schedule "
-                        "check (a deadlock or a mismatched message then shows as a pipeline timeout)")
+from megatron.trainer.environment import LAUNCHED_ENV
 
 
 def check_schedule(config: JobConfig) -> PreflightReplay | None:
@@ -36,7 +28,7 @@ def check_schedule(config: JobConfig) -> PreflightReplay | None:
     Raises :class:`ConfigError`."""
     if not config.schedule.schedule_check or os.environ.get(LAUNCHED_ENV):
         return None
-    schedule = config.run.run_schedule(config.schedule.pipeline_schedule)  # check_flags built it
+    schedule = config.run.run_schedule(config.schedule.pipeline_schedule)
     try:
         return replay_first_iterations(schedule)
     except ScheduleError as exc:

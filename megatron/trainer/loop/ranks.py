@@ -65,7 +65,7 @@ def rank_transport(task: PretrainTask, config: JobConfig,
     p2p_timeout = timedelta(seconds=config.launch.pipeline_timeout_seconds)
     stage_layout = config.run.layout  # P2P groups per link direction; AMDP's replica groups
     groups = StageGroups.create(layout, p2p_timeout, stage_layout, tied_embeddings=config.model.tie_embeddings)
-    if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
+    if task.uses_megatron_core:  # the synthetic-cost benchmark task does not
         # megatron's TP groups (T consecutive ranks, its pipeline size 1) are this layout's.
         initialize_tensor_parallel(parallel.tensor_model_parallel_size)
         if device.type == "cpu":  # its advice on CUDA streams (TP linears) means nothing on a CPU
@@ -116,7 +116,7 @@ def emulator_process(task: PretrainTask, config: JobConfig) -> RankProcess:
         # process before the store binds it: two emulator runs at once failed with EADDRINUSE).
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(minutes=config.launch.distributed_timeout_minutes))
-    if getattr(task, "uses_megatron_core", True):  # the synthetic-cost benchmark task does not
+    if task.uses_megatron_core:  # the synthetic-cost benchmark task does not
         _init_megatron_parallel_state()
     device = resolve_device(config, 0)
     config = apply_auto_partition(task, config, device)  # --pipeline-partition auto: profile, then split

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from megatron.trainer.launch.rendezvous import MAX_RESTARTS_ENV, restart_attempt
+from megatron.trainer.environment import MAX_RESTARTS_ENV, restart_attempt
 
 PROGRESS_FILE = "progress_iteration.txt"
 

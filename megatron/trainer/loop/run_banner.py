@@ -13,8 +13,8 @@ from typing import IO
 
 from megatron.trainer.config.job_config import JobConfig, flag_values
 from megatron.trainer.config.tied_args import tied_parameter_count
-from megatron.trainer.launch.optional_packages import optional_packages_line
-from megatron.trainer.launch.memory_estimate import memory_banner_line
+from megatron.trainer.optional_packages import optional_packages_line
+from megatron.trainer.plan.memory_estimate import memory_banner_line
 from megatron.trainer.tasks.balanced_partition import layer_split_line
 
 MOCK_DATA_WARNING = "WARNING: training on MOCK data (no --data-path): synthetic tokens, not text"

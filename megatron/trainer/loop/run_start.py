@@ -75,7 +75,7 @@ def make_logger(config: JobConfig, start_iteration: int = 0, task: PretrainTask 
         log_activation_memory=config.logging.log_activation_memory,
         wandb=wandb_run(config),
         per_stage_optimizer=config.run.asynchronous,
-        aux_loss_name=getattr(task, "aux_loss_name", None),
+        aux_loss_name=task.aux_loss_name,
         embeddings=embeddings_record(config.model),
     )
 
@@ -100,8 +100,7 @@ def on_logged(config: JobConfig, start: int,
 
 def run_schedule(config: JobConfig, start: int, resume: ResumePoint | None = None) -> Schedule:
     """The run's schedule from iteration ``start`` (0, or a checkpoint's iteration) to the end,
-    with what the checkpoint's run decided (zb's profiled order) restored. From iteration 0 it is
-    a copy of the schedule the flag checks built (built once per process); a resumed run starts its
+    with what the checkpoint's run decided (zb's profiled order) restored; a resumed run starts its
     schedule at the checkpoint's iteration."""
     training = config.training
     run = config.run

@@ -32,7 +32,8 @@ from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.launch.entry import enter_process
 from megatron.trainer.launch.exit_control import StopControl, Terminated
 from megatron.trainer.launch.local import launch_ranks
-from megatron.trainer.launch.preflight import check_launch, check_resume_or_exit, refused_in_one_line
+from megatron.trainer.checkpointing.load import check_resume_or_exit
+from megatron.trainer.launch.preflight import check_launch, refused_in_one_line
 from megatron.trainer.launch.schedule_check import check_schedule
 from megatron.trainer.loop import auto
 from megatron.trainer.loop.rampup import segment_schedules

@@ -72,7 +72,7 @@ def build_worker(task: PretrainTask, config: JobConfig, stage: int, dp_rank: int
         loss_scaler=_loss_scaler(config, run.asynchronous),
         report_params_norm=logging.log_params_norm,
         measure_activations=logging.log_activation_memory,
-        aux_loss_fn=getattr(task, "aux_loss_fn", None),
+        aux_loss_fn=task.aux_loss_fn if task.aux_loss_name else None,
         tp_group=_tensor_parallel_group(run.tensor_parallel_size),
     )
     grad_sync = None if data_parallel is None else GradientSync(setup, data_parallel, overlap_bucket_size(config))

@@ -43,9 +43,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-GRANULARITIES = ("full", "selective")
-METHODS = ("uniform", "block")
-SELECTIVE_MODULES = ("core_attn",)  # what selective recompute covers here (Megatron's default)
+from megatron.trainer.config.choices import SELECTIVE_MODULES
 
 
 @dataclass(frozen=True)

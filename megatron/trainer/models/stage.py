@@ -35,8 +35,8 @@ from megatron.trainer.models.sequence_parallel import (
     with_sequence_shard_norms,
 )
 from megatron.trainer.models.split_linear import with_split_linears
+from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_args
 from megatron.trainer.models.tensor_parallel import (
-    check_tensor_parallel_args,
     full_shape,
     mark_tensor_parallel,
     shard_layout,

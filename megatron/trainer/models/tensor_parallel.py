@@ -25,15 +25,13 @@ and TP = T start from identical weights.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from megatron.trainer.config.job_config import JobConfig, ModelConfig
-
-if TYPE_CHECKING:
-    from megatron.trainer.models.stage import TransformerArgs
+from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_args
 
 
 class ShardLayout(NamedTuple):
@@ -143,19 +141,6 @@ def gathered_parameters(stage: Any, grads: bool = False) -> dict[str, torch.Tens
             continue
         result[name] = gather_full(tensor, shard_layout(param), group)
     return result
-
-
-def check_tensor_parallel_args(model: ModelConfig | TransformerArgs, tp_size: int) -> None:
-    """Raise ValueError with one line when the model cannot be sharded ``tp_size`` ways."""
-    if tp_size < 1:
-        raise ValueError(f"tensor-parallel size must be >= 1, got {tp_size}")
-    groups = model.num_query_groups or model.num_attention_heads
-    ffn = model.ffn_hidden_size or 4 * model.hidden_size
-    for what, value in (("--num-attention-heads", model.num_attention_heads),
-                        ("--num-query-groups", groups), ("--ffn-hidden-size", ffn),
-                        ("--vocab-size (padded)", model.vocab_size)):
-        if value % tp_size:
-            raise ValueError(f"{what} {value} is not divisible by --tensor-model-parallel-size {tp_size}")
 
 
 def tensor_parallel_coordinates(rank: int, tp: int, dp: int, pp: int) -> tuple[int, int, int]:

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+from megatron.trainer.config.choices import DECAY_STYLES, WSD_DECAY_STYLES
+
 
 
 @dataclass

@@ -27,7 +27,7 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +35,8 @@ import torch
 from megatron.pipeline.runtime.memory import ActivationMeter
 from megatron.pipeline.costs.partition import Partition, partition_layers
 from megatron.trainer.config.job_config import JobConfig, replace_in
-from megatron.trainer.models.gpt import build_gpt_stage
 from megatron.trainer.tasks.balanced_partition import schedule_in_flight
-from megatron.trainer.tasks.gpt import gpt_model_args
+from megatron.trainer.tasks.task import PretrainTask
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -74,11 +73,11 @@ def _synchronised(device: torch.device) -> Iterator[None]:
         torch.cuda.synchronize(device)
 
 
-def profile_part(chunk: torch.nn.Module, task: object, config: JobConfig, device: torch.device,
+def profile_part(chunk: torch.nn.Module, task: PretrainTask, config: JobConfig, device: torch.device,
                  first: bool, last: bool, iters: int) -> PartProfile:
     """Time and memory of one stage-shaped part on one micro-batch (see the module docstring)."""
-    batch = task.batch_fn(config, 0, device)(0)  # type: ignore[attr-defined]
-    shape, dtype = task.activation_spec(config)  # type: ignore[attr-defined]
+    batch = task.batch_fn(config, 0, device)(0)
+    shape, dtype = task.activation_spec(config)
     x = None if first else torch.randn(shape, device=device).to(dtype).requires_grad_(True)
     meter = ActivationMeter(chunk.parameters())
 
@@ -86,7 +85,7 @@ def profile_part(chunk: torch.nn.Module, task: object, config: JobConfig, device
         with meter.record(key):
             out = chunk(x, batch)
             if last:
-                out, _ = task.loss_fn(out, batch)  # type: ignore[attr-defined]
+                out, _ = task.loss_fn(out, batch)
         if last:
             out.backward()
         else:
@@ -105,20 +104,13 @@ def profile_part(chunk: torch.nn.Module, task: object, config: JobConfig, device
     return PartProfile(statistics.median(times), static_bytes(chunk), float(meter.run_peak_bytes))
 
 
-def _stage_builder(task_name: str) -> tuple[Callable[[JobConfig], object], Callable[..., torch.nn.Module]]:
-    """The task's model arguments and stage builder (the trainer's own)."""
-    if task_name == "bert":
-        from megatron.trainer.models.bert import build_bert_stage
-        from megatron.trainer.tasks.bert import bert_model_args
-
-        return bert_model_args, build_bert_stage
-    return gpt_model_args, build_gpt_stage
-
-
-def profile_parts(task: object, config: JobConfig, device: torch.device) -> dict[str, PartProfile]:
+def profile_parts(task: PretrainTask, config: JobConfig, device: torch.device) -> dict[str, PartProfile]:
     """Per-part profiles: ``layer`` (one transformer layer), ``embedding``, ``head`` (norm, output
     heads, loss)."""
-    model_args_of, build_stage = _stage_builder(getattr(task, "name", "gpt"))
+    builder = task.part_builder()
+    if builder is None:
+        raise ValueError(f"task {task.name} builds no parts to profile")
+    model_args_of, build_stage = builder
     model_args = model_args_of(config)
     iters = config.parallel.pipeline_partition_profile_iters
     one = range(0, 1)
@@ -173,11 +165,11 @@ def describe(parts: dict[str, PartProfile], partition: Partition, in_flight: lis
     return "\n".join(f"[megatron-async] {line}" for line in lines)
 
 
-def choose_split(task: object, config: JobConfig, device: torch.device) -> list[int]:
+def choose_split(task: PretrainTask, config: JobConfig, device: torch.device) -> list[int]:
     """Profile, solve, print; return the layer counts per stage."""
-    if getattr(task, "name", None) not in ("gpt", "bert"):
-        raise SystemExit(f"error: --pipeline-partition profiled profiles GPT and BERT models only "
-                         f"(task {getattr(task, 'name', '?')})")
+    if task.part_builder() is None:
+        raise SystemExit(f"error: --pipeline-partition profiled profiles models built of layers (GPT, BERT); "
+                         f"the {task.name} task's is not")
     parts = profile_parts(task, config, device)
     in_flight = schedule_in_flight(config)
     partition = solve(parts, config.model.num_layers, in_flight, memory_budget(config, device))
@@ -185,7 +177,7 @@ def choose_split(task: object, config: JobConfig, device: torch.device) -> list[
     return list(partition.counts)
 
 
-def apply_auto_partition(task: object, config: JobConfig, device: torch.device) -> JobConfig:
+def apply_auto_partition(task: PretrainTask, config: JobConfig, device: torch.device) -> JobConfig:
     """With ``--pipeline-partition profiled``, the config with the profiled
     ``pipeline_layer_split`` (rank 0 decides under torch.distributed and broadcasts, so all
     ranks build the same stages); else ``config``."""

@@ -46,7 +46,7 @@ def one_part_per_stage(config: JobConfig) -> bool:
     if config.parallel.num_model_chunks != 1:
         return False
     from megatron.pipeline.schedules import schedule_class
-    from megatron.trainer.config.run_config import job_schedule_config
+    from megatron.trainer.config.job_config import job_schedule_config
 
     schedule_cls = schedule_class(config.schedule.pipeline_schedule)
     return schedule_cls.traits.layout_of(job_schedule_config(config)).num_chunks == 1
@@ -73,7 +73,7 @@ def schedule_in_flight(config: JobConfig) -> list[float]:
     timing simulator's peak with unit op costs (1F1B and PACI: ``N - s``; GPipe: ``m``)."""
     from megatron.pipeline.schedules import build_schedule
     from megatron.pipeline.simulator import simulate_schedule
-    from megatron.trainer.config.run_config import job_schedule_config
+    from megatron.trainer.config.job_config import job_schedule_config
 
     pp, m = config.parallel.pipeline_model_parallel_size, config.training.num_microbatches
     try:

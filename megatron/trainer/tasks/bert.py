@@ -26,7 +26,7 @@ from megatron.trainer.tasks.stage_tasks import (
     micro_batch_fn,
     transformer_kwargs,
 )
-from megatron.trainer.tasks.task import Batch, pick_split, split_seed
+from megatron.trainer.tasks.task import Batch, PartBuilder, PretrainTask, pick_split, split_seed
 from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args
 
 BERT_SPECIAL_TOKENS = ("cls", "sep", "mask", "pad")
@@ -82,8 +82,11 @@ def check_bert_args(config: JobConfig) -> None:
                           f"{what}; give the validation split a larger share or drop --eval-interval")
 
 
-class BertTask:
+class BertTask(PretrainTask):
     name = "bert"
+
+    def part_builder(self) -> PartBuilder:
+        return bert_model_args, build_bert_stage
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("BERT")

@@ -1,7 +1,6 @@
 """GPT pretraining on megatron-core's GPTModel, split into pipeline stages."""
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Iterator
 
 import torch
@@ -17,18 +16,18 @@ from megatron.trainer.tasks.stage_tasks import (
     micro_batch_fn,
     transformer_kwargs,
 )
-from megatron.trainer.tasks.task import Batch, pick_split, split_seed
+from megatron.trainer.tasks.task import Batch, PartBuilder, PretrainTask, pick_split, split_seed
 
 
 def gpt_model_args(config: JobConfig) -> GPTModelArgs:
     return GPTModelArgs(**transformer_kwargs(config))
 
 
-class GPTTask:
+class GPTTask(PretrainTask):
     name = "gpt"
 
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        return None
+    def part_builder(self) -> PartBuilder:
+        return gpt_model_args, build_gpt_stage
 
     def build_stage(self, config: JobConfig, stage: int, device: torch.device) -> list[torch.nn.Module]:
         """The stage's model chunks (see :func:`build_chunks`). Initial weights depend only on

@@ -46,7 +46,7 @@ import torch
 
 from megatron.pipeline.runtime.wgrad import accumulate_grad, active_deferral
 from megatron.trainer.config.job_config import JobConfig, TaskOptions
-from megatron.trainer.tasks.task import Batch, split_seed
+from megatron.trainer.tasks.task import Batch, PretrainTask, split_seed
 
 
 _PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
@@ -208,13 +208,14 @@ class SyntheticCostOptions(TaskOptions):
     synthetic_wgrad_ms: float
 
 
-class SyntheticCostTask:
+class SyntheticCostTask(PretrainTask):
     """``PretrainTask`` of the synthetic-cost benchmark (see the module docstring)."""
 
     name = "synthetic-cost benchmark"
     # No megatron-core modules here: lets the trainer skip importing and initialising megatron-core
     # (seconds of CPU per rank, which 8 ranks on 2 cores would pay at every benchmark launch).
     uses_megatron_core = False
+    # part_builder: None (the inherited default): a stage is one sleeping layer, nothing to profile
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("synthetic-cost benchmark (sleeps stand in for compute)")

@@ -11,13 +11,39 @@ from megatron.trainer.config.job_config import JobConfig
 Batch = dict[str, torch.Tensor]
 
 
+#: One part of a model built for profiling: (config -> model arguments, stage builder taking
+#: ``(model_args, layers, pre_process=, post_process=, seed=, device=)``).
+PartBuilder = tuple[Callable[[JobConfig], object], Callable[..., torch.nn.Module]]
+
+
 class PretrainTask(Protocol):
-    """What ``pretrain_gpt.py`` / ``pretrain_bert.py`` plug into :func:`training.pretrain`."""
+    """What ``pretrain_gpt.py`` / ``pretrain_bert.py`` plug into :func:`training.pretrain`.
+
+    Every member the trainer reads is declared here, the optional ones with their default, so
+    a task states what it does instead of the trainer probing it (a task subclasses this
+    protocol to inherit the defaults)."""
 
     name: str
+    #: whether the task's modules are megatron-core's, so the trainer must initialise its
+    #: parallel state (the synthetic-cost benchmark's are not, and skips seconds of start-up)
+    uses_megatron_core: bool = True
+    #: the log's name of a second loss reported beside the LM loss (BERT: "sop loss"); None:
+    #: the task has none and :meth:`aux_loss_fn` is never called
+    aux_loss_name: str | None = None
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        """Model-family flags beyond the common ones (may do nothing)."""
+        """Model-family flags beyond the common ones (none by default)."""
+        return None
+
+    def aux_loss_fn(self, output: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """Last stage's output -> the micro-batch's auxiliary loss (logged only; see
+        :attr:`aux_loss_name`)."""
+        return None
+
+    def part_builder(self) -> PartBuilder | None:
+        """How ``--pipeline-partition profiled`` builds one layer, the embedding and the head of
+        this model to time them; None: the task's model cannot be profiled by parts."""
+        return None
 
     def build_stage(self, config: JobConfig, stage: int, device: torch.device) -> list[torch.nn.Module]:
         """The model chunks of one stage, chunk c being virtual stage c * PP + stage."""

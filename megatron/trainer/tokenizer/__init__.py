@@ -1,8 +1,8 @@
 """Tokenizers (GPT-2 BPE, Hugging Face JSON, BERT WordPiece; megatron-core's null, SentencePiece,
 TikToken) behind one interface."""
 
+from megatron.trainer.config.choices import TOKENIZER_TYPES
 from megatron.trainer.tokenizer.tokenizer import (
-    TOKENIZER_TYPES,
     BertWordPieceTokenizer,
     GPT2BPETokenizer,
     HuggingFaceTokenizer,

@@ -10,8 +10,8 @@ from typing import Any
 
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.tokenizer.core_backed import core_tokenizer
+from megatron.trainer.config.choices import TOKENIZER_TYPES
 from megatron.trainer.tokenizer.tokenizer import (
-    TOKENIZER_TYPES,
     BertWordPieceTokenizer,
     GPT2BPETokenizer,
     HuggingFaceTokenizer,

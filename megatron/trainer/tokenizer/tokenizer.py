@@ -34,15 +34,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "HuggingFaceTokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "NullTokenizer",
-    "SentencePieceTokenizer",
-    "TikTokenizer",
-)
 
 GPT2_EOD = "<|endoftext|>"
 # End-of-document candidates for a bare tokenizer.json (no tokenizer_config.json beside it).

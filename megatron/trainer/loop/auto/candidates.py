@@ -52,10 +52,10 @@ from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import check_resume
 from megatron.trainer.checkpointing.format import _read_metadata, run_signature
 from megatron.trainer.checkpointing.reshard import LAYOUT_FLAGS
-from megatron.trainer.config.arguments import check_args
+from megatron.trainer.plan.parse import check_args
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config, replace_in, with_schedule_options
-from megatron.trainer.launch.memory_estimate import part_layer_counts
+from megatron.trainer.plan.memory_estimate import part_layer_counts
 from megatron.trainer.tasks.balanced_partition import model_shape
 from megatron.trainer.tasks.task import PretrainTask
 

@@ -11,7 +11,7 @@ micro-batches per stage are 1F1B's ``N - s`` within the estimate's accuracy), an
 left over becomes the limit the choice must respect. Converting it into the profiler's unit
 (one micro-batch's activations on a stage, ``M_B``): every local rank may hold ``L`` micro-batches
 in flight instead of its current peak ``k_s``, which costs ``(L - k_s) * a_s`` more bytes
-(``a_s``: :attr:`~megatron.trainer.launch.memory_estimate.StageMemory.per_microbatch`), so the largest ``L`` with
+(``a_s``: :attr:`~megatron.pipeline.costs.memory.RankMemory.per_microbatch`), so the largest ``L`` with
 ``sum_s (L - k_s) a_s <= room`` is ``L = (room + sum_s k_s a_s) / sum_s a_s``, floored to whole
 micro-batches. ``--zb-memory-limit`` replaces it; ``--no-memory-check`` drops it (no limit).
 

@@ -29,7 +29,7 @@ from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
-from megatron.trainer.launch.preflight import check_resume_or_exit
+from megatron.trainer.checkpointing.load import check_resume_or_exit
 from megatron.trainer.loop.auto.candidates import chosen_config
 from megatron.trainer.loop.run_start import resume_workers, run_schedule
 from megatron.trainer.loop.runners import PipelineRunner

@@ -44,63 +44,16 @@ not measured here: no GPU on the machine this was written on).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from megatron.pipeline.costs.activation_memory import LayerShape, recompute_fraction
 from megatron.pipeline.costs.cost_model import ModelShape, layer_activation_elements
-from megatron.pipeline.costs.memory import stage_memory
+from megatron.pipeline.costs.memory import MemoryEstimate, RankMemory, stage_memory
 from megatron.pipeline.costs.stages import part_activation_bytes, part_parameters
 from megatron.trainer.config.job_config import JobConfig
 
 #: CPU: peak RSS per in-flight micro-batch / the cost model's activation bytes (module docstring)
 HOST_HEAP_FACTOR = 1.8
 GIB = 2 ** 30
-MIB = 2 ** 20
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    """One rank's peak bytes by component (a rank of pipeline stage ``stage``)."""
-
-    stage: int
-    parameters: int  # this rank's share (tensor-parallel shard)
-    weights: float
-    gradients: float
-    optimizer: float  # moments and fp32 masters
-    activations: float  # peak in flight plus the backward's working set
-    logits: float  # the loss backward's transient logits copies (last stage)
-    baseline: float
-    in_flight: float = 0.0  # the schedule's peak micro-batches in flight on the stage
-    per_microbatch: float = 0.0  # the activation bytes of one more micro-batch in flight
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.baseline
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Every stage's rank estimate, for one data-parallel, tensor-parallel replica."""
-
-    stages: tuple[StageMemory, ...]
-    device: str  # "cpu" or "cuda"
-
-    @property
-    def peak_rank(self) -> StageMemory:
-        return max(self.stages, key=lambda s: s.total)
-
-    def ranks_total(self, stages: list[int]) -> float:
-        """Bytes of the ranks of ``stages`` (a stage listed twice counts twice)."""
-        return sum(self.stages[s].total for s in stages)
-
-    def banner_line(self) -> str:
-        """One line: each stage's rank estimate (MiB) and the largest rank's parts."""
-        per = ", ".join(f"{s.total / MIB:,.0f}" for s in self.stages)
-        top = self.peak_rank
-        parts = " + ".join(f"{name} {value / MIB:,.0f}" for name, value in (
-            ("weights", top.weights), ("grads", top.gradients), ("optimizer", top.optimizer),
-            ("activations", top.activations), ("logits", top.logits), ("baseline", top.baseline)))
-        return f"memory per rank (estimate, MiB, {self.device}) per stage: [{per}] | stage {top.stage}: {parts}"
 
 
 def model_shape(config: JobConfig) -> ModelShape:
@@ -163,7 +116,7 @@ def estimate_memory(config: JobConfig, baseline_bytes: float = 0.0, device: str 
         last = (parts - 1) in held
         one = factor * per_mb / layout.num_chunks
         static = stage_memory(params, shape.param_bytes, copies - 1, shards, 0.0, 0.0)  # the planner's model
-        stages.append(StageMemory(
+        stages.append(RankMemory(
             stage=stage, parameters=int(params),
             weights=static.weights, gradients=static.gradients, optimizer=static.optimizer,
             activations=in_flight[stage] * one + factor * working,

@@ -1,0 +1,69 @@
+"""The layer split of the run (``--pipeline-partition``), decided from the flags before any rank
+starts: the user's ``--pipeline-layer-split``, a resumed checkpoint's, the balanced default, or
+the even split; ``profiled`` is checked here and measured on the ranks
+(:mod:`megatron.trainer.tasks.auto_partition`). The flags are declared in
+:mod:`megatron.trainer.config.insight_args`; the split needs the cost model and the checkpoint of
+the tasks' floor, so it is planned here, above them.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.job_config import TaskOptions, build_job_config
+from megatron.trainer.tasks.balanced_partition import balanced_split, checkpoint_split, why_not_balanced
+
+
+def resolve_partition(args: argparse.Namespace) -> None:
+    """Check the partition flags and decide the balanced split (sets ``args.pipeline_partition``
+    to what applies, and ``args.pipeline_layer_split`` when balancing moves layers)."""
+    _resolve_partition(args)
+    if args.pipeline_partition != "profiled":
+        return
+    pp = args.pipeline_model_parallel_size
+    if vars(args).get("task_options", TaskOptions).model_family == "synthetic":
+        raise ConfigError("--pipeline-partition profiled profiles GPT and BERT layers; this task has none")
+    if args.num_layers < pp:
+        raise ConfigError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= "
+                          f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")
+    if args.num_model_chunks != 1:
+        raise ConfigError("--pipeline-partition profiled splits one chunk per stage; "
+                          "interleaved schedules need the even split")
+    if args.pipeline_partition_profile_iters < 1:
+        raise ConfigError("--pipeline-partition-profile-iters must be >= 1")
+    _, split = checkpoint_split(build_job_config(args))  # resuming: keep the split the weights were saved with
+    if split is not None and len(split) == pp and sum(split) == args.num_layers:
+        args.pipeline_layer_split = split
+        args.pipeline_partition_resumed = True
+
+
+def _resolve_partition(args: argparse.Namespace) -> None:
+    """The partition that applies: ``explicit`` for the user's ``--pipeline-layer-split``,
+    ``checkpoint`` for a resumed run's, the default ``balanced`` where it applies, else ``even``;
+    an explicit choice that cannot apply is refused."""
+    asked = args.pipeline_partition
+    memory = args.pipeline_partition_memory_gb
+    if memory is not None and memory <= 0:
+        raise ConfigError("--pipeline-partition-memory-gb must be > 0")
+    if args._balanced_split:  # checked before: decide again from the flags
+        args.pipeline_layer_split, asked = None, "balanced"
+    if args.pipeline_layer_split is not None:
+        if asked in ("balanced", "profiled"):
+            raise ConfigError(f"--pipeline-partition {asked} chooses the split; drop --pipeline-layer-split")
+        args.pipeline_partition = "explicit"
+    elif asked in (None, "balanced"):
+        flags = build_job_config(args)  # the split's inputs (none of them is set below)
+        reason = why_not_balanced(flags)
+        if reason is not None and asked == "balanced":
+            raise ConfigError(f"--pipeline-partition balanced cannot apply: {reason}")
+        args.pipeline_partition = "even" if reason is not None else "balanced"
+        resumed, split = checkpoint_split(flags) if asked is None and reason is None else (False, None)
+        if resumed:  # the default keeps a checkpoint's split (even before the balanced default)
+            args.pipeline_layer_split, args.pipeline_partition = split, "checkpoint"
+        elif reason is None:
+            split, args.pipeline_partition_feasible = balanced_split(flags)
+            if split is not None:
+                args.pipeline_layer_split = split
+                args._balanced_split = True  # not the user's: a second check of the flags decides it again
+    if memory is not None and args.pipeline_partition in ("even", "explicit"):
+        raise ConfigError("--pipeline-partition-memory-gb needs --pipeline-partition balanced or profiled")
