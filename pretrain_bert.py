@@ -7,7 +7,7 @@
 import sys
 
 from megatron.trainer.tasks.bert import BertTask
-from megatron.trainer.loop.training import pretrain
+from megatron.trainer.loop.trainer import pretrain
 
 if __name__ == "__main__":
     sys.exit(pretrain(BertTask(), sys.argv[1:], script=__file__))

@@ -7,7 +7,7 @@
 import sys
 
 from megatron.trainer.tasks.gpt import GPTTask
-from megatron.trainer.loop.training import pretrain
+from megatron.trainer.loop.trainer import pretrain
 
 if __name__ == "__main__":
     sys.exit(pretrain(GPTTask(), sys.argv[1:], script=__file__))

@@ -27,7 +27,7 @@ from megatron.pipeline.planner.relayout import Relayout, part_costs
 from megatron.pipeline.costs.unit_costs import layer_and_head
 from megatron.pipeline.planner.runtime_choice import Choice, rank_choices
 from megatron.pipeline.schedules import ScheduleConfig, build_schedule
-from megatron.trainer.launch.auto_relayout import without_flags
+from megatron.trainer.loop.auto.candidates import without_flags
 from tests.async_helpers import TINY_GPT, final_params, run_pretrain
 
 auto_schedule.register_auto_selectors()  # auto, auto-async
@@ -107,14 +107,23 @@ def test_a_rebuilt_layout_is_held_to_the_memory_limit_in_the_chain_units() -> No
 
 
 def test_auto_only_flags_are_dropped_from_the_rebuilt_command_line() -> None:
+    """The rebuilt layout's flags are the user's with ``auto``'s own back at their defaults (as
+    if not given), those the target takes kept; the user's flags themselves unchanged."""
+    from megatron.trainer.config.arguments import build_parser
+
+    parser = build_parser()  # the user's flags as given: parsed, nothing derived yet
     argv = ["--lr", "1e-2", "--zb-profile-iters", "2", "--zb-memory-limit=3", "--zb-costs", "c.json", "--seed", "3"]
-    assert without_flags(argv, "auto", "dualpipev") == ["--lr", "1e-2", "--seed", "3"]
-    assert without_flags(argv, "auto", "zb-v") == argv  # zb-v takes the Zero Bubble flags itself
+    flags = parser.parse_args(["--pipeline-schedule", "auto", *argv])
+    given = vars(parser.parse_args(["--pipeline-schedule", "auto", *argv]))
+    plain = vars(parser.parse_args(["--pipeline-schedule", "auto", "--lr", "1e-2", "--seed", "3"]))
+    assert vars(without_flags(flags, "auto", "dualpipev")) == plain
+    assert vars(without_flags(flags, "auto", "zb-v")) == given  # zb-v takes the Zero Bubble flags itself
+    assert vars(flags) == given
 
 
 def _offered(*extra: str) -> list[str]:
     """The rebuildable layouts the launch hands an ``auto`` run of these flags (PP2, DP2, 8 layers)."""
-    from megatron.trainer.launch.preflight import preflight
+    from megatron.trainer.loop.training import preflight
     from megatron.trainer.tasks.gpt import GPTTask
 
     argv = [*TINY_GPT[:-1], "--num-layers", "8", "--global-batch-size", "8", "--mock-data", "--device", "cpu",
@@ -163,7 +172,7 @@ def _gpt(schedule: str, *extra: str) -> list[str]:
 
 def _emulate(argv: list[str], log: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Through the launch's own preflight (which offers the layouts), in this process."""
-    from megatron.trainer.launch.preflight import preflight
+    from megatron.trainer.loop.training import preflight
     from megatron.trainer.loop.training import emulate
     from megatron.trainer.tasks.gpt import GPTTask
 

@@ -181,7 +181,7 @@ def test_auto_on_a_cpu_host_with_more_ranks_than_cores_gets_the_shared_cores(mon
     """4 stages x 2 replicas on 4 cores: each pipeline's 4 stages share 4 * 4 / 8 = 2 cores; with
     a core per rank there is no sharing (None); a non-auto schedule is left alone."""
     from megatron.trainer.plan.parse import parse_job_config
-    from megatron.trainer.launch.auto_cores import apply_auto_host_cores, pipeline_cores
+    from megatron.trainer.loop.auto.limits import apply_auto_host_cores, pipeline_cores
 
     def host_cores(argv: list[str]) -> float | None:
         """The cores apply_auto_host_cores gives the run (its config's option; None: left alone)."""

@@ -29,7 +29,7 @@ import pytest
 from async_helpers import REPO, emulate
 
 from megatron.trainer.checkpointing import checkpoint as ckpt
-from megatron.trainer.loop import training
+from megatron.trainer.loop import trainer as training  # pretrain and the names it runs through
 from megatron.trainer.config.arguments import build_parser
 from megatron.trainer.tasks.bert import BertTask
 from megatron.trainer.config.flag_checks import DOMAINS, numeric_actions

@@ -295,38 +295,18 @@ def test_pretrain_dumps_and_trains_from_the_file_on_two_ranks(megatron_world1, t
 # ------------------------------------------------------------------------ a command line edited and parsed again
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_the_file_inlined_into_argv_parses_to_the_same_job_config(case, tmp_path, monkeypatch):
-    from megatron.trainer.config.config_file import inline_config_file
-
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    argv, task = CASES[case]
-    _dump(argv, tmp_path / "run.toml", task)
-    over = ["--config-file", str(tmp_path / "run.toml"), "--seed", "7"]
-    inlined = inline_config_file(_parser(task), over)
-    assert "--config-file" not in inlined and inlined[-2:] == ["--seed", "7"]
-    assert _config(inlined, task) == _config(over, task) == _config([*argv, "--seed", "7"], task)
-    # A repeatable flag on the command line replaces the file's list, inlined or not.
-    over = [*over, "--inject-nonfinite-loss", "2"]
-    config = _config(over, task)
-    assert config == _config(inline_config_file(_parser(task), over), task)
-    assert config.logging.inject_nonfinite_loss == [2]
-
-
 def _offered(argv: list[str]) -> list[str]:
     """The layouts the launch offers an ``auto`` run of ``argv`` (test_auto_relayout's set-up)."""
     import megatron.pipeline.planner.auto_schedule as auto_schedule
-    from megatron.trainer.launch.preflight import preflight
+    from megatron.trainer.loop.trainer import preflight
     from megatron.trainer.tasks.gpt import GPTTask
 
     return [r.label for r in auto_schedule.auto_options(preflight(GPTTask(), argv).run.schedule.options).relayouts]
 
 
 def test_auto_offers_the_same_layouts_from_a_file(tmp_path, monkeypatch):
-    """``auto``'s candidates drop the Zero Bubble flags a layout does not take; from a file
-    they can only be dropped once the file is inlined into the command line."""
-    import megatron.trainer.launch.preflight as preflight_module
-
+    """``auto``'s candidates drop the Zero Bubble flags a layout does not take, from the parsed
+    flags: a flag the file sets is dropped like one of the command line."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     argv = [*TINY_GPT, "--num-layers", "8", "--global-batch-size", "8", "--device", "cpu", "--pipeline-schedule",
             "auto", "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--zb-memory-limit", "8"]
@@ -334,5 +314,3 @@ def test_auto_offers_the_same_layouts_from_a_file(tmp_path, monkeypatch):
     offered = _offered(argv)
     assert "interleaved-1f1b x2" in offered  # a layout without the Zero Bubble flags
     assert _offered(["--config-file", str(tmp_path / "auto.toml")]) == offered
-    monkeypatch.setattr(preflight_module, "inline_config_file", lambda parser, argv: list(argv))
-    assert "interleaved-1f1b x2" not in _offered(["--config-file", str(tmp_path / "auto.toml")])

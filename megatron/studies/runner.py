@@ -124,7 +124,7 @@ def _run_one(task: tuple[RunSpec, list[str], str]) -> tuple[RunSpec, int, float]
     json_log = Path(argv[argv.index("--log-json") + 1])
     json_log.unlink(missing_ok=True)  # --log-json appends
     from megatron.trainer.tasks.gpt import GPTTask
-    from megatron.trainer.loop.training import pretrain
+    from megatron.trainer.loop.trainer import pretrain
 
     start = time.perf_counter()
     try:

@@ -28,7 +28,7 @@ stale updates, which is not the asynchronous schedule run from the start.
 Another layout: the trainer may hand ``auto`` layouts it can rebuild the run in
 (``relayouts``, with the chain's ``stage_layers``; :mod:`megatron.pipeline.planner.relayout`):
 the V schedules, interleaving. They are ranked beside the chain's schedules; one wins only by
-more than :data:`RELAYOUT_MARGIN` over the best the chain runs (a rebuild costs a checkpoint's
+more than :data:`~megatron.pipeline.planner.decide.RELAYOUT_MARGIN` over the best the chain runs (a rebuild costs a checkpoint's
 round trip). When one wins, the stream ends at the decision boundary (``relayout`` says where
 to), and the trainer rebuilds its stages in that layout through a checkpoint that reshards by
 parameter name and runs the chosen schedule from there: the numbers are those of a run saved
@@ -52,7 +52,8 @@ from typing import Any, ClassVar
 
 from megatron.pipeline.ir import OPT, Op
 from megatron.pipeline.planner.relayout import Relayout
-from megatron.pipeline.planner.runtime_choice import Choice, choice_table, rank_choices
+from megatron.pipeline.planner.decide import RELAYOUT_MARGIN, Candidates, Limits, decide, pick  # noqa: F401  (re-exported)
+from megatron.pipeline.planner.runtime_choice import choice_table
 from megatron.pipeline.schedules import register_selector, schedule_class
 from megatron.pipeline.schedules.base import Schedule, ScheduleConfig, ScheduleConfigError
 from megatron.pipeline.schedules.config import ScheduleOptions, options_as
@@ -89,25 +90,14 @@ def auto_options(options: ScheduleOptions) -> AutoOptions:
     """``options`` as ``auto``'s (what the trainer sets for the ranking at their defaults when
     the run's schedule is another one)."""
     return options_as(options, AutoOptions)
-#: how much faster (simulated) a rebuilt layout must be than the best schedule of the run's own
-#: chain to be chosen: the rebuild's checkpoint round trip, and the pricing of parts from a
-#: chain's stages (module docstring of :mod:`~megatron.pipeline.planner.relayout`)
-RELAYOUT_MARGIN = 0.02
 
 
 def _build(name: str, config: ScheduleConfig) -> Schedule:
     return schedule_class(name)(config)
 
 
-def _pick(ranked: list[Choice]) -> Choice:
-    """The first ranked, unless it needs a rebuild and does not beat the best choice on the
-    run's own chain by :data:`RELAYOUT_MARGIN`."""
-    in_place = next((c for c in ranked if c.relayout is None), None)
-    best = ranked[0]
-    if best.relayout is not None and in_place is not None \
-            and best.iteration_time * (1 + RELAYOUT_MARGIN) > in_place.iteration_time:
-        return in_place
-    return best
+#: the rule's old name (tests and callers): :func:`~megatron.pipeline.planner.decide.pick`
+_pick = pick
 
 
 class AutoSchedule(ProfiledSchedule):
@@ -160,14 +150,13 @@ class AutoSchedule(ProfiledSchedule):
         per_stage = stage_costs(costs, self.config.num_stages)
         base = dataclasses.replace(self.config, first_iteration=self.run_start, options=ScheduleOptions())
         options = auto_options(self.config.options)
-        ranked, refused = rank_choices(base, per_stage, self.limit, self.include_async, options.host_cores,
-                                       options.relayouts, options.stage_layers, options.stage_activation_bytes)
-        if not ranked:
-            raise ScheduleConfigError(f"{self.name}: no schedule fits the memory limit {self.limit} M_B: "
-                                      + "; ".join(refused))
-        best = _pick(ranked) if chosen is None else next((c for c in ranked if c.label == chosen), None)
-        if best is None:
-            raise ScheduleConfigError(f"{self.name}: the checkpoint's choice {chosen} cannot run here")
+        candidates = Candidates(base, self.include_async, options.relayouts, options.stage_layers,
+                                options.stage_activation_bytes)
+        try:
+            decision = decide(per_stage, candidates, Limits(self.limit, options.host_cores), chosen)
+        except ScheduleConfigError as exc:
+            raise ScheduleConfigError(f"{self.name}: {exc}") from None
+        best = decision.best
         if best.relayout is None:
             kind = schedule_class(best.schedule).traits.options
             options = with_order_costs(memory_limited(kind, self.limit), kind, per_stage)
@@ -176,7 +165,7 @@ class AutoSchedule(ProfiledSchedule):
             self.target = _build(best.schedule, best.candidate(base).config(  # type: ignore[assignment]
                 base.num_iterations or 1, best.relayout.options, base.data_parallel_size))
         self.costs = per_stage
-        self.choice = {"best": best, "ranked": ranked, "refused": refused}
+        self.choice = {"best": best, "ranked": list(decision.ranked), "refused": list(decision.refused)}
 
     @property
     def relayout(self) -> Relayout | None:
@@ -290,6 +279,7 @@ class AutoAsyncSchedule(AutoSchedule):
 
     name = "auto-async"
     include_async = True
+    traits = dataclasses.replace(AutoSchedule.traits, may_become_asynchronous=True)
 
     @classmethod
     def check_config(cls, config: ScheduleConfig) -> None:

@@ -5,7 +5,7 @@ Why: a run profiles on the chain it was built as (one model part per stage), but
 synchronous schedule may need another placement: a V (two half-size parts per stage, the
 first and the last model part on stage 0) or interleaving (``v`` parts per stage). The
 trainer can rebuild its stages in such a layout at a drained iteration boundary, through a
-checkpoint that reshards by parameter name (``megatron.trainer.loop.relayout``); this module
+checkpoint that reshards by parameter name (``megatron.trainer.loop.auto.rebuild``); this module
 lets ``auto`` rank those layouts with the profiled costs, as it ranks the chain's schedules.
 
 Pricing another layout from a chain's profile: every op's time is affine in the layers of

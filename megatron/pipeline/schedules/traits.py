@@ -38,7 +38,9 @@ class ScheduleTraits:
     differently here (zb-v does not profile unless asked). ``drift_bounded``: an asynchronous
     schedule's weight-version drift has a declared bound (every registered one does: PACI's
     ``ceil((N-1-s)/a)``, AMDP's one step, 2BW's stash, PipeMare's PACI bound); the planner
-    calls a schedule without one ``unbounded``. ``policy_for``: its policy for a
+    calls a schedule without one ``unbounded``. ``may_become_asynchronous``: a selector that may
+    switch the run to an asynchronous schedule (``auto-async``), so it is treated as one where
+    that decides something up front (untied embeddings). ``policy_for``: its policy for a
     config (layout, weights, learning rate, sharding, ...; :class:`SchedulePolicy`), what the
     trainer needs before a schedule is built; an instance adds what it decides at run time
     (``Schedule.policy``).
@@ -50,6 +52,7 @@ class ScheduleTraits:
     options: type[ScheduleOptions] = ScheduleOptions
     flag_defaults: tuple[tuple[str, Any], ...] = ()
     drift_bounded: bool = True
+    may_become_asynchronous: bool = False
     policy_for: PolicyBuilder = plain_policy
 
     def options_from_flags(self, values: Mapping[str, Any], config: ScheduleConfig) -> ScheduleOptions:

@@ -26,9 +26,10 @@ section or key, a value of the wrong type or outside the flag's choices is refus
 line and exit status 2 before any rank starts. A boolean the file turns on can only be
 turned off on the command line by a flag that stores False (``--no-...``), as argparse goes.
 
-Code that edits a command line and parses it again (``auto``'s relayout candidates drop the
-flags another schedule does not take) cannot drop a flag from the file:
-:func:`inline_config_file` writes the file's flags into the command line instead.
+What the file sets is in the parsed namespace like any flag of argv, so ``auto``, which
+derives its other layouts from the user's flags as parsed
+(:mod:`megatron.trainer.loop.auto.candidates`), drops a flag a layout does not take whether it
+came from the file or the command line.
 """
 from __future__ import annotations
 
@@ -337,58 +338,3 @@ def _parse_over(parser: argparse.ArgumentParser, argv: Sequence[str] | None, val
 
 
 # ---------------------------------------------------------------------------- editing a command line
-
-
-def inline_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
-    """``argv`` with ``--config-file PATH`` replaced by the file's flags as command-line tokens
-    (each non-default value), so code that removes flags from a command line before parsing it
-    again removes them from the file too. ``argv`` unchanged where it names no file, or where a
-    value has no command-line spelling (a boolean the flag cannot store)."""
-    tokens, rest, path = list(argv), [], None
-    pending = False
-    for token in tokens:
-        if pending:
-            path, pending = token, False
-        elif token == "--config-file":
-            pending = True
-        elif token.startswith("--config-file="):
-            path = token.split("=", 1)[1]
-        else:
-            rest.append(token)
-    if path is None:  # (or a dangling --config-file: parse_args refused it)
-        return tokens
-    try:
-        values = read_config(parser, path)
-    except ConfigError:
-        return tokens  # parse_args refuses it with its one line
-    actions, inlined = flag_actions(parser), []
-    for dest, value in values.items():
-        if isinstance(actions[dest], argparse._AppendAction) and _names(actions[dest], rest):
-            continue  # the command line's list replaces the file's (as in parse_command_line)
-        spelled = _spelled(actions[dest], value)
-        if spelled is None:
-            return tokens
-        inlined += spelled
-    return [*inlined, *rest]  # the command line's own flags after the file's: they win
-
-
-def _names(action: argparse.Action, tokens: Sequence[str]) -> bool:
-    """Whether ``tokens`` give ``action``'s flag."""
-    return any(t.split("=", 1)[0] in action.option_strings for t in tokens if t.startswith("--"))
-
-
-def _spelled(action: argparse.Action, value: FlagValue) -> list[str] | None:
-    """``value`` of ``action`` as tokens ([] for its default); None where argv cannot say it."""
-    flag = action.option_strings[-1]
-    if value == action.default and type(value) is type(action.default):
-        return []
-    if action.nargs == 0:
-        return [flag] if value == action.const else None
-    if value is None:
-        return None
-    if isinstance(action, argparse._AppendAction):
-        return [f"{flag}={v}" for v in value]
-    if isinstance(value, list):
-        text = [str(v) for v in value]
-        return [flag, *text] if text and not any(t.startswith("-") for t in text) else None
-    return [f"{flag}={value!r}" if isinstance(value, float) else f"{flag}={value}"]

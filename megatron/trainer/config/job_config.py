@@ -116,7 +116,7 @@ class ScheduleSettings:
     #: every registered schedule's own flags by ``dest`` (``Schedule.traits.flag_groups``)
     flags: dict[str, FlagValue]
     #: ``auto``: the job configs of the layouts it may rebuild the run in, by label
-    #: (:mod:`megatron.trainer.launch.auto_relayout`)
+    #: (:mod:`megatron.trainer.loop.auto.candidates`)
     relayouts: dict[str, JobConfig] = field(default_factory=dict)
     #: a run ``auto`` rebuilt: its decision (:meth:`AutoSchedule.describe`), kept in checkpoints
     chosen_by: dict[str, JsonValue] | None = None

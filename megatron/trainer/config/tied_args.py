@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.pipeline.planner.auto_schedule import AutoAsyncSchedule
 from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED
 from megatron.pipeline.schedules import schedule_class
 
@@ -43,7 +42,7 @@ def _untied_because(args: argparse.Namespace) -> str | None:
     ``auto-async``, which may pick one) fall back to untied; every synchronous configuration
     ties, post-validated or not, whatever the layout, the data-parallel options or the size."""
     cls = schedule_class(args.pipeline_schedule)
-    if cls.traits.asynchronous or issubclass(cls, AutoAsyncSchedule):  # auto-async may switch to one
+    if cls.traits.asynchronous or cls.traits.may_become_asynchronous:  # auto-async may switch to one
         return f"as every asynchronous schedule ({args.pipeline_schedule}): {ASYNCHRONOUS_UNTIED}"
     return None
 

@@ -1,13 +1,13 @@
-"""Process start-up: one process per rank on this machine (or this process is a rank already).
+"""Where a validated run's ranks run: this process (a rank already, or the only rank), or one
+process per rank on this machine.
 
-:func:`enter_process` runs first in every process (Slurm's task variables, the guard that ends
-a rank with its launcher); :func:`launch_ranks` starts the local ranks of a validated run and
-hands each one the built configuration (:mod:`megatron.trainer.config.job_file`), so no rank
-parses argv again.
+:func:`launch_ranks` starts the local ranks and hands each one the built configuration
+(:mod:`megatron.trainer.config.job_file`), so no rank parses argv again. (Every process first
+runs :func:`megatron.trainer.launch.entry.enter_process`.)
 """
 from __future__ import annotations
 
-import sys
+import os
 from collections.abc import Callable, Sequence
 
 from megatron.trainer.config.job_config import JobConfig
@@ -16,26 +16,18 @@ from megatron.trainer.launch.exit_control import launcher_signals
 from megatron.trainer.launch.host import runs_on_cpu
 from megatron.trainer.environment import is_worker_process
 from megatron.trainer.launch.launcher import grace_for, launch_local
-from megatron.trainer.launch.process_guard import guard_rank_process
-from megatron.trainer.launch.slurm_env import SlurmEnvironmentError, adopt_slurm_task_environment
-
-
-def enter_process() -> int | None:
-    """Adopt srun's task environment (one task per GPU: each task is a rank) and, in a rank,
-    die with the launcher; an exit code where the environment is unusable."""
-    try:
-        adopt_slurm_task_environment()
-    except SlurmEnvironmentError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    if is_worker_process():
-        guard_rank_process()  # dies with our launcher or torchrun's agent
-    return None
 
 
 def launch_ranks(config: JobConfig, command: Sequence[str], run_rank: Callable[[], int]) -> int:
-    """Run ``config.parallel.world_size`` local ranks of ``run_rank``: forked on CPU (imports already
-    paid), fresh ``python *command`` processes on GPU, which read ``args`` from a file."""
+    """Run this process's rank(s) of ``run_rank``; the exit code. In a rank (torchrun's, or one
+    our launcher started) and for a lone rank with nothing to restart: here. Otherwise
+    ``config.parallel.world_size`` local ranks: forked on CPU (imports already paid), fresh
+    ``python *command`` processes on GPU, which read the config from a file."""
+    if is_worker_process():
+        return run_rank()
+    if config.parallel.world_size == 1 and not config.launch.max_restarts:  # one rank, nothing to restart: run it here
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        return run_rank()
     launch = config.launch
     with job_config_file(config) as env:
         return launch_local(config.parallel.world_size, list(command), grace_for(launch.pipeline_timeout_seconds),

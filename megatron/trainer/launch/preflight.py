@@ -1,46 +1,55 @@
-"""The up-front checks of a launch, before any rank starts (module docstrings of the checks)."""
+"""The up-front checks of a launch, before any rank starts (module docstrings of the checks).
+
+The schedule's own check (a replay of its first iterations) runs after ``auto`` planned the run
+(:func:`megatron.trainer.loop.trainer.preflight`), because what ``auto`` decides first (its
+memory limit, its layout) is what the replay must check."""
 from __future__ import annotations
 
+import argparse
+import contextlib
+import copy
 import sys
+from collections.abc import Iterator
 
 from megatron.trainer.checkpointing.load import check_resume_or_exit
 from megatron.trainer.config.arguments import build_parser
-from megatron.trainer.config.config_file import inline_config_file
-from megatron.trainer.plan.parse import parse_args
+from megatron.trainer.config.config_file import parse_command_line
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config
 from megatron.trainer.config.job_file import handed_config
-from megatron.trainer.launch.auto_cores import apply_auto_host_cores
-from megatron.trainer.launch.auto_memory import apply_auto_memory_limit
-from megatron.trainer.launch.auto_relayout import apply_auto_relayouts, start_in_chosen_layout
-from megatron.trainer.launch.host import runs_on_cpu
 from megatron.trainer.environment import is_worker_process
+from megatron.trainer.launch.host import runs_on_cpu
 from megatron.trainer.launch.memory_check import check_memory
-from megatron.trainer.launch.schedule_check import check_schedule
+from megatron.trainer.plan.parse import checked_args
 from megatron.trainer.tasks.task import PretrainTask
 
 
-def preflight(task: PretrainTask, argv: list[str]) -> JobConfig:
-    """Every up-front check of a launch: flags, data, tokenizer, paths, (outside a rank) the
-    checkpoint's files, the memory estimate and a replay of the schedule's first iterations;
-    exits with status 2 and one ``error:`` line on the first problem. A rank our launcher
-    started takes the launcher's configuration and runs only its own device's checks."""
-    config = handed_config() if is_worker_process() else None
-    if config is None:
-        parser = build_parser(f"Megatron-Async {task.name} pretraining")
-        task.add_arguments(parser)
-        config = build_job_config(parse_args(argv, parser))
-        argv = inline_config_file(parser, argv)  # auto's candidates edit argv: the file's flags in it
-    if not is_worker_process():  # a bad checkpoint fails here, before any rank starts
-        check_resume_or_exit(task, config)
-    try:  # a run that cannot fit memory, or whose schedule deadlocks: refused here, not inside a rank
-        config = check_memory(config, is_worker_process(), not runs_on_cpu(config))
-        config = apply_auto_memory_limit(config)  # auto: the memory left after the check bounds its choice
-        config = apply_auto_host_cores(config)  # auto on a CPU host with more ranks than cores: shared cores
-        if not is_worker_process():  # auto: the layouts it may rebuild in (from this command line)
-            config = start_in_chosen_layout(task, apply_auto_relayouts(task, config, argv))
-        check_schedule(config)
+@contextlib.contextmanager
+def refused_in_one_line() -> Iterator[None]:
+    """A :class:`ConfigError` raised inside: its one ``error:`` line, and exit status 2."""
+    try:
+        yield
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    return config
+
+
+def check_launch(task: PretrainTask, argv: list[str]) -> tuple[JobConfig, argparse.Namespace | None]:
+    """Every up-front check of a launch but the schedule's: flags, data, tokenizer, paths,
+    (outside a rank) the checkpoint's files and the memory estimate; exits with status 2 and one
+    ``error:`` line on the first problem. Returns the config and the user's flags as parsed
+    (what ``auto`` derives its other layouts from); a rank our launcher started takes the
+    launcher's configuration (flags None) and runs only its own device's checks."""
+    config = handed_config() if is_worker_process() else None
+    flags = None
+    if config is None:
+        parser = build_parser(f"Megatron-Async {task.name} pretraining")
+        task.add_arguments(parser)
+        command = parse_command_line(parser, argv)  # argv over --config-file's flags
+        flags = copy.deepcopy(command.args)  # the user's flags as given (auto derives its other layouts from them)
+        config = build_job_config(checked_args(parser, command))
+    if not is_worker_process():  # a bad checkpoint fails here, before any rank starts
+        check_resume_or_exit(task, config)
+    with refused_in_one_line():  # a run that cannot fit memory: refused here, not inside a rank
+        config = check_memory(config, is_worker_process(), not runs_on_cpu(config))
+    return config, flags

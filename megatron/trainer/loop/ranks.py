@@ -1,18 +1,26 @@
-"""A rank's process group, stage groups and transport (the runtime's; the emulator needs none)."""
+"""A process's set-up before it builds its stages: its host and device, its stop control, its
+process group, stage groups and transport (:func:`rank_process`; the emulator's, all stages in
+one process, :func:`emulator_process`)."""
 from __future__ import annotations
 
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
+from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.transport.distributed import DistributedTransport
+from megatron.pipeline.runtime.transport.in_process import InProcessTransport
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.launch import flight_recorder
+from megatron.trainer.launch.exit_control import StopControl, rank_signal_defaults, stop_control
+from megatron.trainer.launch.host import prepare_host, resolve_device
 from megatron.trainer.launch.rendezvous import rank_store
 from megatron.trainer.models.tensor_parallel import initialize_tensor_parallel
 from megatron.trainer.tasks.auto_partition import apply_auto_partition
@@ -64,6 +72,56 @@ def rank_transport(task: PretrainTask, config: JobConfig,
             warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
     config = apply_auto_partition(task, config, device)  # --pipeline-partition auto: rank 0 profiles and decides for all
     return config, groups, DistributedTransport(groups, stage_layout, p2p_timeout)
+
+
+@dataclass
+class RankProcess:
+    """What a process trains with, once set up: the config (with what the host and a profiled
+    layer split did), its device, stop control (None without an exit flag), transport, a way to
+    build the transport of another layout of the same processes (``auto``'s rebuild) and, in a
+    rank, its process groups (None in the emulator)."""
+
+    config: JobConfig
+    device: torch.device
+    stop: StopControl | None
+    transport: Transport
+    make_transport: Callable[[JobConfig], Transport]
+    groups: StageGroups | None = None
+    #: what a failure names (``stage 1 (rank 3)``; empty in the emulator)
+    where: str = ""
+
+
+def rank_process(task: PretrainTask, config: JobConfig) -> RankProcess:
+    """This rank (``RANK``, ``LOCAL_RANK``): signal defaults and the stop control (its handler
+    goes in before the rendezvous), cores and threads, device, process group, transport."""
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    rank_signal_defaults(config)
+    stop = stop_control(config, decides_time=rank == 0)
+    config = prepare_host(config, int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.world_size)), local_rank)
+    device = resolve_device(config, local_rank)
+    init_rank_process_group(config, device, rank)
+    config, groups, transport = rank_transport(task, config, device)
+    return RankProcess(config, device, stop, transport, lambda c: rank_transport(task, c, device)[2], groups,
+                       f"stage {groups.stage} (rank {rank})")
+
+
+def emulator_process(task: PretrainTask, config: JobConfig) -> RankProcess:
+    """Every stage in this process: cores and threads, the stop control (``--exit-signal-handler``:
+    the handler goes in first), a one-process group, device, the in-process transport."""
+    config = prepare_host(config, 1)
+    stop = stop_control(config, decides_time=True)
+    if not dist.is_initialized():
+        flight_recorder.disable_unless_requested()
+        # One process: an in-memory store, no port (a probed free port can be taken by another
+        # process before the store binds it: two emulator runs at once failed with EADDRINUSE).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(minutes=config.launch.distributed_timeout_minutes))
+    if task.uses_megatron_core:  # the synthetic-cost benchmark task does not
+        _init_megatron_parallel_state()
+    device = resolve_device(config, 0)
+    config = apply_auto_partition(task, config, device)  # --pipeline-partition auto: profile, then split
+    return RankProcess(config, device, stop, InProcessTransport(config.run.layout),
+                       lambda c: InProcessTransport(c.run.layout))
 
 
 def fail(message: str) -> None:

@@ -1,12 +1,15 @@
 """What a run does before its first segment, the same in the emulator and on every rank:
 resume from ``--load``, the start banner, the logger (and the restart record), the schedule
-from the first iteration and the plan of segments."""
+from the first iteration and the plan of segments (:func:`start_run`, all of it in order)."""
 from __future__ import annotations
 
 import dataclasses
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from megatron.pipeline.runtime.executors.common import ReportCadence
+from megatron.pipeline.runtime.profiling import log_fixed_choice
 from megatron.pipeline.runtime.report import StageReport
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
@@ -16,6 +19,7 @@ from megatron.trainer.checkpointing.checkpoint import ResumePoint, load_stage_st
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.tied_args import embeddings_record
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
+from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.loop.logger import TrainingLogger
 from megatron.trainer.loop.rampup import segment_boundaries
 from megatron.trainer.loop.restart_report import ProgressRecord, read_progress, restart_line
@@ -115,3 +119,45 @@ def run_plan(config: JobConfig, start: int, boundaries: tuple[int, ...] = ()) ->
     return plan_segments(start, training.train_iters, training.eval_interval, checkpoint.save_interval, stops.exit_interval,
                          saving=checkpoint.save is not None, check_interval=stops.exit_check_every,
                          boundaries={*segment_boundaries(config), *boundaries})
+
+
+@dataclass
+class RunStart:
+    """Where a run stands before its first segment: the iteration it starts at, the logger and
+    its per-update callback (None on ranks that do not log), the schedule and the segments, the
+    report cadence, the garbage collector's policy and where this process's lines go."""
+
+    start: int
+    logger: TrainingLogger | None
+    logged: Callable[[int, list[StageReport]], None] | None
+    schedule: Schedule
+    segments: list[Segment]
+    #: the iteration the first segments end at for ``auto``'s decision (None: none)
+    boundary: int | None
+    cadence: ReportCadence
+    gc_policy: CollectorPolicy
+    #: prints a line on the coordinator, nothing elsewhere
+    say: Callable[[str], None]
+
+
+def start_run(task: PretrainTask, config: JobConfig, transport: Transport, workers: list[StageWorker],
+              resume: ResumePoint | None,
+              boundary: Callable[[Schedule, int, int], int | None] | None = None) -> RunStart:
+    """Resume ``workers`` from ``resume``, print the banner, make the logger (the coordinator's),
+    build the schedule from the start (its decision logged where fixed costs made it) and plan the
+    segments, with the report cadence and the collector's policy; ``boundary(schedule, start, end)``: an iteration a segment must also end at (where
+    ``auto`` may rebuild)."""
+    coordinator = transport.is_coordinator
+    start = resume_workers(task, config, workers, transport.dp_rank, resume, say=coordinator)
+    start_banner(config, transport, workers)
+    logger = make_logger(config, start, task) if coordinator else None
+    logged = on_logged(config, start, logger) if logger else None
+    schedule = run_schedule(config, start, resume)
+    if coordinator:
+        log_fixed_choice(schedule)
+    end = boundary(schedule, start, config.training.train_iters) if boundary is not None else None
+    segments = run_plan(config, start, () if end is None else (end,))
+    cadence = ReportCadence(config.logging.log_interval, final_update=config.training.train_iters - 1)
+    gc_policy = CollectorPolicy.from_args(config, freeze_startup=not transport.in_process)
+    say = (lambda line: print(line, flush=True)) if coordinator else (lambda line: None)
+    return RunStart(start, logger, logged, schedule, segments, end, cadence, gc_policy, say)

@@ -15,6 +15,7 @@ import torch
 from megatron.pipeline.runtime.executors.common import ReportCadence, ReportSink
 from megatron.pipeline.runtime.executors.run import run_streams
 from megatron.pipeline.runtime.profiling import schedule_profiling
+from megatron.pipeline.runtime.report import StageReport
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.schedules.evaluation import evaluation_ops
@@ -24,7 +25,9 @@ from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
 from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.launch.exit_control import StopControl
 from megatron.trainer.launch.python_gc import CollectorPolicy
+from megatron.trainer.loop.logger import ReportCollector
 from megatron.trainer.tasks.task import Batch, PretrainTask
 
 
@@ -95,6 +98,17 @@ class PipelineRunner:
         self.data = EvaluationData(task, config, transport.dp_rank, workers[0].setup.device)
         self.tracers = [_tracer(config, w, transport.dp_rank, transport.name) for w in workers]
         self.schedule: Schedule | None = None  # the last one trained (None: nothing trained yet)
+
+    @classmethod
+    def for_run(cls, task: PretrainTask, config: JobConfig, transport: Transport, workers: list[StageWorker],
+                cadence: ReportCadence, logged: Callable[[int, list[StageReport]], None] | None,
+                collector: CollectorPolicy, stop: StopControl | None) -> PipelineRunner:
+        """The runner of a run's current stages (again after ``auto`` rebuilt them): reports go to
+        ``logged`` on the logging process, and ``stop``'s agreement over ``transport``."""
+        if stop is not None:
+            stop.agree = transport.all_max
+        reports = ReportCollector(transport.num_reporters, logged) if logged else None
+        return cls(task, config, transport, workers, cadence, transport.report_sink(reports), collector)
 
     def train(self, schedule: Schedule) -> None:
         self.schedule = schedule  # what it decides while training (zb's profiled order) is checkpointed

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from megatron.trainer.checkpointing.paths import CheckpointPathError, check_checkpoint_paths
 from megatron.trainer.config.arguments import build_parser, check_flags, check_model_flags, finalize_args
-from megatron.trainer.config.config_file import parse_command_line
+from megatron.trainer.config.config_file import CommandLine, parse_command_line
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.flag_checks import check_flag_values
 from megatron.trainer.config.job_config import JobConfig, build_job_config
@@ -58,7 +58,14 @@ def check_args(args: argparse.Namespace) -> None:
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parse, derive and check; exits with status 2 and one line on a bad combination."""
     parser = parser or build_parser()
-    command = parse_command_line(parser, argv)  # argv over --config-file's flags (config_file.py)
+    return checked_args(parser, parse_command_line(parser, argv))
+
+
+def checked_args(parser: argparse.ArgumentParser, command: CommandLine) -> argparse.Namespace:
+    """Derive and check the parsed ``command.args`` in place, then write them if ``--dump-config``
+    asked (and exit); exits with status 2 and one line on a bad combination. (The user's flags as
+    parsed, before this, are what ``auto`` derives its other layouts from:
+    :mod:`megatron.trainer.loop.auto.candidates`.)"""
     args = command.args
     try:
         check_flag_values(parser, args)  # every numeric flag in its domain, list flags parsed strictly

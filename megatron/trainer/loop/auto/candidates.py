@@ -1,17 +1,20 @@
-"""The layouts an ``auto`` run may rebuild its stages in, decided before any rank starts.
+"""The layouts an ``auto`` run may rebuild its stages in (the candidates of
+:func:`~megatron.pipeline.planner.decide.decide` beside its own chain), decided before any rank starts.
 
 Why before: a rank holds only the configuration it was handed, not the command line, and
-every rank must rebuild into the same layout. So the launch builds, from the user's own
-command line, the configuration of each synchronous schedule that needs another placement
-than the chain the run starts on (the V schedules; interleaving at each chunk count the layers
-divide into), keeps those whose flags pass every check, and hands them to the run
-(``ScheduleSettings.relayouts``); ``auto`` ranks them with the profiled costs
-(:mod:`megatron.pipeline.planner.relayout`) and, if one wins, the trainer rebuilds in it at the
-drained decision boundary (:mod:`megatron.trainer.loop.relayout`).
+every rank must rebuild into the same layout. So before any rank starts the trainer derives,
+from the user's own flags (the parsed namespace, before any check derived from it:
+:func:`megatron.trainer.launch.preflight.check_launch`), the configuration of each synchronous
+schedule that needs another placement than the chain the run starts on (the V schedules;
+interleaving at each chunk count the layers divide into), keeps those whose flags pass every
+check (the same checks, on a copy of the namespace: no argv parsed again, no output
+swallowed), and hands them to the run (``ScheduleSettings.relayouts``); ``auto`` ranks them
+with the profiled costs (:mod:`megatron.pipeline.planner.relayout`) and, if one wins, the
+trainer rebuilds in it at the drained decision boundary (:mod:`.rebuild`).
 
 Flags of ``auto``'s own groups that the rebuilt schedule does not take (``--zb-profile-iters``,
-``--zb-memory-limit``, ...) are dropped from its command line: they configured the choice, not
-the schedule chosen.
+``--zb-memory-limit``, ...) are back at their defaults in its flags: they configured the
+choice, not the schedule chosen.
 
 The choice is kept: a run resumed from a checkpoint whose ``auto`` rebuilt (or decided to)
 starts in the chosen layout straight away (:func:`resume_in_chosen_layout`), and so does a
@@ -30,9 +33,9 @@ layouts are rebuilt: the numbers stay those of the chain).
 """
 from __future__ import annotations
 
-import contextlib
+import argparse
+import copy
 import dataclasses
-import io
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -49,8 +52,7 @@ from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import check_resume
 from megatron.trainer.checkpointing.format import _read_metadata, run_signature
 from megatron.trainer.checkpointing.reshard import LAYOUT_FLAGS
-from megatron.trainer.config.arguments import build_parser
-from megatron.trainer.plan.parse import parse_args
+from megatron.trainer.plan.parse import check_args
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config, replace_in, with_schedule_options
 from megatron.trainer.plan.memory_estimate import part_layer_counts
@@ -58,41 +60,36 @@ from megatron.trainer.tasks.balanced_partition import model_shape
 from megatron.trainer.tasks.task import PretrainTask
 
 
-def without_flags(argv: Sequence[str], schedule: str, target: str) -> list[str]:
-    """``argv`` without the flags of ``schedule``'s groups that ``target`` does not take (each
-    with its value)."""
+def without_flags(flags: argparse.Namespace, schedule: str, target: str) -> argparse.Namespace:
+    """A copy of the user's ``flags`` with every flag of ``schedule``'s groups that ``target``
+    does not take back at its default (as if not given)."""
     kept_groups = set(schedule_class(target).traits.flag_groups)
-    dropped = {flag.name: flag.action == "store_true" for group in schedule_class(schedule).traits.flag_groups
-               if group not in kept_groups for flag in group.flags}
-    out: list[str] = []
-    skip = 0
-    for token in argv:
-        if skip:
-            skip -= 1
-            continue
-        name = token.split("=", 1)[0]
-        if name in dropped:
-            skip = 0 if dropped[name] or "=" in token else 1
-            continue
-        out.append(token)
+    out = copy.deepcopy(flags)
+    for group in schedule_class(schedule).traits.flag_groups:
+        if group not in kept_groups:
+            for flag in group.flags:
+                setattr(out, flag.dest, flag.default_value)
     return out
 
 
-def _layout_argv(name: str, chunks: int, num_layers: int, stages: int) -> list[str]:
-    flag = ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (stages * chunks))] \
-        if schedule_class(name).traits.takes_model_chunks else []
-    return ["--pipeline-schedule", name, *flag]
+def layout_flags(flags: argparse.Namespace, auto: str, name: str, chunks: int) -> argparse.Namespace:
+    """The user's ``flags`` for schedule ``name`` at ``chunks`` model parts per stage instead
+    of ``auto`` (the layers per virtual stage, where the schedule takes chunks)."""
+    out = without_flags(flags, auto, name)
+    out.pipeline_schedule = name
+    if schedule_class(name).traits.takes_model_chunks:
+        out.num_layers_per_virtual_pipeline_stage = flags.num_layers // (flags.pipeline_model_parallel_size * chunks)
+    return out
 
 
-def _quiet_config(task: PretrainTask, argv: list[str]) -> JobConfig | None:
-    """The job config of ``argv``, or None where a flag check refuses it (its line swallowed)."""
-    parser = build_parser(f"Megatron-Async {task.name} pretraining")
-    task.add_arguments(parser)
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            return build_job_config(parse_args(argv, parser))
-        except SystemExit:
-            return None
+def checked_config(flags: argparse.Namespace) -> JobConfig | None:
+    """The job config of ``flags`` (derived and checked as the run's own were), or None where a
+    check refuses them (that layout is not offered)."""
+    try:
+        check_args(flags)
+    except ConfigError:
+        return None
+    return build_job_config(flags)
 
 
 def _part_layers(config: JobConfig) -> tuple[int, ...]:
@@ -109,9 +106,9 @@ def _same_model(task: PretrainTask, config: JobConfig, alt: JobConfig) -> bool:
     return all(theirs.get(key) == value for key, value in ours.items() if key not in LAYOUT_FLAGS)
 
 
-def relayout_configs(task: PretrainTask, config: JobConfig, argv: Sequence[str]) -> dict[str, JobConfig]:
-    """Each rebuildable layout's job config by its label (``dualpipev x2``), ``argv`` being the
-    command line ``config`` came from."""
+def relayout_configs(task: PretrainTask, config: JobConfig, flags: argparse.Namespace) -> dict[str, JobConfig]:
+    """Each rebuildable layout's job config by its label (``dualpipev x2``), ``flags`` being the
+    user's flags as parsed (:func:`~megatron.trainer.launch.preflight.check_launch`) ``config`` came from."""
     auto = config.schedule.pipeline_schedule
     stages, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
     out: dict[str, JobConfig] = {}
@@ -119,7 +116,7 @@ def relayout_configs(task: PretrainTask, config: JobConfig, argv: Sequence[str])
         if cls.traits.asynchronous or switchable(name, config.run.schedule, include_async=False):
             continue
         for chunks in chunk_counts(name, layers, stages) if cls.traits.takes_model_chunks else [2]:
-            alt = _quiet_config(task, [*without_flags(argv, auto, name), *_layout_argv(name, chunks, layers, stages)])
+            alt = checked_config(layout_flags(flags, auto, name, chunks))
             if alt is None or alt.run.layout.num_chunks != chunks or not _same_model(task, config, alt):
                 continue
             out[relayout_of(alt).label] = alt
@@ -154,12 +151,12 @@ def offers_relayouts(config: JobConfig) -> bool:
             and (one_node or config.checkpoint.save is not None))
 
 
-def apply_auto_relayouts(task: PretrainTask, config: JobConfig, argv: Sequence[str]) -> JobConfig:
+def apply_auto_relayouts(task: PretrainTask, config: JobConfig, flags: argparse.Namespace) -> JobConfig:
     """Hand an ``auto`` run the layouts it may rebuild in (schedule options for the choice, the
     job configs for the rebuild): the config with them."""
     if not offers_relayouts(config):
         return config
-    alts = relayout_configs(task, config, argv)
+    alts = relayout_configs(task, config, flags)
     if not alts:
         return config
     chain = tuple(part_layer_counts(config, config.parallel.pipeline_model_parallel_size))

@@ -6,6 +6,7 @@ any layout (:mod:`megatron.trainer.checkpointing.reshard`). So at the decision b
 (``K = --zb-profile-iters``, a drained segment end) every rank saves, the stages are built
 again in the chosen layout (transport included), and each loads what it now holds. The run
 then equals one saved at ``K`` and resumed with the chosen schedule (``tests/test_auto_relayout.py``).
+The decision is :func:`~.candidates.chosen_relayout` of the segment's last schedule.
 
 Where the checkpoint goes: under ``--save`` (``auto-relayout/``, shared by every node), else a
 temporary directory rank 0 makes and names to the others (one node: the launch offers a
@@ -28,8 +29,8 @@ from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
-from megatron.trainer.launch.auto_relayout import chosen_config
 from megatron.trainer.checkpointing.load import check_resume_or_exit
+from megatron.trainer.loop.auto.candidates import chosen_config
 from megatron.trainer.loop.run_start import resume_workers, run_schedule
 from megatron.trainer.loop.runners import PipelineRunner
 from megatron.trainer.loop.workers import local_workers
