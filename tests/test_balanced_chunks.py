@@ -1,0 +1,95 @@
+"""The balanced split as the default of chunked layouts (V: zb-v, dualpipev; interleaved-1f1b):
+which split the flags give, the banner, explicit per-chunk splits, resuming, and that a run on
+the balanced split trains the even split's model (the same model; only the placement changes)
+and 1F1B's, in the emulator and the distributed runtime, within the bounds tests/adam_bounds.py
+derives from the reference run's own Adam steps."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.config.job_config import build_job_config
+from megatron.trainer.tasks.balanced_partition import layer_split_line
+from tests.async_helpers import (TINY_GPT, assert_flag_error, assert_trains_like, emulate, emulated_reference,
+                                 final_params, read_log, run_pretrain)
+
+ISSUE = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+         "--micro-batch-size", "4", "--vocab-size", "8192", "--pipeline-executor", "emulator",
+         "--pipeline-model-parallel-size", "2", "--global-batch-size", "16"]
+INTERLEAVED = ["--pipeline-schedule", "interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage", "2"]
+
+
+def _args(*extra: str):
+    return parse_args([*ISSUE, *extra], build_parser("test"))
+
+
+@pytest.mark.parametrize("schedule", [["--pipeline-schedule", "zb-v"], ["--pipeline-schedule", "dualpipev"],
+                                      INTERLEAVED], ids=["zb-v", "dualpipev", "interleaved"])
+def test_chunked_layouts_default_to_the_balanced_split(schedule: list[str]) -> None:
+    """The issue's model (head = 2.5 layers): the rank holding the head takes 3 layers, 2 in the
+    chunk beside it (V: the embedding's, interleaved: its first) and 1 with the head."""
+    args = _args(*schedule)
+    assert args.pipeline_partition == "balanced" and args.pipeline_layer_split == [2, 2, 3, 1]
+    ranks = "[3, 5]" if "interleaved-1f1b" not in schedule else "[5, 3]"
+    owners = "[0, 1, 1, 0]" if "interleaved-1f1b" not in schedule else "[0, 1, 0, 1]"
+    assert layer_split_line(build_job_config(args)) == (
+        f"layer split: [2, 2, 3, 1] per model chunk, {ranks} per rank (rank of each chunk: {owners}) "
+        f"(--pipeline-partition balanced)")
+    even = _args(*schedule, "--pipeline-partition", "even")
+    assert even.pipeline_partition == "even" and even.pipeline_layer_split is None
+
+
+def test_explicit_per_chunk_split_and_refusals(capsys) -> None:
+    """A V takes one count per chunk (2 PP of them) or per stage (halved); other counts are refused."""
+    explicit = _args("--pipeline-schedule", "zb-v", "--pipeline-layer-split", "1", "3", "3", "1")
+    assert explicit.pipeline_partition == "explicit" and explicit.pipeline_layer_split == [1, 3, 3, 1]
+    assert build_job_config(explicit).run.layout.part_layer_split([1, 3, 3, 1]) == [1, 3, 3, 1]
+    assert_flag_error(capsys, ["--pipeline-schedule", "1f1b", "--pipeline-layer-split", "1", "1", "1", "1",
+                               "--num-layers", "4"], "4 counts for 2 stages")
+    assert_flag_error(capsys, ["--pipeline-schedule", "zb-v", "--pipeline-layer-split", "1", "1", "1",
+                               "--global-batch-size", "4"], "3 entries for 2 pipeline stages")
+
+
+# ------------------------------------------------------------------------------ training
+def _train_argv(schedule: list[str], *extra: str) -> list[str]:
+    """A tiny GPT whose head costs 2.8 layers (vocabulary 512), 8 layers on 2 stages, 4 steps."""
+    return [*TINY_GPT, "--vocab-size", "512", "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+            "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--clip-grad", "1.0", "--device", "cpu", *schedule, *extra]
+
+
+ZBV, DUALPIPEV = ["--pipeline-schedule", "zb-v"], ["--pipeline-schedule", "dualpipev"]
+
+
+@pytest.fixture(scope="module")
+def even_zbv(tmp_path_factory):
+    """The reference: zb-v on the even split [2, 2, 2, 2], its Adam steps traced."""
+    return emulated_reference(_train_argv(ZBV, "--pipeline-partition", "even"),
+                              tmp_path_factory.mktemp("even") / "log.jsonl")
+
+
+def _chunk_layers(workers) -> list[list[int]]:
+    return [[len(chunk.layers) for chunk in w.setup.chunks] for w in workers]
+
+
+@pytest.mark.usefixtures("megatron_world1")
+@pytest.mark.parametrize("schedule, layers", [
+    (ZBV, [[2, 1], [2, 3]]), (DUALPIPEV, [[2, 1], [2, 3]]), (["--pipeline-schedule", "1f1b"], [[5], [3]]),
+    (["--pipeline-schedule", "interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage", "2"], [[2, 3], [2, 1]])],
+    ids=["zb-v", "dualpipev", "1f1b", "interleaved"])
+def test_emulator_balanced_trains_like_the_even_split(schedule: list[str], layers: list[list[int]], even_zbv,
+                                                      tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    workers = emulate([*_train_argv(schedule), "--pipeline-executor", "emulator", "--log-json", str(log)])
+    assert _chunk_layers(workers) == layers  # the placement moved (else this compares a run with itself)
+    assert_trains_like(read_log(log), final_params(workers), even_zbv, context=" ".join(schedule))
+
+
+@pytest.mark.usefixtures("megatron_world1")
+@pytest.mark.parametrize("schedule", [ZBV, DUALPIPEV], ids=["zb-v", "dualpipev"])
+def test_runtime_balanced_trains_like_the_even_split(schedule: list[str], even_zbv, tmp_path: Path) -> None:
+    records, params = run_pretrain(_train_argv(schedule), tmp_path)
+    assert "layer split: [2, 2, 3, 1] per model chunk" in (tmp_path / "stdout.txt").read_text()
+    assert_trains_like(records, params, even_zbv, context=" ".join(schedule))
