@@ -162,3 +162,51 @@ def test_rank_work_within_one_layer_of_the_mean(shape: ModelShape, ranks: int, l
     assert max(busy) <= max(even_busy) * (1 + 1e-12)  # never worse than the even split
     if shape is PEER:  # the head is 2.5 layers here: the even split misses the bound, so the test can fail
         assert max(even_busy) - sum(even_busy) / ranks > one_layer
+
+
+# ------------------------------------------------------------------------------ V orders per chunk
+def _chunk_op_costs(shape: ModelShape, counts: list[int]) -> list:
+    """Per V chunk (virtual-stage order) F/B/W from FLOPs, in units of one layer's third."""
+    from megatron.pipeline.costs.op_costs import OpCosts
+
+    layer, first, last = layer_units(shape)
+    out = []
+    for part, n in enumerate(counts):
+        flops = n * layer.time + (first.time if part == 0 else 0.0) + (last.time if part == len(counts) - 1 else 0.0)
+        third = flops / layer.time
+        out.append(OpCosts(t_f=third, t_b=third, t_w=third))
+    return out
+
+
+def test_v_planner_prices_each_chunk() -> None:
+    """The greedy V planner's clock charges every op its own chunk's costs: each stage's busy time
+    is ``m`` times its two chunks' F + B + W, which the stage-mean costs would only match in sum;
+    equal chunk costs give the per-stage plan exactly."""
+    from megatron.pipeline.costs.op_costs import OpCosts
+    from megatron.pipeline.schedules.v_shape.greedy import VGreedyPlanner, best_v_plan
+
+    p, m = 2, 8
+    counts = list(partition_chunks(8, v_owners(p), *layer_units(PEER), [1.0] * p).counts)
+    chunks = _chunk_op_costs(PEER, counts)
+    layout = VShapeLayout(p)
+    means = [OpCosts(*(sum(getattr(chunks[layout.virtual(s, c)], f) for c in (0, 1)) / 2 for f in ("t_f", "t_b", "t_w")))
+             for s in range(p)]
+    planner = VGreedyPlanner(means, m, 2.0 * p, chunk_costs=chunks)
+    planner.plan()
+    for s in range(p):
+        want = m * sum(chunks[layout.virtual(s, c)].t_f * 3 for c in (0, 1))
+        assert planner.clock.busy[s] == pytest.approx(want)
+    equal = [OpCosts(1.0, 1.0, 1.0)] * p
+    assert best_v_plan(equal, m, 2.0 * p, [equal[0]] * (2 * p)) == best_v_plan(equal, m, 2.0 * p)
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_zbv_with_chunk_costs_is_a_valid_schedule(m: int) -> None:
+    """zb-v takes ``2p`` costs (one per V chunk): its order passes the schedule check."""
+    from megatron.pipeline.schedule_check import check_schedule
+
+    counts = list(partition_chunks(8, v_owners(2), *layer_units(PEER), [1.0, 1.0]).counts)
+    schedule = build_schedule("zb-v", ScheduleConfig(2, m, num_iterations=2,
+                                                     options=ScheduleOptions(costs=_chunk_op_costs(PEER, counts))))
+    check_schedule(schedule)
+    assert len(schedule.costs) == 2  # the stages' means, for the simulator and the start's report
