@@ -93,3 +93,24 @@ def test_runtime_balanced_trains_like_the_even_split(schedule: list[str], even_z
     records, params = run_pretrain(_train_argv(schedule), tmp_path)
     assert "layer split: [2, 2, 3, 1] per model chunk" in (tmp_path / "stdout.txt").read_text()
     assert_trains_like(records, params, even_zbv, context=" ".join(schedule))
+
+
+def test_zbv_plans_from_per_chunk_costs() -> None:
+    """zb-v's placeholder becomes one cost per V chunk in proportion to the chunk's FLOPs on the
+    balanced split; the even split and ``--zb-costs`` keep one cost for all."""
+    from megatron.pipeline.costs.cost_model import embedding_flops, head_flops, layer_flops
+    from megatron.pipeline.costs.op_costs import OpCosts
+    from megatron.trainer.tasks.balanced_partition import model_shape
+
+    args = _args("--pipeline-schedule", "zb-v")
+    costs = args.run.schedule.options.costs
+    shape = model_shape(build_job_config(args))
+    layer = layer_flops(shape)
+    want = [2 * layer + embedding_flops(shape), 2 * layer, 3 * layer, layer + head_flops(shape)]
+    assert len(costs) == 4
+    assert [c.t_f / costs[0].t_f for c in costs] == pytest.approx([w / want[0] for w in want])
+    assert sum(c.t_w for c in costs) == pytest.approx(4.0)  # the placeholder's mean is kept
+    assert isinstance(_args("--pipeline-schedule", "zb-v", "--pipeline-partition", "even").run.schedule.options.costs,
+                      OpCosts)
+    given = _args("--pipeline-schedule", "zb-v", "--zb-costs", "1,2,1,0").run.schedule.options.costs
+    assert len(given) == 2 and given[0].t_b == 2.0
