@@ -5,6 +5,7 @@ and 1F1B's, in the emulator and the distributed runtime, within the bounds tests
 derives from the reference run's own Adam steps."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,51 @@ def test_zbv_plans_from_per_chunk_costs() -> None:
                       OpCosts)
     given = _args("--pipeline-schedule", "zb-v", "--zb-costs", "1,2,1,0").run.schedule.options.costs
     assert len(given) == 2 and given[0].t_b == 2.0
+
+
+# ------------------------------------------------------------------------------ checkpoints
+SAVED = 2
+
+
+def _losses(log: Path) -> dict[int, float]:
+    return {r["iteration"]: r["loss"] for r in read_log(log) if "loss" in r and "eval_split" not in r}
+
+
+@pytest.fixture(scope="module")
+def saved_zbv(megatron_world1, tmp_path_factory):
+    """zb-v on the balanced split, saved at iteration 2 and continued to 4: (checkpoint, losses)."""
+    from megatron.trainer.checkpointing import checkpoint as ckpt
+
+    root = tmp_path_factory.mktemp("zbv")
+    emulate([*_train_argv(ZBV), "--pipeline-executor", "emulator", "--log-json", str(root / "ref.jsonl"),
+             "--save", str(root / "all"), "--save-interval", str(SAVED)])
+    meta = json.loads((ckpt.iteration_dir(root / "all", SAVED) / "metadata.json").read_text())
+    assert meta["signature"]["pipeline_layer_split"] == [2, 2, 3, 1]  # the checkpoint records the split
+    (root / "all" / ckpt.POINTER).write_text(f"{SAVED}\n")
+    return root / "all", _losses(root / "ref.jsonl")
+
+
+@pytest.mark.usefixtures("megatron_world1")
+@pytest.mark.parametrize("into", [ZBV, ["--pipeline-schedule", "1f1b"], [*ZBV, "--pipeline-partition", "even"],
+                                  DUALPIPEV],
+                         ids=["zb-v-kept", "1f1b-chain", "zb-v-even", "dualpipev-same-placement"])
+def test_resume_keeps_or_reshards_the_per_chunk_split(saved_zbv, tmp_path: Path, into: list[str], capsys) -> None:
+    """Resuming in the same placement keeps the checkpoint's per-chunk split (the default does
+    not decide again); another placement or split reshards; every way continues the saved run's
+    losses (1e-5 relative: the clip norm's grouping differs between placements)."""
+    from tests.async_helpers import _parse
+    from megatron.trainer.tasks.gpt import GPTTask
+
+    checkpoint, reference = saved_zbv
+    argv = [*_train_argv(into), "--load", str(checkpoint), "--pipeline-executor", "emulator"]
+    config = _parse(argv, GPTTask())
+    same = "even" not in into and "1f1b" not in into
+    if same:
+        assert config.parallel.pipeline_partition == "checkpoint" and config.parallel.pipeline_layer_split == [2, 2, 3, 1]
+    capsys.readouterr()
+    emulate([*argv, "--log-json", str(tmp_path / "log.jsonl")])
+    out = capsys.readouterr().out
+    assert ("stage partition changed" in out) != same, out[-2000:]
+    losses = _losses(tmp_path / "log.jsonl")
+    assert sorted(losses) == [3, 4]
+    assert all(abs(losses[i] - reference[i]) <= 1e-5 * abs(reference[i]) for i in losses), (losses, reference)
