@@ -163,3 +163,22 @@ def test_resume_keeps_or_reshards_the_per_chunk_split(saved_zbv, tmp_path: Path,
     losses = _losses(tmp_path / "log.jsonl")
     assert sorted(losses) == [3, 4]
     assert all(abs(losses[i] - reference[i]) <= 1e-5 * abs(reference[i]) for i in losses), (losses, reference)
+
+
+# ------------------------------------------------------------------------------ planner
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev", "interleaved-1f1b"])
+def test_planner_prices_chunked_candidates_with_the_trainers_split(schedule: str) -> None:
+    """The planner offers chunked layouts on the balanced split (and the even one), and the flags
+    it prints for each make the trainer build exactly the counts it priced."""
+    from megatron.pipeline.planner.candidates import enumerate_candidates
+    from megatron.pipeline.planner.report import flags
+    from megatron.trainer.tasks.balanced_partition import model_shape
+
+    shape = model_shape(build_job_config(_args()))
+    found = {c.layer_split: c for c, _ in enumerate_candidates(shape, [2], 16, 1, schedules=[schedule], recomputes=["none"])
+             if c is not None and c.micro_batch_size == 4 and c.virtual_stages in (1, 2)}
+    assert set(found) == {"balanced", "even"}
+    assert found["balanced"].counts == (2, 2, 3, 1) and found["even"].counts == (2, 2, 2, 2)
+    for split, cand in found.items():
+        parsed = _args(*flags(cand, 8))
+        assert parsed.pipeline_layer_split == (None if split == "even" else list(cand.counts)), (split, flags(cand, 8))
