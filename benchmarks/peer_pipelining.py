@@ -29,7 +29,10 @@ Peer schedules: ``Schedule1F1B`` (vs our 1f1b and paci), ``ScheduleGPipe`` (vs g
 ``ScheduleInterleaved1F1B`` (vs interleaved-1f1b), ``ScheduleInterleavedZeroBubble`` and
 ``ScheduleZBVZeroBubble`` (vs zb-2p; both hold two chunks per rank), ``ScheduleZBVZeroBubble``
 vs zb-v and ``ScheduleDualPipeV`` vs dualpipev: the same V placement on both sides (rank r holds
-parts r and 2N - 1 - r) and the same even split into 2N parts.
+parts r and 2N - 1 - r). The peer's chunked schedules split evenly into their parts (its only
+split); ours run our default, the balanced split per chunk (``--split balanced``: the V's rank 0
+holds the embedding and the head, so it takes fewer layers), or the even one like the peer's
+(``--split even``).
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ COMPARISONS: dict[str, tuple[str, ...]] = {
 PEER_OPTIONS: dict[str, str] = {"adamw": "foreach", "host_malloc": "system", "bind_cores": "none"}
 MULTI_CHUNK = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 V_SHAPE = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}  # the peer's V placement
-#: ours that split layers evenly over their own parts (several per stage), like the peer's
+#: ours that hold several parts per stage (split per chunk: balanced by default, or even with --split even)
 OURS_MULTI_CHUNK = {"interleaved-1f1b", "zb-v", "dualpipev"}
 
 
@@ -177,9 +180,9 @@ def train_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Pat
 
 
 def run_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
-             split: list[int] | None = None, timeline: Path | None = None) -> RunResult:
+             split: list[int] | None = None, timeline: Path | None = None, flags: tuple[str, ...] = ()) -> RunResult:
     """One timed run of our runtime (arguments as for :func:`train_ours`)."""
-    rss, records = train_ours(schedule, w, stages, m, iters, tmp, split, timeline)
+    rss, records = train_ours(schedule, w, stages, m, iters, tmp, split, timeline, flags)
     tokens = w["mbs"] * m * w["seq"]
     times = [tokens / r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
     return RunResult(tokens / steady_median(times), rss.stop(), iteration_s=times)
@@ -391,11 +394,13 @@ def layer_split(w: dict, stages: int, how: str) -> list[int]:
 
 
 def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iters: int, tmp: Path,
-            split: list[int], timeline: Path | None = None) -> dict:
+            split: list[int], timeline: Path | None = None, how: str = "balanced") -> dict:
     """``split``: the per-stage layer counts of both sides when both hold one part per stage
-    (ours gets it for zb-2p too; the peer's two-chunk schedules split evenly over 2N parts)."""
+    (ours gets it for zb-2p too; the peer's two-chunk schedules split evenly over 2N parts);
+    ``how``: our chunked schedules' split (``balanced``: our default, per chunk; ``even``)."""
     ratios, ours_runs, peer_runs = [], [], []
     ours_split = None if ours in OURS_MULTI_CHUNK else split
+    ours_flags = ("--pipeline-partition", "even") if ours in OURS_MULTI_CHUNK and how == "even" else ()
     peer_split = None if peer in MULTI_CHUNK else split
     for pair in range(pairs):
         order = [("ours", ours), ("peer", peer)] if pair % 2 == 0 else [("peer", peer), ("ours", ours)]
@@ -403,7 +408,7 @@ def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iter
         where = timeline / f"{ours}-{peer}-m{m}-pair{pair}" if timeline is not None else None
         for side, name in order:
             if side == "ours":
-                got[side] = run_ours(name, w, stages, m, iters, tmp, ours_split, where)
+                got[side] = run_ours(name, w, stages, m, iters, tmp, ours_split, where, ours_flags)
             else:
                 got[side] = run_peer(name, w, stages, m, iters, tmp, peer_split, where)
         ours_runs.append(got["ours"])
@@ -415,7 +420,8 @@ def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iter
             print_timeline(where, iters)
     bound = statistics.median(r.bound_tokens_per_s for r in peer_runs)
     return {
-        "ours": ours, "peer": peer, "m": m, "split": ours_split, "ratios": ratios,
+        "ours": ours, "peer": peer, "m": m, "split": ours_split if ours_split is not None else f"{how} per chunk",
+        "ratios": ratios,
         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
         "ours_tokens_per_s": statistics.median(r.tokens_per_s for r in ours_runs),
         "peer_tokens_per_s": statistics.median(r.tokens_per_s for r in peer_runs),
@@ -452,7 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--schedules", nargs="+", default=list(COMPARISONS), choices=list(COMPARISONS))
     p.add_argument("--quick", action="store_true", help="tiny model, one pair, 4 iterations (a smoke run)")
     p.add_argument("--split", choices=("balanced", "even"), default="balanced",
-                   help="layer split of both sides (balanced: our default's counts)")
+                   help="layer split of both sides of one-part-per-stage pairs (balanced: our default's "
+                        "counts), and of ours on chunked layouts (the peer's chunks split evenly)")
     p.add_argument("--timeline", default=None, metavar="DIR",
                    help="trace both sides into DIR and print each pair's per-rank breakdown")
     p.add_argument("--json", default=None)
@@ -488,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
             for ours in a.schedules:
                 for peer in COMPARISONS[ours]:
                     print(f"{ours} vs {peer}, m={m}:", flush=True)
-                    rows.append(compare(ours, peer, w, a.stages, m, pairs, iters, Path(tmp), split, timeline))
+                    rows.append(compare(ours, peer, w, a.stages, m, pairs, iters, Path(tmp), split, timeline, a.split))
     print(f"\nN={a.stages}, workload {w}, layer split {split} ({a.split}), peer {PEER_OPTIONS}, {pairs} interleaved pairs, "
           f"{iters} iterations per run, {time.monotonic() - began:.0f} s in all\n")
     print("| ours | peer | m | ratio ours/peer median (min-max) | ours tok/s | peer tok/s | "
