@@ -182,3 +182,21 @@ def test_planner_prices_chunked_candidates_with_the_trainers_split(schedule: str
     for split, cand in found.items():
         parsed = _args(*flags(cand, 8))
         assert parsed.pipeline_layer_split == (None if split == "even" else list(cand.counts)), (split, flags(cand, 8))
+
+
+# ------------------------------------------------------------------------------ profiled
+@pytest.mark.usefixtures("megatron_world1")
+@pytest.mark.parametrize("schedule", [ZBV, ["--pipeline-schedule", "interleaved-1f1b",
+                                             "--num-layers-per-virtual-pipeline-stage", "2"]], ids=["zb-v", "interleaved"])
+def test_profiled_partition_splits_per_chunk(schedule: list[str], capsys) -> None:
+    """``--pipeline-partition profiled`` on a chunked layout: the profile's layer, embedding and
+    head go through the same per-rank solver; every chunk gets its own count, and the run builds them."""
+    argv = [*_train_argv(schedule), "--train-iters", "1", "--pipeline-executor", "emulator",
+            "--pipeline-partition", "profiled", "--pipeline-partition-profile-iters", "1"]
+    capsys.readouterr()
+    workers = emulate(argv)
+    line = next(l for l in capsys.readouterr().out.splitlines() if "pipeline partition profiled: layer split" in l)
+    counts = [int(c) for c in line.split("layer split [", 1)[1].split("]", 1)[0].split(",")]
+    assert len(counts) == 4 and sum(counts) == 8 and min(counts) >= 1 and "per chunk" in line
+    built = sorted(n for chunks in _chunk_layers(workers) for n in chunks)
+    assert built == sorted(counts), (built, counts)

@@ -30,13 +30,14 @@ def resolve_partition(args: argparse.Namespace) -> None:
     if args.num_layers < pp:
         raise ConfigError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= "
                           f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")
-    if args.num_model_chunks != 1:
-        raise ConfigError("--pipeline-partition profiled splits one chunk per stage; "
-                          "interleaved schedules need the even split")
+    parts = args.run.layout.num_model_stages  # chunked layouts: one count per chunk
+    if args.num_layers < parts:
+        raise ConfigError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= the "
+                          f"{parts} model chunks of the layout (one layer each at least)")
     if args.pipeline_partition_profile_iters < 1:
         raise ConfigError("--pipeline-partition-profile-iters must be >= 1")
     _, split = checkpoint_split(build_job_config(args))  # resuming: keep the split the weights were saved with
-    if split is not None and len(split) == pp and sum(split) == args.num_layers:
+    if split is not None and len(split) in (pp, parts) and sum(split) == args.num_layers:
         args.pipeline_layer_split = split
         args.pipeline_partition_resumed = True
 
