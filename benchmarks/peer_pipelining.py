@@ -92,16 +92,22 @@ class RunResult:
     peak_rss_mb: float
     bound_tokens_per_s: float | None = None
     iteration_s: list[float] = field(default_factory=list)
+    rank_cpu_s: list[float] = field(default_factory=list)  # user + system CPU of each rank process, whole run
+
+
 
 
 class PeakRSS:
     """Polls ``VmHWM`` (the kernel's peak RSS) of every descendant of a process whose name
-    matches, until stopped; the value only grows, so a sample shortly before exit suffices."""
+    matches, until stopped; the value only grows, so a sample shortly before exit suffices. Also
+    each such process's CPU time (user + system, ``/proc/PID/stat``), which also only grows: the
+    per-rank CPU spread says how evenly a layer split loads the ranks, whatever else the host runs."""
 
     def __init__(self, root_pid: int, match: str, period: float = 0.1) -> None:
         self.root, self.match, self.period = root_pid, match, period
         self.peak_kb: dict[int, int] = {}
         self.names: dict[int, str] = {}  # pid -> process name (``megatron-rankN`` for ours)
+        self.cpu_ticks: dict[int, int] = {}  # pid -> utime + stime, clock ticks
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -134,8 +140,12 @@ class PeakRSS:
                         continue
                     with open(f"/proc/{pid}/status") as f:
                         hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-                except (OSError, StopIteration, ValueError):
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+                except (OSError, StopIteration, ValueError, IndexError):
                     continue
+                self.cpu_ticks[pid] = max(self.cpu_ticks.get(pid, 0), ticks)
                 self.peak_kb[pid] = max(self.peak_kb.get(pid, 0), hwm)
                 self.names[pid] = name
             self._stop.wait(self.period)
@@ -144,6 +154,12 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         return max(self.peak_kb.values(), default=0) / 1024
+
+    def rank_cpu_s(self) -> list[float]:
+        """CPU seconds of each matching process, by rank (name ``megatron-rankN``, else start order)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        order = sorted(self.cpu_ticks, key=lambda pid: (self.names.get(pid, ""), pid))
+        return [self.cpu_ticks[pid] / tick for pid in order]
 
 
 def steady_median(times: list[float]) -> float:
@@ -185,7 +201,7 @@ def run_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
     rss, records = train_ours(schedule, w, stages, m, iters, tmp, split, timeline, flags)
     tokens = w["mbs"] * m * w["seq"]
     times = [tokens / r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
-    return RunResult(tokens / steady_median(times), rss.stop(), iteration_s=times)
+    return RunResult(tokens / steady_median(times), rss.stop(), iteration_s=times, rank_cpu_s=rss.rank_cpu_s())
 
 
 def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
@@ -207,12 +223,14 @@ def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
     monitors = [PeakRSS(p.pid, "python") for p in procs]
     outputs = [p.communicate()[0] for p in procs]
     peak = max(mon.stop() for mon in monitors)
+    cpu = [sum(mon.rank_cpu_s()) for mon in monitors]  # one worker process tree per rank
     if any(p.returncode != 0 for p in procs):
         raise SystemExit(f"peer {schedule} m={m} failed:\n" + "\n".join(o[-3000:] for o in outputs))
     result = json.loads(out_file.read_text())
     tokens = w["mbs"] * m * w["seq"]
     return RunResult(tokens / steady_median(result["iteration_s"]), peak,
-                     bound_tokens_per_s=tokens / max(result["compute_s"]), iteration_s=result["iteration_s"])
+                     bound_tokens_per_s=tokens / max(result["compute_s"]), iteration_s=result["iteration_s"],
+                     rank_cpu_s=cpu)
 
 
 def _clean_env() -> dict[str, str]:
@@ -430,6 +448,8 @@ def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iter
         "peer_of_bound": statistics.median(r.tokens_per_s for r in peer_runs) / bound,
         "ours_peak_rss_mb": max(r.peak_rss_mb for r in ours_runs),
         "peer_peak_rss_mb": max(r.peak_rss_mb for r in peer_runs),
+        "ours_rank_cpu_s": [statistics.median(c) for c in zip(*(r.rank_cpu_s for r in ours_runs))],
+        "peer_rank_cpu_s": [statistics.median(c) for c in zip(*(r.rank_cpu_s for r in peer_runs))],
     }
 
 
@@ -447,6 +467,13 @@ def print_timeline(where: Path, iters: int) -> None:
         print(line)
     for line in report("peer cpu", {r: d["cpu_iterations"] for r, d in enumerate(peer)}, skip):
         print(line, flush=True)  # the same ops on the thread's CPU clock: what they cost unloaded
+
+
+def _cpu_text(cpu: list[float]) -> str:
+    """Per-rank CPU seconds and the busiest rank's over the least busy's (the split's imbalance)."""
+    if not cpu or min(cpu) <= 0:
+        return "-"
+    return f"{' / '.join(f'{c:.1f}' for c in cpu)} ({max(cpu) / min(cpu):.2f}x)"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -499,12 +526,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nN={a.stages}, workload {w}, layer split {split} ({a.split}), peer {PEER_OPTIONS}, {pairs} interleaved pairs, "
           f"{iters} iterations per run, {time.monotonic() - began:.0f} s in all\n")
     print("| ours | peer | m | ratio ours/peer median (min-max) | ours tok/s | peer tok/s | "
-          "ours / bound | peer / bound | peak RSS MB ours | peak RSS MB peer |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "ours / bound | peer / bound | peak RSS MB ours | peak RSS MB peer | CPU s per rank ours | CPU s per rank peer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['ours']} | {r['peer']} | {r['m']} | {r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | "
               f"{r['ours_tokens_per_s']:.0f} | {r['peer_tokens_per_s']:.0f} | {r['ours_of_bound']:.3f} | "
-              f"{r['peer_of_bound']:.3f} | {r['ours_peak_rss_mb']:.0f} | {r['peer_peak_rss_mb']:.0f} |")
+              f"{r['peer_of_bound']:.3f} | {r['ours_peak_rss_mb']:.0f} | {r['peer_peak_rss_mb']:.0f} | "
+              f"{_cpu_text(r['ours_rank_cpu_s'])} | {_cpu_text(r['peer_rank_cpu_s'])} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
 
