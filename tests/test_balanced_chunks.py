@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.config.arguments import build_parser, parse_args
+from megatron.trainer.config.arguments import build_parser
+from megatron.trainer.plan.parse import parse_args
 from megatron.trainer.config.job_config import build_job_config
 from megatron.trainer.tasks.balanced_partition import layer_split_line
 from tests.async_helpers import (TINY_GPT, assert_flag_error, assert_trains_like, emulate, emulated_reference,
