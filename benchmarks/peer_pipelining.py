@@ -29,7 +29,10 @@ Peer schedules: ``Schedule1F1B`` (vs our 1f1b and paci), ``ScheduleGPipe`` (vs g
 ``ScheduleInterleaved1F1B`` (vs interleaved-1f1b), ``ScheduleInterleavedZeroBubble`` and
 ``ScheduleZBVZeroBubble`` (vs zb-2p; both hold two chunks per rank), ``ScheduleZBVZeroBubble``
 vs zb-v and ``ScheduleDualPipeV`` vs dualpipev: the same V placement on both sides (rank r holds
-parts r and 2N - 1 - r) and the same even split into 2N parts.
+parts r and 2N - 1 - r). The peer's chunked schedules split evenly into their parts (its only
+split); ours run our default, the balanced split per chunk (``--split balanced``: the V's rank 0
+holds the embedding and the head, so it takes fewer layers), or the even one like the peer's
+(``--split even``).
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ COMPARISONS: dict[str, tuple[str, ...]] = {
 PEER_OPTIONS: dict[str, str] = {"adamw": "foreach", "host_malloc": "system", "bind_cores": "none"}
 MULTI_CHUNK = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 V_SHAPE = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}  # the peer's V placement
-#: ours that split layers evenly over their own parts (several per stage), like the peer's
+#: ours that hold several parts per stage (split per chunk: balanced by default, or even with --split even)
 OURS_MULTI_CHUNK = {"interleaved-1f1b", "zb-v", "dualpipev"}
 
 
@@ -89,16 +92,22 @@ class RunResult:
     peak_rss_mb: float
     bound_tokens_per_s: float | None = None
     iteration_s: list[float] = field(default_factory=list)
+    rank_cpu_s: list[float] = field(default_factory=list)  # user + system CPU of each rank process, whole run
+
+
 
 
 class PeakRSS:
     """Polls ``VmHWM`` (the kernel's peak RSS) of every descendant of a process whose name
-    matches, until stopped; the value only grows, so a sample shortly before exit suffices."""
+    matches, until stopped; the value only grows, so a sample shortly before exit suffices. Also
+    each such process's CPU time (user + system, ``/proc/PID/stat``), which also only grows: the
+    per-rank CPU spread says how evenly a layer split loads the ranks, whatever else the host runs."""
 
     def __init__(self, root_pid: int, match: str, period: float = 0.1) -> None:
         self.root, self.match, self.period = root_pid, match, period
         self.peak_kb: dict[int, int] = {}
         self.names: dict[int, str] = {}  # pid -> process name (``megatron-rankN`` for ours)
+        self.cpu_ticks: dict[int, int] = {}  # pid -> utime + stime, clock ticks
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -131,8 +140,12 @@ class PeakRSS:
                         continue
                     with open(f"/proc/{pid}/status") as f:
                         hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-                except (OSError, StopIteration, ValueError):
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+                except (OSError, StopIteration, ValueError, IndexError):
                     continue
+                self.cpu_ticks[pid] = max(self.cpu_ticks.get(pid, 0), ticks)
                 self.peak_kb[pid] = max(self.peak_kb.get(pid, 0), hwm)
                 self.names[pid] = name
             self._stop.wait(self.period)
@@ -141,6 +154,12 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         return max(self.peak_kb.values(), default=0) / 1024
+
+    def rank_cpu_s(self) -> list[float]:
+        """CPU seconds of each matching process, by rank (name ``megatron-rankN``, else start order)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        order = sorted(self.cpu_ticks, key=lambda pid: (self.names.get(pid, ""), pid))
+        return [self.cpu_ticks[pid] / tick for pid in order]
 
 
 def steady_median(times: list[float]) -> float:
@@ -177,12 +196,12 @@ def train_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Pat
 
 
 def run_ours(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
-             split: list[int] | None = None, timeline: Path | None = None) -> RunResult:
+             split: list[int] | None = None, timeline: Path | None = None, flags: tuple[str, ...] = ()) -> RunResult:
     """One timed run of our runtime (arguments as for :func:`train_ours`)."""
-    rss, records = train_ours(schedule, w, stages, m, iters, tmp, split, timeline)
+    rss, records = train_ours(schedule, w, stages, m, iters, tmp, split, timeline, flags)
     tokens = w["mbs"] * m * w["seq"]
     times = [tokens / r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
-    return RunResult(tokens / steady_median(times), rss.stop(), iteration_s=times)
+    return RunResult(tokens / steady_median(times), rss.stop(), iteration_s=times, rank_cpu_s=rss.rank_cpu_s())
 
 
 def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
@@ -204,12 +223,14 @@ def run_peer(schedule: str, w: dict, stages: int, m: int, iters: int, tmp: Path,
     monitors = [PeakRSS(p.pid, "python") for p in procs]
     outputs = [p.communicate()[0] for p in procs]
     peak = max(mon.stop() for mon in monitors)
+    cpu = [sum(mon.rank_cpu_s()) for mon in monitors]  # one worker process tree per rank
     if any(p.returncode != 0 for p in procs):
         raise SystemExit(f"peer {schedule} m={m} failed:\n" + "\n".join(o[-3000:] for o in outputs))
     result = json.loads(out_file.read_text())
     tokens = w["mbs"] * m * w["seq"]
     return RunResult(tokens / steady_median(result["iteration_s"]), peak,
-                     bound_tokens_per_s=tokens / max(result["compute_s"]), iteration_s=result["iteration_s"])
+                     bound_tokens_per_s=tokens / max(result["compute_s"]), iteration_s=result["iteration_s"],
+                     rank_cpu_s=cpu)
 
 
 def _clean_env() -> dict[str, str]:
@@ -391,11 +412,13 @@ def layer_split(w: dict, stages: int, how: str) -> list[int]:
 
 
 def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iters: int, tmp: Path,
-            split: list[int], timeline: Path | None = None) -> dict:
+            split: list[int], timeline: Path | None = None, how: str = "balanced") -> dict:
     """``split``: the per-stage layer counts of both sides when both hold one part per stage
-    (ours gets it for zb-2p too; the peer's two-chunk schedules split evenly over 2N parts)."""
+    (ours gets it for zb-2p too; the peer's two-chunk schedules split evenly over 2N parts);
+    ``how``: our chunked schedules' split (``balanced``: our default, per chunk; ``even``)."""
     ratios, ours_runs, peer_runs = [], [], []
     ours_split = None if ours in OURS_MULTI_CHUNK else split
+    ours_flags = ("--pipeline-partition", "even") if ours in OURS_MULTI_CHUNK and how == "even" else ()
     peer_split = None if peer in MULTI_CHUNK else split
     for pair in range(pairs):
         order = [("ours", ours), ("peer", peer)] if pair % 2 == 0 else [("peer", peer), ("ours", ours)]
@@ -403,7 +426,7 @@ def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iter
         where = timeline / f"{ours}-{peer}-m{m}-pair{pair}" if timeline is not None else None
         for side, name in order:
             if side == "ours":
-                got[side] = run_ours(name, w, stages, m, iters, tmp, ours_split, where)
+                got[side] = run_ours(name, w, stages, m, iters, tmp, ours_split, where, ours_flags)
             else:
                 got[side] = run_peer(name, w, stages, m, iters, tmp, peer_split, where)
         ours_runs.append(got["ours"])
@@ -415,7 +438,8 @@ def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iter
             print_timeline(where, iters)
     bound = statistics.median(r.bound_tokens_per_s for r in peer_runs)
     return {
-        "ours": ours, "peer": peer, "m": m, "split": ours_split, "ratios": ratios,
+        "ours": ours, "peer": peer, "m": m, "split": ours_split if ours_split is not None else f"{how} per chunk",
+        "ratios": ratios,
         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
         "ours_tokens_per_s": statistics.median(r.tokens_per_s for r in ours_runs),
         "peer_tokens_per_s": statistics.median(r.tokens_per_s for r in peer_runs),
@@ -424,6 +448,8 @@ def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iter
         "peer_of_bound": statistics.median(r.tokens_per_s for r in peer_runs) / bound,
         "ours_peak_rss_mb": max(r.peak_rss_mb for r in ours_runs),
         "peer_peak_rss_mb": max(r.peak_rss_mb for r in peer_runs),
+        "ours_rank_cpu_s": [statistics.median(c) for c in zip(*(r.rank_cpu_s for r in ours_runs))],
+        "peer_rank_cpu_s": [statistics.median(c) for c in zip(*(r.rank_cpu_s for r in peer_runs))],
     }
 
 
@@ -443,6 +469,13 @@ def print_timeline(where: Path, iters: int) -> None:
         print(line, flush=True)  # the same ops on the thread's CPU clock: what they cost unloaded
 
 
+def _cpu_text(cpu: list[float]) -> str:
+    """Per-rank CPU seconds and the busiest rank's over the least busy's (the split's imbalance)."""
+    if not cpu or min(cpu) <= 0:
+        return "-"
+    return f"{' / '.join(f'{c:.1f}' for c in cpu)} ({max(cpu) / min(cpu):.2f}x)"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=int, default=2)
@@ -452,7 +485,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--schedules", nargs="+", default=list(COMPARISONS), choices=list(COMPARISONS))
     p.add_argument("--quick", action="store_true", help="tiny model, one pair, 4 iterations (a smoke run)")
     p.add_argument("--split", choices=("balanced", "even"), default="balanced",
-                   help="layer split of both sides (balanced: our default's counts)")
+                   help="layer split of both sides of one-part-per-stage pairs (balanced: our default's "
+                        "counts), and of ours on chunked layouts (the peer's chunks split evenly)")
     p.add_argument("--timeline", default=None, metavar="DIR",
                    help="trace both sides into DIR and print each pair's per-rank breakdown")
     p.add_argument("--json", default=None)
@@ -488,16 +522,17 @@ def main(argv: list[str] | None = None) -> None:
             for ours in a.schedules:
                 for peer in COMPARISONS[ours]:
                     print(f"{ours} vs {peer}, m={m}:", flush=True)
-                    rows.append(compare(ours, peer, w, a.stages, m, pairs, iters, Path(tmp), split, timeline))
+                    rows.append(compare(ours, peer, w, a.stages, m, pairs, iters, Path(tmp), split, timeline, a.split))
     print(f"\nN={a.stages}, workload {w}, layer split {split} ({a.split}), peer {PEER_OPTIONS}, {pairs} interleaved pairs, "
           f"{iters} iterations per run, {time.monotonic() - began:.0f} s in all\n")
     print("| ours | peer | m | ratio ours/peer median (min-max) | ours tok/s | peer tok/s | "
-          "ours / bound | peer / bound | peak RSS MB ours | peak RSS MB peer |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "ours / bound | peer / bound | peak RSS MB ours | peak RSS MB peer | CPU s per rank ours | CPU s per rank peer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['ours']} | {r['peer']} | {r['m']} | {r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | "
               f"{r['ours_tokens_per_s']:.0f} | {r['peer_tokens_per_s']:.0f} | {r['ours_of_bound']:.3f} | "
-              f"{r['peer_of_bound']:.3f} | {r['ours_peak_rss_mb']:.0f} | {r['peer_peak_rss_mb']:.0f} |")
+              f"{r['peer_of_bound']:.3f} | {r['ours_peak_rss_mb']:.0f} | {r['peer_peak_rss_mb']:.0f} | "
+              f"{_cpu_text(r['ours_rank_cpu_s'])} | {_cpu_text(r['peer_rank_cpu_s'])} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
 

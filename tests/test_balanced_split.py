@@ -104,14 +104,15 @@ def test_bert_heads_are_costed() -> None:
 
 
 def test_where_balanced_does_not_apply() -> None:
-    """Interleaved chunks and full recompute keep the even split by default and refuse an
-    explicit ``balanced``; an explicit split is the user's; ``even`` stays available."""
-    interleaved = [*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved-1f1b",
-                   "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8"]
-    assert _args(interleaved).pipeline_partition == "even"
-    assert _args(interleaved).pipeline_layer_split is None
+    """AMDP's replicated pipelines and full recompute keep the even split by default and refuse an
+    explicit ``balanced`` (chunked layouts balance: tests/test_balanced_chunks.py); an explicit
+    split is the user's; ``even`` stays available."""
+    replicated = [*ISSUE, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "amdp",
+                  "--global-batch-size", "16"]
+    assert _args(replicated).pipeline_partition == "even"
+    assert _args(replicated).pipeline_layer_split is None
     with pytest.raises(SystemExit):
-        _args([*interleaved, "--pipeline-partition", "balanced"])
+        _args([*replicated, "--pipeline-partition", "balanced"])
     recompute = [*ISSUE, "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                  "--recompute-method", "uniform", "--recompute-num-layers", "2"]
     assert _args(recompute).pipeline_layer_split is None

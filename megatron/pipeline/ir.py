@@ -185,10 +185,15 @@ class PipelineLayout:
     def part_layer_split(self, stage_split: Sequence[int] | None) -> list[int] | None:
         """Layers per model part (:meth:`model_stage` order) from a per-stage split
         (``--pipeline-layer-split``); None: the even split. One part per stage: the split as it
-        is; several chunks per stage: only the even split (the flag is refused for them)."""
-        if stage_split is None or self.num_model_stages != self.num_stages:
+        is; several chunks per stage: a split with one count per model part (the balanced split
+        of a chunked layout, :mod:`megatron.pipeline.costs.chunk_partition`), else the even one."""
+        if stage_split is None:
             return None
-        return [int(c) for c in stage_split]
+        if len(stage_split) == self.num_model_stages:
+            return [int(c) for c in stage_split]
+        if self.num_model_stages != self.num_stages:
+            return None
+        raise ValueError(f"a layer split of {len(stage_split)} counts for {self.num_stages} stages")
 
     def is_first(self, stage: int, chunk: int) -> bool:
         return self.model_stage(stage, chunk) == 0
@@ -302,8 +307,9 @@ class VShapeLayout(PipelineLayout):
     memory, the ZB fork's issue #36). Only :meth:`virtual` and :meth:`physical` differ from
     the interleaved placement; chains, hops, model split and communication derive from them.
 
-    ``--pipeline-layer-split`` gives layers per device; each device's count is halved between
-    its two chunks (:meth:`part_layer_split`), so it must be even.
+    ``--pipeline-layer-split`` gives layers per device, each device's count halved between its
+    two chunks (:meth:`part_layer_split`), so it must be even; or one count per chunk in model
+    order (``2p`` counts: the balanced split, :mod:`megatron.pipeline.costs.chunk_partition`).
     """
 
     num_chunks: int = 2
@@ -322,6 +328,8 @@ class VShapeLayout(PipelineLayout):
     def part_layer_split(self, stage_split: Sequence[int] | None) -> list[int] | None:
         if stage_split is None:
             return None
+        if len(stage_split) == self.num_model_stages:  # one count per V chunk (model order)
+            return [int(c) for c in stage_split]
         odd = [(s, c) for s, c in enumerate(stage_split) if c % 2]
         if odd:
             raise ValueError(f"--pipeline-layer-split gives stage {odd[0][0]} {odd[0][1]} layers, which do not "

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.pipeline.costs.chunk_partition import Unit
+
 # the loss's softmax and its gradient: exp, sum, log, subtract, scale per logit
 _LOSS_FLOPS_PER_LOGIT = 4
 
@@ -135,17 +137,27 @@ def layer_activation_elements(shape: ModelShape) -> float:
     return shape.seq_length * shape.micro_batch * per_token
 
 
+def layer_units(shape: ModelShape) -> tuple[Unit, Unit, Unit]:
+    """(one layer, the embedding's extra on the first layer, the head's extra on the last):
+    time, static bytes and activation bytes per micro-batch."""
+    tokens = shape.seq_length * shape.micro_batch
+    per_param, act = _static_per_param(shape), shape.activation_bytes
+    layer = Unit(layer_flops(shape), layer_parameters(shape) * per_param, layer_activation_elements(shape) * act)
+    first = Unit(embedding_flops(shape), embedding_parameters(shape) * per_param, tokens * shape.hidden * act)
+    # the logits are upcast to fp32 for the loss
+    last = Unit(head_flops(shape), head_parameters(shape) * per_param, tokens * 2 * shape.vocab * 4)
+    return layer, first, last
+
+
 def layer_costs(shape: ModelShape) -> LayerCosts:
     """Per-layer costs with the embedding charged to layer 0 and the head to the last layer."""
-    n, tokens = shape.num_layers, shape.seq_length * shape.micro_batch
-    per_param, act = _static_per_param(shape), shape.activation_bytes
-    time = [layer_flops(shape)] * n
-    static = [layer_parameters(shape) * per_param] * n
-    activation = [layer_activation_elements(shape) * act] * n
-    time[0] += embedding_flops(shape)
-    static[0] += embedding_parameters(shape) * per_param
-    activation[0] += tokens * shape.hidden * act
-    time[-1] += head_flops(shape)
-    static[-1] += head_parameters(shape) * per_param
-    activation[-1] += tokens * 2 * shape.vocab * 4  # logits are upcast to fp32 for the loss
+    n = shape.num_layers
+    layer, first, last = layer_units(shape)
+    time, static, activation = [layer.time] * n, [layer.static] * n, [layer.activation] * n
+    time[0] += first.time
+    static[0] += first.static
+    activation[0] += first.activation
+    time[-1] += last.time
+    static[-1] += last.static
+    activation[-1] += last.activation
     return LayerCosts(tuple(time), tuple(static), tuple(activation))

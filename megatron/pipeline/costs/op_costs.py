@@ -101,6 +101,15 @@ class OpCosts:
 CostsLike = OpCosts | Sequence[OpCosts] | Mapping[str, Any] | None
 
 
+def stage_mean(costs: Sequence[OpCosts], collective: float = 0.0) -> OpCosts:
+    """A stage's costs from its parts': the mean per op; the step and the reduction over all of
+    its parameters (their sums), the collective ``collective`` once."""
+    n = len(costs)
+    mean = {f: sum(getattr(c, f) for c in costs) / n for f in ("t_f", "t_b", "t_w", "t_comm", "t_send", "m_w", "m_f")}
+    return OpCosts(**mean, t_opt=sum(c.t_opt for c in costs),
+                   t_sync=sum(c.t_sync for c in costs) - (n - 1) * collective)
+
+
 def priced_part(layout: PipelineLayout, op: Op) -> int:
     """Which entry of the per-stage costs (:func:`stage_costs`) prices ``op``: its model part
     where the layout splits the model into as many parts as stages (one chain, or AMDP's

@@ -25,7 +25,7 @@ from megatron.pipeline.comm_volume import replica_sync_inputs, ring_all_gather_b
 from megatron.pipeline.costs.cost_model import (
     ModelShape, embedding_parameters, head_parameters, layer_activation_elements, layer_parameters)
 from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
-from megatron.pipeline.costs.op_costs import OpCosts
+from megatron.pipeline.costs.op_costs import OpCosts, stage_mean
 from megatron.pipeline.costs.unit_costs import ActivationBytes, UnitCosts
 
 #: recompute choices: the trainer's ``--recompute-granularity`` value (None: no recompute)
@@ -138,22 +138,13 @@ def stage_parts(layout: PipelineLayout, stage: int) -> list[int]:
     return sorted({layout.model_stage(stage, c) for c in range(layout.num_chunks)})
 
 
-def _stage_mean(costs: Sequence[OpCosts], collective: float) -> OpCosts:
-    """A stage's costs from its parts': the mean per op; the step and the reduction over all of
-    its parameters (their sums), the collective ``collective`` once."""
-    n = len(costs)
-    mean = {f: sum(getattr(c, f) for c in costs) / n for f in ("t_f", "t_b", "t_w", "t_comm", "t_send", "m_w", "m_f")}
-    return OpCosts(**mean, t_opt=sum(c.t_opt for c in costs),
-                   t_sync=sum(c.t_sync for c in costs) - (n - 1) * collective)
-
-
 def simulator_costs(layout: PipelineLayout, per_part: Sequence[OpCosts], collective: float = 0.0) -> list[OpCosts]:
     """What the simulator takes: per part where the layout has one part per device (it prices an
     op by its part), else per stage the mean of its parts (module docstring); ``collective``:
     the unit costs' ``sync``, which every part's ``t_sync`` contains."""
     if layout.num_model_stages == layout.num_stages:
         return list(per_part)
-    return [_stage_mean([per_part[p] for p in stage_parts(layout, s)], collective) for s in range(layout.num_stages)]
+    return [stage_mean([per_part[p] for p in stage_parts(layout, s)], collective) for s in range(layout.num_stages)]
 
 
 def stage_activation_unit(layout: PipelineLayout, parts: Sequence[PartSizes], stage: int) -> float:

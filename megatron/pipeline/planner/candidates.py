@@ -6,11 +6,11 @@ micro-batches shrink the bubble and each micro-batch's activations; interleaving
 bubble and adds P2P; recompute trades B time for memory; the split trades the first and last
 stages' embedding and head against their layers).
 
-Layer splits (parts of a one-part-per-stage layout; chunked layouts and AMDP split evenly, as the
-trainer does):
+Layer splits (layers per model part; AMDP's replicated pipelines split evenly, as the trainer does):
 
-* ``balanced``: the trainer's default, PACI's min-max split of the analytic per-layer FLOPs
-  (:func:`~megatron.trainer.tasks.balanced_partition.balanced_partition`'s solver and inputs);
+* ``balanced``: the trainer's default, PACI's min-max split of the analytic per-layer FLOPs for
+  one part per stage, the per-rank balanced split over the chunks for V and interleaved layouts
+  (:func:`~megatron.trainer.tasks.balanced_partition.balanced_partition`'s solvers and inputs);
 * ``even``: ``L / N`` layers per stage (``--pipeline-partition even``);
 * ``offset``: Megatron's first/last-stage offsets (``--decoder-first/last-pipeline-num-layers``):
   the first and the last stage one layer fewer, given to their neighbours (N = 2: the last
@@ -21,8 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from megatron.pipeline.costs.cost_model import ModelShape, layer_costs
+from megatron.pipeline.costs.chunk_partition import partition_chunks
+from megatron.pipeline.costs.cost_model import ModelShape, layer_costs, layer_units
 from megatron.pipeline.costs.partition import partition_layers
+from megatron.pipeline.ir import MultiPipelineLayout, PipelineLayout
 from megatron.pipeline.schedules import SCHEDULES, ScheduleConfig, ScheduleConfigError, ScheduleOptions, schedule_class
 
 SPLITS = ("balanced", "even", "offset")
@@ -81,12 +83,27 @@ def balanced_split(shape: ModelShape, stages: int) -> tuple[int, ...] | None:
     return partition_layers(costs.time, costs.static, costs.activation, [1.0] * stages).counts
 
 
-def layer_splits(shape: ModelShape, stages: int, parts: int, chunked: bool = False) -> dict[str, tuple[int, ...]]:
-    """The splits that apply, by name; a chunked or replicated layout (``chunked``: interleaved,
-    V, AMDP) only splits evenly over its ``parts``."""
+def chunk_balanced_split(shape: ModelShape, layout: PipelineLayout) -> tuple[int, ...] | None:
+    """The trainer's default split of a chunked layout without a memory budget (same solver, same inputs)."""
+    if shape.num_layers < layout.num_model_stages:
+        return None
+    owners = [layout.physical(v)[0] for v in range(layout.num_model_stages)]
+    return partition_chunks(shape.num_layers, owners, *layer_units(shape), [1.0] * layout.num_stages).counts
+
+
+def layer_splits(shape: ModelShape, stages: int, parts: int, chunked: bool = False,
+                 layout: PipelineLayout | None = None) -> dict[str, tuple[int, ...]]:
+    """The splits that apply, by name; a chunked layout (``chunked``: interleaved, V, AMDP)
+    splits evenly over its ``parts`` or, given its ``layout`` and not AMDP's replicas, balanced
+    per rank."""
     if chunked:
         even = even_split(shape.num_layers, parts)
-        return {} if even is None else {"even": even}
+        found = {} if even is None else {"even": even}
+        if layout is not None and not isinstance(layout, MultiPipelineLayout):
+            balanced = chunk_balanced_split(shape, layout)
+            if balanced is not None:
+                found = {"balanced": balanced, **found}
+        return found
     found = {"balanced": balanced_split(shape, stages), "even": even_split(shape.num_layers, stages),
              "offset": offset_split(shape.num_layers, stages)}
     return {name: counts for name, counts in found.items() if counts is not None}
@@ -135,7 +152,7 @@ def enumerate_candidates(shape: ModelShape, pipeline_sizes: Sequence[int], globa
                         yield None, str(e)
                         continue
                     chunked = layout.num_chunks > 1
-                    for split, counts in layer_splits(shape, n, layout.num_model_stages, chunked).items():
+                    for split, counts in layer_splits(shape, n, layout.num_model_stages, chunked, layout).items():
                         if split not in splits:
                             continue
                         for r in recomputes:

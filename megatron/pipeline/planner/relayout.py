@@ -52,7 +52,8 @@ class Relayout:
         return f"{self.schedule} x{self.num_chunks}"
 
     def candidate(self, num_stages: int, num_microbatches: int) -> Candidate:
-        return Candidate(self.schedule, num_stages, 1, num_microbatches, self.num_chunks, "none", "even",
+        split = "even" if len(set(self.part_layers)) <= 1 else "balanced"  # the trainer's default split of the rebuild
+        return Candidate(self.schedule, num_stages, 1, num_microbatches, self.num_chunks, "none", split,
                          self.part_layers)
 
 

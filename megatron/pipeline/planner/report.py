@@ -43,7 +43,7 @@ def flags(cand: Candidate, num_layers: int) -> list[str]:
         out += ["--num-layers-per-virtual-pipeline-stage",
                 str(num_layers // (cand.pipeline_model_parallel_size * cand.virtual_stages))]
     out += _RECOMPUTE_FLAGS[cand.recompute]
-    if cand.layer_split == "even" and cand.virtual_stages == 1 and len(cand.counts) == cand.pipeline_model_parallel_size:
+    if cand.layer_split == "even":  # the default balances chains and chunked layouts alike
         out += ["--pipeline-partition", "even"]
     elif cand.layer_split == "offset":
         out += ["--pipeline-layer-split", *map(str, cand.counts)]

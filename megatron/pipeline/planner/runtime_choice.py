@@ -154,9 +154,16 @@ def rank_choices(config: ScheduleConfig, costs: Sequence[OpCosts], memory_limit:
     return [by_candidate[r.candidate] for r in ranked], refused
 
 
+def split_text(part_layers: Sequence[int]) -> str:
+    """A rebuilt layout's layers per model part and which split that is (even, or balanced:
+    the trainer's default moves layers off the ranks holding the embedding and the head)."""
+    return f"{list(part_layers)} ({'even' if len(set(part_layers)) == 1 else 'balanced'})"
+
+
 def choice_table(ranked: Sequence[Choice], unit: str = "ms") -> list[str]:
     """The candidates as log lines (best first)."""
-    lines = [f"auto: {'#':>2} {'schedule':<14} {'semantics':<13} {'iteration ' + unit:>13} {'peak M_B':>9}"]
+    lines = [f"auto: {'#':>2} {'schedule':<14} {'semantics':<13} {'iteration ' + unit:>13} {'peak M_B':>9}  layers per part"]
     for i, c in enumerate(ranked, 1):
-        lines.append(f"auto: {i:>2} {c.label:<14} {c.semantics:<13} {c.iteration_time:>13.3f} {max(c.peak):>9.2f}")
+        split = split_text(c.relayout.part_layers) if c.relayout is not None else "the run's split"
+        lines.append(f"auto: {i:>2} {c.label:<14} {c.semantics:<13} {c.iteration_time:>13.3f} {max(c.peak):>9.2f}  {split}")
     return lines

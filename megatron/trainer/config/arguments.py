@@ -264,7 +264,7 @@ def check_model_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     if args.pipeline_layer_split is not None:
         split = args.pipeline_layer_split
-        if len(split) != pp:
+        if len(split) % pp:  # PP counts, or one per model chunk of a chunked layout (checked with the schedule)
             raise ConfigError(f"--pipeline-layer-split has {len(split)} entries for {pp} pipeline stages")
         if sum(split) != args.num_layers or min(split) < 1:
             raise ConfigError(f"--pipeline-layer-split {split} must be positive and sum to --num-layers {args.num_layers}")

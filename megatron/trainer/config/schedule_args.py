@@ -61,10 +61,10 @@ def _check_part_split(args: argparse.Namespace, layout: PipelineLayout) -> None:
         raise ConfigError(str(exc)) from None
     parts = layout.num_model_stages
     if isinstance(layout, VShapeLayout) and split is None and args.pipeline_layer_split is None \
-            and args.num_layers % parts:
+            and args.num_layers % parts and args.pipeline_partition != "balanced":
         raise ConfigError(
             f"--num-layers {args.num_layers} does not split evenly into the {parts} model parts of "
-            f"--pipeline-schedule {args.pipeline_schedule} (or pass --pipeline-layer-split)")
+            f"--pipeline-schedule {args.pipeline_schedule} (or pass --pipeline-layer-split or --pipeline-partition balanced)")
 
 
 def _check_model_chunks(args: argparse.Namespace, cls: type[Schedule]) -> None:
@@ -77,7 +77,7 @@ def _check_model_chunks(args: argparse.Namespace, cls: type[Schedule]) -> None:
         return
     if per_chunk < 1:
         raise ConfigError(f"{flag} must be >= 1")
-    if args.pipeline_layer_split is not None:
+    if args.pipeline_layer_split is not None and not (args._balanced_split or args.pipeline_partition == "checkpoint"):
         raise ConfigError(f"{flag} needs an even layer split; drop --pipeline-layer-split")
     if args.num_layers % (pp * per_chunk):
         raise ConfigError(

@@ -8,16 +8,20 @@ the tasks' floor, so it is planned here, above them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from megatron.pipeline.schedules import ScheduleConfigError
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import TaskOptions, build_job_config
 from megatron.trainer.tasks.balanced_partition import balanced_split, checkpoint_split, why_not_balanced
+from megatron.trainer.tasks.chunk_order_costs import with_chunk_costs
 
 
 def resolve_partition(args: argparse.Namespace) -> None:
     """Check the partition flags and decide the balanced split (sets ``args.pipeline_partition``
     to what applies, and ``args.pipeline_layer_split`` when balancing moves layers)."""
     _resolve_partition(args)
+    _plan_from_chunk_costs(args)
     if args.pipeline_partition != "profiled":
         return
     pp = args.pipeline_model_parallel_size
@@ -26,15 +30,34 @@ def resolve_partition(args: argparse.Namespace) -> None:
     if args.num_layers < pp:
         raise ConfigError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= "
                           f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")
-    if args.num_model_chunks != 1:
-        raise ConfigError("--pipeline-partition profiled splits one chunk per stage; "
-                          "interleaved schedules need the even split")
+    parts = args.run.layout.num_model_stages  # chunked layouts: one count per chunk
+    if args.num_layers < parts:
+        raise ConfigError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= the "
+                          f"{parts} model chunks of the layout (one layer each at least)")
     if args.pipeline_partition_profile_iters < 1:
         raise ConfigError("--pipeline-partition-profile-iters must be >= 1")
     _, split = checkpoint_split(build_job_config(args))  # resuming: keep the split the weights were saved with
-    if split is not None and len(split) == pp and sum(split) == args.num_layers:
+    if split is not None and len(split) in (pp, parts) and sum(split) == args.num_layers:
         args.pipeline_layer_split = split
         args.pipeline_partition_resumed = True
+
+
+def _plan_from_chunk_costs(args: argparse.Namespace) -> None:
+    """zb-v on a split that gives every V chunk its own count orders its ops from per-chunk
+    placeholder costs (:mod:`megatron.trainer.tasks.chunk_order_costs`): the run's schedule
+    config, built before the split was decided, takes them, and is built once here so a
+    schedule that cannot run them is refused before any rank starts."""
+    run = getattr(args, "run", None)
+    if run is None:
+        return
+    config = with_chunk_costs(args, run.schedule)
+    if config is run.schedule:
+        return
+    args.run = dataclasses.replace(run, schedule=config)
+    try:
+        args.run.run_schedule(args.pipeline_schedule)
+    except ScheduleConfigError as exc:
+        raise ConfigError(f"--pipeline-schedule: {exc}") from None
 
 
 def _resolve_partition(args: argparse.Namespace) -> None:

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron.pipeline.runtime.memory import ActivationMeter
+from megatron.pipeline.costs.chunk_partition import ChunkPartition, Unit, partition_chunks
 from megatron.pipeline.costs.partition import Partition, partition_layers
+from megatron.pipeline.ir import PipelineLayout
 from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.trainer.tasks.balanced_partition import schedule_in_flight
 from megatron.trainer.tasks.task import PretrainTask
@@ -135,8 +137,16 @@ def memory_budget(config: JobConfig, device: torch.device) -> float:
     return math.inf
 
 
-def solve(parts: dict[str, PartProfile], num_layers: int, in_flight: list[float], budget: float) -> Partition:
-    """Per-layer costs (embedding on layer 0, head on the last layer), then the optimal split."""
+def solve(parts: dict[str, PartProfile], num_layers: int, in_flight: list[float], budget: float,
+          layout: PipelineLayout | None = None) -> Partition | ChunkPartition:
+    """Per-layer costs (embedding on layer 0, head on the last layer), then the optimal split:
+    per stage for one part per stage, per model part balancing the ranks for a chunked ``layout``
+    (V, interleaved; :mod:`megatron.pipeline.costs.chunk_partition`)."""
+    if layout is not None and layout.num_model_stages != layout.num_stages:
+        owners = [layout.physical(v)[0] for v in range(layout.num_model_stages)]
+        units = [Unit(p.time_ms, p.static_bytes, p.activation_bytes)
+                 for p in (parts["layer"], parts["embedding"], parts["head"])]
+        return partition_chunks(num_layers, owners, *units, in_flight, budget)
     layer = parts["layer"]
     times = [layer.time_ms] * num_layers
     static = [layer.static_bytes] * num_layers
@@ -148,20 +158,25 @@ def solve(parts: dict[str, PartProfile], num_layers: int, in_flight: list[float]
     return partition_layers(times, static, act, in_flight, budget)
 
 
-def describe(parts: dict[str, PartProfile], partition: Partition, in_flight: list[float]) -> str:
+def describe(parts: dict[str, PartProfile], partition: Partition | ChunkPartition, in_flight: list[float]) -> str:
     mb = 2.0**20
+    if isinstance(partition, ChunkPartition):
+        times, memory, what = partition.rank_time, partition.rank_memory, "per chunk"
+    else:
+        times, memory, what = partition.stage_time, partition.stage_memory, ""
     budget = "unlimited" if math.isinf(partition.budget) else f"{partition.budget / mb:.1f} MB"
     lines = [
         "pipeline partition profiled: profiled per micro-batch (forward+backward ms, static MB, activation MB): "
         + ", ".join(f"{k} {p.time_ms:.2f} / {p.static_bytes / mb:.2f} / {p.activation_bytes / mb:.2f}"
                     for k, p in parts.items()),
-        f"pipeline partition profiled: layer split {list(partition.counts)}; predicted per-stage time (ms) "
-        f"{[round(t, 2) for t in partition.stage_time]}, memory (MB) {[round(m / mb, 1) for m in partition.stage_memory]} "
+        f"pipeline partition profiled: layer split {list(partition.counts)}{' ' + what if what else ''}; "
+        f"predicted per-stage time (ms) "
+        f"{[round(t, 2) for t in times]}, memory (MB) {[round(m / mb, 1) for m in memory]} "
         f"with {[round(w, 1) for w in in_flight]} micro-batches in flight, budget {budget}",
     ]
     if not partition.feasible:
         lines.append(f"pipeline partition profiled: WARNING no split fits the budget; the least-overshoot split "
-                     f"exceeds it by {partition.overshoot / mb:.1f} MB on its worst stage")
+                     f"exceeds it by {max(m - partition.budget for m in memory) / mb:.1f} MB on its worst stage")
     return "\n".join(f"[megatron-async] {line}" for line in lines)
 
 
@@ -172,7 +187,7 @@ def choose_split(task: PretrainTask, config: JobConfig, device: torch.device) ->
                          f"the {task.name} task's is not")
     parts = profile_parts(task, config, device)
     in_flight = schedule_in_flight(config)
-    partition = solve(parts, config.model.num_layers, in_flight, memory_budget(config, device))
+    partition = solve(parts, config.model.num_layers, in_flight, memory_budget(config, device), config.run.layout)
     print(describe(parts, partition, in_flight), flush=True)
     return list(partition.counts)
 

@@ -7,18 +7,24 @@ run signature (``pipeline_layer_split``) records it. The solver is PACI's min-ma
 (:mod:`megatron.pipeline.costs.partition`); the memory budget is ``--pipeline-partition-memory-gb``
 only (the device's memory would make the split depend on the machine).
 
-When it applies: a GPT or BERT whose stages each hold one consecutive part of the model (not
-interleaved chunks, not AMDP's replicated pipelines), no explicit ``--pipeline-layer-split``,
-no full recompute (its units need the split up front), more than one stage. Otherwise the
-default is the even split; asking for ``balanced`` explicitly there is refused.
+When it applies: a GPT or BERT on one chain of model parts (one per stage, or chunks: a V's two
+per stage, interleaving's V per stage; not AMDP's replicated pipelines), no explicit
+``--pipeline-layer-split``, no full recompute (its units need the split up front), more than
+one stage. Otherwise the default is the even split; asking for ``balanced`` explicitly there is
+refused. For chunked layouts the split is per model part and evens out every *rank's* total
+(:mod:`megatron.pipeline.costs.chunk_partition`): a V's rank 0 holds both the embedding and the
+head, so it takes fewer layers.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from megatron.pipeline.costs.cost_model import ModelShape, layer_costs
+from megatron.pipeline.costs.chunk_partition import ChunkPartition, partition_chunks
+from megatron.pipeline.costs.cost_model import ModelShape, layer_costs, layer_units
 from megatron.pipeline.costs.partition import Partition, one_f_one_b_in_flight, partition_layers
+from megatron.pipeline.costs.stages import hosts_replicas
+from megatron.pipeline.ir import PipelineLayout
 from megatron.trainer.config.job_config import JobConfig
 
 
@@ -41,15 +47,13 @@ def model_shape(config: JobConfig) -> ModelShape | None:
         param_bytes=2 if half else 4, activation_bytes=2 if half else 4)
 
 
-def one_part_per_stage(config: JobConfig) -> bool:
-    """Whether each stage holds exactly one consecutive part of the model (the split's premise)."""
-    if config.parallel.num_model_chunks != 1:
-        return False
+def run_layout(config: JobConfig) -> PipelineLayout:
+    """The placement of the run's schedule: which model parts each stage hosts."""
     from megatron.pipeline.schedules import schedule_class
     from megatron.trainer.config.job_config import job_schedule_config
 
     schedule_cls = schedule_class(config.schedule.pipeline_schedule)
-    return schedule_cls.traits.layout_of(job_schedule_config(config)).num_chunks == 1
+    return schedule_cls.traits.layout_of(job_schedule_config(config))
 
 
 def why_not_balanced(config: JobConfig) -> str | None:
@@ -63,8 +67,11 @@ def why_not_balanced(config: JobConfig) -> str | None:
         return f"--num-layers {model.num_layers} < --pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}"
     if config.recompute.recompute_granularity == "full":
         return "--recompute-granularity full needs the even split"
-    if not one_part_per_stage(config):
-        return f"--pipeline-schedule {config.schedule.pipeline_schedule} places several model chunks per stage (even split)"
+    layout = run_layout(config)
+    if hosts_replicas(layout):
+        return f"--pipeline-schedule {config.schedule.pipeline_schedule} places replicated pipelines (even split)"
+    if model.num_layers < layout.num_model_stages:
+        return f"--num-layers {model.num_layers} < the {layout.num_model_stages} model chunks of the layout"
     return None
 
 
@@ -88,15 +95,22 @@ def schedule_in_flight(config: JobConfig) -> list[float]:
     return [float(w) for w in one_f_one_b_in_flight(pp, m)]
 
 
-def balanced_partition(config: JobConfig) -> Partition:
-    """The min-max split of the analytic per-layer costs (memory-constrained with the flag)."""
+def balanced_partition(config: JobConfig) -> Partition | ChunkPartition:
+    """The min-max split of the analytic costs (memory-constrained with the flag): per stage for
+    one part per stage (PACI's chain solver over per-layer costs), per model part balancing the
+    ranks' totals for a chunked layout (V, interleaved)."""
     shape = model_shape(config)
     assert shape is not None
-    costs = layer_costs(shape)
     budget = budget_bytes(config)
+    pp = config.parallel.pipeline_model_parallel_size
     # no budget, no constraint: the in-flight counts (a simulation) only matter against one
-    in_flight = [1.0] * config.parallel.pipeline_model_parallel_size if math.isinf(budget) else schedule_in_flight(config)
-    return partition_layers(costs.time, costs.static, costs.activation, in_flight, budget)
+    in_flight = [1.0] * pp if math.isinf(budget) else schedule_in_flight(config)
+    layout = run_layout(config)
+    if layout.num_model_stages == layout.num_stages:
+        costs = layer_costs(shape)
+        return partition_layers(costs.time, costs.static, costs.activation, in_flight, budget)
+    owners = [layout.physical(v)[0] for v in range(layout.num_model_stages)]
+    return partition_chunks(shape.num_layers, owners, *layer_units(shape), in_flight, budget)
 
 
 def even_counts(num_layers: int, num_stages: int) -> list[int]:
@@ -104,11 +118,12 @@ def even_counts(num_layers: int, num_stages: int) -> list[int]:
 
 
 def balanced_split(config: JobConfig) -> tuple[list[int] | None, bool]:
-    """(the balanced split, None where it is the even one, so runs whose split did not change
-    keep their signature; whether it fits the memory budget)."""
+    """(the balanced split, per stage, or per model part for a chunked layout; None where it is
+    the even one, so runs whose split did not change keep their signature; whether it fits the
+    memory budget)."""
     partition = balanced_partition(config)
     counts = list(partition.counts)
-    even = counts == even_counts(config.model.num_layers, config.parallel.pipeline_model_parallel_size)
+    even = counts == even_counts(config.model.num_layers, len(counts))
     return (None if even else counts), partition.feasible
 
 
@@ -127,12 +142,29 @@ def checkpoint_split(config: JobConfig) -> tuple[bool, list[int] | None]:
         signature = _read_metadata(point.directory)["signature"]
         split = signature.get("pipeline_layer_split")
         same_cut = (signature.get("pipeline_model_parallel_size") == config.parallel.pipeline_model_parallel_size
-                    and signature.get("num_layers") == config.model.num_layers)
+                    and signature.get("num_layers") == config.model.num_layers
+                    and _saved_layout(signature) == run_layout(config))
     except (CheckpointError, KeyError, TypeError, AttributeError):
         return False, None  # check_resume reports a broken checkpoint with its own message
-    if not same_cut:  # another stage count or depth: nothing to keep (check_resume says what differs)
+    if not same_cut:  # another stage count, depth or placement: nothing to keep (resharding moves the weights)
         return False, None
     return True, ([int(c) for c in split] if split else None)
+
+
+def _saved_layout(signature: dict) -> PipelineLayout:
+    """The placement a checkpoint was saved in (one part per stage for a signature without a schedule)."""
+    from megatron.trainer.checkpointing.reshard import schedule_policy
+
+    policy = schedule_policy(signature)
+    return policy.layout if policy is not None else PipelineLayout(int(signature["pipeline_model_parallel_size"]))
+
+
+def rank_layers(layout: PipelineLayout, part_counts: list[int]) -> list[int]:
+    """Layers each stage holds, over all of its model parts."""
+    out = [0] * layout.num_stages
+    for part, count in enumerate(part_counts):
+        out[layout.physical(part)[0]] += count
+    return out
 
 
 def layer_split_line(config: JobConfig) -> str:
@@ -147,7 +179,12 @@ def layer_split_line(config: JobConfig) -> str:
            "checkpoint": "the --load checkpoint's"}.get(mode, f"--pipeline-partition {mode}")
     if counts is None and config.parallel.layer_split_source:  # an even virtual layout
         how = config.parallel.layer_split_source
-    line = f"layer split: {counts if counts is not None else 'even over the model chunks'} ({how})"
+    if counts is not None and len(counts) != pp:  # per model chunk: say what every rank holds too
+        layout = run_layout(config)
+        line = (f"layer split: {counts} per model chunk, {rank_layers(layout, counts)} per rank "
+                f"(rank of each chunk: {[layout.physical(v)[0] for v in range(len(counts))]}) ({how})")
+    else:
+        line = f"layer split: {counts if counts is not None else 'even over the model chunks'} ({how})"
     if config.parallel.pipeline_partition_feasible is False:
         line += " WARNING: no split fits --pipeline-partition-memory-gb; least overshoot"
     return line

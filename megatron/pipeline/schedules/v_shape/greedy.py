@@ -23,6 +23,11 @@ order with the smallest makespan (the ZB fork's ZB-V search; our own code).
 
 Memory counts chunk activations in units of ``M_B`` (one micro-batch through one chunk): F
 adds ``m_f``, B keeps ``m_w`` of it until W frees it (the simulator's accounting).
+
+Costs are per stage (both chunks alike) or per chunk: ``2p`` entries in virtual-stage order
+(the V's model parts), for a layer split whose chunks differ (the balanced split,
+:mod:`megatron.pipeline.costs.chunk_partition`, puts fewer layers beside the head); a stage's
+messages leave after its chunk-0 entry's ``t_comm``.
 """
 from __future__ import annotations
 
@@ -67,16 +72,22 @@ class VGreedyPlanner:
 
     def __init__(self, costs: Sequence[OpCosts], num_microbatches: int, memory_limit: float,
                  fill_b: bool = True, fill_f: bool = True, approved: Sequence[float] | None = None,
-                 lead_slack: int | None = None):
-        self.p, self.m, self.costs, self.limit = len(costs), num_microbatches, tuple(costs), memory_limit
+                 lead_slack: int | None = None, chunk_costs: Sequence[OpCosts] | None = None):
+        self.p, self.m, self.limit = len(costs), num_microbatches, memory_limit
+        self.layout = VShapeLayout(self.p)
+        self.costs = tuple(costs)  # per stage: its clock's message delay
+        if chunk_costs is not None and len(chunk_costs) != 2 * self.p:
+            raise ValueError(f"need one OpCosts per V chunk ({2 * self.p}), got {len(chunk_costs)}")
+        # per virtual stage: an op's duration and memory (a stage's entry for both of its chunks)
+        self.part_costs = tuple(chunk_costs) if chunk_costs is not None else tuple(
+            costs[self.layout.physical(v)[0]] for v in range(2 * self.p))
         self.fill_b, self.fill_f = fill_b, fill_f
         # chunk-0 forwards a stage may run ahead of its chunk-1 ones: 2(p - s) - 1 is what
         # reaches the turn and back just in time with equal costs (PyTorch's ZBV warm-up)
         self.lead = [math.inf if lead_slack is None else max(1, 2 * (self.p - s) - 1 + lead_slack)
                      for s in range(self.p)]
         self.approved = list(approved) if approved is not None else [-math.inf] * self.p
-        self.layout = VShapeLayout(self.p)
-        least = max(c.m_f for c in costs) * 2
+        least = max(c.m_f for c in self.part_costs) * 2
         if memory_limit < least:
             raise InfeasibleVMemory(
                 f"memory limit {memory_limit:g} M_B is below {least:g}, the two chunk activations a V stage "
@@ -106,8 +117,12 @@ class VGreedyPlanner:
         st = self.stages[s]
         if chunk == 0 and st.next_f[0] - st.next_f[1] >= self.lead[s]:
             return False  # the warm-up's lead of chunk 0 over chunk 1 is used up
-        reserve = self.costs[s].m_f if chunk == 0 else 0.0
-        return self.clock.memory[s] + self.costs[s].m_f + reserve <= self.limit + 1e-9
+        # a chunk-0 F keeps room for the chunk-1 F that starts its backward
+        reserve = self._cost(s, 1).m_f if chunk == 0 else 0.0
+        return self.clock.memory[s] + self._cost(s, chunk).m_f + reserve <= self.limit + 1e-9
+
+    def _cost(self, s: int, chunk: int) -> OpCosts:
+        return self.part_costs[self.layout.virtual(s, chunk)]
 
     def _choose(self, s: int) -> tuple[PlannedOp | None, float]:
         """The op stage ``s`` runs when it is free, or (None, when something may arrive)."""
@@ -129,7 +144,8 @@ class VGreedyPlanner:
     def _fill(self, s: int, arrival: float, kind: OpKind, chunk: int) -> bool:
         """Whether stage ``s`` runs a pending W now rather than wait for ``arrival`` (step 3)."""
         now = self.clock.free[s]
-        if now + self.costs[s].t_w <= arrival or not math.isfinite(arrival):
+        w_chunk = self.stages[s].pending_w[0][1]
+        if now + self._cost(s, w_chunk).t_w <= arrival or not math.isfinite(arrival):
             return True  # fits in the gap, or nothing else can run (memory full)
         if not (kind is OpKind.B and (chunk == 1 or self.fill_b)) and not (kind is OpKind.F and self.fill_f):
             return False
@@ -138,7 +154,7 @@ class VGreedyPlanner:
 
     def _run(self, s: int, op: PlannedOp) -> None:
         kind, mb, chunk = op
-        st, cost = self.stages[s], self.costs[s]
+        st, cost = self.stages[s], self._cost(s, chunk)
         key: tuple[int, int, int] | None = None
         if kind is OpKind.F:
             st.next_f[chunk] += 1
@@ -182,17 +198,20 @@ class VGreedyPlanner:
         return list(self.clock.bubble)
 
 
-def best_v_plan(costs: Sequence[OpCosts], num_microbatches: int, memory_limit: float) -> list[list[PlannedOp]]:
+def best_v_plan(costs: Sequence[OpCosts], num_microbatches: int, memory_limit: float,
+                chunk_costs: Sequence[OpCosts] | None = None) -> list[list[PlannedOp]]:
     """The smallest-makespan order over the fill variants and warm-up leads, each re-run with
     its last pass's per-stage bubbles approved while the worst stage's bubble drops (module
-    docstring); the first order without any bubble ends the search. Raises
+    docstring); the first order without any bubble ends the search; ``chunk_costs``: per V chunk
+(virtual-stage order), else ``costs`` per stage price both chunks. Raises
     :class:`InfeasibleVMemory` when no variant fits the memory limit."""
     best: tuple[float, list[list[PlannedOp]]] | None = None
     error: InfeasibleVMemory | None = None
     for fill_b, fill_f, lead in itertools.product((True, False), (True, False), LEAD_SLACKS):
         approved, previous = None, math.inf
         while True:
-            planner = VGreedyPlanner(costs, num_microbatches, memory_limit, fill_b, fill_f, approved, lead)
+            planner = VGreedyPlanner(costs, num_microbatches, memory_limit, fill_b, fill_f, approved, lead,
+                                     chunk_costs)
             try:
                 plan = planner.plan()
             except InfeasibleVMemory as e:

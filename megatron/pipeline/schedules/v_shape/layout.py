@@ -19,7 +19,11 @@ from megatron.pipeline.schedules.policy import SchedulePolicy
 from megatron.pipeline.schedules.zero_bubble.flags import ZeroBubbleOptions
 from megatron.pipeline.schedules.v_shape.blocks import Block, block_plan
 from megatron.pipeline.schedules.v_shape.greedy import InfeasibleVMemory, PlannedOp, best_v_plan
-from megatron.pipeline.costs.op_costs import stage_costs
+from megatron.pipeline.costs.op_costs import stage_costs, stage_mean
+
+
+def _is_sequence(costs: object) -> bool:
+    return isinstance(costs, (list, tuple))
 
 
 def v_shape_policy(config: ScheduleConfig) -> SchedulePolicy:
@@ -57,22 +61,29 @@ class VShapeSchedule(SynchronousSchedule):
 
 class PlannedVSchedule(VShapeSchedule):
     """A V schedule whose order the greedy planner (:mod:`.v_greedy`, best of its variants)
-    decides once, from per-stage costs and an activation-memory limit in chunk units of
-    ``M_B``; every iteration runs that order, split B/W, then the synchronous step."""
+    decides once, from per-stage costs (or ``2p`` per V chunk, virtual-stage order: an uneven
+    layer split's chunks; the stages then report their mean) and an activation-memory limit in
+    chunk units of ``M_B``; every iteration runs that order, split B/W, then the synchronous step."""
 
     traits = dataclasses.replace(VShapeSchedule.traits, options=ZeroBubbleOptions)
 
     def __init__(self, config: ScheduleConfig):
         super().__init__(config)
         options = options_as(config.options, ZeroBubbleOptions)
+        p, chunk_costs = config.num_stages, None
         try:
-            self.costs = stage_costs(options.costs, config.num_stages)
+            if _is_sequence(options.costs) and len(options.costs) == 2 * p:  # per V chunk
+                chunk_costs = stage_costs(options.costs, 2 * p)
+                layout = VShapeLayout(p)
+                self.costs = tuple(stage_mean([chunk_costs[layout.virtual(s, c)] for c in (0, 1)]) for s in range(p))
+            else:
+                self.costs = stage_costs(options.costs, p)
         except (TypeError, ValueError) as e:
             raise ScheduleConfigError(f"{self.name}: bad costs option: {e}") from None
         limit = options.memory_limit
         self.memory_limit = float(self.default_memory_limit(config.num_stages) if limit is None else limit)
         try:
-            self.plan = best_v_plan(self.costs, config.num_microbatches, self.memory_limit)
+            self.plan = best_v_plan(self.costs, config.num_microbatches, self.memory_limit, chunk_costs)
         except InfeasibleVMemory as e:
             raise ScheduleConfigError(f"{self.name}: {e}") from None
 
