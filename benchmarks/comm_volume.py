@@ -219,12 +219,12 @@ def shapes_for(model: Model, layout: PipelineLayout, dp: int, vocab: int, act_by
 
 def parsed(argv: list[str]) -> JobConfig:
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.gpt import GPTTask
 
     parser = build_parser()
     GPTTask().add_arguments(parser)
-    return parse_job_config(argv, parser)
+    return parse_run_plan(argv, parser)
 
 
 def theory(config: JobConfig, model: Model) -> tuple[list[dict[str, float]], list[dict[str, float]],

@@ -66,7 +66,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
     from megatron.pipeline.runtime.parallel import RankLayout, StageGroups
     from megatron.pipeline.runtime.transport.distributed import DistributedTransport
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.loop.training import _init_megatron_parallel_state, drive
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -74,7 +74,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
     task = GPTTask()
     parser = build_parser()
     task.add_arguments(parser)
-    config = parse_job_config(argv, parser)
+    config = parse_run_plan(argv, parser)
     timeout = timedelta(seconds=config.launch.pipeline_timeout_seconds)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     parallel = config.parallel

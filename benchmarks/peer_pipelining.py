@@ -263,7 +263,7 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.gpt import gpt_model_args
     from megatron.trainer.models.gpt import build_gpt_stage
     from megatron.trainer.models.stage import split_layers
@@ -277,7 +277,7 @@ def peer_worker(schedule: str, m: int, iters: int, w: dict, out_file: str, split
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     _init_megatron_parallel_state()
-    config = parse_job_config(model_flags(w) + ["--pipeline-model-parallel-size", "1"])
+    config = parse_run_plan(model_flags(w) + ["--pipeline-model-parallel-size", "1"])
     model_args, seed = gpt_model_args(config), config.training.seed
     parts = 2 * world if schedule in MULTI_CHUNK else world
     layers = split_layers(w["num_layers"], parts, split)
@@ -404,9 +404,9 @@ def layer_split(w: dict, stages: int, how: str) -> list[int]:
     ``even``. Both sides of a single-chunk comparison get these counts, so only the runtime differs."""
     if how == "even":
         return [w["num_layers"] // stages] * stages
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
 
-    config = parse_job_config(model_flags(w) + ["--pipeline-model-parallel-size", str(stages), "--pipeline-schedule",
+    config = parse_run_plan(model_flags(w) + ["--pipeline-model-parallel-size", str(stages), "--pipeline-schedule",
                                                 "1f1b", "--global-batch-size", str(w["mbs"] * stages)])
     return list(config.parallel.pipeline_layer_split or [w["num_layers"] // stages] * stages)
 

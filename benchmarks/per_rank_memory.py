@@ -69,12 +69,12 @@ def argv_for(model: Model, pp: int, schedule: str, mode: str) -> list[str]:
 def measure(model: Model, pp: int, schedule: str, mode: str) -> tuple[list[int], list[int]]:
     """Per stage: peak activation bytes, and weight + gradient + optimizer-state bytes."""
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.loop.training import emulate
     from megatron.trainer.tasks.gpt import GPTTask
 
     with contextlib.redirect_stdout(io.StringIO()):
-        workers = emulate(GPTTask(), parse_job_config(argv_for(model, pp, schedule, mode), build_parser()))
+        workers = emulate(GPTTask(), parse_run_plan(argv_for(model, pp, schedule, mode), build_parser()))
     tensors = []
     for w in workers:
         params = [p for chunk in w.setup.chunks for p in chunk.parameters()]

@@ -174,11 +174,11 @@ def runtime(args: argparse.Namespace) -> int:
     """``runtime``: the planner's predictions against measured runs on this machine."""
     from megatron.pipeline.costs.unit_costs import load_unit_costs
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.balanced_partition import model_shape
 
     print(f"load average before: {os.getloadavg()}")
-    base = parse_job_config([*MODEL, "--global-batch-size", "4", "--mock-data"], build_parser())
+    base = parse_run_plan([*MODEL, "--global-batch-size", "4", "--mock-data"], build_parser())
     shape = model_shape(base)
     if args.costs:
         unit = load_unit_costs(args.costs)
@@ -264,10 +264,10 @@ def reevaluate(args: argparse.Namespace) -> int:
     times, e.g. ``benchmarks/results/planner_runtime/``) predicted again by this planner."""
     from megatron.pipeline.costs.unit_costs import UnitCosts
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.balanced_partition import model_shape
 
-    shape = model_shape(parse_job_config([*MODEL, "--global-batch-size", "4", "--mock-data"], build_parser()))
+    shape = model_shape(parse_run_plan([*MODEL, "--global-batch-size", "4", "--mock-data"], build_parser()))
     assert shape is not None
     for path in args.passes:
         text = Path(path).read_text()

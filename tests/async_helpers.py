@@ -35,11 +35,11 @@ def tiny_args(num_stages: int, schedule: str, accumulation: int, iters: int, *ex
 
 def _parse(argv: list[str], task):
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
 
     parser = build_parser()
     task.add_arguments(parser)
-    return parse_job_config(argv, parser)
+    return parse_run_plan(argv, parser)
 
 
 def emulate(argv: list[str], task=None):

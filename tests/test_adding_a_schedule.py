@@ -18,7 +18,7 @@ import torch
 
 from async_helpers import TINY_GPT, emulate, final_params
 from megatron.pipeline.schedules import SCHEDULES, build_schedule
-from megatron.trainer.plan.parse import parse_args
+from megatron.trainer.plan.parse import parse_args, parse_run_plan
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "adding_a_schedule.md"
 NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0")
@@ -55,11 +55,11 @@ def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_the_flag_is_parsed_into_the_schedules_options(documented_schedule: type) -> None:
-    args = parse_args(_argv("warm-1f1b", "--extra-warmup", "2"))
-    assert args.run.schedule_cls is documented_schedule
-    assert args.run.schedule.options.extra_warmup == 2
-    warm = build_schedule("warm-1f1b", args.run.schedule).stage_ops(1)
-    plain = build_schedule("1f1b", args.run.schedule).stage_ops(1)
+    run = parse_run_plan(_argv("warm-1f1b", "--extra-warmup", "2")).run
+    assert run.schedule_cls is documented_schedule
+    assert run.schedule.options.extra_warmup == 2
+    warm = build_schedule("warm-1f1b", run.schedule).stage_ops(1)
+    plain = build_schedule("1f1b", run.schedule).stage_ops(1)
     assert [op.kind.name for op in warm][:3] == ["F", "F", "F"] != [op.kind.name for op in plain][:3]
 
 

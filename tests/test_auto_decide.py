@@ -71,9 +71,9 @@ def test_decide_imports_no_torch() -> None:
 def test_auto_async_is_untied_as_an_asynchronous_schedule(schedule: str, tied: bool) -> None:
     """``auto-async`` may switch to an asynchronous schedule, so it unties the embeddings as one
     does (its trait, not its class, says so); ``auto`` chooses among synchronous ones and ties."""
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
 
-    model = parse_job_config(["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--mock-data",
+    model = parse_run_plan(["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--mock-data",
                               "--device", "cpu", "--pipeline-schedule", schedule]).model
     assert model.tie_embeddings is tied
     assert (f"as every asynchronous schedule ({schedule})" in (model.embeddings_line or "")) is not tied

@@ -180,12 +180,12 @@ def test_auto_on_synthetic_stages_picks_the_analytic_best(capsys) -> None:
 def test_auto_on_a_cpu_host_with_more_ranks_than_cores_gets_the_shared_cores(monkeypatch) -> None:
     """4 stages x 2 replicas on 4 cores: each pipeline's 4 stages share 4 * 4 / 8 = 2 cores; with
     a core per rank there is no sharing (None); a non-auto schedule is left alone."""
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.loop.auto.limits import apply_auto_host_cores, pipeline_cores
 
     def host_cores(argv: list[str]) -> float | None:
         """The cores apply_auto_host_cores gives the run (its config's option; None: left alone)."""
-        config = parse_job_config(argv)
+        config = parse_run_plan(argv)
         applied = apply_auto_host_cores(config)
         assert auto_options(config.run.schedule.options).host_cores is None  # the parsed config is not changed
         cores = auto_options(applied.run.schedule.options).host_cores

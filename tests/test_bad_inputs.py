@@ -423,7 +423,7 @@ def test_save_without_room_for_a_checkpoint(refuse, tmp_path: Path, monkeypatch:
 
 def test_checkpoint_size_estimate_matches_the_model(inputs) -> None:
     """The estimate counts the parameters a real checkpoint holds (within 10 %)."""
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.checkpointing.paths import estimate_parameters
 
     point = ckpt.find_resume_point(inputs["ckpt"])
@@ -432,7 +432,7 @@ def test_checkpoint_size_estimate_matches_the_model(inputs) -> None:
 
     real = sum(t.numel() for name in (ckpt.rank_file_name(0, 0), ckpt.rank_file_name(1, 0))
                for t in torch.load(point.directory / name, weights_only=False)["model"].values())
-    estimate = estimate_parameters(parse_job_config(TINY))
+    estimate = estimate_parameters(parse_run_plan(TINY))
     assert abs(estimate - real) <= 0.1 * real, (estimate, real)
 
 

@@ -13,6 +13,7 @@ import pytest
 from megatron.trainer.config.arguments import build_parser
 from megatron.trainer.plan.parse import parse_args
 from megatron.trainer.config.job_config import build_job_config
+from megatron.trainer.plan.build import build_run_plan
 from megatron.trainer.tasks.balanced_partition import layer_split_line
 from tests.async_helpers import (TINY_GPT, assert_flag_error, assert_trains_like, emulate, emulated_reference,
                                  final_params, read_log, run_pretrain)
@@ -47,7 +48,7 @@ def test_explicit_per_chunk_split_and_refusals(capsys) -> None:
     """A V takes one count per chunk (2 PP of them) or per stage (halved); other counts are refused."""
     explicit = _args("--pipeline-schedule", "zb-v", "--pipeline-layer-split", "1", "3", "3", "1")
     assert explicit.pipeline_partition == "explicit" and explicit.pipeline_layer_split == [1, 3, 3, 1]
-    assert build_job_config(explicit).run.layout.part_layer_split([1, 3, 3, 1]) == [1, 3, 3, 1]
+    assert build_run_plan(explicit).run.layout.part_layer_split([1, 3, 3, 1]) == [1, 3, 3, 1]
     assert_flag_error(capsys, ["--pipeline-schedule", "1f1b", "--pipeline-layer-split", "1", "1", "1", "1",
                                "--num-layers", "4"], "4 counts for 2 stages")
     assert_flag_error(capsys, ["--pipeline-schedule", "zb-v", "--pipeline-layer-split", "1", "1", "1",
@@ -105,16 +106,16 @@ def test_zbv_plans_from_per_chunk_costs() -> None:
     from megatron.trainer.tasks.balanced_partition import model_shape
 
     args = _args("--pipeline-schedule", "zb-v")
-    costs = args.run.schedule.options.costs
+    costs = build_run_plan(args).run.schedule.options.costs
     shape = model_shape(build_job_config(args))
     layer = layer_flops(shape)
     want = [2 * layer + embedding_flops(shape), 2 * layer, 3 * layer, layer + head_flops(shape)]
     assert len(costs) == 4
     assert [c.t_f / costs[0].t_f for c in costs] == pytest.approx([w / want[0] for w in want])
     assert sum(c.t_w for c in costs) == pytest.approx(4.0)  # the placeholder's mean is kept
-    assert isinstance(_args("--pipeline-schedule", "zb-v", "--pipeline-partition", "even").run.schedule.options.costs,
-                      OpCosts)
-    given = _args("--pipeline-schedule", "zb-v", "--zb-costs", "1,2,1,0").run.schedule.options.costs
+    even = build_run_plan(_args("--pipeline-schedule", "zb-v", "--pipeline-partition", "even"))
+    assert isinstance(even.run.schedule.options.costs, OpCosts)
+    given = build_run_plan(_args("--pipeline-schedule", "zb-v", "--zb-costs", "1,2,1,0")).run.schedule.options.costs
     assert len(given) == 2 and given[0].t_b == 2.0
 
 

@@ -10,7 +10,7 @@ import torch
 
 from megatron.pipeline.costs.cost_model import head_flops, layer_flops
 from megatron.trainer.config.arguments import build_parser
-from megatron.trainer.plan.parse import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_run_plan
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import JobConfig, build_job_config
 from megatron.trainer.tasks.balanced_partition import layer_split_line, model_shape
@@ -149,7 +149,7 @@ def test_balanced_split_trains_like_the_even_split() -> None:
         task = GPTTask()
         parser = build_parser("gpt")
         task.add_arguments(parser)
-        config = parse_job_config([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+        config = parse_run_plan([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
                                    "--hidden-size", "16", "--num-attention-heads", "2", "--vocab-size", "256",
                                    "--hidden-dropout", "0", "--attention-dropout", "0",
                                    "--lr-decay-style", "constant",  # (cosine: lr 0 at step 1)
@@ -192,7 +192,7 @@ def test_resume_keeps_the_checkpoints_split(tmp_path) -> None:
     def parsed(extra: list[str]) -> JobConfig:
         parser = build_parser("gpt")
         task.add_arguments(parser)
-        return parse_job_config([*flags, *extra], parser)
+        return parse_run_plan([*flags, *extra], parser)
 
     assert parsed([]).parallel.pipeline_layer_split == [3, 1]
     emulate(task, parsed(["--pipeline-partition", "even", "--save", str(tmp_path), "--save-interval", "1"]))
@@ -209,7 +209,7 @@ def test_profiled_partition_runs_for_bert(capsys: pytest.CaptureFixture[str]) ->
     task = BertTask()
     parser = build_parser("bert")
     task.add_arguments(parser)
-    config = parse_job_config([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "3",
+    config = parse_run_plan([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "3",
                                "--hidden-size", "16", "--num-attention-heads", "2", "--vocab-size", "64",
                                "--pipeline-partition", "profiled", "--pipeline-partition-profile-iters", "1"], parser)
     workers = emulate(task, config)

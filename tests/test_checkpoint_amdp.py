@@ -23,7 +23,7 @@ from async_helpers import emulate, final_params, named_parameters, run_pretrain,
 from tests.adam_bounds import assert_within_bounds, gpt_gradient_noise, trace_adam
 
 from megatron.trainer.checkpointing import checkpoint as ckpt
-from megatron.trainer.plan.parse import parse_job_config
+from megatron.trainer.plan.parse import parse_run_plan
 from megatron.trainer.tasks.gpt import GPTTask
 
 TOTAL = 5
@@ -161,11 +161,11 @@ def test_a_checkpoint_saved_sharded_resumes_in_its_layout_and_is_refused_elsewhe
     emulate(_argv(4, "amdp", tmp_path / "log.jsonl", "--load", str(tmp_path / "old"), "--save", str(tmp_path / "s"),
                   "--save-interval", "1"))
     assert _losses(tmp_path / "log.jsonl") == {5: runs["amdp"][5]}
-    config = parse_job_config(_argv(2, "1f1b", tmp_path / "x.jsonl", "--load", str(tmp_path / "old")))
+    config = parse_run_plan(_argv(2, "1f1b", tmp_path / "x.jsonl", "--load", str(tmp_path / "old")))
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.check_resume(GPTTask(), config)
     assert "sharded over replicas" in str(info.value) and "\n" not in str(info.value)
-    config = parse_job_config(_argv(2, "1f1b", tmp_path / "x.jsonl", "--load", str(tmp_path / "old"), "--no-load-optim"))
+    config = parse_run_plan(_argv(2, "1f1b", tmp_path / "x.jsonl", "--load", str(tmp_path / "old"), "--no-load-optim"))
     assert ckpt.check_resume(GPTTask(), config) is not None
 
 

@@ -20,7 +20,7 @@ from async_helpers import TINY_GPT, emulate, run_pretrain
 from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.checkpointing import load as ckpt_load
 from megatron.trainer.checkpointing import reshard
-from megatron.trainer.plan.parse import parse_job_config
+from megatron.trainer.plan.parse import parse_run_plan
 from megatron.trainer.tasks.gpt import GPTTask
 
 SAVED, TOTAL = 3, 5
@@ -147,7 +147,7 @@ def test_resumes_at_pp2_dp2_distributed(saved, tmp_path: Path) -> None:
 
 
 def _plan_error(checkpoint: Path, tmp_path: Path, *flags: str) -> str:
-    config = parse_job_config(_argv(2, "1f1b", tmp_path / "x.jsonl", "--load", str(checkpoint), *flags))
+    config = parse_run_plan(_argv(2, "1f1b", tmp_path / "x.jsonl", "--load", str(checkpoint), *flags))
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.check_resume(GPTTask(), config)
     assert "\n" not in str(info.value)
@@ -169,14 +169,14 @@ def test_refusals_are_one_line(saved, tmp_path: Path) -> None:
     assert "global batch of 4 samples, this run has 8" in _plan_error(checkpoint, tmp_path, "--global-batch-size", "8")
     assert "--vocab-size 32, this run has 64" in _plan_error(checkpoint, tmp_path, "--vocab-size", "64")
     # AMDP reshards now (its shards are gathered at save, tests/test_checkpoint_amdp.py)
-    amdp = parse_job_config(_argv(4, "amdp", tmp_path / "x.jsonl", "--load", str(checkpoint)))
+    amdp = parse_run_plan(_argv(4, "amdp", tmp_path / "x.jsonl", "--load", str(checkpoint)))
     assert ckpt.check_resume(GPTTask(), amdp).reshard is not None
 
     def unequal_counts(metadata: dict) -> None:
         metadata["index"][ckpt.rank_file_name(3, 0)]["step_count"] = 2
     uneven = _edited(checkpoint, tmp_path, unequal_counts)
     assert "different update counts [2, 3]" in _plan_error(uneven, tmp_path)
-    config = parse_job_config(_argv(2, "1f1b", tmp_path / "x.jsonl", "--load", str(uneven), "--no-load-optim"))
+    config = parse_run_plan(_argv(2, "1f1b", tmp_path / "x.jsonl", "--load", str(uneven), "--no-load-optim"))
     assert ckpt.check_resume(GPTTask(), config) is not None  # a fresh optimizer needs no count
 
     shutil.rmtree(uneven)
@@ -193,7 +193,7 @@ def test_only_replica_zero_files_are_owners() -> None:
                  "micro_batch_size": 1, "pipeline_schedule": "zb-1p"}
     ours = {**signature, "data_parallel_size": 1, "num_microbatches": 4}
     metadata = {"signature": signature, "index": index, "schedule_state": {"costs": []}}
-    config = parse_job_config(_argv(2, "zb-1p", Path("x.jsonl")))
+    config = parse_run_plan(_argv(2, "zb-1p", Path("x.jsonl")))
     plan = reshard.plan(metadata, ours, config, "here")
     assert plan.owners == {"p0": ckpt.rank_file_name(0, 0), "p1": ckpt.rank_file_name(1, 0)}
     assert plan.same_partition and plan.stage_file(1, 1) == ckpt.rank_file_name(1, 1)
@@ -250,7 +250,7 @@ def test_replica_files_other_than_zero_are_not_read(saved, tmp_path: Path) -> No
     same_layout = _argv(4, "1f1b", tmp_path / "x.jsonl", "--load", str(root), "--data-parallel-size", "2",
                         "--pipeline-executor", "distributed")
     with pytest.raises(ckpt.CheckpointError, match=r"stage00_dp1.pt is corrupt \(SHA-256"):
-        ckpt.check_resume(GPTTask(), parse_job_config(same_layout))
+        ckpt.check_resume(GPTTask(), parse_run_plan(same_layout))
 
 
 def test_sharded_optimizer_state_is_marked_and_refused(tmp_path: Path) -> None:
@@ -267,6 +267,6 @@ def test_sharded_optimizer_state_is_marked_and_refused(tmp_path: Path) -> None:
     metadata = {"signature": signature, "index": {ckpt.rank_file_name(0, 0): reshard.file_index(part)}}
     ours = {**signature, "pipeline_schedule": "paci"}
     with pytest.raises(reshard.ReshardError, match="optimizer state is sharded over replicas"):
-        reshard.plan(metadata, ours, parse_job_config(_argv(2, "paci", Path("x.jsonl"))), "here")
-    fresh = parse_job_config(_argv(2, "paci", Path("x.jsonl"), "--load", str(tmp_path), "--no-load-optim"))
+        reshard.plan(metadata, ours, parse_run_plan(_argv(2, "paci", Path("x.jsonl"))), "here")
+    fresh = parse_run_plan(_argv(2, "paci", Path("x.jsonl"), "--load", str(tmp_path), "--no-load-optim"))
     assert not reshard.plan(metadata, ours, fresh, "here").load_optimizer

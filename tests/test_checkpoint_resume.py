@@ -23,7 +23,7 @@ from async_helpers import REPO, emulate, eval_records, final_params, run_pretrai
 
 from megatron.pipeline.schedules import SCHEDULES
 from megatron.trainer.checkpointing import checkpoint as ckpt
-from megatron.trainer.plan.parse import parse_job_config
+from megatron.trainer.plan.parse import parse_run_plan
 from megatron.trainer.tasks.gpt import GPTTask
 from megatron.trainer.loop.restart_report import PROGRESS_FILE  # the restart report's progress, beside the checkpoints
 
@@ -196,7 +196,7 @@ def test_a_crash_while_saving_leaves_the_last_checkpoint_loadable(megatron_world
     # A later save dies after writing one rank file: staging exists, no metadata, no rename.
     staging = ckpt.prepare_staging(root, 10)
     (staging / ckpt.rank_file_name(0, 0)).write_bytes(b"partial")
-    point = ckpt.check_resume(GPTTask(), parse_job_config(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(root))))
+    point = ckpt.check_resume(GPTTask(), parse_run_plan(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(root))))
     assert point is not None and point.iteration == 5
     # The next save of that iteration starts from a clean staging directory.
     emulate(_argv("1f1b", (), tmp_path / "log2.jsonl", "--load", str(root), "--save", str(root),
@@ -210,10 +210,10 @@ def test_a_crash_while_saving_leaves_the_last_checkpoint_loadable(megatron_world
 def test_load_from_an_empty_directory_starts_fresh(megatron_world1, tmp_path: Path) -> None:
     """Megatron's idiom ``--load X --save X`` starts fresh while X is missing or empty."""
     missing = str(tmp_path / "nothing-yet")
-    config = parse_job_config(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", missing, "--save", missing))
+    config = parse_run_plan(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", missing, "--save", missing))
     assert ckpt.check_resume(GPTTask(), config) is None
     (tmp_path / "empty").mkdir()
-    config = parse_job_config(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(tmp_path / "empty")))
+    config = parse_run_plan(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(tmp_path / "empty")))
     assert ckpt.check_resume(GPTTask(), config) is None
 
 
@@ -228,7 +228,7 @@ def saved(megatron_world1, tmp_path: Path) -> Path:
 
 
 def _resume_error(root: Path, tmp_path: Path, *flags: str, schedule: str = "1f1b") -> str:
-    config = parse_job_config([*_argv(schedule, (), tmp_path / "x.jsonl", "--load", str(root)), *flags])
+    config = parse_run_plan([*_argv(schedule, (), tmp_path / "x.jsonl", "--load", str(root)), *flags])
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.check_resume(GPTTask(), config)
     message = str(info.value)
@@ -251,10 +251,10 @@ def test_checkpoint_of_another_run_is_refused(saved: Path, tmp_path: Path, flags
 def test_checkpoint_of_another_layout_is_resharded(saved: Path, tmp_path: Path, flags, schedule) -> None:
     """Another stage count or schedule loads by parameter name (tests/test_checkpoint_reshard.py);
     the same layout loads file for file (the bitwise tests above)."""
-    config = parse_job_config([*_argv(schedule, (), tmp_path / "x.jsonl", "--load", str(saved)), *flags])
+    config = parse_run_plan([*_argv(schedule, (), tmp_path / "x.jsonl", "--load", str(saved)), *flags])
     point = ckpt.check_resume(GPTTask(), config)
     assert point is not None and point.reshard is not None
-    same = ckpt.check_resume(GPTTask(), parse_job_config(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(saved))))
+    same = ckpt.check_resume(GPTTask(), parse_run_plan(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(saved))))
     assert same is not None and same.reshard is None
 
 
@@ -281,7 +281,7 @@ def test_corrupt_rank_file_of_the_right_size_names_the_file(saved: Path, tmp_pat
     data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, still a zip torch might read
     victim.write_bytes(bytes(data))
     assert f"checkpoint file {victim} is corrupt (SHA-256" in _resume_error(saved, tmp_path)
-    config = parse_job_config(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(saved)))
+    config = parse_run_plan(_argv("1f1b", (), tmp_path / "x.jsonl", "--load", str(saved)))
     point = ckpt.check_resume(GPTTask(), config, verify_files=False)
     assert point is not None
     workers = emulate(_argv("1f1b", (), tmp_path / "z.jsonl", "--train-iters", "1"))

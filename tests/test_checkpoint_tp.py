@@ -28,7 +28,7 @@ from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.checkpointing import reshard
 from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
 from megatron.trainer.checkpointing.shards import ShardError, plan_region, shard_entry
-from megatron.trainer.plan.parse import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_run_plan
 from megatron.trainer.config.job_config import JobConfig, replace_in
 from megatron.trainer.models.tensor_parallel import ShardLayout, take_shard
 
@@ -136,7 +136,7 @@ def test_plan_across_tp_sizes(tmp_path: Path) -> None:
     state is reset (notice); basis rotation's per-shard bases are refused unless --no-load-optim."""
     metadata = _tp2_metadata()
     ours = {**metadata["signature"], "tensor_model_parallel_size": 1}
-    plan = reshard.plan(metadata, ours, parse_job_config(MODEL), "here")
+    plan = reshard.plan(metadata, ours, parse_run_plan(MODEL), "here")
     assert plan.holders["w"] == (rank_file_name(0, 0, 0, 2), rank_file_name(0, 0, 1, 2))
     assert plan.region("b", None, 0, 1, (2,)).files == [rank_file_name(0, 0, 0, 2)]
     assert plan.region("w", ShardLayout(0, 1), 0, 1, (8, 2)).files == list(plan.holders["w"])
@@ -145,10 +145,10 @@ def test_plan_across_tp_sizes(tmp_path: Path) -> None:
     assert "tensor-parallel size changed: dropout RNG streams restart" in plan.notices[1]
     rotation = ("--optimizer", "basis-rotation", "--load", str(tmp_path))
     with pytest.raises(reshard.ReshardError, match="basis rotation's bases belong to one tensor-parallel shard"):
-        reshard.plan(metadata, ours, parse_job_config([*MODEL, *rotation]), "here")
-    assert not reshard.plan(metadata, ours, parse_job_config([*MODEL, *rotation, "--no-load-optim"]), "here").load_optimizer
+        reshard.plan(metadata, ours, parse_run_plan([*MODEL, *rotation]), "here")
+    assert not reshard.plan(metadata, ours, parse_run_plan([*MODEL, *rotation, "--no-load-optim"]), "here").load_optimizer
     same = reshard.plan(metadata, {**ours, "tensor_model_parallel_size": 2, "num_microbatches": 1,
-                                   "micro_batch_size": 2}, parse_job_config(MODEL), "here")
+                                   "micro_batch_size": 2}, parse_run_plan(MODEL), "here")
     assert same.keeps_rank_state and same.stage_file(0, 0, 1) == rank_file_name(0, 0, 1, 2)
     assert same.region("w", ShardLayout(0, 1), 1, 2, (4, 2)).files == [rank_file_name(0, 0, 1, 2)]
 
@@ -161,7 +161,7 @@ def test_plan_reshards_vocabulary_padding() -> None:
     metadata["index"] = {f: {**entry, "params": {"emb": shard_entry((32, 2), ShardLayout(0, 1), r, 2)}}
                          for r, (f, entry) in enumerate(sorted(metadata["index"].items()))}
     ours = {**metadata["signature"], "tensor_model_parallel_size": 4, "vocab_size": 128}
-    plan = reshard.plan(metadata, ours, parse_job_config(MODEL), "here")
+    plan = reshard.plan(metadata, ours, parse_run_plan(MODEL), "here")
     assert plan.vocab == (64, 128) and any("padded vocabulary 64 -> 128" in n for n in plan.notices)
     assert plan.region("emb", ShardLayout(0, 1), 1, 4, (32, 2)).files == [rank_file_name(0, 0, 1, 2)]
     assert plan.region("emb", ShardLayout(0, 1), 2, 4, (32, 2)).files == []  # rows 64..95: all padding
@@ -176,7 +176,7 @@ def test_checkpoints_before_tp_are_tp1() -> None:
 
 def _config(tp: int, pp: int = 1, *more: str) -> JobConfig:
     """Parsed at TP 1 (the runtime's parser refuses TP until it runs TP), then set to ``tp``."""
-    config = parse_job_config([*MODEL, "--pipeline-model-parallel-size", str(pp), *more])
+    config = parse_run_plan([*MODEL, "--pipeline-model-parallel-size", str(pp), *more])
     return replace_in(config, "parallel", tensor_model_parallel_size=tp)
 
 

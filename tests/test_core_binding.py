@@ -93,12 +93,12 @@ PROBE = """
 import os, sys
 from pathlib import Path
 import megatron.trainer.launch.core_binding as core_binding
-from megatron.trainer.plan.parse import parse_job_config
+from megatron.trainer.plan.parse import parse_run_plan
 from megatron.trainer.loop.training import prepare_host
 core_binding.claim_dir = lambda: Path(sys.argv[2])  # not the machine's: concurrent tests bind there
-config = parse_job_config(["--mock-data", "--device", "cpu", *sys.argv[3:]])
+config = parse_run_plan(["--mock-data", "--device", "cpu", *sys.argv[3:]])
 config = prepare_host(config, 2, int(sys.argv[1]))
-print(sorted(os.sched_getaffinity(0)), config.launch.core_binding_effect)
+print(sorted(os.sched_getaffinity(0)), config.host.core_binding)
 """
 
 

@@ -16,7 +16,7 @@ import numpy
 import pytest
 import torch
 
-from megatron.trainer.plan.parse import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_run_plan
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.data.corpus import pydoc_corpus, write_jsonl
 from megatron.trainer.tokenizer import TokenizerError, build_tokenizer
@@ -283,7 +283,7 @@ def test_vocab_size_comes_from_the_tokenizer(corpus, capsys, _no_torchrun_env) -
 # -- (d) datasets, blending ------------------------------------------------------------------
 
 def _data_config(corpus: argparse.Namespace, *data: str, extra: tuple[str, ...] = ()) -> JobConfig:
-    return parse_job_config([*_train_flags(corpus, *data), "--train-iters", "10", *extra])
+    return parse_run_plan([*_train_flags(corpus, *data), "--train-iters", "10", *extra])
 
 
 def test_samples_are_a_pure_function_of_the_index(corpus, megatron_world1, _no_torchrun_env) -> None:

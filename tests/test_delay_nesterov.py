@@ -112,10 +112,10 @@ def test_update_on_a_delayed_quadratic_equals_the_hand_computed_oracle(delay: in
 @pytest.mark.parametrize("schedule", ["paci", "async-1f1b", "pipedream-2bw", "pipemare", "amdp"])
 def test_every_async_schedule_gives_each_stage_the_beta1_of_its_declared_delay(megatron_world1,
                                                                                schedule: str) -> None:
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
 
     argv = [*tiny_args(2, schedule, 4, 4), *SCHEDULE_FLAGS[schedule], "--optimizer", "delay-nesterov"]
-    run = parse_job_config(argv).schedule.run
+    run = parse_run_plan(argv).schedule.run
     delays = run.schedule_cls.traits.policy_for(run.schedule).gradient_delays
     workers = emulate(argv)
     for w in workers:

@@ -17,7 +17,7 @@ from async_helpers import emulate, read_log, tiny_args
 from megatron.pipeline.ir import PipelineLayout
 from megatron.pipeline.schedules.evaluation import evaluation_streams
 from megatron.pipeline.schedule_check import check_streams
-from megatron.trainer.plan.parse import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_run_plan
 from megatron.trainer.tasks.gpt import GPTTask
 from megatron.trainer.loop.segments import Segment, plan_segments
 
@@ -27,7 +27,7 @@ EVAL_ITERS = 2
 def _run(tmp_path: Path, name: str, stages: int, schedule: str, *extra: str):
     log = tmp_path / f"{name}.jsonl"
     argv = [*tiny_args(stages, schedule, 4, 10, "--num-layers", "4"), "--log-json", str(log), *extra]
-    return emulate(argv), read_log(log), parse_job_config(argv)
+    return emulate(argv), read_log(log), parse_run_plan(argv)
 
 
 def _direct_loss(workers, config, split: str) -> float:

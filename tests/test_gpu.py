@@ -123,13 +123,13 @@ def test_emulator_rng_rewind_repeats_dropout_masks(megatron_world1, device: str)
     that asks for the mark to go."""
     from megatron.pipeline.ir import Op, OpKind
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import build_worker
 
     parser = build_parser()
     GPTTask().add_arguments(parser)
-    config = parse_job_config(tiny_args(2, "1f1b", 2, 1, "--device", device, "--hidden-dropout", "0.5",
+    config = parse_run_plan(tiny_args(2, "1f1b", 2, 1, "--device", device, "--hidden-dropout", "0.5",
                                         "--attention-dropout", "0.5", "--pipeline-executor", "emulator"), parser)
     worker = build_worker(GPTTask(), config, 0, 0, torch.device(device), isolate_rng=True)
     op = Op(OpKind.F, 0, microbatch=0)
@@ -153,7 +153,7 @@ def test_resolve_device_sets_current_device_before_init(monkeypatch):
     process group to it (``device_id``: eager NCCL init), on every local rank."""
     from megatron.trainer.loop import training
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.gpt import GPTTask
 
     class Stop(Exception):
@@ -173,7 +173,7 @@ def test_resolve_device_sets_current_device_before_init(monkeypatch):
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", "1")
         monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-        config = parse_job_config(tiny_args(1, "1f1b", 1, 1, "--device", "cuda"), parser)
+        config = parse_run_plan(tiny_args(1, "1f1b", 1, 1, "--device", "cuda"), parser)
         with pytest.raises(Stop):
             training.run_distributed(GPTTask(), config)
         backend, current, device_id = seen[-1]

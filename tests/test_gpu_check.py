@@ -96,11 +96,11 @@ def test_flops_are_megatron_lms_count():
     the causal halving of the attention): they differ by exactly the halved term, 6 * L * s * h
     per token; and GPT-2 medium's count per token is 6 x parameters plus the attention term."""
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.config.megatron_compat_args import flops_per_iteration
 
     m = GPTShape(layers=3, hidden=64, heads=4, seq=32, vocab=256)
-    config = parse_job_config(["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
+    config = parse_run_plan(["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
                                "--seq-length", "32", "--vocab-size", "256", "--pipeline-executor", "emulator"],
                               build_parser())
     trainer_per_token = flops_per_iteration(config, 1) / m.seq

@@ -53,10 +53,10 @@ def test_retain_without_glibc_says_it_did_nothing(monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_flag_reaches_the_banner_arguments() -> None:
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.loop.run_banner import argument_lines
 
-    config = parse_job_config(["--mock-data", "--host-malloc", "system"])
+    config = parse_run_plan(["--mock-data", "--host-malloc", "system"])
     from megatron.trainer.loop.training import prepare_host
 
     import torch

@@ -21,7 +21,7 @@ from megatron.pipeline.ir import BW, F, OPT, OpKind, PipelineLayout
 from megatron.pipeline.schedules import ScheduleConfig, ScheduleConfigError, build_schedule
 from megatron.pipeline.schedules.sync.interleaved import Interleaved1F1B, forward_slots, warmup_forwards
 from megatron.pipeline.schedule_check import check_schedule, check_streams
-from megatron.trainer.plan.parse import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_run_plan
 from tests.async_helpers import Reference, assert_trains_like, emulate, emulated_reference, final_params, run_pretrain, tiny_args
 from megatron.pipeline.schedules.sync.interleaved import InterleavedOptions
 
@@ -223,7 +223,7 @@ def test_bad_interleaving_flags_exit_2_with_one_line(case: str, capsys: pytest.C
 def test_chunks_hold_the_layers_of_their_virtual_stages(megatron_world1: None, no_torchrun_env: None) -> None:
     from megatron.trainer.tasks.gpt import GPTTask
 
-    config = parse_job_config([*tiny_args(2, NAME, 2, 1), "--num-layers", "8",
+    config = parse_run_plan([*tiny_args(2, NAME, 2, 1), "--num-layers", "8",
                                "--num-layers-per-virtual-pipeline-stage", "2"])
     task = GPTTask()
     stages = [task.build_stage(config, s, torch.device("cpu")) for s in range(2)]

@@ -1,4 +1,4 @@
-"""Ranks do not parse argv again: the launcher builds the run's configuration once and hands it
+"""Ranks do not parse argv again: the launcher builds the run plan once and hands it
 to every local rank (a file named in the rank's environment), forked or started fresh as on GPU.
 
 A wrapper entry point counts every parser built (``OneLineParser``, the class of the trainer's
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.config.job_file import JOB_CONFIG_ENV, job_config_file, read_job_config
+from megatron.trainer.config.plan_file import RUN_PLAN_ENV, read_run_plan, run_plan_file
 from megatron.trainer.loop.training import preflight
 from megatron.trainer.tasks.gpt import GPTTask
 
@@ -70,9 +70,9 @@ def test_two_rank_run_builds_one_parser(tmp_path: Path, fresh: bool) -> None:
 def test_handed_config_is_the_launchers(tmp_path: Path, monkeypatch) -> None:
     """What a rank reads is what the launcher validated, derived values included, and frozen."""
     config = preflight(GPTTask(), ["--pipeline-model-parallel-size", "2", "--num-layers", "4"])
-    with job_config_file(config) as env:
-        handed = read_job_config(env[JOB_CONFIG_ENV])
-        path = Path(env[JOB_CONFIG_ENV])
+    with run_plan_file(config) as env:
+        handed = read_run_plan(env[RUN_PLAN_ENV])
+        path = Path(env[RUN_PLAN_ENV])
     assert not path.exists()
     assert handed == config  # every section, field by field
     assert handed.run == config.run and handed.training.batch_plan == config.training.batch_plan

@@ -24,7 +24,7 @@ import torch
 from async_helpers import REPO, emulate, final_params, tiny_args
 from process_tree import children
 
-from megatron.trainer.plan.parse import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_run_plan
 from megatron.trainer.loop.segments import plan_segments
 
 GONE_WITHIN_S = 5.0
@@ -254,6 +254,6 @@ def test_the_launcher_forwards_the_exit_signal_too():
     from megatron.trainer.launch.exit_control import launcher_signals
 
     base = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--save", "d"]
-    assert launcher_signals(parse_job_config(base)) == (signal.SIGTERM, signal.SIGINT)
-    assert signal.SIGUSR1 in launcher_signals(parse_job_config([*base, "--exit-signal-handler", "--exit-signal",
+    assert launcher_signals(parse_run_plan(base)) == (signal.SIGTERM, signal.SIGINT)
+    assert signal.SIGUSR1 in launcher_signals(parse_run_plan([*base, "--exit-signal-handler", "--exit-signal",
                                                                 "SIGUSR1"]))

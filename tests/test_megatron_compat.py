@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron.trainer.config.arguments import build_parser
-from megatron.trainer.plan.parse import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_run_plan
 from megatron.trainer.config.job_config import build_job_config
 from megatron.trainer.tasks.bert import BertTask
 from megatron.trainer.config.megatron_compat_args import DEFAULT_BEHAVIOUR_FLAGS, REFUSED_FLAGS
@@ -329,7 +329,7 @@ def test_params_norm_and_throughput_are_logged(tmp_path):
     assert last["tflops_per_gpu"] > 0
     # 6 x matrix parameters x tokens is the usual estimate; ours also counts attention scores
     # and leaves out the input embedding (a lookup, no multiply).
-    config = parse_job_config(argv)
+    config = parse_run_plan(argv)
     matrices = {n: p for w in workers for n, p in GPTTask().named_parameters(w.setup.chunks)
                 if p.dim() == 2 and "embedding" not in n}
     matrices["output_layer"] = matrices.get("embedding.word_embeddings.weight", workers[0].setup.chunks[0].model

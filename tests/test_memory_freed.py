@@ -101,11 +101,11 @@ class LastUseTracker:
 
 
 def _workers(num_stages: int, microbatches: int):
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.loop.training import build_worker
     from megatron.trainer.tasks.gpt import GPTTask
 
-    config = parse_job_config([
+    config = parse_run_plan([
         *TINY_GPT, "--num-layers", str(2 * num_stages), "--pipeline-model-parallel-size", str(num_stages),
         "--global-batch-size", str(microbatches), "--train-iters", "2", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--pipeline-executor", "emulator", "--device", "cpu",

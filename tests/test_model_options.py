@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron.trainer.config.arguments import build_parser
-from megatron.trainer.plan.parse import parse_job_config
+from megatron.trainer.plan.parse import parse_run_plan
 from megatron.trainer.tasks.bert import BertTask
 from megatron.trainer.tasks.gpt import GPTTask
 from tests.adam_bounds import assert_within_bounds, gpt_gradient_noise, trace_adam
@@ -30,7 +30,7 @@ def _build(task, *flags: str) -> dict[str, torch.nn.Module | torch.Tensor]:
     """The single stage's megatron-core model and its parameters by global name."""
     parser = build_parser()
     task.add_arguments(parser)
-    config = parse_job_config([*BASE, *flags], parser)
+    config = parse_run_plan([*BASE, *flags], parser)
     (chunk,) = task.build_stage(config, 0, torch.device("cpu"))
     return {"model": chunk.model, **{name: p for name, p in chunk.global_named_parameters()}}
 

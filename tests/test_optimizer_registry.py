@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.trainer.plan.parse import parse_args, parse_job_config
+from megatron.trainer.plan.parse import parse_args, parse_run_plan
 from megatron.trainer.optim.registry import OPTIMIZERS, build_optimizer
 
 
@@ -14,7 +14,7 @@ SCHEDULE = {"delay-nesterov": ["--pipeline-schedule", "paci"]}
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_registered_optimizer_parses_builds_and_steps_through_data(name):
-    config = parse_job_config(["--mock-data", "--optimizer", name, "--pipeline-executor", "emulator",
+    config = parse_run_plan(["--mock-data", "--optimizer", name, "--pipeline-executor", "emulator",
                                *SCHEDULE.get(name, [])])
     weight = torch.nn.Parameter(torch.ones(4, 3))
     optimizer = build_optimizer(config, [("layer.weight", weight)], stage=0)

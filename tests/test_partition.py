@@ -106,14 +106,14 @@ def test_auto_partition_end_to_end_in_the_emulator(capsys: pytest.CaptureFixture
     import re
 
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import emulate
 
     task = GPTTask()
     parser = build_parser("gpt")
     task.add_arguments(parser)
-    config = parse_job_config([
+    config = parse_run_plan([
         "--pipeline-executor", "emulator", "--pipeline-model-parallel-size", "2", "--num-layers", "5",
         "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--vocab-size", "64",
         "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--log-interval", "1",

@@ -209,13 +209,13 @@ def key_mask(shape: torch.Size) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reference(megatron_world1: None, launched) -> Reference:
     """Plain training of the unsplit model."""
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.data.mock import MockGPTData
     from megatron.trainer.tasks.gpt import gpt_model_args
     from megatron.trainer.models.gpt import build_gpt_stage
     from megatron.trainer.tasks.task import microbatch_sample_indices
 
-    config = parse_job_config(COMMON)
+    config = parse_run_plan(COMMON)
     model_cfg, training, opt = config.model, config.training, config.optimizer
     assert config.parallel.pipeline_model_parallel_size == 1 and training.num_microbatches == GBS // MBS
     m = training.num_microbatches

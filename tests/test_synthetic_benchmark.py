@@ -104,14 +104,14 @@ def _synthetic_worker(t_b: float, t_w: float):
     import torch
 
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
     from megatron.trainer.loop.training import build_worker
 
     task = SyntheticCostTask()
     parser = build_parser("synthetic")
     task.add_arguments(parser)
-    config = parse_job_config([
+    config = parse_run_plan([
         "--pipeline-model-parallel-size", "1", "--num-layers", "1", "--hidden-size", "8",
         "--num-attention-heads", "1", "--seq-length", "4", "--micro-batch-size", "1",
         "--global-batch-size", "2", "--train-iters", "1", "--device", "cpu",
@@ -204,12 +204,12 @@ def test_synthetic_wgrad_defaults_to_zero() -> None:
 
 def _synthetic_config(*argv: str):
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
 
     parser = build_parser("synthetic")
     SyntheticCostTask().add_arguments(parser)
-    return parse_job_config([
+    return parse_run_plan([
         "--hidden-size", "8", "--num-attention-heads", "1", "--seq-length", "4", "--micro-batch-size", "1",
         "--device", "cpu", "--num-threads", "1", "--log-interval", "1", "--lr-warmup-iters", "0",
         "--synthetic-forward-ms", "2", "--synthetic-backward-ms", "4", "--synthetic-wgrad-ms", "6", *argv,

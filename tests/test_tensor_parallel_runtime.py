@@ -152,7 +152,7 @@ def test_distributed_optimizer_checkpoint_at_tp2_dp2_resumes_bitwise_and_reshard
     (gathered over DP at save): a same-layout resume continues bitwise, and the checkpoint passes
     the up-front checks for another TP size and for whole (unsharded) optimizer states."""
     from megatron.trainer.checkpointing.checkpoint import check_resume
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.gpt import GPTTask
 
     save = tmp_path / "ckpt"
@@ -167,8 +167,8 @@ def test_distributed_optimizer_checkpoint_at_tp2_dp2_resumes_bitwise_and_reshard
     index = json.loads((save / "iter_0000002" / "metadata.json").read_text())["index"]
     assert len(index) == 4 and not any(entry["optimizer_sharded"] for entry in index.values())
     base = [*_argv("1f1b", flags), "--load", str(save)]
-    check_resume(GPTTask(), parse_job_config([*base, "--tensor-model-parallel-size", "1"]))
-    check_resume(GPTTask(), parse_job_config([a for a in base if a != "--use-distributed-optimizer"] + TP2))
+    check_resume(GPTTask(), parse_run_plan([*base, "--tensor-model-parallel-size", "1"]))
+    check_resume(GPTTask(), parse_run_plan([a for a in base if a != "--use-distributed-optimizer"] + TP2))
 
 
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -214,7 +214,7 @@ def test_transformer_engine_at_tp2_refused_and_auto_picks_the_local_spec():
     first), and ``auto`` resolves to the local spec at TP > 1 even where TE would run."""
     import argparse
 
-    from megatron.trainer.plan.parse import parse_args, parse_job_config
+    from megatron.trainer.plan.parse import parse_args, parse_run_plan
     from megatron.trainer.config.errors import ConfigError
     from megatron.trainer.config.job_config import build_job_config
     from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_flags
@@ -223,7 +223,7 @@ def test_transformer_engine_at_tp2_refused_and_auto_picks_the_local_spec():
     args = parse_args([*_argv("1f1b", ["--num-layers", "2"]), *TP2])
     check_tensor_parallel_flags(args)
     assert transformer_kwargs(build_job_config(args))["use_transformer_engine"] is False
-    assert transformer_kwargs(parse_job_config(_argv("1f1b", ["--num-layers", "2"])))["use_transformer_engine"] is None
+    assert transformer_kwargs(parse_run_plan(_argv("1f1b", ["--num-layers", "2"])))["use_transformer_engine"] is None
     te = argparse.Namespace(**{**vars(args), "transformer_impl": "transformer_engine"})
     with pytest.raises(ConfigError, match="TE's tensor-parallel layers are not mapped"):
         check_tensor_parallel_flags(te)

@@ -152,11 +152,11 @@ def _stage_counts(argv: list[str], task) -> tuple[JobConfig, list[int]]:
     """The flags' job config and the banner's parameters per stage (tied copies counted once)."""
     from megatron.pipeline.runtime.tied_embeddings import counted
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
 
     parser = build_parser()
     task.add_arguments(parser)
-    config = parse_job_config(argv, parser)
+    config = parse_run_plan(argv, parser)
     counts = [sum(p.numel() for p in counted(p for chunk in task.build_stage(config, s, torch.device("cpu"))
                                              for p in chunk.parameters()))
               for s in range(config.parallel.pipeline_model_parallel_size)]

@@ -113,7 +113,7 @@ def test_emulator_traces_are_retimed(tmp_path: Path) -> None:
     timestamps through the replay, so each stage's ops keep their durations and order and no
     op starts before its inputs exist. Fast: in process, 2 stages, 1 ms sleeps."""
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.synthetic import SyntheticCostTask
     from megatron.trainer.loop.training import emulate
 
@@ -126,7 +126,7 @@ def test_emulator_traces_are_retimed(tmp_path: Path) -> None:
             "--seq-length", "4", "--hidden-size", "8", "--num-attention-heads", "1", "--train-iters", "2",
             "--log-interval", "2", "--device", "cpu", "--num-threads", "1",
             "--synthetic-forward-ms", "1", "--synthetic-backward-ms", "2"]
-    workers = emulate(task, parse_job_config([*argv, "--trace-dir", str(trace_dir)], parser))
+    workers = emulate(task, parse_run_plan([*argv, "--trace-dir", str(trace_dir)], parser))
     assert all(w.tracer is None for w in workers)  # tracing is on during training segments only
     files = sorted(p.name for p in trace_dir.iterdir())
     assert files == ["stage0_dp0.json", "stage1_dp0.json"]

@@ -43,11 +43,11 @@ class _NoReports:
 
 
 def _workers(num_microbatches: int, measure: bool = True, schedule: str = "1f1b", num_layers: int = N):
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.gpt import GPTTask
     from megatron.trainer.loop.training import build_worker
 
-    config = parse_job_config([
+    config = parse_run_plan([
         *TINY_GPT, "--num-layers", str(num_layers), "--pipeline-model-parallel-size", str(N), "--pipeline-schedule", schedule,
         "--global-batch-size", str(num_microbatches), "--train-iters", "3", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--pipeline-executor", "emulator", "--device", "cpu",

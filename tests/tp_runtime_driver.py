@@ -26,7 +26,7 @@ def _rank(runs: list[list[str]]) -> int:
     import torch.distributed as dist
 
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.loop.training import drive, rank_transport
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -36,7 +36,7 @@ def _rank(runs: list[list[str]]) -> int:
     for argv in runs:
         parser = build_parser()
         task.add_arguments(parser)
-        config = parse_job_config(argv, parser)
+        config = parse_run_plan(argv, parser)
         config, groups, transport = rank_transport(task, config, torch.device("cpu"))
         drive(task, config, transport, torch.device("cpu"), None)
         dist.barrier(group=groups.reports)

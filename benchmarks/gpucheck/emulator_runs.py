@@ -39,7 +39,7 @@ def run_one(argv: list[str], warmup: int, workdir: Path) -> dict:
     import torch
 
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.loop.training import emulate
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -48,7 +48,7 @@ def run_one(argv: list[str], warmup: int, workdir: Path) -> dict:
     task = GPTTask()
     parser = build_parser()
     task.add_arguments(parser)
-    config = parse_job_config([*argv, "--pipeline-executor", "emulator", "--log-json", str(log)], parser)
+    config = parse_run_plan([*argv, "--pipeline-executor", "emulator", "--log-json", str(log)], parser)
     cuda = config.launch.device == "cuda" or (config.launch.device == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -25,14 +25,14 @@ def main(argv: list[str]) -> int:
     from megatron.core import parallel_state
 
     from megatron.trainer.config.arguments import build_parser
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.gpt import GPTTask
 
     warmup, flags = int(argv[0]), argv[argv.index("--") + 1:]
     task = GPTTask()
     parser = build_parser()
     task.add_arguments(parser)
-    config = parse_job_config(flags, parser)
+    config = parse_run_plan(flags, parser)
     optim, training = config.optimizer, config.training
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(minutes=5))

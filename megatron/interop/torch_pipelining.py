@@ -111,7 +111,7 @@ def train_torch_runtime(argv: Sequence[str], csv_path: str, rank: int, world: in
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from megatron.trainer.plan.parse import parse_job_config
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.loop.ranks import _init_megatron_parallel_state
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -119,7 +119,7 @@ def train_torch_runtime(argv: Sequence[str], csv_path: str, rank: int, world: in
     if "--pipeline-schedule" in argv:
         i = argv.index("--pipeline-schedule")
         del argv[i:i + 2]
-    config = parse_job_config([*argv, "--pipeline-schedule", f"torch-csv:{csv_path}", "--data-parallel-size", "1"])
+    config = parse_run_plan([*argv, "--pipeline-schedule", f"torch-csv:{csv_path}", "--data-parallel-size", "1"])
     _init_megatron_parallel_state()
     cpu = torch.device("cpu")
     layout = config.run.layout

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from megatron.trainer.config.job_config import JobConfig, flag_values
+from megatron.trainer.config.job_config import flag_values
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.config.megatron_compat_args import COMPAT_SIGNATURE_FLAGS
 from megatron.trainer.models.tensor_parallel import stage_tp_group, tp_rank_and_size
 from megatron.trainer.checkpointing.model_names import NamedModel
@@ -36,7 +37,7 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def run_signature(task: NamedModel, config: JobConfig) -> dict[str, Any]:
+def run_signature(task: NamedModel, config: RunPlan) -> dict[str, Any]:
     """What identifies a run's model and pipeline layout (checked on load)."""
     flags = flag_values(config)
     signature = {flag: flags.get(flag) for flag in SIGNATURE_FLAGS}

@@ -24,7 +24,7 @@ from megatron.trainer.checkpointing.reshard import (
     LAYOUT_FLAGS, VOCAB_FLAGS, ReshardError, ReshardPlan, check_vocab, merge_optimizer_states, plan,
     saved_signature, smallest_scale, tp_size, unchecked_flags)
 from megatron.trainer.checkpointing.shards import Region, ShardError
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.models.tensor_parallel import shard_layout
 from megatron.trainer.checkpointing.model_names import NamedModel
 
@@ -68,7 +68,7 @@ def find_resume_point(root: str | Path) -> ResumePoint | None:
     return ResumePoint(iteration, directory)
 
 
-def check_resume(task: NamedModel, config: JobConfig, verify_files: bool = True) -> ResumePoint | None:
+def check_resume(task: NamedModel, config: RunPlan, verify_files: bool = True) -> ResumePoint | None:
     """Validate ``--load`` before any rank starts; return where to resume (None: start fresh).
 
     A different model shape or precision, a layout change that cannot load correctly
@@ -126,7 +126,7 @@ def check_resume(task: NamedModel, config: JobConfig, verify_files: bool = True)
 
 
 
-def check_resume_or_exit(task: NamedModel, config: JobConfig, verify_files: bool = True) -> ResumePoint | None:
+def check_resume_or_exit(task: NamedModel, config: RunPlan, verify_files: bool = True) -> ResumePoint | None:
     """``--load``'s checkpoint, validated (one line and exit 2 if it does not fit this run)."""
     try:
         return check_resume(task, config, verify_files)
@@ -134,7 +134,7 @@ def check_resume_or_exit(task: NamedModel, config: JobConfig, verify_files: bool
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
 
-def _check_sharded_optimizer(metadata: dict[str, Any], config: JobConfig, where: str) -> None:
+def _check_sharded_optimizer(metadata: dict[str, Any], config: RunPlan, where: str) -> None:
     """Optimizer shards (files of AMDP or --use-distributed-optimizer written before their saves
     gathered the shards) load only into a run that shards its optimizer state the same way (a
     whole state, by contrast, is sliced into either)."""

@@ -22,14 +22,14 @@ import shutil
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.v_shape.layout import VShapeSchedule
 from megatron.trainer.checkpointing.writable import OutputPathError, check_output_flags, check_writable_directory
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 
 
 class CheckpointPathError(ValueError):
     """An unusable ``--save`` / ``--load`` path; one line for the user."""
 
 
-def estimate_parameters(config: JobConfig) -> int:
+def estimate_parameters(config: RunPlan) -> int:
     """Parameters of the whole model (all stages) from the flags: embeddings, the output layer
     unless tied to the embedding, per layer attention (QKV with query groups, projection), MLP
     and two norms."""
@@ -47,11 +47,11 @@ def estimate_parameters(config: JobConfig) -> int:
     return vocab * h + output + positions + layers * (attention + mlp + norms) + 2 * h
 
 
-def _v_layout(config: JobConfig) -> bool:
+def _v_layout(config: RunPlan) -> bool:
     return issubclass(schedule_class(config.schedule.pipeline_schedule), VShapeSchedule)
 
 
-def estimate_checkpoint_bytes(config: JobConfig) -> int:
+def estimate_checkpoint_bytes(config: RunPlan) -> int:
     """Bytes of one checkpoint: per parameter its value (2 bytes in bf16/fp16, else 4), AdamW's
     two fp32 moments and, in half precision, the fp32 master copy; every data-parallel replica
     writes its own files."""
@@ -68,7 +68,7 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def check_save_path(config: JobConfig) -> None:
+def check_save_path(config: RunPlan) -> None:
     save = config.checkpoint.save
     try:
         existing = check_writable_directory(save, "--save")
@@ -81,7 +81,7 @@ def check_save_path(config: JobConfig) -> None:
             f"({estimate_parameters(config):,} parameters with optimizer states)")
 
 
-def check_load_path(config: JobConfig) -> None:
+def check_load_path(config: RunPlan) -> None:
     load = config.checkpoint.load
     if os.path.isdir(load):
         return
@@ -94,7 +94,7 @@ def check_load_path(config: JobConfig) -> None:
                               f"same place, pass the same path to --save)")
 
 
-def check_checkpoint_paths(config: JobConfig) -> None:
+def check_checkpoint_paths(config: RunPlan) -> None:
     """Both checks, then the other output flags (``--log-json``, ``--tensorboard-dir``, ...);
     :class:`CheckpointPathError` for the first problem."""
     if config.checkpoint.load is not None:

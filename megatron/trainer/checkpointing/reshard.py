@@ -54,7 +54,7 @@ from megatron.pipeline.schedules import SchedulePolicy, schedule_class
 from megatron.pipeline.schedules.base import ScheduleConfig
 from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
 from megatron.trainer.checkpointing.shards import Region, ShardError, plan_region, shard_entry
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.models.tensor_parallel import ShardLayout
 
 # Flags that describe the layout, not the model: they may differ between save and load.
@@ -238,7 +238,7 @@ class ReshardPlan:
         return None
 
 
-def plan(metadata: dict[str, Any], ours: dict[str, Any], config: JobConfig, where: str) -> ReshardPlan:
+def plan(metadata: dict[str, Any], ours: dict[str, Any], config: RunPlan, where: str) -> ReshardPlan:
     """Decide how to load ``metadata``'s checkpoint into the layout ``ours``; :class:`ReshardError`
     (one line naming ``where``) for what would resume wrongly. Called before any rank starts."""
     saved = saved_signature(metadata)

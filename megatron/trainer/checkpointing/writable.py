@@ -13,7 +13,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron.trainer.config.job_config import JobConfig
+    from megatron.trainer.config.run_plan import RunPlan
 
 
 class OutputPathError(ValueError):
@@ -62,13 +62,13 @@ OUTPUT_DIRECTORIES = ("tensorboard_dir", "trace_dir", "dump_final_params")
 OUTPUT_FILES = ("log_json",)
 
 
-def check_output_flags(config: JobConfig) -> None:
+def check_output_flags(config: RunPlan) -> None:
     """Every output flag of :data:`OUTPUT_DIRECTORIES` / :data:`OUTPUT_FILES` that is set can be
     written (:class:`OutputPathError` otherwise), so a bad path fails before training, not in a
     rank at its first log line or at the end of the run."""
     from megatron.trainer.config.job_config import flag_values
 
-    flags = flag_values(config)  # the flags by dest (``vars`` of a JobConfig would be its sections)
+    flags = flag_values(config)  # the flags by dest (``vars`` of a RunPlan would be its sections)
     for dest in OUTPUT_DIRECTORIES:
         path = flags.get(dest)
         if path is not None:

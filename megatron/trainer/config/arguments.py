@@ -179,11 +179,10 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 #: What the run derives from its flags (finalize_args, check_flags and the checks after them),
 #: declared here with its value before it is decided, so every later step reads an attribute.
 DERIVED_DEFAULTS = dict(
-    world_size=None, num_microbatches=None, num_model_chunks=1, batch_plan=None, run=None,
+    world_size=None, num_microbatches=None, num_model_chunks=1, batch_plan=None,
     padded_vocab_size=None, tokenizer_vocab_size=None, null_vocab_size=None, tie_embeddings=False,
     embeddings_line=None, nonfinite_injections=None, exit_check_every=None, layer_split_source=None,
     pipeline_partition_feasible=True, pipeline_partition_resumed=False, _balanced_split=False,
-    _memory_estimate=None, _memory_room=None, core_binding_effect=None, host_malloc_effect=None,
     task_checks=(),
 )
 
@@ -322,10 +321,10 @@ def check_flags(args: argparse.Namespace) -> None:
     for check in args.task_checks:  # a task's own flags (parser.set_defaults)
         check(build_job_config(args))
     try:
-        args.run = RunConfig.from_args(args)  # the typed view every later step reads
-        check_delay_nesterov_flags(args, args.run.schedule_cls.traits.policy_for(args.run.schedule).gradient_delays)
+        run = RunConfig.from_args(args)  # the run plan builds it again, from the checked flags
+        check_delay_nesterov_flags(args, run.schedule_cls.traits.policy_for(run.schedule).gradient_delays)
         # Build it once now: its checks run and a searched order (Zero Bubble) that cannot meet its
         # memory limit fails here, before any process starts, not at the first iteration.
-        args.run.run_schedule(args.pipeline_schedule)
+        run.run_schedule(args.pipeline_schedule)
     except ScheduleConfigError as exc:
         raise ConfigError(f"--pipeline-schedule: {exc}") from None

@@ -6,10 +6,12 @@ then files each value into the section of its concern and checks that none is le
 flag added without a home fails the tests, not a run. Everything below ``config/`` reads the
 sections' fields: ``config.model.hidden_size``, ``config.parallel.pipeline_model_parallel_size``.
 
-The sections are frozen: a later decision (a profiled layer split, a memory limit for
-``auto``, a host's core binding) makes a new config with :func:`dataclasses.replace` that its
-caller passes on, so what a function read is what the run used. Field names are the flags'
-``dest`` names, so a flag's documentation is ``--help``.
+The sections are frozen: a later decision (a profiled layer split) makes a new config with
+:func:`replace_in` that its caller passes on, so what a function read is what the run used.
+What the run derives from the config and the host (the schedule's config and layout, the
+memory estimate, the host set-up, ``auto``'s layouts) is not here but in the run plan
+(:mod:`megatron.trainer.config.run_plan`). Field names are the flags' ``dest`` names, so a
+flag's documentation is ``--help``.
 """
 from __future__ import annotations
 
@@ -17,15 +19,12 @@ import argparse
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from megatron.pipeline.schedules import ScheduleConfig, schedule_class
 from megatron.trainer.config.batch_plan import BatchPlan
-from megatron.trainer.config.run_config import RunConfig, schedule_config_of
-from megatron.trainer.config.values import FlagValue, JsonValue
-
-if TYPE_CHECKING:
-    from megatron.pipeline.costs.memory import MemoryEstimate
+from megatron.trainer.config.run_config import schedule_config_of
+from megatron.trainer.config.values import FlagValue
 
 
 @dataclass(frozen=True)
@@ -106,20 +105,14 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ScheduleSettings:
-    """Which schedule runs, on which executor, and its own flags (read into ``run``)."""
+    """Which schedule runs, on which executor, and its own flags (the run plan's ``run`` is built
+    from them: :class:`~megatron.trainer.config.run_plan.RunPlan`)."""
 
     pipeline_schedule: str
     pipeline_executor: str
-    #: schedule class, its config (options from its flags) and the layout
-    run: RunConfig
     schedule_check: bool
     #: every registered schedule's own flags by ``dest`` (``Schedule.traits.flag_groups``)
     flags: dict[str, FlagValue]
-    #: ``auto``: the job configs of the layouts it may rebuild the run in, by label
-    #: (:mod:`megatron.trainer.loop.auto.candidates`)
-    relayouts: dict[str, JobConfig] = field(default_factory=dict)
-    #: a run ``auto`` rebuilt: its decision (:meth:`AutoSchedule.describe`), kept in checkpoints
-    chosen_by: dict[str, JsonValue] | None = None
 
     def flag(self, dest: str) -> FlagValue:
         """One schedule flag's value (a :class:`KeyError` names an unknown one)."""
@@ -286,14 +279,6 @@ class LaunchConfig:
     manual_gc_eval: bool
     max_restarts: int
     memory_check: bool
-    #: the per-rank memory estimate of the preflight check (banner)
-    memory_estimate: MemoryEstimate | None = None
-    #: (bytes left after the estimate, stages per device) where the check ran
-    memory_room: tuple[int, int] | None = None
-    #: what ``--bind-cores`` did on this rank (banner)
-    core_binding_effect: str | None = None
-    #: what ``--host-malloc`` did on this rank (banner)
-    host_malloc_effect: str | None = None
 
 
 @dataclass(frozen=True)
@@ -323,11 +308,6 @@ class JobConfig:
     launch: LaunchConfig
     task: TaskOptions = field(default_factory=TaskOptions)
 
-    @property
-    def run(self) -> RunConfig:
-        """The schedule class, its config and the layout (``schedule.run``)."""
-        return self.schedule.run
-
 
 S = TypeVar("S")
 
@@ -344,10 +324,10 @@ SECTION_TYPES: dict[str, type] = {
     "checkpoint": CheckpointConfig, "exit": ExitConfig, "logging": LoggingConfig, "launch": LaunchConfig,
 }
 # Namespace attributes with another name in the config (the namespace's are private).
-RENAMED = {"_balanced_split": "balanced_split", "_memory_estimate": "memory_estimate", "_memory_room": "memory_room"}
-# Fields that are no flag's value: the schedule's flag dict itself, and the launch checks'
-# bookkeeping (private on the namespace, so the banner never listed them).
-NOT_FLAGS = frozenset({"flags", "relayouts", "chosen_by", *RENAMED.values()})
+RENAMED = {"_balanced_split": "balanced_split"}
+# Fields that are no flag's value: the schedule's flag dict itself, and the split check's
+# bookkeeping (private on the namespace, so the banner never listed it).
+NOT_FLAGS = frozenset({"flags", *RENAMED.values()})
 # Namespace attributes that are not configuration: the task's flag checks.
 NOT_CONFIG = frozenset({"task_checks", "task_options"})
 
@@ -360,14 +340,6 @@ def job_schedule_config(config: JobConfig) -> ScheduleConfig:
     return schedule_config_of(schedule_cls, parallel.pipeline_model_parallel_size,
                             training.num_microbatches, training.train_iters,
                             parallel.num_model_chunks, parallel.data_parallel_size, flags)
-
-
-def with_schedule_options(config: JobConfig, **options: Any) -> JobConfig:
-    """A copy whose schedule config has the fields ``options`` of its options dataclass set (a
-    launch-time decision for ``auto``; a field the schedule's options lack is a TypeError)."""
-    run = config.run
-    schedule = dataclasses.replace(run.schedule, options=dataclasses.replace(run.schedule.options, **options))
-    return replace_in(config, "schedule", run=dataclasses.replace(run, schedule=schedule))
 
 
 def flag_values(config: JobConfig) -> dict[str, object]:
@@ -411,9 +383,9 @@ def build_job_config(args: argparse.Namespace, ignore: Iterable[str] = ()) -> Jo
     sections: dict[str, object] = {}
     for name, cls in SECTION_TYPES.items():
         if cls is ScheduleSettings:
-            placed.update(("pipeline_schedule", "pipeline_executor", "run", "schedule_check"))
+            placed.update(("pipeline_schedule", "pipeline_executor", "schedule_check"))
             sections[name] = ScheduleSettings(values["pipeline_schedule"], values["pipeline_executor"],
-                                              values["run"], values["schedule_check"], flags)
+                                              values["schedule_check"], flags)
         else:
             sections[name] = take(cls)
     sections["task"] = take(task_options)

@@ -1,9 +1,11 @@
-"""The run's typed configuration, derived once from the checked flags.
+"""The run's schedule and stage layout, derived from the checked flags.
 
-``parse_args`` attaches a :class:`RunConfig` as ``args.run``; the driver, the tasks and the
+The run plan holds the run's :class:`RunConfig` (``plan.run``,
+:func:`megatron.trainer.plan.build.build_run_plan`); the driver, the tasks and the
 checkpointing read the schedule class, its config and the pipeline layout from there instead
-of recomputing them from flags at every call site. The schedule's options come from its own
-flags (``Schedule.traits.flag_groups``): nothing here knows a schedule by name.
+of recomputing them from flags at every call site. The flag checks build their own from the
+namespace they check. The schedule's options come from its own flags
+(``Schedule.traits.flag_groups``): nothing here knows a schedule by name.
 """
 from __future__ import annotations
 
@@ -81,14 +83,3 @@ def schedule_config_of(schedule_cls: type[Schedule], stages: int, microbatches: 
     base = ScheduleConfig(num_stages=stages, num_microbatches=microbatches, num_iterations=iterations,
                           num_chunks=chunks, data_parallel_size=data_parallel or 1)
     return dataclasses.replace(base, options=schedule_cls.traits.options_from_flags(flags, base))
-
-
-def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:
-    """Where the run's schedule places model chunks (AMDP: one chunk per replicated pipeline)."""
-    return run_config(args).layout
-
-
-def run_config(args: argparse.Namespace) -> RunConfig:
-    """``args.run`` (set by ``parse_args``), or built now for a namespace still being checked."""
-    run = args.run
-    return run if isinstance(run, RunConfig) else RunConfig.from_args(args)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy
 import torch
 
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.data.gpt_dataset import (
     DataError,
     build_usable_splits,
@@ -61,7 +61,7 @@ def usable_bert_splits(prefixes: Sequence[str], split_matrix: Any, binary_head: 
     return usable
 
 
-def check_bert_data(config: JobConfig) -> list[bool]:
+def check_bert_data(config: RunPlan) -> list[bool]:
     """One-line :class:`DataError` unless the training split can yield BERT samples."""
     prefixes, _ = parse_data_path(config.data.data_path)
     usable = usable_bert_splits(prefixes, parse_split(config.data.split), config.task.bert_binary_head)
@@ -74,7 +74,7 @@ def check_bert_data(config: JobConfig) -> list[bool]:
     return usable
 
 
-def bert_dataset_config(config: JobConfig, tokenizer: Any) -> Any:
+def bert_dataset_config(config: RunPlan, tokenizer: Any) -> Any:
     """Megatron-LM's BERT masking: whole words, n-grams up to 3, no permutation."""
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
 
@@ -95,7 +95,7 @@ _BUILT: dict[tuple, tuple[Any, Any, Any]] = {}
 
 
 def build_bert_datasets(
-    config: JobConfig, tokenizer: Any = None, sizes: Sequence[int] | None = None
+    config: RunPlan, tokenizer: Any = None, sizes: Sequence[int] | None = None
 ) -> tuple[Any, Any, Any]:
     """(train, valid, test) BERT datasets, valid/test None when unusable. Collective under
     ``torch.distributed`` (call on every rank); built once per process per configuration."""

@@ -35,7 +35,7 @@ from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.data.index_check import IndexFileError, read_index_header
 from megatron.trainer.data.samples import IndexedSamples
 from megatron.trainer.config.flag_checks import parse_blend, parse_split_weights
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 
 SplitMatrix = Sequence["tuple[float, float] | None"]
 
@@ -185,7 +185,7 @@ def usable_splits(infos: Sequence[PrefixInfo], seq_length: int) -> list[bool]:
 # Building (every rank)
 # --------------------------------------------------------------------------------------------
 
-def default_split_sizes(config: JobConfig) -> list[int]:
+def default_split_sizes(config: RunPlan) -> list[int]:
     """Samples per split: the whole run for train; one global batch x ``--eval-iters`` (when a
     later evaluation feature defines it, else 1) for valid and test."""
     gbs = config.training.global_batch_size
@@ -193,7 +193,7 @@ def default_split_sizes(config: JobConfig) -> list[int]:
     return [config.training.train_iters * gbs, eval_iters * gbs, eval_iters * gbs]
 
 
-def common_config_kwargs(config: JobConfig, tokenizer: Any) -> dict[str, Any]:
+def common_config_kwargs(config: RunPlan, tokenizer: Any) -> dict[str, Any]:
     """The ``BlendedMegatronDatasetConfig`` fields every dataset family takes from the flags."""
     prefixes, weights = parse_data_path(config.data.data_path)
     return dict(
@@ -207,7 +207,7 @@ def common_config_kwargs(config: JobConfig, tokenizer: Any) -> dict[str, Any]:
     )
 
 
-def gpt_dataset_config(config: JobConfig, tokenizer: Any) -> Any:
+def gpt_dataset_config(config: RunPlan, tokenizer: Any) -> Any:
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     return GPTDatasetConfig(
@@ -225,7 +225,7 @@ _BUILT: dict[tuple, tuple[Any, Any, Any]] = {}
 
 
 def build_gpt_datasets(
-    config: JobConfig, tokenizer: Any = None, sizes: Sequence[int] | None = None
+    config: RunPlan, tokenizer: Any = None, sizes: Sequence[int] | None = None
 ) -> tuple[Any, Any, Any]:
     """(train, valid, test) megatron-core datasets; valid/test are None when their split is
     empty (for some prefix). Collective when ``torch.distributed`` is initialised: call on

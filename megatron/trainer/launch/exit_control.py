@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from megatron.trainer.config.exit_args import exit_signal, stops_early
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 
 PROCESS_START = time.monotonic()  # --exit-duration-in-mins counts from the program's start
 
@@ -22,7 +22,7 @@ Agree = Callable[[list[float]], list[float]]  # element-wise MAX over every rank
 class StopControl:
     """Callable ``(iteration) -> reason | None``; the same answer on every rank."""
 
-    def __init__(self, config: JobConfig, decides_time: bool, agree: Agree | None = None):
+    def __init__(self, config: RunPlan, decides_time: bool, agree: Agree | None = None):
         self.signal = exit_signal(config)
         self.caught = False
         minutes = config.exit.exit_duration_in_mins
@@ -49,7 +49,7 @@ class StopControl:
         return None
 
 
-def stop_control(config: JobConfig, decides_time: bool, agree: Agree | None = None) -> StopControl | None:
+def stop_control(config: RunPlan, decides_time: bool, agree: Agree | None = None) -> StopControl | None:
     """The run's stop check, or None when neither exit flag is given."""
     return StopControl(config, decides_time, agree) if stops_early(config) else None
 
@@ -69,7 +69,7 @@ def _raise_terminated(signum: int, _frame: object) -> None:
                      "(a peer failed, or the job was cancelled)")
 
 
-def rank_signal_defaults(config: JobConfig) -> None:
+def rank_signal_defaults(config: RunPlan) -> None:
     """In a rank, SIGINT ends the process at once (unless it is the exit signal): the launcher
     reports it, and N ranks printing KeyboardInterrupt tracebacks say nothing more. SIGTERM
     (unless it is the exit signal, whose handler :class:`StopControl` installs afterwards)
@@ -79,7 +79,7 @@ def rank_signal_defaults(config: JobConfig) -> None:
     signal.signal(signal.SIGTERM, _raise_terminated)
 
 
-def launcher_signals(config: JobConfig) -> tuple[int, ...]:
+def launcher_signals(config: RunPlan) -> tuple[int, ...]:
     """What the local launcher forwards to its ranks."""
     extra = exit_signal(config)
     return (signal.SIGTERM, signal.SIGINT, *(() if extra is None else (extra,)))

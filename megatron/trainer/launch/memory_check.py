@@ -23,10 +23,11 @@ runs it anyway. One ``error:`` line names the estimate and what is available.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.config.job_config import JobConfig, replace_in
+from megatron.trainer.config.run_plan import MemoryRoom, RunPlan
 from megatron.trainer.plan.memory_estimate import GIB, MemoryEstimate, current_rss_bytes, estimate_memory
 
 
@@ -42,7 +43,7 @@ def host_available_bytes() -> float:
     return float("inf")
 
 
-def local_stages(config: JobConfig, in_worker: bool) -> list[int]:
+def local_stages(config: RunPlan, in_worker: bool) -> list[int]:
     """The pipeline stage of each rank this host runs, one entry per rank (the emulator: its one
     process holds every stage). Ranks are numbered TP fastest, then DP, then PP."""
     if config.schedule.pipeline_executor == "emulator":
@@ -66,7 +67,7 @@ def _refusal(what: str, need: float, have: float, estimate: MemoryEstimate, wher
 Room = tuple[float, list[int]]  # (bytes left after the estimate, the stages it counted)
 
 
-def check_host_memory(config: JobConfig, in_worker: bool, available: float | None = None
+def check_host_memory(config: RunPlan, in_worker: bool, available: float | None = None
                       ) -> tuple[MemoryEstimate, Room]:
     """The CPU check (see the module docstring); returns the estimate it used and the room left."""
     baseline = current_rss_bytes()
@@ -85,7 +86,7 @@ def check_host_memory(config: JobConfig, in_worker: bool, available: float | Non
     return estimate, (have - need, stages)
 
 
-def check_gpu_memory(config: JobConfig, in_worker: bool) -> tuple[MemoryEstimate, Room]:
+def check_gpu_memory(config: RunPlan, in_worker: bool) -> tuple[MemoryEstimate, Room]:
     """The GPU check, in a process that uses the device anyway (it creates the CUDA context):
     this rank's device against the ranks of this host that share it."""
     import torch
@@ -104,9 +105,9 @@ def check_gpu_memory(config: JobConfig, in_worker: bool) -> tuple[MemoryEstimate
     return estimate, (free - need, stages)
 
 
-def check_memory(config: JobConfig, in_worker: bool, on_gpu: bool) -> JobConfig:
+def check_memory(config: RunPlan, in_worker: bool, on_gpu: bool) -> RunPlan:
     """Run the check that applies here; the config with the estimate and the room it left
-    (``config.launch.memory_estimate``, ``memory_room``: the banner and ``auto`` read them),
+    (``plan.memory``: the banner and ``auto`` read it),
     unchanged where this process does not check (the local launcher of GPU ranks: each rank
     checks its own device). Raises :class:`ConfigError`."""
     if config.task.model_family == "synthetic":
@@ -114,4 +115,4 @@ def check_memory(config: JobConfig, in_worker: bool, on_gpu: bool) -> JobConfig:
     if on_gpu and not in_worker and config.parallel.world_size > 1 and config.schedule.pipeline_executor != "emulator":
         return config
     estimate, room = check_gpu_memory(config, in_worker) if on_gpu else check_host_memory(config, in_worker)
-    return replace_in(config, "launch", memory_estimate=estimate, memory_room=room)
+    return dataclasses.replace(config, memory=MemoryRoom(estimate, room))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 
 
 class CollectorPolicy:
@@ -40,7 +40,7 @@ class CollectorPolicy:
         self.collections = 0  # manual collections during training (start-up and evaluation included)
 
     @classmethod
-    def from_args(cls, config: JobConfig, freeze_startup: bool) -> CollectorPolicy:
+    def from_args(cls, config: RunPlan, freeze_startup: bool) -> CollectorPolicy:
         return cls(bool(config.launch.manual_gc), int(config.launch.manual_gc_interval or 0),
                    bool(config.launch.manual_gc_eval), freeze_startup)
 

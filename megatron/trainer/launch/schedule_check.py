@@ -19,11 +19,11 @@ import os
 from megatron.trainer.config.errors import ConfigError
 from megatron.pipeline.preflight import PreflightReplay, replay_first_iterations
 from megatron.pipeline.replay import ScheduleError
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.environment import LAUNCHED_ENV
 
 
-def check_schedule(config: JobConfig) -> PreflightReplay | None:
+def check_schedule(config: RunPlan) -> PreflightReplay | None:
     """Replay the run's schedule (module docstring); None where this process does not check.
     Raises :class:`ConfigError`."""
     if not config.schedule.schedule_check or os.environ.get(LAUNCHED_ENV):

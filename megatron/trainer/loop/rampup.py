@@ -12,21 +12,21 @@ from collections.abc import Callable, Sequence
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
 from megatron.pipeline.runtime.worker import StageWorker
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 
 
-def segment_boundaries(config: JobConfig) -> list[int]:
+def segment_boundaries(config: RunPlan) -> list[int]:
     """Iterations where the batch changes (a segment must end there)."""
     return config.training.batch_plan.changes(config.training.train_iters)
 
 
-def microbatches_before(config: JobConfig, iteration: int) -> int:
+def microbatches_before(config: RunPlan, iteration: int) -> int:
     """Micro-batches per data-parallel replica consumed by iterations ``[0, iteration)``."""
     training = config.training
     return training.batch_plan.consumed_before(iteration) // (training.micro_batch_size * config.parallel.data_parallel_size)
 
 
-def segment_schedules(config: JobConfig, base: Schedule,
+def segment_schedules(config: RunPlan, base: Schedule,
                       workers: Sequence[StageWorker]) -> Callable[[int, int], Schedule] | None:
     """``(first, count) -> schedule`` of a segment, and the workers set up for it.
 

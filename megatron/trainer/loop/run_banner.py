@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import IO
 
-from megatron.trainer.config.job_config import JobConfig, flag_values
+from megatron.trainer.config.job_config import flag_values
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.config.tied_args import tied_parameter_count
 from megatron.trainer.optional_packages import optional_packages_line
 from megatron.trainer.plan.memory_estimate import memory_banner_line
@@ -23,10 +24,12 @@ _WIDTH = 48  # Megatron-LM's dotted column
 _PLAIN = (str, int, float, bool, type(None), list, tuple, dict, set, frozenset)
 
 
-def argument_lines(config: JobConfig) -> list[str]:
+def argument_lines(config: RunPlan) -> list[str]:
     """Every parsed and derived flag, sorted by name, one per line (Megatron-LM's layout)."""
     lines = ["------------------------ arguments ------------------------"]
     values = flag_values(config)
+    # what this rank's host set-up did, as Megatron-LM lists its derived arguments
+    values.update(core_binding_effect=config.host.core_binding, host_malloc_effect=config.host.host_malloc)
     for name in sorted(values):
         value = values[name]
         if not isinstance(value, _PLAIN):  # derived objects (the schedule's run config, the batch plan)
@@ -37,7 +40,7 @@ def argument_lines(config: JobConfig) -> list[str]:
     return lines
 
 
-def data_source_line(config: JobConfig) -> str:
+def data_source_line(config: RunPlan) -> str:
     """Where training samples come from; mock data as a loud warning."""
     if config.data.data_path is None:
         return MOCK_DATA_WARNING
@@ -53,7 +56,7 @@ def parameter_line(params_per_stage: Sequence[int]) -> str:
     return f"parameters per stage: [{per_stage}] | total: {sum(params_per_stage):,}"
 
 
-def banner_lines(config: JobConfig, params_per_stage: Sequence[int], executor: str) -> list[str]:
+def banner_lines(config: RunPlan, params_per_stage: Sequence[int], executor: str) -> list[str]:
     lines = argument_lines(config)
     lines.append(f"{config.schedule.pipeline_schedule} on {config.parallel.pipeline_model_parallel_size} stages "
                  f"({executor}) | {parameter_line(params_per_stage)}")
@@ -72,6 +75,6 @@ def banner_lines(config: JobConfig, params_per_stage: Sequence[int], executor: s
     return lines
 
 
-def print_banner(config: JobConfig, params_per_stage: Sequence[int], executor: str, stream: IO[str]) -> None:
+def print_banner(config: RunPlan, params_per_stage: Sequence[int], executor: str, stream: IO[str]) -> None:
     """``executor`` says what runs the stages: the emulator, or one process per rank."""
     print("\n".join(banner_lines(config, params_per_stage, executor)), file=stream, flush=True)

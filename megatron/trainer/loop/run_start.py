@@ -16,7 +16,7 @@ from megatron.pipeline.runtime.worker import StageWorker
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import ResumePoint, load_stage_state, restore_schedule_state
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.config.tied_args import embeddings_record
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
 from megatron.trainer.launch.python_gc import CollectorPolicy
@@ -29,7 +29,7 @@ from megatron.trainer.loop.workers import stage_parameter_count
 from megatron.trainer.tasks.task import PretrainTask
 
 
-def resume_workers(task: PretrainTask, config: JobConfig, workers: list[StageWorker], dp_rank: int,
+def resume_workers(task: PretrainTask, config: RunPlan, workers: list[StageWorker], dp_rank: int,
             point: ResumePoint | None, say: bool = True) -> int:
     """Load ``point`` into ``workers``; return the iteration training starts at.
 
@@ -49,7 +49,7 @@ def resume_workers(task: PretrainTask, config: JobConfig, workers: list[StageWor
     return start
 
 
-def start_banner(config: JobConfig, transport: Transport, workers: list[StageWorker]) -> None:
+def start_banner(config: RunPlan, transport: Transport, workers: list[StageWorker]) -> None:
     """The run's first lines, with every stage's parameter count (gathered: a rank has one stage)."""
     tp_size = config.run.tensor_parallel_size
     counts = transport.gather_rows({w.stage: [stage_parameter_count(w, tp_size)] for w in workers})
@@ -58,7 +58,7 @@ def start_banner(config: JobConfig, transport: Transport, workers: list[StageWor
         print_banner(config, [per_stage[s] for s in sorted(per_stage)], transport.describe(), sys.stdout)
 
 
-def make_logger(config: JobConfig, start_iteration: int = 0, task: PretrainTask | None = None) -> TrainingLogger:
+def make_logger(config: RunPlan, start_iteration: int = 0, task: PretrainTask | None = None) -> TrainingLogger:
     return TrainingLogger(
         num_stages=config.parallel.pipeline_model_parallel_size,
         train_iters=config.training.train_iters,
@@ -80,7 +80,7 @@ def make_logger(config: JobConfig, start_iteration: int = 0, task: PretrainTask 
     )
 
 
-def on_logged(config: JobConfig, start: int,
+def on_logged(config: RunPlan, start: int,
                logger: TrainingLogger) -> Callable[[int, list[StageReport]], None]:
     """The logging rank's per-update callback: the logger, and with ``--save`` the progress
     record a restart reads to say how many iterations it lost (after saying it, if this is one)."""
@@ -98,7 +98,7 @@ def on_logged(config: JobConfig, start: int,
     return log_and_record
 
 
-def run_schedule(config: JobConfig, start: int, resume: ResumePoint | None = None) -> Schedule:
+def run_schedule(config: RunPlan, start: int, resume: ResumePoint | None = None) -> Schedule:
     """The run's schedule from iteration ``start`` (0, or a checkpoint's iteration) to the end,
     with what the checkpoint's run decided (zb's profiled order) restored; a resumed run starts its
     schedule at the checkpoint's iteration."""
@@ -113,7 +113,7 @@ def run_schedule(config: JobConfig, start: int, resume: ResumePoint | None = Non
     return schedule
 
 
-def run_plan(config: JobConfig, start: int, boundaries: tuple[int, ...] = ()) -> list[Segment]:
+def run_plan(config: RunPlan, start: int, boundaries: tuple[int, ...] = ()) -> list[Segment]:
     """The run's segments from ``start``; ``boundaries``: iterations a segment must also end at."""
     training, checkpoint, stops = config.training, config.checkpoint, config.exit
     return plan_segments(start, training.train_iters, training.eval_interval, checkpoint.save_interval, stops.exit_interval,
@@ -140,7 +140,7 @@ class RunStart:
     say: Callable[[str], None]
 
 
-def start_run(task: PretrainTask, config: JobConfig, transport: Transport, workers: list[StageWorker],
+def start_run(task: PretrainTask, config: RunPlan, transport: Transport, workers: list[StageWorker],
               resume: ResumePoint | None,
               boundary: Callable[[Schedule, int, int], int | None] | None = None) -> RunStart:
     """Resume ``workers`` from ``resume``, print the banner, make the logger (the coordinator's),

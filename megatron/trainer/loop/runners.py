@@ -24,7 +24,7 @@ from megatron.pipeline.runtime.tracing import StageTracer
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing import checkpoint as ckpt
 from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.launch.exit_control import StopControl
 from megatron.trainer.launch.python_gc import CollectorPolicy
 from megatron.trainer.loop.logger import ReportCollector
@@ -37,7 +37,7 @@ def _validation_outcomes(schedule: Schedule) -> ValidationOutcomes | None:
     return None if validation is None else validation.outcomes
 
 
-def _tracer(config: JobConfig, worker: StageWorker, dp_rank: int, executor: str) -> StageTracer | None:
+def _tracer(config: RunPlan, worker: StageWorker, dp_rank: int, executor: str) -> StageTracer | None:
     """This stage's tracer with ``--trace-dir`` (kept across segments), else None."""
     if config.logging.trace_dir is None:
         return None
@@ -46,7 +46,7 @@ def _tracer(config: JobConfig, worker: StageWorker, dp_rank: int, executor: str)
 
 
 @contextlib.contextmanager
-def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], config: JobConfig,
+def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], config: RunPlan,
              writes: bool) -> Iterator[None]:
     """Trace training segments only (evaluation is not part of the schedule's timeline); write the
     cumulative trace files at the end of each segment, so a run that stops early still leaves them.
@@ -71,7 +71,7 @@ def _tracing(workers: list[StageWorker], tracers: list[StageTracer | None], conf
 class EvaluationData:
     """Batch functions of the validation and test splits, built once (None: no data)."""
 
-    def __init__(self, task: PretrainTask, config: JobConfig, dp_rank: int, device: torch.device):
+    def __init__(self, task: PretrainTask, config: RunPlan, dp_rank: int, device: torch.device):
         self._build = lambda split: task.batch_fn(config, dp_rank, device, split=split)
         self._fns: dict[str, Callable[[int], Batch] | None] = {}
         self.num_microbatches = config.training.eval_iters * config.training.num_microbatches  # per data-parallel replica
@@ -89,7 +89,7 @@ class PipelineRunner:
     """The local stages (all of them in the emulator, this rank's in the runtime); the other
     processes, if any, run the same calls."""
 
-    def __init__(self, task: PretrainTask, config: JobConfig, transport: Transport,
+    def __init__(self, task: PretrainTask, config: RunPlan, transport: Transport,
                  workers: list[StageWorker], cadence: ReportCadence, sink: ReportSink,
                  collector: CollectorPolicy | None = None):
         self.task, self.config, self.transport, self.workers = task, config, transport, workers
@@ -100,7 +100,7 @@ class PipelineRunner:
         self.schedule: Schedule | None = None  # the last one trained (None: nothing trained yet)
 
     @classmethod
-    def for_run(cls, task: PretrainTask, config: JobConfig, transport: Transport, workers: list[StageWorker],
+    def for_run(cls, task: PretrainTask, config: RunPlan, transport: Transport, workers: list[StageWorker],
                 cadence: ReportCadence, logged: Callable[[int, list[StageReport]], None] | None,
                 collector: CollectorPolicy, stop: StopControl | None) -> PipelineRunner:
         """The runner of a run's current stages (again after ``auto`` rebuilt them): reports go to
@@ -155,5 +155,5 @@ class PipelineRunner:
         if transport.is_coordinator:
             ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.config),
                          transport.pipeline_size, transport.data_parallel_size,
-                         ckpt.schedule_state(self.schedule, self.config.schedule.chosen_by))
+                         ckpt.schedule_state(self.schedule, self.config.chosen_by))
         transport.barrier()

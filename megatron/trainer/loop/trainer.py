@@ -28,7 +28,7 @@ from megatron.pipeline.runtime.executors.errors import PipelineRuntimeError
 from megatron.pipeline.runtime.parallel import StageGroups
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.launch.entry import enter_process
 from megatron.trainer.launch.exit_control import StopControl, Terminated
 from megatron.trainer.launch.local import launch_ranks
@@ -51,40 +51,40 @@ def pretrain(task: PretrainTask, argv: list[str] | None = None, script: str | No
     code = enter_process()
     if code is not None:
         return code
-    config = preflight(task, argv)  # a rank our launcher started: the launcher's config, argv unread
-    if config.schedule.pipeline_executor == "emulator":
-        emulate(task, config)
+    plan = preflight(task, argv)  # a rank our launcher started: the launcher's plan, argv unread
+    if plan.config.schedule.pipeline_executor == "emulator":
+        emulate(task, plan)
         return 0
-    return launch_ranks(config, [script or sys.argv[0], *argv], lambda: run_distributed(task, config))
+    return launch_ranks(plan, [script or sys.argv[0], *argv], lambda: run_distributed(task, plan))
 
 
-def preflight(task: PretrainTask, argv: list[str]) -> JobConfig:
+def preflight(task: PretrainTask, argv: list[str]) -> RunPlan:
     """Every up-front check and decision of a launch, before any rank starts: the launch's
     checks (:func:`~megatron.trainer.launch.preflight.check_launch`), ``auto``'s plan
     (:func:`megatron.trainer.loop.auto.plan`), then a replay of the schedule's first iterations;
     exits with status 2 and one ``error:`` line on the first problem."""
-    config, flags = check_launch(task, argv)
+    plan, flags = check_launch(task, argv)
     with refused_in_one_line():  # a schedule that deadlocks, or auto's choice that cannot run
-        config = auto.plan(task, config, flags)
-        check_schedule(config)
-    return config
+        plan = auto.plan(task, plan, flags)
+        check_schedule(plan)
+    return plan
 
 
-def emulate(task: PretrainTask, config: JobConfig) -> list[StageWorker]:
+def emulate(task: PretrainTask, plan: RunPlan) -> list[StageWorker]:
     """Train all stages in this process; return the stage workers (weights, statistics)."""
-    process = emulator_process(task, config)
+    process = emulator_process(task, plan)
     try:
-        return Trainer(task, process.config, process.transport, process.device, process.stop,
+        return Trainer(task, process.plan, process.transport, process.device, process.stop,
                        process.make_transport).train()
     finally:
         if process.stop is not None:
             process.stop.restore()
 
 
-def run_distributed(task: PretrainTask, config: JobConfig) -> int:
+def run_distributed(task: PretrainTask, plan: RunPlan) -> int:
     """This rank's stage: its :class:`Trainer`; exit code 0 (a failure ends the process at
     once, naming the stage)."""
-    Trainer.for_rank(task, config).train()
+    Trainer.for_rank(task, plan).train()
     return 0
 
 
@@ -111,25 +111,25 @@ class Trainer:
     :meth:`for_rank` builds the rank's process group and transport first, :func:`emulate` the
     emulator's."""
 
-    def __init__(self, task: PretrainTask, config: JobConfig, transport: Transport, device: torch.device,
-                 stop: StopControl | None = None, make_transport: Callable[[JobConfig], Transport] | None = None,
+    def __init__(self, task: PretrainTask, plan: RunPlan, transport: Transport, device: torch.device,
+                 stop: StopControl | None = None, make_transport: Callable[[RunPlan], Transport] | None = None,
                  groups: StageGroups | None = None, where: str = ""):
-        self.task, self.config, self.transport, self.stop = task, config, transport, stop
+        self.task, self.plan, self.transport, self.stop = task, plan, transport, stop
         self.groups, self.where = groups, where
         self.rebuilds = auto.Rebuilds(task, device, make_transport) if make_transport else None
-        resume = check_resume_or_exit(task, config, verify_files=False)  # each process verifies the files it loads
-        self.workers = local_workers(task, config, transport, device)
-        self.run = start_run(task, config, transport, self.workers, resume,
+        resume = check_resume_or_exit(task, plan, verify_files=False)  # each process verifies the files it loads
+        self.workers = local_workers(task, plan, transport, device)
+        self.run = start_run(task, plan, transport, self.workers, resume,
                              boundary=self.rebuilds.boundary if self.rebuilds else None)
         self.schedule = self.run.schedule
 
     @classmethod
-    def for_rank(cls, task: PretrainTask, config: JobConfig) -> Trainer:
+    def for_rank(cls, task: PretrainTask, plan: RunPlan) -> Trainer:
         """This rank's trainer (:func:`~.ranks.rank_process`: host, process group, transport);
         a failure building its stages ends the process at once, naming the stage."""
-        p = rank_process(task, config)
+        p = rank_process(task, plan)
         with _failures_end_the_rank(p.where):
-            return cls(task, p.config, p.transport, p.device, p.stop, p.make_transport, p.groups, p.where)
+            return cls(task, p.plan, p.transport, p.device, p.stop, p.make_transport, p.groups, p.where)
         raise AssertionError("unreachable: a failure ended the rank")  # for the type checker
 
     def train(self) -> list[StageWorker]:
@@ -146,7 +146,7 @@ class Trainer:
     def _runner(self) -> PipelineRunner:
         """The segment runner of the current stages (again after a rebuild)."""
         run = self.run
-        return PipelineRunner.for_run(self.task, self.config, self.transport, self.workers, run.cadence, run.logged,
+        return PipelineRunner.for_run(self.task, self.plan, self.transport, self.workers, run.cadence, run.logged,
                                       run.gc_policy, self.stop)
 
     def _train(self) -> list[StageWorker]:
@@ -157,31 +157,31 @@ class Trainer:
             while segments:
                 now = [s for s in segments if boundary is None or s.end <= boundary]
                 last = run_segments(self.schedule, now, runner, run.logger, say=run.say, stop=self.stop,
-                                    schedule_for=segment_schedules(self.config, self.schedule, self.workers))
+                                    schedule_for=segment_schedules(self.plan, self.schedule, self.workers))
                 segments, boundary = segments[len(now):], None
                 if last is None:
                     break
                 self.schedule = last
                 if self.rebuilds is None or not segments:
                     continue
-                stages = auto.Stages(self.config, self.transport, self.workers, self.schedule)
+                stages = auto.Stages(self.plan, self.transport, self.workers, self.schedule)
                 rebuilt = self.rebuilds.after_segment(stages, runner, now[-1].end, run.say)
                 if rebuilt is not None:  # auto decided to rebuild the stages in another layout
-                    self.config, self.transport, self.workers, self.schedule = \
-                        rebuilt.config, rebuilt.transport, rebuilt.workers, rebuilt.schedule
+                    self.plan, self.transport, self.workers, self.schedule = \
+                        rebuilt.plan, rebuilt.transport, rebuilt.workers, rebuilt.schedule
                     runner = self._runner()
         self._finish()
         return self.workers
 
     def _finish(self) -> None:
         """The run's summary and what ``--log-weight-version-drift`` / ``--dump-final-params`` ask for."""
-        transport, config = self.transport, self.config
+        transport, plan = self.transport, self.plan
         transport.flush()
         if self.run.logger:
             self.run.logger.log_summary()
             self.run.logger.close()
-        if config.logging.log_weight_version_drift and transport.dp_rank == 0 and transport.tp_rank == 0:
+        if plan.logging.log_weight_version_drift and transport.dp_rank == 0 and transport.tp_rank == 0:
             print_drift_histograms(self.workers)
-        if config.logging.dump_final_params and transport.dp_rank == 0:
+        if plan.logging.dump_final_params and transport.dp_rank == 0:
             for w in self.workers:
-                dump_parameters(self.task, w, config.logging.dump_final_params, transport.tp_rank)
+                dump_parameters(self.task, w, plan.logging.dump_final_params, transport.tp_rank)

@@ -9,7 +9,7 @@ import torch.distributed as dist  # noqa: F401  (tests patch its functions throu
 
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.launch.exit_control import StopControl
 from megatron.trainer.launch.host import prepare_host
 from megatron.trainer.loop.ranks import _init_megatron_parallel_state, rank_transport
@@ -21,8 +21,8 @@ __all__ = ["build_worker", "drive", "emulate", "preflight", "prepare_host", "pre
            "run_distributed", "_init_megatron_parallel_state"]
 
 
-def drive(task: PretrainTask, config: JobConfig, transport: Transport, device: torch.device,
+def drive(task: PretrainTask, config: RunPlan, transport: Transport, device: torch.device,
           stop: StopControl | None,
-          make_transport: Callable[[JobConfig], Transport] | None = None) -> list[StageWorker]:
+          make_transport: Callable[[RunPlan], Transport] | None = None) -> list[StageWorker]:
     """Train the transport's local stages (:class:`~.trainer.Trainer`); the local stage workers."""
     return Trainer(task, config, transport, device, stop, make_transport).train()

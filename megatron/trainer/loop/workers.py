@@ -17,7 +17,7 @@ from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.weight_versions import build_weight_policy
 from megatron.pipeline.runtime.worker import StageSetup, StageWorker
 from megatron.trainer.config.ddp_args import overlap_bucket_size
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.config.mixed_precision_args import loss_scale_config
 from megatron.trainer.models.tensor_parallel import build_tensor_parallel_stage, full_shape, gather_full, shard_layout
 from megatron.trainer.optim.data_parallel import shard_over_data_parallel
@@ -26,7 +26,7 @@ from megatron.trainer.optim.registry import build_optimizer
 from megatron.trainer.tasks.task import PretrainTask
 
 
-def build_worker(task: PretrainTask, config: JobConfig, stage: int, dp_rank: int,
+def build_worker(task: PretrainTask, config: RunPlan, stage: int, dp_rank: int,
                  device: torch.device, isolate_rng: bool,
                  data_parallel: DataParallelGroup | None = None) -> StageWorker:
     """Stage ``stage``'s worker; ``data_parallel``: its replicas' group, which its gradients are
@@ -88,7 +88,7 @@ def _tensor_parallel_group(tp_size: int) -> dist.ProcessGroup | None:
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def _loss_scaler(config: JobConfig, asynchronous: bool) -> StageLossScaler | None:
+def _loss_scaler(config: RunPlan, asynchronous: bool) -> StageLossScaler | None:
     """``--fp16``: the stage's scaler, pipeline-wide for synchronous schedules, stage-local otherwise."""
     scaling = loss_scale_config(config, asynchronous)
     return None if scaling is None else StageLossScaler(scaling)
@@ -120,7 +120,7 @@ def print_drift_histograms(workers: list[StageWorker]) -> None:
         print(f" weight-version drift histogram, stage {w.stage}: {{{hist}}}", flush=True)
 
 
-def local_workers(task: PretrainTask, config: JobConfig, transport: Transport, device: torch.device) -> list[StageWorker]:
+def local_workers(task: PretrainTask, config: RunPlan, transport: Transport, device: torch.device) -> list[StageWorker]:
     """The transport's local stage workers, each with its gradient sync over the replicas the
     transport describes (the distributed optimizer's group, overlapped gradient buckets)."""
     return [build_worker(task, config, s, transport.dp_rank, device, isolate_rng=transport.in_process,

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_args
 
 
@@ -170,7 +170,7 @@ def initialize_tensor_parallel(tp_size: int) -> None:
 
 
 def build_tensor_parallel_stage(
-    task: Any, config: JobConfig, stage: int, device: torch.device
+    task: Any, config: RunPlan, stage: int, device: torch.device
 ) -> list[torch.nn.Module]:
     """The runtime's entry point: stage ``stage``'s model chunks sharded over this rank's TP
     group (set up by :func:`initialize_tensor_parallel` after ``init_process_group``).

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 
 from megatron.pipeline.runtime.distributed_optimizer import DataParallelShardedOptimizer, data_parallel_shards
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.optim.registry import NamedParameters, build_optimizer
 
 
-def shard_over_data_parallel(config: JobConfig, named: NamedParameters, stage: int,
+def shard_over_data_parallel(config: RunPlan, named: NamedParameters, stage: int,
                              dp_rank: int) -> DataParallelShardedOptimizer | None:
     """Stage ``stage``'s optimizer on replica ``dp_rank``, sharded; None without the flag or at DP=1."""
     if not config.parallel.use_distributed_optimizer:

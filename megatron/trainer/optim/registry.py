@@ -11,28 +11,28 @@ from collections.abc import Callable
 
 import torch
 
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.optim.adamw import Shards, StageAdamW
 from megatron.trainer.optim.basis_rotation import BasisRotationAdamW, RotationConfig
 from megatron.trainer.optim.delay_nesterov import DelayNesterovAdamW, Lookahead
 from megatron.trainer.optim.muon import MuonConfig, StageMuon, qkv_split_rows
 
 NamedParameters = list[tuple[str, torch.nn.Parameter]]
-OptimizerBuilder = Callable[[JobConfig, NamedParameters, int, "Shards | None"], StageAdamW]
+OptimizerBuilder = Callable[[RunPlan, NamedParameters, int, "Shards | None"], StageAdamW]
 
 
-def _hyperparameters(config: JobConfig) -> dict:
+def _hyperparameters(config: RunPlan) -> dict:
     optimizer = config.optimizer
     return dict(lr=optimizer.lr, weight_decay=optimizer.weight_decay, betas=(optimizer.adam_beta1, optimizer.adam_beta2),
                 eps=optimizer.adam_eps)
 
 
-def _adamw(config: JobConfig, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
+def _adamw(config: RunPlan, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
     return StageAdamW(named, exact=config.schedule.flag("optimizer_post_validation_exact"), shards=shards,
                       fused=config.optimizer.adam_kernel == "fused", **_hyperparameters(config))
 
 
-def _basis_rotation(config: JobConfig, named: NamedParameters, stage: int,
+def _basis_rotation(config: RunPlan, named: NamedParameters, stage: int,
                     shards: Shards | None) -> StageAdamW:
     """Gets the stage index and the pipeline depth: the stage-aware refresh budget depends on them."""
     optimizer = config.optimizer
@@ -43,7 +43,7 @@ def _basis_rotation(config: JobConfig, named: NamedParameters, stage: int,
     return BasisRotationAdamW(named, rotation=rotation, **_hyperparameters(config))
 
 
-def _muon(config: JobConfig, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
+def _muon(config: RunPlan, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
     """Muon for 2-D hidden weights, AdamW (the same hyper-parameters) for the rest; the QKV split
     comes from the model's heads and query groups."""
     optimizer, model = config.optimizer, config.model
@@ -57,9 +57,9 @@ def _muon(config: JobConfig, named: NamedParameters, stage: int, shards: Shards 
                      **_hyperparameters(config))
 
 
-def _delay_nesterov(config: JobConfig, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
+def _delay_nesterov(config: RunPlan, named: NamedParameters, stage: int, shards: Shards | None) -> StageAdamW:
     """NAdam with the look-ahead of the stage's declared gradient delay (the schedule policy's)."""
-    run = config.schedule.run
+    run = config.run
     delays = run.schedule_cls.traits.policy_for(run.schedule).gradient_delays
     if delays is None:
         raise ValueError(f"--optimizer delay-nesterov: {config.schedule.pipeline_schedule} declares no gradient delay")
@@ -88,7 +88,7 @@ def takes_schedule(optimizer: str, asynchronous: bool) -> bool:
     return asynchronous or optimizer not in DELAY_AWARE
 
 
-def build_optimizer(config: JobConfig, named: NamedParameters, stage: int,
+def build_optimizer(config: RunPlan, named: NamedParameters, stage: int,
                     shards: Shards | None = None) -> StageAdamW:
     """The stage's optimizer for ``--optimizer`` (checked at parse time against the registry)."""
     return OPTIMIZERS[config.optimizer.optimizer](config, named, stage, shards)

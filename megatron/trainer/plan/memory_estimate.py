@@ -49,14 +49,14 @@ from megatron.pipeline.costs.activation_memory import LayerShape, recompute_frac
 from megatron.pipeline.costs.cost_model import ModelShape, layer_activation_elements
 from megatron.pipeline.costs.memory import MemoryEstimate, RankMemory, stage_memory
 from megatron.pipeline.costs.stages import part_activation_bytes, part_parameters
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 
 #: CPU: peak RSS per in-flight micro-batch / the cost model's activation bytes (module docstring)
 HOST_HEAP_FACTOR = 1.8
 GIB = 2 ** 30
 
 
-def model_shape(config: JobConfig) -> ModelShape:
+def model_shape(config: RunPlan) -> ModelShape:
     """The cost model's view of the flags (the balanced split's, so both count the same model)."""
     from megatron.trainer.tasks.balanced_partition import model_shape as partition_shape
 
@@ -66,7 +66,7 @@ def model_shape(config: JobConfig) -> ModelShape:
     return shape
 
 
-def part_layer_counts(config: JobConfig, parts: int) -> list[int]:
+def part_layer_counts(config: RunPlan, parts: int) -> list[int]:
     """Layers of each consecutive model part (the split the stage builder uses)."""
     split = config.parallel.pipeline_layer_split
     if split is not None and len(split) == parts:
@@ -75,7 +75,7 @@ def part_layer_counts(config: JobConfig, parts: int) -> list[int]:
     return [base + (1 if p < extra else 0) for p in range(parts)]
 
 
-def _recompute_kept(config: JobConfig, shape: ModelShape, layers: int) -> float:
+def _recompute_kept(config: RunPlan, shape: ModelShape, layers: int) -> float:
     granularity = config.recompute.recompute_granularity
     if granularity is None or layers == 0:
         return 1.0
@@ -84,12 +84,12 @@ def _recompute_kept(config: JobConfig, shape: ModelShape, layers: int) -> float:
                               config.recompute.recompute_num_layers)
 
 
-def _optimizer_shards(config: JobConfig, run_shards: bool, chunks: int) -> int:
+def _optimizer_shards(config: RunPlan, run_shards: bool, chunks: int) -> int:
     dp = config.parallel.data_parallel_size if config.parallel.use_distributed_optimizer else 1
     return dp * (chunks if run_shards else 1)
 
 
-def estimate_memory(config: JobConfig, baseline_bytes: float = 0.0, device: str = "cpu") -> MemoryEstimate:
+def estimate_memory(config: RunPlan, baseline_bytes: float = 0.0, device: str = "cpu") -> MemoryEstimate:
     """Every stage's per-rank peak bytes for validated ``args`` (``parse_args``'s namespace);
     ``baseline_bytes`` is added to each rank (see the module docstring)."""
     from megatron.pipeline.schedules import schedule_class
@@ -138,11 +138,11 @@ def current_rss_bytes() -> float:
 
 
 
-def memory_banner_line(config: JobConfig) -> str | None:
-    """The banner's estimate: the one the memory check used (``config.launch.memory_estimate``), else made
+def memory_banner_line(config: RunPlan) -> str | None:
+    """The banner's estimate: the one the memory check used (``plan.memory.estimate``), else made
     now (a run started without ``preflight``, or the GPU launcher's ranks); None for a task without
     transformer layers."""
-    estimate = config.launch.memory_estimate
+    estimate = config.memory.estimate if config.memory is not None else None
     if estimate is None:
         try:
             model_shape(config)

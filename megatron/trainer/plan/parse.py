@@ -20,7 +20,9 @@ from megatron.trainer.config.config_file import CommandLine, parse_command_line
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.flag_checks import check_flag_values
 from megatron.trainer.config.job_config import JobConfig, build_job_config
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.optim.fused_adamw import fused_adamw_available_in_torch
+from megatron.trainer.plan.build import build_run_plan
 from megatron.trainer.plan.data import check_data
 from megatron.trainer.plan.partition import resolve_partition
 
@@ -77,5 +79,10 @@ def checked_args(parser: argparse.ArgumentParser, command: CommandLine) -> argpa
 
 
 def parse_job_config(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> JobConfig:
-    """:func:`parse_args`, then the typed config the run reads (tools and tests that drive a run)."""
+    """:func:`parse_args`, then the typed config of what was asked."""
     return build_job_config(parse_args(argv, parser))
+
+
+def parse_run_plan(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> RunPlan:
+    """:func:`parse_args`, then the run plan (tools and tests that drive a run)."""
+    return build_run_plan(parse_args(argv, parser))

@@ -8,13 +8,13 @@ the tasks' floor, so it is planned here, above them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from megatron.pipeline.schedules import ScheduleConfigError
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import TaskOptions, build_job_config
+from megatron.trainer.config.run_config import RunConfig
+from megatron.trainer.plan.build import planned_run
 from megatron.trainer.tasks.balanced_partition import balanced_split, checkpoint_split, why_not_balanced
-from megatron.trainer.tasks.chunk_order_costs import with_chunk_costs
 
 
 def resolve_partition(args: argparse.Namespace) -> None:
@@ -30,7 +30,7 @@ def resolve_partition(args: argparse.Namespace) -> None:
     if args.num_layers < pp:
         raise ConfigError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= "
                           f"--pipeline-model-parallel-size {pp} (one layer per stage at least)")
-    parts = args.run.layout.num_model_stages  # chunked layouts: one count per chunk
+    parts = RunConfig.from_args(args).layout.num_model_stages  # chunked layouts: one count per chunk
     if args.num_layers < parts:
         raise ConfigError(f"--pipeline-partition profiled needs --num-layers {args.num_layers} >= the "
                           f"{parts} model chunks of the layout (one layer each at least)")
@@ -44,18 +44,13 @@ def resolve_partition(args: argparse.Namespace) -> None:
 
 def _plan_from_chunk_costs(args: argparse.Namespace) -> None:
     """zb-v on a split that gives every V chunk its own count orders its ops from per-chunk
-    placeholder costs (:mod:`megatron.trainer.tasks.chunk_order_costs`): the run's schedule
-    config, built before the split was decided, takes them, and is built once here so a
-    schedule that cannot run them is refused before any rank starts."""
-    run = getattr(args, "run", None)
-    if run is None:
-        return
-    config = with_chunk_costs(args, run.schedule)
-    if config is run.schedule:
-        return
-    args.run = dataclasses.replace(run, schedule=config)
+    placeholder costs (:mod:`megatron.trainer.tasks.chunk_order_costs`): the schedule the flag
+    checks built before the split was decided is built again with them (as the run plan will
+    build it), so a schedule that cannot run them is refused before any rank starts."""
     try:
-        args.run.run_schedule(args.pipeline_schedule)
+        run = planned_run(args)
+        if run.schedule.options != RunConfig.from_args(args).schedule.options:
+            run.run_schedule(args.pipeline_schedule)
     except ScheduleConfigError as exc:
         raise ConfigError(f"--pipeline-schedule: {exc}") from None
 

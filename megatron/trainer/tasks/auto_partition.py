@@ -36,7 +36,7 @@ from megatron.pipeline.runtime.memory import ActivationMeter
 from megatron.pipeline.costs.chunk_partition import ChunkPartition, Unit, partition_chunks
 from megatron.pipeline.costs.partition import Partition, partition_layers
 from megatron.pipeline.ir import PipelineLayout
-from megatron.trainer.config.job_config import JobConfig, replace_in
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.tasks.balanced_partition import schedule_in_flight
 from megatron.trainer.tasks.task import PretrainTask
 
@@ -75,7 +75,7 @@ def _synchronised(device: torch.device) -> Iterator[None]:
         torch.cuda.synchronize(device)
 
 
-def profile_part(chunk: torch.nn.Module, task: PretrainTask, config: JobConfig, device: torch.device,
+def profile_part(chunk: torch.nn.Module, task: PretrainTask, config: RunPlan, device: torch.device,
                  first: bool, last: bool, iters: int) -> PartProfile:
     """Time and memory of one stage-shaped part on one micro-batch (see the module docstring)."""
     batch = task.batch_fn(config, 0, device)(0)
@@ -106,7 +106,7 @@ def profile_part(chunk: torch.nn.Module, task: PretrainTask, config: JobConfig, 
     return PartProfile(statistics.median(times), static_bytes(chunk), float(meter.run_peak_bytes))
 
 
-def profile_parts(task: PretrainTask, config: JobConfig, device: torch.device) -> dict[str, PartProfile]:
+def profile_parts(task: PretrainTask, config: RunPlan, device: torch.device) -> dict[str, PartProfile]:
     """Per-part profiles: ``layer`` (one transformer layer), ``embedding``, ``head`` (norm, output
     heads, loss)."""
     builder = task.part_builder()
@@ -128,7 +128,7 @@ def profile_parts(task: PretrainTask, config: JobConfig, device: torch.device) -
             "head": measured["layer+head"].minus(layer)}
 
 
-def memory_budget(config: JobConfig, device: torch.device) -> float:
+def memory_budget(config: RunPlan, device: torch.device) -> float:
     """Bytes per stage: the flag, else the device's memory on GPU, else unlimited."""
     if config.parallel.pipeline_partition_memory_gb is not None:
         return config.parallel.pipeline_partition_memory_gb * 2**30
@@ -180,7 +180,7 @@ def describe(parts: dict[str, PartProfile], partition: Partition | ChunkPartitio
     return "\n".join(f"[megatron-async] {line}" for line in lines)
 
 
-def choose_split(task: PretrainTask, config: JobConfig, device: torch.device) -> list[int]:
+def choose_split(task: PretrainTask, config: RunPlan, device: torch.device) -> list[int]:
     """Profile, solve, print; return the layer counts per stage."""
     if task.part_builder() is None:
         raise SystemExit(f"error: --pipeline-partition profiled profiles models built of layers (GPT, BERT); "
@@ -192,7 +192,7 @@ def choose_split(task: PretrainTask, config: JobConfig, device: torch.device) ->
     return list(partition.counts)
 
 
-def apply_auto_partition(task: PretrainTask, config: JobConfig, device: torch.device) -> JobConfig:
+def apply_auto_partition(task: PretrainTask, config: RunPlan, device: torch.device) -> RunPlan:
     """With ``--pipeline-partition profiled``, the config with the profiled
     ``pipeline_layer_split`` (rank 0 decides under torch.distributed and broadcasts, so all
     ranks build the same stages); else ``config``."""
@@ -213,4 +213,4 @@ def apply_auto_partition(task: PretrainTask, config: JobConfig, device: torch.de
         split = box[0]
     else:
         split = choose_split(task, config, device)
-    return replace_in(config, "parallel", pipeline_layer_split=[int(c) for c in split])  # type: ignore[union-attr]
+    return config.replace_in("parallel", pipeline_layer_split=[int(c) for c in split])  # type: ignore[union-attr]

@@ -25,10 +25,10 @@ from megatron.pipeline.costs.cost_model import ModelShape, layer_costs, layer_un
 from megatron.pipeline.costs.partition import Partition, one_f_one_b_in_flight, partition_layers
 from megatron.pipeline.costs.stages import hosts_replicas
 from megatron.pipeline.ir import PipelineLayout
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 
 
-def model_shape(config: JobConfig) -> ModelShape | None:
+def model_shape(config: RunPlan) -> ModelShape | None:
     """The cost model's view of the flags; None for a task without transformer layers."""
     if config.task.model_family == "synthetic":  # the synthetic-cost benchmark: sleeps, no layers
         return None
@@ -47,7 +47,7 @@ def model_shape(config: JobConfig) -> ModelShape | None:
         param_bytes=2 if half else 4, activation_bytes=2 if half else 4)
 
 
-def run_layout(config: JobConfig) -> PipelineLayout:
+def run_layout(config: RunPlan) -> PipelineLayout:
     """The placement of the run's schedule: which model parts each stage hosts."""
     from megatron.pipeline.schedules import schedule_class
     from megatron.trainer.config.job_config import job_schedule_config
@@ -56,7 +56,7 @@ def run_layout(config: JobConfig) -> PipelineLayout:
     return schedule_cls.traits.layout_of(job_schedule_config(config))
 
 
-def why_not_balanced(config: JobConfig) -> str | None:
+def why_not_balanced(config: RunPlan) -> str | None:
     """Why the balanced split cannot apply to this run (None: it can)."""
     model, parallel = config.model, config.parallel
     if parallel.pipeline_model_parallel_size < 2:
@@ -75,7 +75,7 @@ def why_not_balanced(config: JobConfig) -> str | None:
     return None
 
 
-def schedule_in_flight(config: JobConfig) -> list[float]:
+def schedule_in_flight(config: RunPlan) -> list[float]:
     """Peak micro-batches whose activations each stage holds under the run's schedule: the
     timing simulator's peak with unit op costs (1F1B and PACI: ``N - s``; GPipe: ``m``)."""
     from megatron.pipeline.schedules import build_schedule
@@ -95,7 +95,7 @@ def schedule_in_flight(config: JobConfig) -> list[float]:
     return [float(w) for w in one_f_one_b_in_flight(pp, m)]
 
 
-def balanced_partition(config: JobConfig) -> Partition | ChunkPartition:
+def balanced_partition(config: RunPlan) -> Partition | ChunkPartition:
     """The min-max split of the analytic costs (memory-constrained with the flag): per stage for
     one part per stage (PACI's chain solver over per-layer costs), per model part balancing the
     ranks' totals for a chunked layout (V, interleaved)."""
@@ -117,7 +117,7 @@ def even_counts(num_layers: int, num_stages: int) -> list[int]:
     return [num_layers // num_stages] * num_stages
 
 
-def balanced_split(config: JobConfig) -> tuple[list[int] | None, bool]:
+def balanced_split(config: RunPlan) -> tuple[list[int] | None, bool]:
     """(the balanced split, per stage, or per model part for a chunked layout; None where it is
     the even one, so runs whose split did not change keep their signature; whether it fits the
     memory budget)."""
@@ -127,7 +127,7 @@ def balanced_split(config: JobConfig) -> tuple[list[int] | None, bool]:
     return (None if even else counts), partition.feasible
 
 
-def checkpoint_split(config: JobConfig) -> tuple[bool, list[int] | None]:
+def checkpoint_split(config: RunPlan) -> tuple[bool, list[int] | None]:
     """(whether ``--load`` has a checkpoint to resume, the layer split it was saved with: None
     for the even split). A resumed run keeps its weights' split: profiling again could choose
     another one, and a checkpoint saved before the balanced default has the even split."""
@@ -167,7 +167,7 @@ def rank_layers(layout: PipelineLayout, part_counts: list[int]) -> list[int]:
     return out
 
 
-def layer_split_line(config: JobConfig) -> str:
+def layer_split_line(config: RunPlan) -> str:
     """One banner line: how the layers are split over the stages, and why."""
     pp = config.parallel.pipeline_model_parallel_size
     split = config.parallel.pipeline_layer_split
@@ -190,7 +190,7 @@ def layer_split_line(config: JobConfig) -> str:
     return line
 
 
-def budget_bytes(config: JobConfig) -> float:
+def budget_bytes(config: RunPlan) -> float:
     """``--pipeline-partition-memory-gb`` in bytes (unlimited without it)."""
     gb = config.parallel.pipeline_partition_memory_gb
     return math.inf if gb is None else gb * 2**30

@@ -14,7 +14,8 @@ from typing import ClassVar
 import torch
 
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.config.job_config import JobConfig, TaskOptions
+from megatron.trainer.config.job_config import TaskOptions
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.data.bert_dataset import BertDataSource, build_bert_datasets, check_bert_data
 from megatron.trainer.data.gpt_dataset import DataError
 from megatron.trainer.data.mock_bert import FIRST_WORD, MIN_SEQ_LENGTH, MockBertData
@@ -42,11 +43,11 @@ class BertOptions(TaskOptions):
     short_seq_prob: float
 
 
-def bert_model_args(config: JobConfig) -> BertModelArgs:
+def bert_model_args(config: RunPlan) -> BertModelArgs:
     return BertModelArgs(**transformer_kwargs(config), add_binary_head=config.task.bert_binary_head)
 
 
-def check_bert_args(config: JobConfig) -> None:
+def check_bert_args(config: RunPlan) -> None:
     """BERT's flag checks, run with the common ones before any rank starts: masking
     probabilities, a tokenizer with BERT's special tokens, and data that yields samples."""
     if not 0.0 < config.task.mask_prob < 1.0:
@@ -97,7 +98,7 @@ class BertTask(PretrainTask):
                        help="share of real-data samples cut shorter than --seq-length")
         parser.set_defaults(task_checks=(check_bert_args,), task_options=BertOptions)
 
-    def build_stage(self, config: JobConfig, stage: int, device: torch.device) -> list[torch.nn.Module]:
+    def build_stage(self, config: RunPlan, stage: int, device: torch.device) -> list[torch.nn.Module]:
         """The stage's model chunks; initial weights depend only on global names."""
         model_args = bert_model_args(config)
         return build_chunks(config, stage, lambda layers, first, last: build_bert_stage(
@@ -106,7 +107,7 @@ class BertTask(PretrainTask):
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return global_named_parameters(chunks)
 
-    def batch_fn(self, config: JobConfig, dp_rank: int, device: torch.device,
+    def batch_fn(self, config: RunPlan, dp_rank: int, device: torch.device,
                  split: str = "train") -> Callable[[int], Batch]:
         """Mock masked-LM data without ``--data-path``; else megatron-core's BERT dataset
         (train split), built collectively on every rank like GPT's."""
@@ -129,5 +130,5 @@ class BertTask(PretrainTask):
     def aux_loss_fn(self, output: BertOutput, batch: Batch) -> torch.Tensor | None:
         return sentence_order_loss(output, batch)
 
-    def activation_spec(self, config: JobConfig) -> tuple[tuple[int, ...], torch.dtype]:
+    def activation_spec(self, config: RunPlan) -> tuple[tuple[int, ...], torch.dtype]:
         return hidden_activation_spec(config)

@@ -43,7 +43,7 @@ from megatron.pipeline.planner.evaluate import CandidateResult
 from megatron.pipeline.planner.report import flags as candidate_flags
 from megatron.pipeline.schedules import schedule_class
 from megatron.pipeline.schedules.sync.one_f_one_b import OneFOneBFlush
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.optim.registry import takes_schedule
 
 WIDTH_DIVISOR = 4  # the probe's hidden size and heads: the user's over this
@@ -112,7 +112,7 @@ def probe_candidates(ranked_sync: Sequence[CandidateResult], ranked_async: Seque
     return [first, *picked.values()]
 
 
-def width_flags(config: JobConfig) -> list[str]:
+def width_flags(config: RunPlan) -> list[str]:
     """The reduced width: hidden and heads over :data:`WIDTH_DIVISOR` (heads dividing hidden)."""
     heads = max(1, config.model.num_attention_heads // WIDTH_DIVISOR)
     hidden = max(MIN_HIDDEN, config.model.hidden_size // WIDTH_DIVISOR)
@@ -138,7 +138,7 @@ def probe_runs(reference_optimizer: str, candidates: Sequence[CandidateResult],
     return pairs
 
 
-def run_probe(user_argv: Sequence[str], config: JobConfig, result: CandidateResult, updates: int,
+def run_probe(user_argv: Sequence[str], config: RunPlan, result: CandidateResult, updates: int,
               workdir: Path, optimizer: str | None = None) -> ProbeResult:
     """Train ``result``'s candidate at the reduced width for ``updates`` updates on the emulator
     (with ``optimizer``; None: the run's)."""
@@ -162,7 +162,7 @@ def run_probe(user_argv: Sequence[str], config: JobConfig, result: CandidateResu
                        cand.microbatches * cand.micro_batch_size * model.seq_length, result.tokens_per_s, optimizer)
 
 
-def probe(user_argv: Sequence[str], config: JobConfig, ranked_sync: Sequence[CandidateResult],
+def probe(user_argv: Sequence[str], config: RunPlan, ranked_sync: Sequence[CandidateResult],
           ranked_async: Sequence[CandidateResult], updates: int, optimizers: Sequence[str] | None = None
           ) -> list[dict]:
     """The probe's rows (module docstring), 1F1B with the run's optimizer first."""

@@ -5,7 +5,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.data.gpt_dataset import GPTDataSource, build_gpt_datasets
 from megatron.trainer.data.mock import MockGPTData
 from megatron.trainer.models.gpt import GPTModelArgs, build_gpt_stage, gpt_loss
@@ -19,7 +19,7 @@ from megatron.trainer.tasks.stage_tasks import (
 from megatron.trainer.tasks.task import Batch, PartBuilder, PretrainTask, pick_split, split_seed
 
 
-def gpt_model_args(config: JobConfig) -> GPTModelArgs:
+def gpt_model_args(config: RunPlan) -> GPTModelArgs:
     return GPTModelArgs(**transformer_kwargs(config))
 
 
@@ -29,7 +29,7 @@ class GPTTask(PretrainTask):
     def part_builder(self) -> PartBuilder:
         return gpt_model_args, build_gpt_stage
 
-    def build_stage(self, config: JobConfig, stage: int, device: torch.device) -> list[torch.nn.Module]:
+    def build_stage(self, config: RunPlan, stage: int, device: torch.device) -> list[torch.nn.Module]:
         """The stage's model chunks (see :func:`build_chunks`). Initial weights depend only on
         global names, so any split starts identically."""
         model_args = gpt_model_args(config)
@@ -47,7 +47,7 @@ class GPTTask(PretrainTask):
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return global_named_parameters(chunks)
 
-    def batch_fn(self, config: JobConfig, dp_rank: int, device: torch.device,
+    def batch_fn(self, config: RunPlan, dp_rank: int, device: torch.device,
                  split: str = "train") -> Callable[[int], Batch]:
         """Mock data without ``--data-path``; else megatron-core's GPTDataset (train split).
 
@@ -66,5 +66,5 @@ class GPTTask(PretrainTask):
     def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
         return gpt_loss(output, batch)
 
-    def activation_spec(self, config: JobConfig) -> tuple[tuple[int, ...], torch.dtype]:
+    def activation_spec(self, config: RunPlan) -> tuple[tuple[int, ...], torch.dtype]:
         return hidden_activation_spec(config)

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron.pipeline.runtime.tied_embeddings import share_local_ends
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.config.megatron_compat_args import compat_model_kwargs
 from megatron.trainer.config.recompute_args import recompute_model_kwargs
 from megatron.trainer.models.stage import PipelineStage, model_dtype, split_layers
@@ -22,7 +22,7 @@ class BatchSource(Protocol):
     def micro_batch(self, sample_indices: list[int]) -> Batch: ...
 
 
-def transformer_kwargs(config: JobConfig) -> dict[str, Any]:
+def transformer_kwargs(config: RunPlan) -> dict[str, Any]:
     """:class:`~megatron.trainer.models.stage.TransformerArgs` fields from Megatron's flags."""
     impl = {"auto": None, "local": False, "transformer_engine": True}[config.model.transformer_impl]
     if impl is None and config.parallel.tensor_model_parallel_size > 1:
@@ -50,7 +50,7 @@ def transformer_kwargs(config: JobConfig) -> dict[str, Any]:
 
 
 def build_chunks(
-    config: JobConfig, stage: int, build: Callable[[range, bool, bool], PipelineStage]
+    config: RunPlan, stage: int, build: Callable[[range, bool, bool], PipelineStage]
 ) -> list[torch.nn.Module]:
     """The chunks of ``stage``, each owning the global layers of its part of the model.
 
@@ -87,7 +87,7 @@ def global_named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str
 
 
 def micro_batch_fn(
-    data: BatchSource, config: JobConfig, dp_rank: int, device: torch.device
+    data: BatchSource, config: RunPlan, dp_rank: int, device: torch.device
 ) -> Callable[[int], Batch]:
     """Global micro-batch index -> this data-parallel replica's samples on ``device``."""
     mbs, dp = config.training.micro_batch_size, config.parallel.data_parallel_size
@@ -99,7 +99,7 @@ def micro_batch_fn(
     return get
 
 
-def hidden_activation_spec(config: JobConfig) -> tuple[tuple[int, ...], torch.dtype]:
+def hidden_activation_spec(config: RunPlan) -> tuple[tuple[int, ...], torch.dtype]:
     """Hidden states ``[s, b, h]`` cross stage boundaries, bf16/fp16 with ``--bf16``/``--fp16``;
     ``[s / T, b, h]`` with ``--sequence-parallel`` (each TP rank sends its own sequence shard
     to its TP-matched peer)."""

@@ -45,7 +45,8 @@ from typing import Any, ClassVar
 import torch
 
 from megatron.pipeline.runtime.wgrad import accumulate_grad, active_deferral
-from megatron.trainer.config.job_config import JobConfig, TaskOptions
+from megatron.trainer.config.job_config import TaskOptions
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.tasks.task import Batch, PretrainTask, split_seed
 
 
@@ -229,7 +230,7 @@ class SyntheticCostTask(PretrainTask):
                             "of a B/W split; a fused backward sleeps T_B + T_W)")
         parser.set_defaults(task_options=SyntheticCostOptions)
 
-    def build_stage(self, config: JobConfig, stage: int, device: torch.device) -> list[torch.nn.Module]:
+    def build_stage(self, config: RunPlan, stage: int, device: torch.device) -> list[torch.nn.Module]:
         """One module per model chunk, placed by the schedule's layout (``layout.model_stage``):
         virtual stage ``c * PP + stage`` for interleaving, logical stage of pipeline ``c`` for
         AMDP (whose replicas of a logical stage then share names and initial weights).
@@ -255,7 +256,7 @@ class SyntheticCostTask(PretrainTask):
             for name, p in chunk.named_parameters():
                 yield f"synthetic_stage{chunk.stage}.{name}", p  # model stage index: global names
 
-    def batch_fn(self, config: JobConfig, dp_rank: int, device: torch.device,
+    def batch_fn(self, config: RunPlan, dp_rank: int, device: torch.device,
                  split: str = "train") -> Callable[[int], Batch]:
         shape = (config.model.seq_length, config.training.micro_batch_size, config.model.hidden_size)
         seed, dp = split_seed(config.training.seed, split), config.parallel.data_parallel_size
@@ -269,5 +270,5 @@ class SyntheticCostTask(PretrainTask):
     def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
         return output.float().pow(2).mean(), output.shape[0] * output.shape[1]
 
-    def activation_spec(self, config: JobConfig) -> tuple[tuple[int, ...], torch.dtype]:
+    def activation_spec(self, config: RunPlan) -> tuple[tuple[int, ...], torch.dtype]:
         return (config.model.seq_length, config.training.micro_batch_size, config.model.hidden_size), torch.float32

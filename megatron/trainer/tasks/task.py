@@ -6,14 +6,14 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 
 Batch = dict[str, torch.Tensor]
 
 
 #: One part of a model built for profiling: (config -> model arguments, stage builder taking
 #: ``(model_args, layers, pre_process=, post_process=, seed=, device=)``).
-PartBuilder = tuple[Callable[[JobConfig], object], Callable[..., torch.nn.Module]]
+PartBuilder = tuple[Callable[[RunPlan], object], Callable[..., torch.nn.Module]]
 
 
 class PretrainTask(Protocol):
@@ -45,13 +45,13 @@ class PretrainTask(Protocol):
         this model to time them; None: the task's model cannot be profiled by parts."""
         return None
 
-    def build_stage(self, config: JobConfig, stage: int, device: torch.device) -> list[torch.nn.Module]:
+    def build_stage(self, config: RunPlan, stage: int, device: torch.device) -> list[torch.nn.Module]:
         """The model chunks of one stage, chunk c being virtual stage c * PP + stage."""
 
     def named_parameters(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Parameters by name in the unsplit model (checkpoints, comparisons)."""
 
-    def batch_fn(self, config: JobConfig, dp_rank: int, device: torch.device,
+    def batch_fn(self, config: RunPlan, dp_rank: int, device: torch.device,
                  split: str = "train") -> Callable[[int], Batch]:
         """Global micro-batch index -> this data-parallel replica's micro-batch of ``split``
         ("train", "valid" or "test")."""
@@ -59,7 +59,7 @@ class PretrainTask(Protocol):
     def loss_fn(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
         """Last stage's output -> (mean loss of the micro-batch, tokens counted)."""
 
-    def activation_spec(self, config: JobConfig) -> tuple[tuple[int, ...], torch.dtype]:
+    def activation_spec(self, config: RunPlan) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of tensors crossing stage boundaries."""
 
 
@@ -78,7 +78,7 @@ def split_seed(seed: int, split: str) -> int:
     return seed + 1_000_003 * SPLITS.index(split)
 
 
-def pick_split(datasets: tuple[object | None, object | None, object | None], split: str, config: JobConfig) -> object:
+def pick_split(datasets: tuple[object | None, object | None, object | None], split: str, config: RunPlan) -> object:
     """The dataset of ``split`` from megatron-core's (train, valid, test); one-line error if empty."""
     data = config.data
     dataset = datasets[SPLITS.index(split)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.tokenizer.core_backed import core_tokenizer
 from megatron.trainer.config.choices import TOKENIZER_TYPES
 from megatron.trainer.tokenizer.tokenizer import (
@@ -43,7 +43,7 @@ def build_tokenizer(
 
 
 def tokenizer_from_args(config: Any) -> Tokenizer:
-    """:func:`build_tokenizer` from Megatron's flag names on an ``JobConfig``.
+    """:func:`build_tokenizer` from Megatron's flag names on an ``RunPlan``.
 
     For ``NullTokenizer`` the id count is ``config.model.null_vocab_size`` when the trainer has
     already replaced ``--vocab-size`` by the padded model vocabulary, else ``config.model.vocab_size``.
@@ -62,7 +62,7 @@ def tokenizer_from_args(config: Any) -> Tokenizer:
 TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "null_vocab_size")
 
 
-def tokenizer_record(config: JobConfig) -> dict[str, Any] | None:
+def tokenizer_record(config: RunPlan) -> dict[str, Any] | None:
     """The run's tokenizer flags for its checkpoints (None: no tokenizer, mock data), so tools
     that use a checkpoint outside its run (export, generation) find the same tokenizer. Paths
     are made absolute: the tools rarely run from the training run's directory."""

@@ -25,7 +25,7 @@ import torch
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.pipeline.schedules.base import Schedule
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.loop.auto.candidates import apply_auto_relayouts, chosen_relayout, start_in_chosen_layout
 from megatron.trainer.loop.auto.limits import apply_auto_host_cores, apply_auto_memory_limit
 from megatron.trainer.loop.auto.rebuild import rebuild, rebuild_line, relayout_boundary
@@ -33,7 +33,7 @@ from megatron.trainer.loop.runners import PipelineRunner
 from megatron.trainer.tasks.task import PretrainTask
 
 
-def plan(task: PretrainTask, config: JobConfig, flags: argparse.Namespace | None) -> JobConfig:
+def plan(task: PretrainTask, config: RunPlan, flags: argparse.Namespace | None) -> RunPlan:
     """The config an ``auto`` run starts with (unchanged for another schedule): the memory
     limit left after the memory check, the cores a shared CPU host gives its pipeline, and,
     given the user's ``flags`` (None in a rank our launcher started: its config has them
@@ -48,9 +48,9 @@ def plan(task: PretrainTask, config: JobConfig, flags: argparse.Namespace | None
 
 @dataclass
 class Stages:
-    """What a rebuild replaces: the run's config, transport, local workers and schedule."""
+    """What a rebuild replaces: the run's plan, transport, local workers and schedule."""
 
-    config: JobConfig
+    plan: RunPlan
     transport: Transport
     workers: list[StageWorker]
     schedule: Schedule
@@ -63,7 +63,7 @@ class Rebuilds:
 
     task: PretrainTask
     device: torch.device
-    make_transport: Callable[[JobConfig], Transport]
+    make_transport: Callable[[RunPlan], Transport]
 
     @staticmethod
     def boundary(schedule: Schedule, start: int, end: int) -> int | None:
@@ -78,7 +78,7 @@ class Rebuilds:
         if decision is None:
             return None
         began = time.perf_counter()
-        rebuilt = Stages(*rebuild(self.task, stages.config, stages.transport, runner, decision, iteration,
+        rebuilt = Stages(*rebuild(self.task, stages.plan, stages.transport, runner, decision, iteration,
                                   self.device, self.make_transport))
         say(rebuild_line(decision, iteration, began))
         return rebuilt

@@ -8,7 +8,7 @@ from the user's own flags (the parsed namespace, before any check derived from i
 schedule that needs another placement than the chain the run starts on (the V schedules;
 interleaving at each chunk count the layers divide into), keeps those whose flags pass every
 check (the same checks, on a copy of the namespace: no argv parsed again, no output
-swallowed), and hands them to the run (``ScheduleSettings.relayouts``); ``auto`` ranks them
+swallowed), and hands them to the run (the run plan's ``relayouts``); ``auto`` ranks them
 with the profiled costs (:mod:`megatron.pipeline.planner.relayout`) and, if one wins, the
 trainer rebuilds in it at the drained decision boundary (:mod:`.rebuild`).
 
@@ -52,9 +52,10 @@ from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import check_resume
 from megatron.trainer.checkpointing.format import _read_metadata, run_signature
 from megatron.trainer.checkpointing.reshard import LAYOUT_FLAGS
+from megatron.trainer.plan.build import build_run_plan
 from megatron.trainer.plan.parse import check_args
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.config.job_config import JobConfig, build_job_config, replace_in, with_schedule_options
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.plan.memory_estimate import part_layer_counts
 from megatron.trainer.tasks.balanced_partition import model_shape
 from megatron.trainer.tasks.task import PretrainTask
@@ -82,23 +83,23 @@ def layout_flags(flags: argparse.Namespace, auto: str, name: str, chunks: int) -
     return out
 
 
-def checked_config(flags: argparse.Namespace) -> JobConfig | None:
-    """The job config of ``flags`` (derived and checked as the run's own were), or None where a
+def checked_plan(flags: argparse.Namespace) -> RunPlan | None:
+    """The run plan of ``flags`` (derived and checked as the run's own were), or None where a
     check refuses them (that layout is not offered)."""
     try:
         check_args(flags)
     except ConfigError:
         return None
-    return build_job_config(flags)
+    return build_run_plan(flags)
 
 
-def _part_layers(config: JobConfig) -> tuple[int, ...]:
+def _part_layers(config: RunPlan) -> tuple[int, ...]:
     layout = config.run.layout
     split = layout.part_layer_split(config.parallel.pipeline_layer_split)
     return tuple(split) if split is not None else tuple(part_layer_counts(config, layout.num_model_stages))
 
 
-def _same_model(task: PretrainTask, config: JobConfig, alt: JobConfig) -> bool:
+def _same_model(task: PretrainTask, config: RunPlan, alt: RunPlan) -> bool:
     """Whether ``alt`` runs the model ``config`` does (every checkpoint signature entry but the
     layout's): the flags derive some of it from the schedule (whether the embeddings tie), and
     the rebuild's checkpoint must load."""
@@ -106,24 +107,24 @@ def _same_model(task: PretrainTask, config: JobConfig, alt: JobConfig) -> bool:
     return all(theirs.get(key) == value for key, value in ours.items() if key not in LAYOUT_FLAGS)
 
 
-def relayout_configs(task: PretrainTask, config: JobConfig, flags: argparse.Namespace) -> dict[str, JobConfig]:
+def relayout_configs(task: PretrainTask, config: RunPlan, flags: argparse.Namespace) -> dict[str, RunPlan]:
     """Each rebuildable layout's job config by its label (``dualpipev x2``), ``flags`` being the
     user's flags as parsed (:func:`~megatron.trainer.launch.preflight.check_launch`) ``config`` came from."""
     auto = config.schedule.pipeline_schedule
     stages, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
-    out: dict[str, JobConfig] = {}
+    out: dict[str, RunPlan] = {}
     for name, cls in SCHEDULES.items():
         if cls.traits.asynchronous or switchable(name, config.run.schedule, include_async=False):
             continue
         for chunks in chunk_counts(name, layers, stages) if cls.traits.takes_model_chunks else [2]:
-            alt = checked_config(layout_flags(flags, auto, name, chunks))
+            alt = checked_plan(layout_flags(flags, auto, name, chunks))
             if alt is None or alt.run.layout.num_chunks != chunks or not _same_model(task, config, alt):
                 continue
             out[relayout_of(alt).label] = alt
     return out
 
 
-def _activation_bytes(config: JobConfig, counts: Sequence[int]) -> tuple[float, ...]:
+def _activation_bytes(config: RunPlan, counts: Sequence[int]) -> tuple[float, ...]:
     """One micro-batch's activation bytes on each of the parts holding ``counts`` layers
     (the planner's analytic model); () for a task without transformer layers."""
     shape = model_shape(config)
@@ -132,7 +133,7 @@ def _activation_bytes(config: JobConfig, counts: Sequence[int]) -> tuple[float, 
     return tuple(p.activation_bytes for p in part_sizes(shape, counts, config.parallel.tensor_model_parallel_size))
 
 
-def relayout_of(alt: JobConfig) -> Relayout:
+def relayout_of(alt: RunPlan) -> Relayout:
     """What ``auto`` ranks of a rebuildable layout: its schedule, chunks, layers per part, the
     options its flags give (its op order) and its parts' activation bytes."""
     parts = _part_layers(alt)
@@ -140,7 +141,7 @@ def relayout_of(alt: JobConfig) -> Relayout:
                     alt.run.schedule.options, _activation_bytes(alt, parts))
 
 
-def offers_relayouts(config: JobConfig) -> bool:
+def offers_relayouts(config: RunPlan) -> bool:
     """Whether an ``auto`` run may rebuild (module docstring: not ``auto-async``, not with a
     batch-size rampup, on several nodes only with ``--save``)."""
     run = config.run
@@ -151,7 +152,7 @@ def offers_relayouts(config: JobConfig) -> bool:
             and (one_node or config.checkpoint.save is not None))
 
 
-def apply_auto_relayouts(task: PretrainTask, config: JobConfig, flags: argparse.Namespace) -> JobConfig:
+def apply_auto_relayouts(task: PretrainTask, config: RunPlan, flags: argparse.Namespace) -> RunPlan:
     """Hand an ``auto`` run the layouts it may rebuild in (schedule options for the choice, the
     job configs for the rebuild): the config with them."""
     if not offers_relayouts(config):
@@ -160,25 +161,25 @@ def apply_auto_relayouts(task: PretrainTask, config: JobConfig, flags: argparse.
     if not alts:
         return config
     chain = tuple(part_layer_counts(config, config.parallel.pipeline_model_parallel_size))
-    config = with_schedule_options(config, relayouts=tuple(relayout_of(a) for a in alts.values()),
-                                   stage_layers=chain, stage_activation_bytes=_activation_bytes(config, chain))
-    return replace_in(config, "schedule", relayouts=alts)
+    config = config.with_schedule_options(relayouts=tuple(relayout_of(a) for a in alts.values()),
+                                          stage_layers=chain, stage_activation_bytes=_activation_bytes(config, chain))
+    return dataclasses.replace(config, relayouts=alts)
 
 
-def chosen_config(config: JobConfig, decision: dict[str, Any]) -> JobConfig:
+def chosen_config(config: RunPlan, decision: dict[str, Any]) -> RunPlan:
     """The job config ``auto``'s ``decision`` (:meth:`AutoSchedule.describe`) rebuilds the run
     in, marked with the decision (its checkpoints keep it), with ``config``'s launch, logging,
     exit and checkpoint settings; KeyError where this run offers no such layout."""
-    alt = config.schedule.relayouts[decision["relayout"]]
+    alt = config.relayouts[decision["relayout"]]
     if profile_iterations(alt.run.schedule.options):  # zb-v: ordered by the costs auto ranked it with
         priced = priced_costs(config, decision)
-        alt = with_schedule_options(alt, profile_iters=0, costs=priced)
-    return dataclasses.replace(alt, schedule=dataclasses.replace(alt.schedule, chosen_by=decision),
-                               checkpoint=config.checkpoint, logging=config.logging, exit=config.exit,
-                               launch=config.launch)
+        alt = alt.with_schedule_options(profile_iters=0, costs=priced)
+    asked = dataclasses.replace(alt.config, checkpoint=config.checkpoint, logging=config.logging, exit=config.exit,
+                                launch=config.launch)
+    return dataclasses.replace(alt, config=asked, chosen_by=decision, memory=config.memory, host=config.host)
 
 
-def priced_costs(config: JobConfig, decision: dict[str, Any]) -> tuple[OpCosts, ...]:
+def priced_costs(config: RunPlan, decision: dict[str, Any]) -> tuple[OpCosts, ...]:
     """The per-stage costs ``auto`` ranked the chosen layout with, priced from the chain's
     profiled costs in ``decision`` (what a cost-ordered schedule is then ordered by, instead of
     profiling again)."""
@@ -197,7 +198,7 @@ def chosen_relayout(schedule: Schedule | None) -> dict[str, Any] | None:
     return None
 
 
-def _saved_decision(task: PretrainTask, config: JobConfig) -> dict[str, Any] | None:
+def _saved_decision(task: PretrainTask, config: RunPlan) -> dict[str, Any] | None:
     """The schedule state of the checkpoint ``--load`` resumes from, as saved (a resumed run of
     another layout drops it: the rebuilt layout's checkpoint still carries ``auto``'s decision)."""
     if not config.checkpoint.load or config.checkpoint.finetune:
@@ -209,11 +210,11 @@ def _saved_decision(task: PretrainTask, config: JobConfig) -> dict[str, Any] | N
     return state if isinstance(state, dict) else None
 
 
-def start_in_chosen_layout(task: PretrainTask, config: JobConfig) -> JobConfig:
+def start_in_chosen_layout(task: PretrainTask, config: RunPlan) -> RunPlan:
     """An ``auto`` run that decided to rebuild before training: in the checkpoint it resumes
     from, or from fixed costs (``--zb-costs``) at its start; the config of the chosen layout
     (unchanged otherwise). A choice this run does not offer: one-line :class:`ConfigError`."""
-    if not config.schedule.relayouts:
+    if not config.relayouts:
         return config
     saved = _saved_decision(task, config)
     auto = config.run.run_schedule(config.schedule.pipeline_schedule)
@@ -225,7 +226,7 @@ def start_in_chosen_layout(task: PretrainTask, config: JobConfig) -> JobConfig:
         lines = auto.decision_lines() if decision is not None else []  # type: ignore[attr-defined]
     if decision is None:
         return config
-    if decision["relayout"] not in config.schedule.relayouts:
+    if decision["relayout"] not in config.relayouts:
         raise ConfigError(f"--pipeline-schedule {config.schedule.pipeline_schedule}: the decision to rebuild the stages "
                           f"as {decision['relayout']} cannot run with these flags")
     if os.environ.get("RANK", "0") == "0":

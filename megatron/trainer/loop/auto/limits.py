@@ -38,7 +38,7 @@ from megatron.pipeline.planner.auto_schedule import auto_options
 from megatron.pipeline.schedules import SELECTORS
 from megatron.pipeline.schedules.zero_bubble.flags import memory_limit_of
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.config.job_config import JobConfig, with_schedule_options
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.launch.host import runs_on_cpu
 
 
@@ -51,12 +51,12 @@ def device_memory_limit(estimate: object, room: float, stages: list[int]) -> flo
     return math.floor((room + sum(s.in_flight * s.per_microbatch for s in per)) / unit)
 
 
-def apply_auto_memory_limit(config: JobConfig) -> JobConfig:
+def apply_auto_memory_limit(config: RunPlan) -> RunPlan:
     """Give an ``auto`` run without ``--zb-memory-limit`` the device's limit (after the memory
     check ran; one-line :class:`ConfigError` when no micro-batch fits): the config with it."""
     run = config.run
-    room = config.launch.memory_room
-    estimate = config.launch.memory_estimate
+    room = config.memory.room if config.memory is not None else None
+    estimate = config.memory.estimate if config.memory is not None else None
     if config.schedule.pipeline_schedule not in SELECTORS or run is None or room is None or estimate is None \
             or not config.launch.memory_check or memory_limit_of(run.schedule.options) is not None:
         return config
@@ -67,7 +67,7 @@ def apply_auto_memory_limit(config: JobConfig) -> JobConfig:
         raise ConfigError(f"--pipeline-schedule {config.schedule.pipeline_schedule}: the device memory left after "
                           f"weights and optimizer state holds {limit:g} micro-batches of activations; "
                           "at least 1 is needed")
-    return with_schedule_options(config, memory_limit=float(limit))
+    return config.with_schedule_options(memory_limit=float(limit))
 
 
 def pipeline_cores(cores: int, local_ranks: int, stages: int) -> float | None:
@@ -77,7 +77,7 @@ def pipeline_cores(cores: int, local_ranks: int, stages: int) -> float | None:
     return cores * stages / local_ranks
 
 
-def apply_auto_host_cores(config: JobConfig) -> JobConfig:
+def apply_auto_host_cores(config: RunPlan) -> RunPlan:
     """Give an ``auto`` run on a shared CPU host its pipeline's cores (option ``host_cores``):
     the config with them."""
     run = config.run
@@ -90,4 +90,4 @@ def apply_auto_host_cores(config: JobConfig) -> JobConfig:
     cores = pipeline_cores(os.cpu_count() or 1, local, stages)
     if cores is None:
         return config
-    return with_schedule_options(config, host_cores=cores)
+    return config.with_schedule_options(host_cores=cores)

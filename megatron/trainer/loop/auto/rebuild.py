@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron.pipeline.planner.auto_schedule import AutoSchedule, auto_options
 from megatron.pipeline.schedules.base import Schedule
-from megatron.trainer.config.job_config import JobConfig, replace_in
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.trainer.checkpointing.load import check_resume_or_exit
@@ -57,7 +57,7 @@ class RebuildDir:
     temporary: bool
 
     @classmethod
-    def agree(cls, config: JobConfig) -> "RebuildDir":
+    def agree(cls, config: RunPlan) -> "RebuildDir":
         """The same directory on every rank (collective where there are several)."""
         if config.checkpoint.save is not None:
             return cls(Path(config.checkpoint.save) / RELAYOUT_DIR, False)
@@ -72,9 +72,9 @@ class RebuildDir:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def rebuild(task: PretrainTask, config: JobConfig, transport: Transport, runner: PipelineRunner, decision: dict,
+def rebuild(task: PretrainTask, config: RunPlan, transport: Transport, runner: PipelineRunner, decision: dict,
             iteration: int, device: torch.device,
-            make_transport: Callable[[JobConfig], Transport]) -> tuple[JobConfig, Transport, list[StageWorker], Schedule]:
+            make_transport: Callable[[RunPlan], Transport]) -> tuple[RunPlan, Transport, list[StageWorker], Schedule]:
     """Save at ``iteration`` (drained), build the chosen layout's stages and transport, load:
     (its config, transport, local workers, schedule from ``iteration``); collective."""
     where = RebuildDir.agree(config)
@@ -91,11 +91,11 @@ def rebuild(task: PretrainTask, config: JobConfig, transport: Transport, runner:
     return config, transport, workers, run_schedule(config, iteration, resume)
 
 
-def rebuilt_config(config: JobConfig, decision: dict, where: RebuildDir) -> JobConfig:
+def rebuilt_config(config: RunPlan, decision: dict, where: RebuildDir) -> RunPlan:
     """The chosen layout's job config, loading the rebuild's checkpoint (whole state: optimizer,
     RNG, iteration)."""
     chosen = chosen_config(config, decision)
-    return replace_in(chosen, "checkpoint", load=str(where.root), no_load_optim=False, finetune=False)
+    return chosen.replace_in("checkpoint", load=str(where.root), no_load_optim=False, finetune=False)
 
 
 def rebuild_line(decision: dict, iteration: int, began: float) -> str:
