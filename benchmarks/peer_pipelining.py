@@ -408,7 +408,7 @@ def layer_split(w: dict, stages: int, how: str) -> list[int]:
 
     config = parse_run_plan(model_flags(w) + ["--pipeline-model-parallel-size", str(stages), "--pipeline-schedule",
                                                 "1f1b", "--global-batch-size", str(w["mbs"] * stages)])
-    return list(config.parallel.pipeline_layer_split or [w["num_layers"] // stages] * stages)
+    return list(config.layers.counts or [w["num_layers"] // stages] * stages)
 
 
 def compare(ours: str, peer: str, w: dict, stages: int, m: int, pairs: int, iters: int, tmp: Path,

@@ -72,7 +72,7 @@ def emulated_reference(argv: list[str], log: Path) -> Reference:
     config = _parse(argv, GPTTask())
     model = config.model
     rho = gpt_gradient_noise(model.num_layers, model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size,
-                             model.padded_vocab_size,
+                             config.vocab.size,
                              model.seq_length * config.training.global_batch_size)
     with trace_adam() as trace:
         workers = emulate(argv)

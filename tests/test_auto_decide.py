@@ -73,7 +73,7 @@ def test_auto_async_is_untied_as_an_asynchronous_schedule(schedule: str, tied: b
     does (its trait, not its class, says so); ``auto`` chooses among synchronous ones and ties."""
     from megatron.trainer.plan.parse import parse_run_plan
 
-    model = parse_run_plan(["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--mock-data",
-                              "--device", "cpu", "--pipeline-schedule", schedule]).model
-    assert model.tie_embeddings is tied
-    assert (f"as every asynchronous schedule ({schedule})" in (model.embeddings_line or "")) is not tied
+    embeddings = parse_run_plan(["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--mock-data",
+                                 "--device", "cpu", "--pipeline-schedule", schedule]).embeddings
+    assert embeddings.tied is tied
+    assert (f"as every asynchronous schedule ({schedule})" in embeddings.line) is not tied

@@ -149,8 +149,8 @@ def test_only_layouts_of_the_same_model_are_offered(monkeypatch: pytest.MonkeyPa
     assert _offered("--overlap-grad-reduce", "--use-distributed-optimizer") == every
     assert _offered("--overlap-grad-reduce", "--untie-embeddings-and-output-weights") == every
     untied = tied_args._untied_because
-    monkeypatch.setattr(tied_args, "_untied_because", lambda args: "untied for this test" if issubclass(
-        schedule_class(args.pipeline_schedule), VShapeSchedule) else untied(args))
+    monkeypatch.setattr(tied_args, "_untied_because", lambda config: "untied for this test" if issubclass(
+        schedule_class(config.schedule.pipeline_schedule), VShapeSchedule) else untied(config))
     assert _offered("--overlap-grad-reduce") == every[:2]
     monkeypatch.undo()
     assert _offered("--pipeline-layer-split", "3", "5") == []

@@ -12,7 +12,6 @@ import pytest
 
 from megatron.trainer.config.arguments import build_parser
 from megatron.trainer.plan.parse import parse_args
-from megatron.trainer.config.job_config import build_job_config
 from megatron.trainer.plan.build import build_run_plan
 from megatron.trainer.tasks.balanced_partition import layer_split_line
 from tests.async_helpers import (TINY_GPT, assert_flag_error, assert_trains_like, emulate, emulated_reference,
@@ -33,22 +32,22 @@ def _args(*extra: str):
 def test_chunked_layouts_default_to_the_balanced_split(schedule: list[str]) -> None:
     """The issue's model (head = 2.5 layers): the rank holding the head takes 3 layers, 2 in the
     chunk beside it (V: the embedding's, interleaved: its first) and 1 with the head."""
-    args = _args(*schedule)
-    assert args.pipeline_partition == "balanced" and args.pipeline_layer_split == [2, 2, 3, 1]
+    args = build_run_plan(_args(*schedule))
+    assert args.layers.partition == "balanced" and args.layers.counts == [2, 2, 3, 1]
     ranks = "[3, 5]" if "interleaved-1f1b" not in schedule else "[5, 3]"
     owners = "[0, 1, 1, 0]" if "interleaved-1f1b" not in schedule else "[0, 1, 0, 1]"
-    assert layer_split_line(build_job_config(args)) == (
+    assert layer_split_line(args) == (
         f"layer split: [2, 2, 3, 1] per model chunk, {ranks} per rank (rank of each chunk: {owners}) "
         f"(--pipeline-partition balanced)")
-    even = _args(*schedule, "--pipeline-partition", "even")
-    assert even.pipeline_partition == "even" and even.pipeline_layer_split is None
+    even = build_run_plan(_args(*schedule, "--pipeline-partition", "even")).layers
+    assert even.partition == "even" and even.counts is None
 
 
 def test_explicit_per_chunk_split_and_refusals(capsys) -> None:
     """A V takes one count per chunk (2 PP of them) or per stage (halved); other counts are refused."""
-    explicit = _args("--pipeline-schedule", "zb-v", "--pipeline-layer-split", "1", "3", "3", "1")
-    assert explicit.pipeline_partition == "explicit" and explicit.pipeline_layer_split == [1, 3, 3, 1]
-    assert build_run_plan(explicit).run.layout.part_layer_split([1, 3, 3, 1]) == [1, 3, 3, 1]
+    explicit = build_run_plan(_args("--pipeline-schedule", "zb-v", "--pipeline-layer-split", "1", "3", "3", "1"))
+    assert explicit.layers.partition == "explicit" and explicit.layers.counts == [1, 3, 3, 1]
+    assert explicit.run.layout.part_layer_split([1, 3, 3, 1]) == [1, 3, 3, 1]
     assert_flag_error(capsys, ["--pipeline-schedule", "1f1b", "--pipeline-layer-split", "1", "1", "1", "1",
                                "--num-layers", "4"], "4 counts for 2 stages")
     assert_flag_error(capsys, ["--pipeline-schedule", "zb-v", "--pipeline-layer-split", "1", "1", "1",
@@ -107,7 +106,7 @@ def test_zbv_plans_from_per_chunk_costs() -> None:
 
     args = _args("--pipeline-schedule", "zb-v")
     costs = build_run_plan(args).run.schedule.options.costs
-    shape = model_shape(build_job_config(args))
+    shape = model_shape(build_run_plan(args))
     layer = layer_flops(shape)
     want = [2 * layer + embedding_flops(shape), 2 * layer, 3 * layer, layer + head_flops(shape)]
     assert len(costs) == 4
@@ -157,7 +156,7 @@ def test_resume_keeps_or_reshards_the_per_chunk_split(saved_zbv, tmp_path: Path,
     config = _parse(argv, GPTTask())
     same = "even" not in into and "1f1b" not in into
     if same:
-        assert config.parallel.pipeline_partition == "checkpoint" and config.parallel.pipeline_layer_split == [2, 2, 3, 1]
+        assert config.layers.partition == "checkpoint" and config.layers.counts == [2, 2, 3, 1]
     capsys.readouterr()
     emulate([*argv, "--log-json", str(tmp_path / "log.jsonl")])
     out = capsys.readouterr().out
@@ -176,14 +175,14 @@ def test_planner_prices_chunked_candidates_with_the_trainers_split(schedule: str
     from megatron.pipeline.planner.report import flags
     from megatron.trainer.tasks.balanced_partition import model_shape
 
-    shape = model_shape(build_job_config(_args()))
+    shape = model_shape(build_run_plan(_args()))
     found = {c.layer_split: c for c, _ in enumerate_candidates(shape, [2], 16, 1, schedules=[schedule], recomputes=["none"])
              if c is not None and c.micro_batch_size == 4 and c.virtual_stages in (1, 2)}
     assert set(found) == {"balanced", "even"}
     assert found["balanced"].counts == (2, 2, 3, 1) and found["even"].counts == (2, 2, 2, 2)
     for split, cand in found.items():
-        parsed = _args(*flags(cand, 8))
-        assert parsed.pipeline_layer_split == (None if split == "even" else list(cand.counts)), (split, flags(cand, 8))
+        parsed = build_run_plan(_args(*flags(cand, 8)))
+        assert parsed.layers.counts == (None if split == "even" else list(cand.counts)), (split, flags(cand, 8))
 
 
 # ------------------------------------------------------------------------------ profiled

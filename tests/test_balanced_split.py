@@ -12,7 +12,8 @@ from megatron.pipeline.costs.cost_model import head_flops, layer_flops
 from megatron.trainer.config.arguments import build_parser
 from megatron.trainer.plan.parse import parse_args, parse_run_plan
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.config.job_config import JobConfig, build_job_config
+from megatron.trainer.config.run_plan import RunPlan
+from megatron.trainer.plan.build import build_run_plan
 from megatron.trainer.tasks.balanced_partition import layer_split_line, model_shape
 from megatron.trainer.tasks.gpt import GPTTask
 from tests.adam_bounds import assert_within_bounds, gpt_gradient_noise, trace_adam
@@ -32,12 +33,12 @@ def _args(flags: list[str], bert: bool = False) -> argparse.Namespace:
     return parse_args(flags, parser)
 
 
-def _config(flags: list[str], bert: bool = False) -> JobConfig:
-    """The typed config of :func:`_args`' namespace (what the functions below the flags read)."""
-    return build_job_config(_args(flags, bert))
+def _config(flags: list[str], bert: bool = False) -> RunPlan:
+    """The run plan of :func:`_args`' namespace (what the functions below the flags read)."""
+    return build_run_plan(_args(flags, bert))
 
 
-def _counted_flops(config: JobConfig, last: bool) -> float:
+def _counted_flops(config: RunPlan, last: bool) -> float:
     """torch's FlopCounterMode over one forward + backward of a one-layer stage (with the head
     and loss when ``last``), built exactly as the trainer builds stages."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -78,21 +79,21 @@ def test_layer_and_head_flops_match_torchs_flop_counter(extra: list[str]) -> Non
 
 def test_issue_workload_moves_layers_off_the_head_stage() -> None:
     """The issue's GPT (head = 2.5 layers of FLOPs): [5, 3] on 2 stages, [2, 2, 3, 1] on 4."""
-    two = _args([*ISSUE, "--pipeline-model-parallel-size", "2"])
-    assert two.pipeline_partition == "balanced" and two.pipeline_layer_split == [5, 3]
-    assert layer_split_line(build_job_config(two)) == "layer split: [5, 3] (--pipeline-partition balanced)"
-    four = _args([*ISSUE, "--pipeline-model-parallel-size", "4"])
-    assert four.pipeline_layer_split == [2, 2, 3, 1]
-    again = _args([*ISSUE, "--pipeline-model-parallel-size", "4"])
-    assert again.pipeline_layer_split == four.pipeline_layer_split  # from the flags alone
+    two = _config([*ISSUE, "--pipeline-model-parallel-size", "2"])
+    assert two.layers.partition == "balanced" and two.layers.counts == [5, 3]
+    assert layer_split_line(two) == "layer split: [5, 3] (--pipeline-partition balanced)"
+    four = _config([*ISSUE, "--pipeline-model-parallel-size", "4"])
+    assert four.layers.counts == [2, 2, 3, 1]
+    again = _config([*ISSUE, "--pipeline-model-parallel-size", "4"])
+    assert again.layers.counts == four.layers.counts  # from the flags alone
 
 
 def test_small_head_keeps_the_even_split_and_its_signature() -> None:
     """A head cheaper than a layer leaves the even split, recorded as ``None`` like before."""
-    args = _args([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
+    args = _config([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
                   "--num-attention-heads", "4", "--vocab-size", "256"])
-    assert args.pipeline_partition == "balanced" and args.pipeline_layer_split is None
-    assert layer_split_line(build_job_config(args)) == "layer split: [2, 2] (--pipeline-partition balanced)"
+    assert args.layers.partition == "balanced" and args.layers.counts is None
+    assert layer_split_line(args) == "layer split: [2, 2] (--pipeline-partition balanced)"
 
 
 def test_bert_heads_are_costed() -> None:
@@ -109,30 +110,30 @@ def test_where_balanced_does_not_apply() -> None:
     split is the user's; ``even`` stays available."""
     replicated = [*ISSUE, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "amdp",
                   "--global-batch-size", "16"]
-    assert _args(replicated).pipeline_partition == "even"
-    assert _args(replicated).pipeline_layer_split is None
+    assert _config(replicated).layers.partition == "even"
+    assert _config(replicated).layers.counts is None
     with pytest.raises(SystemExit):
         _args([*replicated, "--pipeline-partition", "balanced"])
     recompute = [*ISSUE, "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                  "--recompute-method", "uniform", "--recompute-num-layers", "2"]
-    assert _args(recompute).pipeline_layer_split is None
-    explicit = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-layer-split", "6", "2"])
-    assert explicit.pipeline_layer_split == [6, 2]
-    assert layer_split_line(build_job_config(explicit)) == "layer split: [6, 2] (--pipeline-layer-split)"
-    even = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "even"])
-    assert even.pipeline_layer_split is None
-    alias = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "auto"])
-    assert alias.pipeline_partition == "profiled"
+    assert _config(recompute).layers.counts is None
+    explicit = _config([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-layer-split", "6", "2"])
+    assert explicit.layers.counts == [6, 2]
+    assert layer_split_line(explicit) == "layer split: [6, 2] (--pipeline-layer-split)"
+    even = _config([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "even"])
+    assert even.layers.counts is None
+    alias = _config([*ISSUE, "--pipeline-model-parallel-size", "2", "--pipeline-partition", "auto"])
+    assert alias.layers.partition == "profiled"
 
 
 def test_memory_budget_moves_layers() -> None:
     """Under 1F1B stage 0 holds N activations per layer; a budget that only fits it with fewer
     layers (0.17 GB: the model counts 194 MB for [5, 3], 162 for [4, 4]) gives the even split."""
-    free = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32"])
-    tight = _args([*ISSUE, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32",
+    free = _config([*ISSUE, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32"])
+    tight = _config([*ISSUE, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32",
                    "--pipeline-partition-memory-gb", "0.17"])
-    assert free.pipeline_layer_split == [5, 3]
-    assert tight.pipeline_layer_split is None and tight.pipeline_partition_feasible
+    assert free.layers.counts == [5, 3]
+    assert tight.layers.counts is None and tight.layers.feasible
 
 
 @pytest.mark.usefixtures("megatron_world1")
@@ -189,15 +190,15 @@ def test_resume_keeps_the_checkpoints_split(tmp_path) -> None:
     flags = [*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "16",
              "--num-attention-heads", "2", "--vocab-size", "256"]
 
-    def parsed(extra: list[str]) -> JobConfig:
+    def parsed(extra: list[str]) -> RunPlan:
         parser = build_parser("gpt")
         task.add_arguments(parser)
         return parse_run_plan([*flags, *extra], parser)
 
-    assert parsed([]).parallel.pipeline_layer_split == [3, 1]
+    assert parsed([]).layers.counts == [3, 1]
     emulate(task, parsed(["--pipeline-partition", "even", "--save", str(tmp_path), "--save-interval", "1"]))
     resumed = parsed(["--load", str(tmp_path), "--train-iters", "2"])
-    assert resumed.parallel.pipeline_layer_split is None and resumed.parallel.pipeline_partition == "checkpoint"
+    assert resumed.layers.counts is None and resumed.layers.partition == "checkpoint"
     assert layer_split_line(resumed) == "layer split: [2, 2] (the --load checkpoint's)"
 
 

@@ -296,11 +296,10 @@ def test_no_binary_head_flag_and_middle_batch_keys_for_gpt(tmp_path: Path):
     gpt = emulate(tiny_args(3, "1f1b", 1, 1, "--pipeline-executor", "emulator"))
     assert gpt[1]._batch(op) == {}
     from megatron.trainer.plan.parse import parse_run_plan
-    from megatron.trainer.config.job_config import replace_in
     from megatron.trainer.tasks.gpt import GPTTask
 
     # a --data-path flag (mock data has no documents); fine at N > 2
-    config = replace_in(parse_run_plan(tiny_args(3, "1f1b", 1, 1)), "data", reset_attention_mask=True)
+    config = parse_run_plan(tiny_args(3, "1f1b", 1, 1)).replace_in("data", reset_attention_mask=True)
     (middle,) = GPTTask().build_stage(config, 1, torch.device("cpu"))
     assert middle.middle_batch_keys == ("attention_mask",)
 

@@ -29,7 +29,7 @@ from megatron.trainer.checkpointing import reshard
 from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
 from megatron.trainer.checkpointing.shards import ShardError, plan_region, shard_entry
 from megatron.trainer.plan.parse import parse_args, parse_run_plan
-from megatron.trainer.config.job_config import JobConfig, replace_in
+from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.models.tensor_parallel import ShardLayout, take_shard
 
 REL_TOL = 1e-5
@@ -174,13 +174,13 @@ def test_checkpoints_before_tp_are_tp1() -> None:
 
 # -- real TP stages on two gloo ranks -----------------------------------------------------------
 
-def _config(tp: int, pp: int = 1, *more: str) -> JobConfig:
+def _config(tp: int, pp: int = 1, *more: str) -> RunPlan:
     """Parsed at TP 1 (the runtime's parser refuses TP until it runs TP), then set to ``tp``."""
     config = parse_run_plan([*MODEL, "--pipeline-model-parallel-size", str(pp), *more])
-    return replace_in(config, "parallel", tensor_model_parallel_size=tp)
+    return config.replace_in("parallel", tensor_model_parallel_size=tp)
 
 
-def _worker(config: JobConfig, stage: int = 0):
+def _worker(config: RunPlan, stage: int = 0):
     from megatron.trainer.loop.training import build_worker
     from megatron.trainer.tasks.gpt import GPTTask
 
@@ -205,7 +205,7 @@ def _train_step(worker, batch: dict) -> None:
         p.grad = None
 
 
-def _save(workers: list, config: JobConfig, root: Path, iteration: int, rank: int, writers: int) -> None:
+def _save(workers: list, config: RunPlan, root: Path, iteration: int, rank: int, writers: int) -> None:
     """The runtime's save sequence: staging by the coordinator, each TP rank's files, publish."""
     import torch.distributed as dist
     from megatron.trainer.tasks.gpt import GPTTask
@@ -221,10 +221,10 @@ def _save(workers: list, config: JobConfig, root: Path, iteration: int, rank: in
     dist.barrier()
 
 
-def _load(config: JobConfig, root: Path, stages: int = 1) -> tuple[list, ckpt.ResumePoint]:
+def _load(config: RunPlan, root: Path, stages: int = 1) -> tuple[list, ckpt.ResumePoint]:
     from megatron.trainer.tasks.gpt import GPTTask
 
-    config = replace_in(config, "checkpoint", load=str(root))
+    config = config.replace_in("checkpoint", load=str(root))
     point = ckpt.check_resume(GPTTask(), config)
     assert point is not None
     workers = [_worker(config, s) for s in range(stages)]

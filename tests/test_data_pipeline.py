@@ -270,13 +270,13 @@ def test_data_from_another_tokenizer_is_one_line_error(corpus, capsys, _no_torch
 
 
 def test_vocab_size_comes_from_the_tokenizer(corpus, capsys, _no_torchrun_env) -> None:
-    args = parse_args([*_train_flags(corpus, corpus.topics_prefix), "--vocab-size", "7"])
-    assert (args.tokenizer_vocab_size, args.padded_vocab_size, args.vocab_size) == (600, 640, 640)
-    args = parse_args([*_train_flags(corpus, corpus.topics_prefix), "--make-vocab-size-divisible-by", "64"])
-    assert args.vocab_size == 640
-    args = parse_args([*_train_flags(corpus, corpus.topics_prefix), "--make-vocab-size-divisible-by", "7"])
-    assert args.vocab_size == 602
-    assert parse_args([]).vocab_size == 256 and parse_args([]).mock_data  # mock data is unchanged
+    vocab = parse_run_plan([*_train_flags(corpus, corpus.topics_prefix), "--vocab-size", "7"]).vocab
+    assert (vocab.tokenizer_size, vocab.size) == (600, 640)
+    vocab = parse_run_plan([*_train_flags(corpus, corpus.topics_prefix), "--make-vocab-size-divisible-by", "64"]).vocab
+    assert vocab.size == 640
+    vocab = parse_run_plan([*_train_flags(corpus, corpus.topics_prefix), "--make-vocab-size-divisible-by", "7"]).vocab
+    assert vocab.size == 602
+    assert parse_run_plan([]).vocab.size == 256 and parse_args([]).mock_data  # mock data is unchanged
     assert capsys.readouterr() == ("", "")
 
 

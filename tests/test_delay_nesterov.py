@@ -115,7 +115,7 @@ def test_every_async_schedule_gives_each_stage_the_beta1_of_its_declared_delay(m
     from megatron.trainer.plan.parse import parse_run_plan
 
     argv = [*tiny_args(2, schedule, 4, 4), *SCHEDULE_FLAGS[schedule], "--optimizer", "delay-nesterov"]
-    run = parse_run_plan(argv).schedule.run
+    run = parse_run_plan(argv).run
     delays = run.schedule_cls.traits.policy_for(run.schedule).gradient_delays
     workers = emulate(argv)
     for w in workers:

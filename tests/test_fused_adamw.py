@@ -183,12 +183,12 @@ def test_fused_is_refused_for_an_optimizer_with_its_own_update() -> None:
 
 def test_adam_kernel_flag_resolves_and_refuses() -> None:
     from megatron.trainer.plan.parse import parse_args
-    from megatron.trainer.config.job_config import build_job_config
+    from megatron.trainer.plan.build import build_run_plan
     from megatron.trainer.optim.registry import build_optimizer
 
     args = parse_args(["--mock-data"])
     assert args.adam_kernel == "fused"
-    config = build_job_config(args)
+    config = build_run_plan(args)
     assert config.optimizer.adam_kernel == "fused"
     assert build_optimizer(config, named(make_params([(8, 8)])), 0).fused
     assert parse_args(["--mock-data", "--adam-kernel", "single-tensor"]).adam_kernel == "single-tensor"

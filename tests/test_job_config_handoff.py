@@ -75,7 +75,7 @@ def test_handed_config_is_the_launchers(tmp_path: Path, monkeypatch) -> None:
         path = Path(env[RUN_PLAN_ENV])
     assert not path.exists()
     assert handed == config  # every section, field by field
-    assert handed.run == config.run and handed.training.batch_plan == config.training.batch_plan
-    assert handed.model.padded_vocab_size == config.model.padded_vocab_size
+    assert handed.run == config.run and handed.batch == config.batch
+    assert handed.vocab == config.vocab and handed.embeddings == config.embeddings
     with pytest.raises(dataclasses.FrozenInstanceError):
         handed.model.hidden_size = 8  # type: ignore[misc]

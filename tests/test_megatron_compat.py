@@ -16,7 +16,7 @@ import torch
 
 from megatron.trainer.config.arguments import build_parser
 from megatron.trainer.plan.parse import parse_args, parse_run_plan
-from megatron.trainer.config.job_config import build_job_config
+from megatron.trainer.plan.build import build_run_plan
 from megatron.trainer.tasks.bert import BertTask
 from megatron.trainer.config.megatron_compat_args import DEFAULT_BEHAVIOUR_FLAGS, REFUSED_FLAGS
 from megatron.trainer.tasks.synthetic import SyntheticCostTask
@@ -203,9 +203,9 @@ def test_rampup_segments_read_each_sample_once_per_calculator(schedule):
                        "--rampup-batch-size", *map(str, ramp), "--train-iters", "6", *SCHEDULES[schedule]])
     expected = calculator_batches(*ramp, 8, 6)
     assert len(set(expected)) > 1
-    assert [args.batch_plan.global_batch(i) for i in range(6)] == expected
+    config = build_run_plan(args)
+    assert [config.batch.global_batch(i) for i in range(6)] == expected
     workers = [types.SimpleNamespace(setup=types.SimpleNamespace(batch_fn=lambda mb: mb, microbatches_per_update=0))]
-    config = build_job_config(args)
     base = build_schedule(schedule, schedule_config(args))
     schedule_for = segment_schedules(config, base, workers)
     read, consumed = [], 0

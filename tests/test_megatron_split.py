@@ -13,7 +13,7 @@ import pytest
 
 from megatron.trainer.plan.parse import parse_args
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.config.job_config import build_job_config
+from megatron.trainer.plan.build import build_run_plan
 from megatron.trainer.config.megatron_split_args import accounted_split, layout_split, parse_layout, uneven_split
 from megatron.trainer.tasks.balanced_partition import layer_split_line
 
@@ -80,20 +80,21 @@ def _args(*flags: str):
 def test_flags_set_the_split_and_the_banner_names_them() -> None:
     first_last = _args("--num-layers", "12", "--pipeline-model-parallel-size", "4",
                        "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2")
-    assert first_last.pipeline_layer_split == [2, 4, 4, 2]
-    assert layer_split_line(build_job_config(first_last)) == ("layer split: [2, 4, 4, 2] (--decoder-first-pipeline-num-layers "
+    assert build_run_plan(first_last).layers.counts == [2, 4, 4, 2]
+    assert layer_split_line(build_run_plan(first_last)) == ("layer split: [2, 4, 4, 2] (--decoder-first-pipeline-num-layers "
                                             "--decoder-last-pipeline-num-layers)")
     accounted = _args("--num-layers", "14", "--pipeline-model-parallel-size", "4",
                       "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
-    assert accounted.pipeline_layer_split == [3, 4, 4, 3]
+    assert build_run_plan(accounted).layers.counts == [3, 4, 4, 3]
     # even, yet spelled out: the default balanced partition does not move a split the user chose
     layout = _args("--num-layers", "4", "--pipeline-model-parallel-size", "2",
                    "--pipeline-model-parallel-layout", "Et*2|t*2L")
-    assert layout.pipeline_layer_split == [2, 2] and layout.pipeline_partition == "explicit"
+    layers = build_run_plan(layout).layers
+    assert layers.counts == [2, 2] and layers.partition == "explicit"
     virtual = _args("--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
                     "--pipeline-schedule", "interleaved-1f1b", "--pipeline-model-parallel-layout", "Ett|(tt|)*2,ttL")
     assert virtual.num_model_chunks == 2 and virtual.num_layers_per_virtual_pipeline_stage == 2
-    assert layer_split_line(build_job_config(virtual)).endswith("(--pipeline-model-parallel-layout)")
+    assert layer_split_line(build_run_plan(virtual)).endswith("(--pipeline-model-parallel-layout)")
 
 
 def test_a_layout_split_trains(megatron_world1) -> None:

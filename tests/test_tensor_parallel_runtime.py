@@ -216,13 +216,13 @@ def test_transformer_engine_at_tp2_refused_and_auto_picks_the_local_spec():
 
     from megatron.trainer.plan.parse import parse_args, parse_run_plan
     from megatron.trainer.config.errors import ConfigError
-    from megatron.trainer.config.job_config import build_job_config
+    from megatron.trainer.plan.build import build_run_plan
     from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_flags
     from megatron.trainer.tasks.stage_tasks import transformer_kwargs
 
     args = parse_args([*_argv("1f1b", ["--num-layers", "2"]), *TP2])
     check_tensor_parallel_flags(args)
-    assert transformer_kwargs(build_job_config(args))["use_transformer_engine"] is False
+    assert transformer_kwargs(build_run_plan(args))["use_transformer_engine"] is False
     assert transformer_kwargs(parse_run_plan(_argv("1f1b", ["--num-layers", "2"])))["use_transformer_engine"] is None
     te = argparse.Namespace(**{**vars(args), "transformer_impl": "transformer_engine"})
     with pytest.raises(ConfigError, match="TE's tensor-parallel layers are not mapped"):

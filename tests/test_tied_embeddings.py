@@ -25,7 +25,8 @@ from async_helpers import (
 TIED_GPT = [flag for flag in TINY_GPT if flag != "--untie-embeddings-and-output-weights"]  # the default, tied
 from megatron.pipeline.runtime.executors.core import OpCore
 from megatron.pipeline.runtime.tied_embeddings import is_tied_copy, tied_parameters
-from megatron.trainer.config.job_config import JobConfig
+from megatron.trainer.checkpointing.format import run_signature
+from megatron.trainer.config.run_plan import RunPlan
 
 FP32_NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 TIED = "embedding.word_embeddings.weight"
@@ -148,8 +149,8 @@ def test_a_tied_v_checkpoint_resumes_and_reshards_into_a_chain(megatron_world1, 
     assert len(ends) == 2 and torch.equal(ends[0], ends[1])
 
 
-def _stage_counts(argv: list[str], task) -> tuple[JobConfig, list[int]]:
-    """The flags' job config and the banner's parameters per stage (tied copies counted once)."""
+def _stage_counts(argv: list[str], task) -> tuple[RunPlan, list[int]]:
+    """The flags' run plan and the banner's parameters per stage (tied copies counted once)."""
     from megatron.pipeline.runtime.tied_embeddings import counted
     from megatron.trainer.config.arguments import build_parser
     from megatron.trainer.plan.parse import parse_run_plan
@@ -175,9 +176,9 @@ def test_megatron_gpt3_flag_set_builds_a_tied_model(megatron_world1, tmp_path: P
     argv = shrink(GPT_175B, tmp_path)
     config, counts = _stage_counts(argv, GPTTask())
     model = config.model
-    h, layers, vocab, positions = model.hidden_size, model.num_layers, model.vocab_size, model.max_position_embeddings
+    h, layers, vocab, positions = model.hidden_size, model.num_layers, config.vocab.size, model.max_position_embeddings
     closed_form = vocab * h + positions * h + layers * (12 * h * h + 13 * h) + 2 * h
-    assert model.tie_embeddings and sum(counts) == closed_form
+    assert config.embeddings.tied and sum(counts) == closed_form
     lines = banner_lines(config, counts, "emulator")
     assert f"total: {closed_form:,}" in "\n".join(lines) and "embeddings: tied" in "\n".join(lines)
     _, untied = _stage_counts([*argv, "--untie-embeddings-and-output-weights"], GPTTask())
@@ -193,8 +194,8 @@ def test_v_layout_banner_counts_the_tied_model(megatron_world1, pp: int) -> None
     config, counts = _stage_counts(_v_argv(pp, "zb-v"), GPTTask())
     _, untied = _stage_counts([*_v_argv(pp, "zb-v"), "--untie-embeddings-and-output-weights"], GPTTask())
     model = config.model
-    assert model.tie_embeddings and model.embeddings_line.startswith("embeddings: tied")
-    assert sum(counts) == sum(one) and sum(untied) - sum(counts) == model.vocab_size * model.hidden_size
+    assert config.embeddings.tied and config.embeddings.line.startswith("embeddings: tied")
+    assert sum(counts) == sum(one) and sum(untied) - sum(counts) == config.vocab.size * model.hidden_size
 
 
 @pytest.mark.parametrize("schedule, flags", [
@@ -204,7 +205,7 @@ def test_data_parallel_options_tie_at_pp2(megatron_world1, schedule: str, flags:
     from megatron.trainer.tasks.gpt import GPTTask
 
     config, _ = _stage_counts([*_argv(2, schedule), *flags], GPTTask())
-    assert config.model.tie_embeddings, config.model.embeddings_line
+    assert config.embeddings.tied, config.embeddings.line
 
 
 def _dp2(schedule: str, *more: str) -> list[str]:
@@ -225,8 +226,8 @@ def _assert_dp2_tied_like_reference(tmp_path: Path, schedule: str, *flags: str) 
     else:  # each stage's rank dumped its own end: the copies stayed bitwise equal
         assert torch.equal(stages[0][TIED], stages[-1][TIED])
     stdout = (tmp_path / "dist" / "stdout.txt").read_text()
-    model = _parse(_dp2(schedule, *flags), GPTTask()).model
-    tied = model.padded_vocab_size * model.hidden_size  # the tied parameter count, in the banner and the log
+    plan = _parse(_dp2(schedule, *flags), GPTTask())
+    tied = plan.vocab.size * plan.model.hidden_size  # the tied parameter count, in the banner and the log
     assert "embeddings: tied" in stdout and f"tied parameters: {tied:,}" in stdout
     assert all(r["embeddings"]["tied"] and r["embeddings"]["tied_parameters"] == tied for r in records)
     assert_trains_like(records, params, ref, context=f"{schedule} PP2 DP2 {' '.join(flags)}")
@@ -248,9 +249,8 @@ def test_asynchronous_schedules_stay_untied_and_say_why(megatron_world1) -> None
     from megatron.trainer.tasks.gpt import GPTTask
 
     config, counts = _stage_counts([*_argv(2, "paci")], GPTTask())
-    model = config.model
-    assert not model.tie_embeddings and model.untie_embeddings_and_output_weights
-    assert "untied, as every asynchronous schedule (paci): each stage steps on its own clock" in model.embeddings_line
+    assert not config.embeddings.tied and run_signature(GPTTask(), config)["untie_embeddings_and_output_weights"]
+    assert "untied, as every asynchronous schedule (paci): each stage steps on its own clock" in config.embeddings.line
 
 
 def test_bert_ties_across_stages(megatron_world1, tmp_path: Path) -> None:
@@ -296,7 +296,7 @@ def test_banner_json_log_and_planner_say_tied_or_why_not(megatron_world1, tmp_pa
     from megatron.trainer.tasks.gpt import GPTTask
 
     config, counts = _stage_counts(_argv(2, "1f1b"), GPTTask())
-    tied = config.model.padded_vocab_size * config.model.hidden_size
+    tied = config.vocab.size * config.model.hidden_size
     assert f"tied parameters: {tied:,}" in "\n".join(banner_lines(config, counts, "emulator"))
     records = {}
     for schedule in ("1f1b", "paci"):
@@ -342,9 +342,9 @@ def test_megatron_gpt3_flag_set_with_distributed_optimizer_builds_the_tied_close
     argv = _gpt3_175b_distributed_optimizer(tmp_path, "--train-iters", "1")
     config, counts = _stage_counts([*argv, "--pipeline-executor", "distributed", "--data-parallel-size", "2"],
                                    GPTTask())
-    vocab = config.model.padded_vocab_size
+    vocab = config.vocab.size
     closed_form = _gpt_closed_form(argv, vocab)
-    assert config.model.tie_embeddings and config.parallel.use_distributed_optimizer
+    assert config.embeddings.tied and config.parallel.use_distributed_optimizer
     assert sum(counts) == closed_form, (counts, closed_form)
     emulate(argv)
     stdout = capsys.readouterr().out
@@ -360,7 +360,7 @@ def test_megatron_gpt3_flag_set_with_distributed_optimizer_at_pp2_dp2_runs_the_t
 
     argv = _gpt3_175b_distributed_optimizer(tmp_path, "--train-iters", "2",
                                            "--pipeline-executor", "distributed", "--data-parallel-size", "2")
-    vocab = _parse(argv, GPTTask()).model.padded_vocab_size
+    vocab = _parse(argv, GPTTask()).vocab.size
     closed_form = _gpt_closed_form(argv, vocab)
     records, _ = run_pretrain(argv, tmp_path / "dist")
     stdout = (tmp_path / "dist" / "stdout.txt").read_text()

@@ -11,7 +11,6 @@ when one of them rolled back a step the other never took.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -225,9 +224,11 @@ def test_pp2_dp2_post_validation_ties_and_trains_like_one_stage(megatron_world1,
 # ------------------------------------------------------------------------------ configuration
 
 
-def _args(schedule: str, pp: int, **flags) -> argparse.Namespace:
-    return argparse.Namespace(pipeline_schedule=schedule, pipeline_model_parallel_size=pp,
-                              untie_embeddings_and_output_weights=False, **flags)
+def _config(schedule: str, pp: int, **flags) -> SimpleNamespace:
+    """What :func:`~megatron.trainer.config.tied_args.embeddings_of` reads of a job config."""
+    return SimpleNamespace(schedule=SimpleNamespace(pipeline_schedule=schedule, **flags),
+                           parallel=SimpleNamespace(pipeline_model_parallel_size=pp),
+                           model=SimpleNamespace(untie_embeddings_and_output_weights=False))
 
 
 @pytest.mark.parametrize("pp", [1, 2, 4])
@@ -238,20 +239,19 @@ def test_no_synchronous_configuration_falls_back_to_untied(pp: int, post_validat
     and say why; the planner agrees."""
     from megatron.pipeline.planner.auto_schedule import AutoAsyncSchedule
     from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED, tied_embeddings
-    from megatron.trainer.config.tied_args import resolve_tied_embeddings
+    from megatron.trainer.config.tied_args import embeddings_of
 
     assert SCHEDULES
     for name in SCHEDULES:
         for dp_flags in ({}, {"use_distributed_optimizer": True}, {"overlap_grad_reduce": True}):
-            args = _args(name, pp, enable_optimizer_post_validation=post_validation, **dp_flags)
-            resolve_tied_embeddings(args)
+            embeddings = embeddings_of(_config(name, pp, enable_optimizer_post_validation=post_validation, **dp_flags))
             cls = schedule_class(name)
             asynchronous = cls.traits.asynchronous or issubclass(cls, AutoAsyncSchedule)
-            assert args.tie_embeddings is not asynchronous, (name, pp, post_validation, dp_flags, args.embeddings_line)
+            assert embeddings.tied is not asynchronous, (name, pp, post_validation, dp_flags, embeddings.line)
             if asynchronous:
-                assert ASYNCHRONOUS_UNTIED in args.embeddings_line
+                assert ASYNCHRONOUS_UNTIED in embeddings.line
             else:
-                assert args.embeddings_line.startswith("embeddings: tied")
+                assert embeddings.line.startswith("embeddings: tied")
         problem = SimpleNamespace(tied=True, post_validation=post_validation)  # what the planner reads of a Problem
         assert (tied_embeddings(name, problem) == "tied") is not schedule_class(name).traits.asynchronous
 

@@ -151,7 +151,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--host-cores must be non-negative (0: a device per rank)")
     args.pipeline_sizes = args.pipeline_sizes or [args.pipeline_model_parallel_size]
     try:
-        finalize_args(args)
+        args = finalize_args(args)
     except ConfigError as e:
         p.error(str(e))
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):

@@ -81,16 +81,16 @@ def run(schedule: str, partition: str, stages: int, m: int, iters: int, skip: in
 
 def predicted(stages: int) -> str:
     """The cost model's per-stage cost (in transformer layers) of the even and balanced splits."""
-    from megatron.trainer.plan.parse import parse_args
+    from megatron.trainer.plan.parse import parse_run_plan
     from megatron.trainer.tasks.balanced_partition import model_shape
     from megatron.pipeline.costs.cost_model import layer_costs, layer_flops
 
-    args = parse_args([*WORKLOAD, "--pipeline-model-parallel-size", str(stages), "--pipeline-executor", "emulator"])
-    shape = model_shape(args)
+    plan = parse_run_plan([*WORKLOAD, "--pipeline-model-parallel-size", str(stages), "--pipeline-executor", "emulator"])
+    shape = model_shape(plan)
     times, unit = layer_costs(shape).time, layer_flops(shape)
-    even = [args.num_layers // stages] * stages
+    even = [plan.model.num_layers // stages] * stages
     out = []
-    for name, counts in (("even", even), ("balanced", args.pipeline_layer_split or even)):
+    for name, counts in (("even", even), ("balanced", plan.layers.counts or even)):
         bounds, start = [], 0
         for c in counts:
             bounds.append(round(sum(times[start:start + c]) / unit, 2))

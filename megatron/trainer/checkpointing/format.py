@@ -42,7 +42,10 @@ def run_signature(task: NamedModel, config: RunPlan) -> dict[str, Any]:
     flags = flag_values(config)
     signature = {flag: flags.get(flag) for flag in SIGNATURE_FLAGS}
     signature["tensor_model_parallel_size"] = signature["tensor_model_parallel_size"] or 1
-    signature["tokenizer_vocab_size"] = config.model.tokenizer_vocab_size  # which vocab rows are padding
+    signature["untie_embeddings_and_output_weights"] = not config.embeddings.tied  # what runs (async: untied)
+    signature["vocab_size"] = config.vocab.size  # the embedding's rows (padded)
+    signature["pipeline_layer_split"] = config.layers.counts  # the run's (None: even)
+    signature["tokenizer_vocab_size"] = config.vocab.tokenizer_size  # which vocab rows are padding
     signature["task"] = task.name
     signature["tokenizer"] = tokenizer_record(config)  # for tools/export_hf.py and tools/generate.py
     return signature

@@ -34,7 +34,7 @@ def estimate_parameters(config: RunPlan) -> int:
     unless tied to the embedding, per layer attention (QKV with query groups, projection), MLP
     and two norms."""
     model = config.model
-    h, layers, vocab = model.hidden_size, model.num_layers, model.vocab_size
+    h, layers, vocab = model.hidden_size, model.num_layers, config.vocab.size
     ffn = model.ffn_hidden_size or 4 * h
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads
@@ -43,7 +43,7 @@ def estimate_parameters(config: RunPlan) -> int:
     mlp = 2 * h * ffn + ffn + h
     norms = 4 * h
     positions = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
-    output = 0 if model.tie_embeddings else vocab * h
+    output = 0 if config.embeddings.tied else vocab * h
     return vocab * h + output + positions + layers * (attention + mlp + norms) + 2 * h
 
 
@@ -59,7 +59,7 @@ def estimate_checkpoint_bytes(config: RunPlan) -> int:
     per_parameter = (2 + 8 + 4) if half else (4 + 8)
     # tied over several stages: the output layer's stage saves its copy of the embedding too
     # (not on a V, whose stage 0 holds both ends as one parameter)
-    copy = config.model.vocab_size * config.model.hidden_size if config.model.tie_embeddings and \
+    copy = config.vocab.size * config.model.hidden_size if config.embeddings.tied and \
         config.parallel.pipeline_model_parallel_size > 1 and not _v_layout(config) else 0
     return (estimate_parameters(config) + copy) * per_parameter * config.parallel.data_parallel_size
 

@@ -18,6 +18,7 @@ from megatron.trainer.config.run_control_args import add_run_control_args, check
 from megatron.trainer.config.insight_args import add_insight_args
 from megatron.trainer.config.mixed_precision_args import add_mixed_precision_args, check_mixed_precision_flags
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.values import FlagValue, with_values
 from megatron.trainer.environment import world_size_from_env
 from megatron.trainer.config.choices import (
     BIND_CORES_CHOICES, DECAY_STYLES, HOST_MALLOC_CHOICES, OPTIMIZER_NAMES, TOKENIZER_TYPES)
@@ -29,7 +30,6 @@ from megatron.trainer.config.restart_args import add_restart_args, check_restart
 from megatron.trainer.config.recompute_args import add_recompute_args, check_recompute_flags
 from megatron.trainer.config.ddp_args import add_ddp_args, check_ddp_flags
 from megatron.trainer.config.tensor_parallel_args import check_tensor_parallel_flags
-from megatron.trainer.config.tied_args import resolve_tied_embeddings
 from megatron.trainer.config.megatron_split_args import add_megatron_split_args, resolve_megatron_split
 from megatron.trainer.config.config_file import add_config_file_args
 from megatron.trainer.config.megatron_compat_args import (
@@ -179,11 +179,8 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 #: What the run derives from its flags (finalize_args, check_flags and the checks after them),
 #: declared here with its value before it is decided, so every later step reads an attribute.
 DERIVED_DEFAULTS = dict(
-    world_size=None, num_microbatches=None, num_model_chunks=1, batch_plan=None,
-    padded_vocab_size=None, tokenizer_vocab_size=None, null_vocab_size=None, tie_embeddings=False,
-    embeddings_line=None, nonfinite_injections=None, exit_check_every=None, layer_split_source=None,
-    pipeline_partition_feasible=True, pipeline_partition_resumed=False, _balanced_split=False,
-    task_checks=(),
+    world_size=None, num_microbatches=None, num_model_chunks=1,
+    layer_split_source=None, task_checks=(),
 )
 
 
@@ -212,33 +209,38 @@ def build_parser(description: str = "Megatron-Async pretraining") -> argparse.Ar
 
 
 def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill derived values (data-parallel size, global batch, defaults) in place."""
+    """The flags with Megatron-LM's defaults that depend on other flags filled in (data-parallel
+    size, global batch, model chunks, iteration counts from sample counts, ...): a new
+    namespace, ``args`` unchanged (raise :class:`ConfigError`, one line)."""
+    args = with_values(args, **_parallel_sizes(args))
+    args = with_values(args, **resolve_megatron_split(args))  # Megatron-LM's split flags -> a split or chunk size
+    # Model chunks per stage (Megatron's virtual pipeline size); checked in check_flags.
+    pp, dp, per_chunk = args.pipeline_model_parallel_size, args.data_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    args = with_values(
+        args, num_model_chunks=max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1,
+        num_microbatches=args.global_batch_size // max(1, args.micro_batch_size * dp))
+    return with_values(args, **finalize_megatron_compat_args(args))  # --train-samples, --*-samples, rampup
+
+
+def _parallel_sizes(args: argparse.Namespace) -> dict[str, FlagValue]:
+    """Data-parallel size (from ``WORLD_SIZE`` under torchrun), global batch, positions, mock data."""
     pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
     if pp < 1 or tp < 1:
         raise ConfigError("--pipeline-model-parallel-size and --tensor-model-parallel-size must be >= 1")
     world = world_size_from_env()
-    if args.data_parallel_size is None:
+    dp = args.data_parallel_size
+    if dp is None:
         if world is not None and args.pipeline_executor == "distributed":
             if world % (pp * tp):
                 raise ConfigError(f"WORLD_SIZE={world} is not divisible by pipeline {pp} x tensor {tp}")
-            args.data_parallel_size = world // (pp * tp)
+            dp = world // (pp * tp)
         else:
-            args.data_parallel_size = 1
-    dp = args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.data_path is None:
-        args.mock_data = True
-    args.world_size = pp * tp * dp
-    resolve_megatron_split(args)  # Megatron-LM's split flags -> --pipeline-layer-split or chunk size
-    # Model chunks per stage (Megatron's virtual pipeline size); checked in check_flags.
-    per_chunk = args.num_layers_per_virtual_pipeline_stage
-    args.num_model_chunks = max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1
-    args.num_microbatches = args.global_batch_size // max(1, args.micro_batch_size * dp)
-    finalize_megatron_compat_args(args)  # --train-samples, --*-samples, --lr-warmup-fraction, rampup
-    return args
+            dp = 1
+    return dict(data_parallel_size=dp, world_size=pp * tp * dp,
+                global_batch_size=args.micro_batch_size * dp if args.global_batch_size is None else args.global_batch_size,
+                max_position_embeddings=args.seq_length if args.max_position_embeddings is None
+                else args.max_position_embeddings,
+                mock_data=True if args.data_path is None else args.mock_data)
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
@@ -285,10 +287,10 @@ def check_model_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--clip-grad must be >= 0")
 
 
-def check_flags(args: argparse.Namespace) -> None:
+def check_flags(args: argparse.Namespace) -> argparse.Namespace:
     """The combinations of flags, and the schedule built from them (raise :class:`ConfigError`
-    with one line for the first problem found); needs the padded vocabulary
-    (:func:`megatron.trainer.plan.data.check_data`)."""
+    with one line for the first problem found); the flags with the defaults these checks fill
+    (loss scaling, rollback mode, recompute granularity, bucket size): a new namespace."""
     pp = args.pipeline_model_parallel_size
     check_tensor_parallel_flags(args)  # emulator, divisibility (padded vocab), unsupported combinations
     if args.device == "cuda" or args.bf16:
@@ -298,7 +300,6 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ConfigError("--device cuda but no CUDA device is available")
     if args.distributed_backend == "nccl" and args.device == "cpu":
         raise ConfigError("--distributed-backend nccl needs --device cuda")
-    args.nonfinite_injections = {}
     for spec in args.inject_nonfinite_grad:
         try:
             stage, update = (int(x) for x in spec.split(":"))
@@ -306,14 +307,12 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"--inject-nonfinite-grad expects STAGE:UPDATE, got {spec!r}") from None
         if not 0 <= stage < pp:
             raise ConfigError(f"--inject-nonfinite-grad stage {stage} outside 0..{pp - 1}")
-        args.nonfinite_injections.setdefault(stage, set()).add(update)
     check_schedule_flags(args)  # the schedule's own flags, chunks per stage
-    resolve_tied_embeddings(args)  # tied by default (sync schedules); --untie-embeddings-and-output-weights
-    check_mixed_precision_flags(args)  # --fp16 and loss scaling; exact rollback in bf16/fp16
+    args = with_values(args, **check_mixed_precision_flags(args))  # --fp16 and loss scaling; exact rollback in bf16/fp16
     check_basis_rotation_flags(args)  # --optimizer basis-rotation, --rotation-*
     check_muon_flags(args)  # --optimizer muon, --muon-*
-    check_recompute_flags(args)  # --recompute-* (Megatron-LM's rules, layers per model chunk)
-    check_ddp_flags(args)  # --overlap-grad-reduce, --ddp-bucket-size
+    args = with_values(args, **check_recompute_flags(args))  # --recompute-* (Megatron-LM's rules, layers per chunk)
+    args = with_values(args, **check_ddp_flags(args))  # --overlap-grad-reduce, --ddp-bucket-size
     check_megatron_compat_flags(args)  # Megatron-LM's model, rampup, loading and logging flags
     check_run_control_flags(args)  # --eval-*, --save/--load, --exit-interval, --tensorboard-dir
     check_exit_flags(args)  # --exit-signal-handler, --exit-duration-in-mins (ConfigError)
@@ -328,3 +327,4 @@ def check_flags(args: argparse.Namespace) -> None:
         run.run_schedule(args.pipeline_schedule)
     except ScheduleConfigError as exc:
         raise ConfigError(f"--pipeline-schedule: {exc}") from None
+    return args

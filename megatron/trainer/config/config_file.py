@@ -9,7 +9,7 @@ the host (the data-parallel size from ``WORLD_SIZE``, the global batch, the padd
 vocabulary, ``--adam-kernel auto``'s choice, the built schedule, the memory estimate, the core
 binding, ``auto``'s relayouts) are not in it: a flag left unset stays unset, so the file
 means the same on another host. That is also why the snapshot is taken right after parsing,
-before :func:`~megatron.trainer.plan.parse.check_args` derives values into the namespace.
+before :func:`~megatron.trainer.plan.parse.check_args` derives Megatron-LM's defaults into the namespace.
 
 ``--dump-config`` runs every flag check first (a command line that would be refused is not
 written), writes the file and exits with status 0 without starting a rank: like ``--help``,
@@ -47,7 +47,7 @@ from dataclasses import dataclass, fields
 from megatron.pipeline.schedules import flag_groups
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.job_config import SECTION_TYPES, TaskOptions, UnplacedFlagError
-from megatron.trainer.config.values import FlagValue
+from megatron.trainer.config.values import FlagValue, with_values
 
 #: The two flags of this module: they say where the flags come from or go, so they are not
 #: flags of the run (not in the file, not in the :class:`JobConfig`).
@@ -331,10 +331,9 @@ def _parse_over(parser: argparse.ArgumentParser, argv: Sequence[str] | None, val
         parser._defaults.update(saved_defaults)
         for dest, action in actions.items():
             action.default = saved[dest]
-    for dest in appended:
-        if getattr(args, dest) is None:  # not on the command line
-            setattr(args, dest, values[dest] if dest in values else copy.copy(saved[dest]))
-    return args
+    # a repeatable flag not on the command line: the file's, else the parser's default
+    return with_values(args, **{dest: values[dest] if dest in values else copy.copy(saved[dest])
+                                for dest in appended if getattr(args, dest) is None})
 
 
 # ---------------------------------------------------------------------------- editing a command line

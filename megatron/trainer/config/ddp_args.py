@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.values import FlagValue
 from megatron.trainer.config.job_config import JobConfig
 
 #: Megatron-LM's DDP default bucket size in elements (its max(40M, 1M x DP) for DP <= 40).
@@ -42,9 +43,9 @@ def add_ddp_args(p: argparse.ArgumentParser) -> None:
                         "the step, waited for before the stage next reads its weights")
 
 
-def check_ddp_flags(args: argparse.Namespace) -> None:
-    """One-line :class:`ConfigError` for a combination that cannot act; fills the default size
-    (the domain, >= 1, is :data:`~megatron.trainer.config.flag_checks.DOMAINS`')."""
+def check_ddp_flags(args: argparse.Namespace) -> dict[str, FlagValue]:
+    """One-line :class:`ConfigError` for a combination that cannot act; the default bucket size
+    it fills (the domain, >= 1, is :data:`~megatron.trainer.config.flag_checks.DOMAINS`')."""
     if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
         raise ConfigError("--ddp-bucket-size sizes the buckets of --overlap-grad-reduce; without it the "
                           "gradients are all-reduced at once at the step")
@@ -55,7 +56,8 @@ def check_ddp_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--use-distributed-optimizer with --optimizer basis-rotation is not supported: basis "
                           "rotation rotates whole matrices, its state does not shard into element ranges")
     if args.overlap_grad_reduce and args.ddp_bucket_size is None:
-        args.ddp_bucket_size = DEFAULT_BUCKET_SIZE
+        return {"ddp_bucket_size": DEFAULT_BUCKET_SIZE}
+    return {}
 
 
 def overlap_bucket_size(config: JobConfig) -> int | None:

@@ -19,7 +19,7 @@ import argparse
 import signal
 
 from megatron.trainer.config.errors import ConfigError
-from megatron.pipeline.schedules import SCHEDULES
+from megatron.pipeline.schedules import SCHEDULES, schedule_class
 from megatron.trainer.config.job_config import JobConfig
 
 
@@ -52,9 +52,19 @@ def stops_early(config: JobConfig) -> bool:
     return bool(config.exit.exit_signal_handler) or config.exit.exit_duration_in_mins is not None
 
 
+def exit_check_every(config: JobConfig) -> int | None:
+    """Iterations between stop checks (extra segment boundaries; None: no check): every
+    ``--exit-check-interval``, else every iteration of a synchronous schedule, else none but
+    the boundaries the run has anyway (an asynchronous pipeline stops only where it drains)."""
+    if not stops_early(config):
+        return None
+    if config.exit.exit_check_interval is not None:
+        return config.exit.exit_check_interval
+    return None if schedule_class(config.schedule.pipeline_schedule).traits.asynchronous else 1
+
+
 def check_exit_flags(args: argparse.Namespace) -> None:
-    """Check the exit flags; set ``args.exit_check_every`` (extra segment boundaries, or None)."""
-    args.exit_check_every = None
+    """Check the exit flags (raise :class:`ConfigError`, one line)."""
     schedule = SCHEDULES.get(args.pipeline_schedule)  # an unknown name is reported later
     asynchronous = schedule is not None and schedule.traits.asynchronous
     if args.exit_signal is not None and not args.exit_signal_handler:
@@ -67,11 +77,8 @@ def check_exit_flags(args: argparse.Namespace) -> None:
     which = "--exit-signal-handler" if args.exit_signal_handler else "--exit-duration-in-mins"
     if args.save is None:
         raise ConfigError(f"{which} needs --save DIR: the stop saves a checkpoint to resume from")
-    if args.exit_check_interval is not None:
-        args.exit_check_every = args.exit_check_interval
-    elif not asynchronous:
-        args.exit_check_every = 1
-    elif args.save_interval is None and args.eval_interval is None:
+    if args.exit_check_interval is None and asynchronous and args.save_interval is None \
+            and args.eval_interval is None:
         raise ConfigError(
             f"{which} with the asynchronous schedule {args.pipeline_schedule} needs --save-interval, "
             f"--eval-interval or --exit-check-interval: it can only stop where its pipeline drains")

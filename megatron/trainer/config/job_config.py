@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from megatron.pipeline.schedules import ScheduleConfig, schedule_class
-from megatron.trainer.config.batch_plan import BatchPlan
 from megatron.trainer.config.run_config import schedule_config_of
 from megatron.trainer.config.values import FlagValue
 
@@ -40,13 +39,9 @@ class ModelConfig:
     kv_channels: int | None
     seq_length: int
     max_position_embeddings: int
-    #: the model's vocabulary: the tokenizer's padded like Megatron-LM, else ``--vocab-size``
+    #: ``--vocab-size``: the mock data's and NullTokenizer's ids (the model's vocabulary, padded
+    #: from a tokenizer's, is the run plan's ``vocab``)
     vocab_size: int
-    padded_vocab_size: int
-    #: the tokenizer's own size (None without a tokenizer)
-    tokenizer_vocab_size: int | None
-    #: NullTokenizer's size (its EOD id is that size)
-    null_vocab_size: int | None
     make_vocab_size_divisible_by: int
     hidden_dropout: float
     attention_dropout: float
@@ -61,10 +56,6 @@ class ModelConfig:
     transformer_impl: str
     attention_backend: str
     untie_embeddings_and_output_weights: bool
-    #: whether this run ties the output layer to the embedding (decided with the schedule)
-    tie_embeddings: bool
-    #: the banner's line saying why embeddings are (un)tied
-    embeddings_line: str | None
 
 
 @dataclass(frozen=True)
@@ -79,9 +70,8 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None
     #: model chunks per stage (Megatron's virtual pipeline size)
     num_model_chunks: int
+    #: the user's split (the run's, decided from it, is the run plan's ``layers``)
     pipeline_layer_split: list[int] | None
-    #: the flags the layer split came from (banner)
-    layer_split_source: str | None
     decoder_first_pipeline_num_layers: int | None
     decoder_last_pipeline_num_layers: int | None
     account_for_embedding_in_pipeline_split: bool
@@ -91,12 +81,6 @@ class ParallelConfig:
     pipeline_partition: str | None
     pipeline_partition_memory_gb: float | None
     pipeline_partition_profile_iters: int
-    #: the split was resumed from the checkpoint
-    pipeline_partition_resumed: bool
-    #: the balanced split fits the memory budget
-    pipeline_partition_feasible: bool
-    #: the split was computed by the balanced partitioner, not given by the user
-    balanced_split: bool
     overlap_grad_reduce: bool
     ddp_bucket_size: int | None
     use_distributed_optimizer: bool
@@ -129,8 +113,6 @@ class TrainingConfig:
     train_samples: int | None
     seed: int
     rampup_batch_size: list[int] | None
-    #: global batch per iteration (constant without rampup)
-    batch_plan: BatchPlan
     num_microbatches: int
     eval_interval: int | None
     eval_iters: int
@@ -237,8 +219,6 @@ class ExitConfig:
     exit_signal: str | None
     exit_duration_in_mins: float | None
     exit_check_interval: int | None
-    #: iterations between stop checks (None: no check)
-    exit_check_every: int | None
 
 
 @dataclass(frozen=True)
@@ -259,8 +239,16 @@ class LoggingConfig:
     dump_final_params: str | None
     inject_nonfinite_grad: list[str]
     inject_nonfinite_loss: list[int]
-    #: ``--inject-nonfinite-grad`` parsed: stage -> local updates to poison
-    nonfinite_injections: dict[int, set[int]]
+
+    @property
+    def nonfinite_injections(self) -> dict[int, set[int]]:
+        """``--inject-nonfinite-grad`` parsed: stage -> local updates to poison (the flag
+        checks refused a malformed one)."""
+        injections: dict[int, set[int]] = {}
+        for spec in self.inject_nonfinite_grad:
+            stage, update = (int(x) for x in spec.split(":"))
+            injections.setdefault(stage, set()).add(update)
+        return injections
 
 
 @dataclass(frozen=True)
@@ -324,12 +312,12 @@ SECTION_TYPES: dict[str, type] = {
     "checkpoint": CheckpointConfig, "exit": ExitConfig, "logging": LoggingConfig, "launch": LaunchConfig,
 }
 # Namespace attributes with another name in the config (the namespace's are private).
-RENAMED = {"_balanced_split": "balanced_split"}
-# Fields that are no flag's value: the schedule's flag dict itself, and the split check's
-# bookkeeping (private on the namespace, so the banner never listed it).
-NOT_FLAGS = frozenset({"flags", *RENAMED.values()})
-# Namespace attributes that are not configuration: the task's flag checks.
-NOT_CONFIG = frozenset({"task_checks", "task_options"})
+RENAMED: dict[str, str] = {}
+# Fields that are no flag's value: the schedule's flag dict itself.
+NOT_FLAGS = frozenset({"flags"})
+# Namespace attributes that are not configuration: the task's flag checks, and the Megatron-LM
+# split flags a split was translated from (the run plan's ``layers.source``).
+NOT_CONFIG = frozenset({"task_checks", "task_options", "layer_split_source"})
 
 
 def job_schedule_config(config: JobConfig) -> ScheduleConfig:

@@ -28,7 +28,10 @@ import argparse
 import importlib.util
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.values import FlagValue
 from megatron.trainer.config.job_config import JobConfig, flag_values
+from megatron.trainer.config.run_plan import RunPlan
+from megatron.trainer.config.batch_plan import BatchPlan
 from megatron.trainer.config.rampup_args import batch_plan, check_rampup_flags
 from megatron.trainer.config.choices import WSD_DECAY_STYLES
 
@@ -107,42 +110,49 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(train_iters=None)  # so --train-samples can be told apart from the default
 
 
-def finalize_megatron_compat_args(args: argparse.Namespace) -> None:
-    """Derive iteration counts from sample counts and fractions (after the global batch is known).
+def finalize_megatron_compat_args(args: argparse.Namespace) -> dict[str, FlagValue]:
+    """Megatron-LM's defaults of these flags: iteration counts from sample counts and fractions
+    (after the global batch is known), the SwiGLU FFN size, one query group, ``adam`` as AdamW.
 
     Each value is already in its domain (``flag_checks.DOMAINS``); these are the cross-flag rules."""
     if args.train_iters is not None and args.train_samples is not None:
         raise ConfigError("--train-iters and --train-samples are mutually exclusive")
+    out: dict[str, FlagValue] = {}
     if args.swiglu and args.ffn_hidden_size is None:
-        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        out["ffn_hidden_size"] = int((4 * args.hidden_size * 2 / 3) / 64) * 64
     if args.group_query_attention and args.num_query_groups is None:
-        args.num_query_groups = 1
-    args.batch_plan = batch_plan(args)  # global batch per iteration (constant without rampup)
-    if args.train_iters is None:
-        args.train_iters = (DEFAULT_TRAIN_ITERS if args.train_samples is None
-                            else args.batch_plan.iterations_in(args.train_samples))
-    _samples_to_iters(args, args.lr_decay_samples, "lr_decay_iters")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+        out["num_query_groups"] = 1
+    if args.optimizer == "adam":  # Megatron-LM's adam is AdamW: decoupled weight decay
+        out["optimizer"] = "adamw"
+    batches = batch_plan(args)  # global batch per iteration (constant without rampup)
+    train_iters = args.train_iters
+    if train_iters is None:
+        train_iters = DEFAULT_TRAIN_ITERS if args.train_samples is None else batches.iterations_in(args.train_samples)
+    decay_iters = _samples_to_iters(args.lr_decay_iters, batches, args.lr_decay_samples, "lr_decay_iters")
+    decay_iters = train_iters if decay_iters is None else decay_iters
+    warmup_iters = args.lr_warmup_iters
     if args.lr_warmup_samples:
-        if args.lr_warmup_iters:
+        if warmup_iters:
             raise ConfigError("--lr-warmup-iters and --lr-warmup-samples are mutually exclusive")
-        args.lr_warmup_iters = args.batch_plan.iterations_for(args.lr_warmup_samples)
+        warmup_iters = batches.iterations_for(args.lr_warmup_samples)
     if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
+        if warmup_iters:
             raise ConfigError("can only specify one of --lr-warmup-fraction and --lr-warmup-iters/-samples")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    _samples_to_iters(args, args.lr_wsd_decay_samples, "lr_wsd_decay_iters")
+        warmup_iters = int(args.lr_warmup_fraction * decay_iters)
+    wsd_iters = _samples_to_iters(args.lr_wsd_decay_iters, batches, args.lr_wsd_decay_samples, "lr_wsd_decay_iters")
+    return {**out, "train_iters": train_iters, "lr_decay_iters": decay_iters, "lr_warmup_iters": warmup_iters,
+            "lr_wsd_decay_iters": wsd_iters}
 
 
-def _samples_to_iters(args: argparse.Namespace, samples: int | None, iters: str) -> None:
-    """``--X-samples`` (its value ``samples``) -> ``--X-iters`` (one of them at most)."""
+def _samples_to_iters(given: int | None, batches: BatchPlan, samples: int | None, iters: str) -> int | None:
+    """``--X-iters`` from ``--X-samples`` (its value ``samples``; one of them at most; ``given``:
+    the ``--X-iters`` value)."""
     if samples is None:
-        return
-    if getattr(args, iters) is not None:
+        return given
+    if given is not None:
         flag = "--" + iters.replace("_", "-")
         raise ConfigError(f"{flag.replace('-iters', '-samples')} and {flag} are mutually exclusive")
-    setattr(args, iters, args.batch_plan.iterations_for(samples))
+    return batches.iterations_for(samples)
 
 
 def check_megatron_compat_flags(args: argparse.Namespace) -> None:
@@ -152,8 +162,6 @@ def check_megatron_compat_flags(args: argparse.Namespace) -> None:
             raise ConfigError(message)
     if args.optimizer == "sgd":
         raise ConfigError("--optimizer sgd is not implemented (adam/adamw, basis-rotation, muon and delay-nesterov are)")
-    if args.optimizer == "adam":  # Megatron-LM's adam is AdamW: decoupled weight decay
-        args.optimizer = "adamw"
     _check_wsd_flags(args)
     _check_model_options(args)
     _check_transformer_impl(args)
@@ -230,13 +238,13 @@ def _check_loading(args: argparse.Namespace) -> None:
         raise ConfigError("--no-load-optim/--finetune need --load DIR")
 
 
-def compat_model_kwargs(config: JobConfig) -> dict[str, object]:
+def compat_model_kwargs(config: RunPlan) -> dict[str, object]:
     """The :class:`~megatron.trainer.models.stage.TransformerArgs` fields of these flags."""
     model = config.model
     return dict(swiglu=model.swiglu, add_bias_linear=model.add_bias_linear, norm_epsilon=model.norm_epsilon,
                 kv_channels=model.kv_channels, rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
                 attention_backend=model.attention_backend, sequence_parallel=config.parallel.sequence_parallel,
-                tie_embeddings=model.tie_embeddings)
+                tie_embeddings=config.embeddings.tied)
 
 
 def flops_per_iteration(config: JobConfig, global_batch: int) -> float:
@@ -255,7 +263,7 @@ def flops_per_iteration(config: JobConfig, global_batch: int) -> float:
     proj = heads * kv * h
     mlp = h * ffn * (3 if config.model.swiglu else 2)
     attention = 2 * s * kv * heads
-    per_token = 2 * (layers * (qkv + proj + mlp + attention) + h * config.model.vocab_size)
+    per_token = 2 * (layers * (qkv + proj + mlp + attention) + h * config.vocab.size)
     return 3.0 * per_token * s * global_batch
 
 

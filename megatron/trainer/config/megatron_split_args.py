@@ -32,6 +32,7 @@ import argparse
 import re
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.values import FlagValue
 
 FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
 EMBEDDING, LOSS = "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"
@@ -148,13 +149,13 @@ def _check_combinations(args: argparse.Namespace, flags: list[str]) -> None:
                           f"--num-virtual-stages-per-pipeline-rank for uneven virtual stages, not supported here")
 
 
-def resolve_megatron_split(args: argparse.Namespace) -> None:
-    """Turn the Megatron-LM split flags into ``args.pipeline_layer_split`` (or, for an even
-    virtual layout, ``args.num_layers_per_virtual_pipeline_stage``), recording which flag in
-    ``args.layer_split_source`` for the banner. Runs before the model chunks are derived."""
+def resolve_megatron_split(args: argparse.Namespace) -> dict[str, FlagValue]:
+    """The Megatron-LM split flags as ``pipeline_layer_split`` (or, for an even virtual layout,
+    ``num_layers_per_virtual_pipeline_stage``), with which flags in ``layer_split_source`` for
+    the banner; ``{}`` without them. Runs before the model chunks are derived."""
     flags = _requested(args)
-    if not flags or args.layer_split_source:  # none, or resolved by an earlier check
-        return
+    if not flags or args.layer_split_source:  # none, or flags resolved already
+        return {}
     _check_combinations(args, flags)
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
     if LAYOUT in flags:
@@ -171,7 +172,6 @@ def resolve_megatron_split(args: argparse.Namespace) -> None:
         if len(set(counts)) != 1:
             raise ConfigError(f"{LAYOUT}: virtual stages of {counts} layers; only the same number of "
                               f"layers in every virtual stage maps onto the interleaved chunks here")
-        args.num_layers_per_virtual_pipeline_stage = counts[0]
-    else:  # spelled out even when even: the default balanced partition must not move it
-        args.pipeline_layer_split = counts
-    args.layer_split_source = " ".join(flags)
+        return {"num_layers_per_virtual_pipeline_stage": counts[0], "layer_split_source": " ".join(flags)}
+    # spelled out even when even: the default balanced partition must not move it
+    return {"pipeline_layer_split": counts, "layer_split_source": " ".join(flags)}

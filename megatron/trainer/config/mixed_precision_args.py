@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.values import FlagValue
 
 from megatron.pipeline.runtime.loss_scaling import LossScaleConfig
 from megatron.trainer.config.job_config import JobConfig
@@ -49,8 +50,9 @@ def _may_turn_asynchronous(name: str) -> bool:
         return False  # an unknown name is refused with the schedule's checks
 
 
-def check_mixed_precision_flags(args: argparse.Namespace) -> None:
-    """One-line :class:`ConfigError` for a bad combination; fills the dynamic defaults."""
+def check_mixed_precision_flags(args: argparse.Namespace) -> dict[str, FlagValue]:
+    """One-line :class:`ConfigError` for a bad combination; the defaults it fills (dynamic loss
+    scaling's, and exact rollback in half precision)."""
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")
     if args.fp16 and _may_turn_asynchronous(args.pipeline_schedule):
@@ -68,19 +70,18 @@ def check_mixed_precision_flags(args: argparse.Namespace) -> None:
                               f"--loss-scale {args.loss_scale} is static")
         if not args.loss_scale > 0:
             raise ConfigError(f"--loss-scale must be > 0, got {args.loss_scale}")
-    for name, default in _DYNAMIC_DEFAULTS.items():
-        if flags[name] is None:
-            flags[name] = default
-    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
-        raise ConfigError(f"need 0 < --min-loss-scale {args.min_loss_scale} <= --initial-loss-scale "
-                          f"{args.initial_loss_scale}")
-    if args.loss_scale_window < 1 or args.hysteresis < 1:
+    filled: dict[str, FlagValue] = {name: default for name, default in _DYNAMIC_DEFAULTS.items() if flags[name] is None}
+    scale = {**{name: flags[name] for name in _DYNAMIC_DEFAULTS}, **filled}
+    if not 0 < scale["min_loss_scale"] <= scale["initial_loss_scale"]:
+        raise ConfigError(f"need 0 < --min-loss-scale {scale['min_loss_scale']} <= --initial-loss-scale "
+                          f"{scale['initial_loss_scale']}")
+    if scale["loss_scale_window"] < 1 or scale["hysteresis"] < 1:
         raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
-    _resolve_rollback_mode(args, ConfigError)
+    return {**filled, **_resolve_rollback_mode(args, ConfigError)}
 
 
-def _resolve_rollback_mode(args: argparse.Namespace, error: type[Exception]) -> None:
-    """Exact (backup) rollback by default in half precision, in place otherwise."""
+def _resolve_rollback_mode(args: argparse.Namespace, error: type[Exception]) -> dict[str, FlagValue]:
+    """Exact (backup) rollback by default in half precision, in place otherwise (what it sets)."""
     in_place = args.optimizer_post_validation_in_place
     if in_place and args.optimizer_post_validation_exact:
         raise error("--optimizer-post-validation-in-place and --optimizer-post-validation-exact are mutually exclusive")
@@ -89,7 +90,8 @@ def _resolve_rollback_mode(args: argparse.Namespace, error: type[Exception]) -> 
     if in_place and not args.enable_optimizer_post_validation:
         raise error("--optimizer-post-validation-in-place needs --enable-optimizer-post-validation")
     if (args.bf16 or args.fp16) and args.enable_optimizer_post_validation and not in_place:
-        args.optimizer_post_validation_exact = True
+        return {"optimizer_post_validation_exact": True}
+    return {}
 
 
 def loss_scale_config(config: JobConfig, asynchronous: bool) -> LossScaleConfig | None:

@@ -80,7 +80,7 @@ def check_rampup_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--rampup-batch-size: {args.pipeline_schedule} {fixed}, which a rampup changes "
                           f"({', '.join(ramping)} ramp)")
     per_microbatch = args.micro_batch_size * args.data_parallel_size
-    plan: BatchPlan = args.batch_plan
+    plan = batch_plan(args)
 
     for batch in sorted(set(plan.ramp[:args.train_iters])):
         if batch % per_microbatch:

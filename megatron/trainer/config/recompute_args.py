@@ -17,9 +17,9 @@ is one chunk here (one per stage, or one per virtual stage with interleaving).
 from __future__ import annotations
 
 import argparse
-from megatron.trainer.config.values import FlagValue
 
 from megatron.trainer.config.errors import ConfigError
+from megatron.trainer.config.values import FlagValue
 from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.run_config import schedule_config
 from megatron.trainer.config.schedule_args import chosen_schedule
@@ -57,15 +57,16 @@ def _chunk_layer_counts(args: argparse.Namespace) -> list[int]:
     return [args.num_layers // parts] * parts
 
 
-def check_recompute_flags(args: argparse.Namespace) -> None:
+def check_recompute_flags(args: argparse.Namespace) -> dict[str, FlagValue]:
     """One-line :class:`ConfigError` for a combination Megatron-LM (or this runtime) refuses;
-    sets ``args.recompute_granularity`` from ``--recompute-activations``."""
+    the granularity ``--recompute-activations`` gives (``{}`` without it)."""
     granularity = args.recompute_granularity
+    resolved: dict[str, FlagValue] = {}
     if args.recompute_activations:
         if granularity == "full":
             raise ConfigError("--recompute-activations is selective recompute; it contradicts "
                               "--recompute-granularity full (give one of them)")
-        granularity = args.recompute_granularity = "selective"
+        granularity = resolved["recompute_granularity"] = "selective"
     method, n = args.recompute_method, args.recompute_num_layers
     if granularity is None:
         given = [f for f, v in (("--recompute-method", method), ("--recompute-num-layers", n),
@@ -73,10 +74,10 @@ def check_recompute_flags(args: argparse.Namespace) -> None:
                                 ("--recompute-stash-weights", args.recompute_stash_weights)) if v]
         if given:
             raise ConfigError(f"{given[0]} needs --recompute-granularity full or selective")
-        return
+        return resolved
     if granularity == "selective":
         _check_selective(args)
-        return
+        return resolved
     if args.recompute_modules is not None:
         raise ConfigError("--recompute-modules is for --recompute-granularity selective")
     if method is None:
@@ -99,6 +100,7 @@ def check_recompute_flags(args: argparse.Namespace) -> None:
     elif n > max(counts):
         raise ConfigError(f"--recompute-num-layers {n} exceeds the {max(counts)} layers per model chunk "
                           "(--recompute-method block recomputes that many layers of each chunk)")
+    return resolved
 
 
 def _check_selective(args: argparse.Namespace) -> None:

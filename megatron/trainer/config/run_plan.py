@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatron.trainer.config.batch_plan import BatchPlan
 from megatron.trainer.config.job_config import (
     CheckpointConfig, DataConfig, ExitConfig, JobConfig, LaunchConfig, LoggingConfig, ModelConfig, OptimizerConfig,
     ParallelConfig, PrecisionConfig, RecomputeConfig, ScheduleSettings, TaskOptions, TrainingConfig, replace_in)
@@ -52,12 +53,60 @@ class HostEffects:
 
 
 @dataclass(frozen=True)
+class Vocabulary:
+    """The model's vocabulary (:func:`megatron.trainer.tokenizer.vocabulary.vocabulary`): the
+    embedding's rows (the tokenizer's ids padded like Megatron-LM, else ``--vocab-size``), the
+    tokenizer's own size (which rows are padding; None without a tokenizer) and NullTokenizer's
+    id count (its EOD id is that size; None for other tokenizers)."""
+
+    size: int
+    tokenizer_size: int | None = None
+    null_size: int | None = None
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """The layers of each stage, or of each model chunk of a chunked layout, and how they were
+    decided (:func:`megatron.trainer.plan.partition.resolve_partition`; the banner says it).
+
+    ``partition`` is what applies: ``explicit`` (``--pipeline-layer-split``, or Megatron-LM's
+    split flags named in ``source``), ``checkpoint`` (the ``--load`` checkpoint's), ``balanced``,
+    ``even`` or ``profiled`` (measured on the ranks before training, which then replace the
+    counts). ``counts`` None: the even split. ``feasible``: the balanced split fits
+    ``--pipeline-partition-memory-gb``; ``resumed``: a profiled run took its checkpoint's split."""
+
+    counts: list[int] | None
+    partition: str
+    source: str | None = None
+    feasible: bool = True
+    resumed: bool = False
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """Whether this run ties the output layer to the input embedding, and the banner's line
+    saying why (:func:`megatron.trainer.config.tied_args.embeddings_of`: the schedule decides
+    it, not the flag alone)."""
+
+    tied: bool
+    line: str
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """The config and what was derived from it (module docstring)."""
 
     config: JobConfig
     #: the schedule class, its config (options from its flags) and the stage layout
     run: RunConfig
+    #: the global batch of every iteration (constant without ``--rampup-batch-size``)
+    batch: BatchPlan
+    #: the layers of each stage (or model chunk), and how they were decided
+    layers: LayerSplit
+    #: the model's vocabulary (padded)
+    vocab: Vocabulary
+    #: whether the output layer is tied to the embedding, and why
+    embeddings: Embeddings
     #: the preflight memory check's estimate and room (None where no check ran in this process)
     memory: MemoryRoom | None = None
     #: what this process's host set-up did (a rank's; empty before)

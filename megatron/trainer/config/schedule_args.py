@@ -77,7 +77,7 @@ def _check_model_chunks(args: argparse.Namespace, cls: type[Schedule]) -> None:
         return
     if per_chunk < 1:
         raise ConfigError(f"{flag} must be >= 1")
-    if args.pipeline_layer_split is not None and not (args._balanced_split or args.pipeline_partition == "checkpoint"):
+    if args.pipeline_layer_split is not None:
         raise ConfigError(f"{flag} needs an even layer split; drop --pipeline-layer-split")
     if args.num_layers % (pp * per_chunk):
         raise ConfigError(

@@ -32,25 +32,25 @@ class ShardedSizes(Protocol):
     num_query_groups: int | None
     hidden_size: int
     ffn_hidden_size: int | None
-    vocab_size: int
 
 
-def check_tensor_parallel_args(model: ShardedSizes, tp_size: int) -> None:
-    """Raise ValueError with one line when the model cannot be sharded ``tp_size`` ways."""
+def check_tensor_parallel_args(model: ShardedSizes, tp_size: int, vocab_size: int | None) -> None:
+    """Raise ValueError with one line when the model cannot be sharded ``tp_size`` ways;
+    ``vocab_size``: the padded vocabulary (None: a tokenizer's, padded to a multiple of TP by
+    construction)."""
     if tp_size < 1:
         raise ValueError(f"tensor-parallel size must be >= 1, got {tp_size}")
     groups = model.num_query_groups or model.num_attention_heads
     ffn = model.ffn_hidden_size or 4 * model.hidden_size
     for what, value in (("--num-attention-heads", model.num_attention_heads),
                         ("--num-query-groups", groups), ("--ffn-hidden-size", ffn),
-                        ("--vocab-size (padded)", model.vocab_size)):
-        if value % tp_size:
+                        ("--vocab-size (padded)", vocab_size)):
+        if value is not None and value % tp_size:
             raise ValueError(f"{what} {value} is not divisible by --tensor-model-parallel-size {tp_size}")
 
 
 def check_tensor_parallel_flags(args: argparse.Namespace) -> None:
-    """Raise :class:`ConfigError` (one line) for a TP size this run cannot use; needs the
-    padded vocabulary (after the data checks)."""
+    """Raise :class:`ConfigError` (one line) for a TP size this run cannot use."""
     tp = args.tensor_model_parallel_size
     if args.sequence_parallel:
         if tp == 1:
@@ -67,7 +67,8 @@ def check_tensor_parallel_flags(args: argparse.Namespace) -> None:
     from megatron.trainer.config.job_config import build_job_config
 
     try:
-        check_tensor_parallel_args(build_job_config(args).model, tp)
+        check_tensor_parallel_args(build_job_config(args).model, tp,
+                                   None if args.tokenizer_type is not None else args.vocab_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if args.optimizer == "basis-rotation":

@@ -29,59 +29,49 @@ both chunks of stage 0 have accumulated into it
 """
 from __future__ import annotations
 
-import argparse
-
 from megatron.pipeline.planner.evaluate import ASYNCHRONOUS_UNTIED
 from megatron.pipeline.schedules import schedule_class
+from megatron.trainer.config.job_config import JobConfig, ModelConfig
+from megatron.trainer.config.run_plan import Embeddings, RunPlan
 
 UNTIE = "--untie-embeddings-and-output-weights"
 
 
-def _untied_because(args: argparse.Namespace) -> str | None:
+UNTIED_BY_FLAG_LINE = f"embeddings: untied ({UNTIE})"
+TIED_LINE = "embeddings: tied to the output layer (Megatron-LM's default)"
+
+
+def _untied_because(config: JobConfig) -> str | None:
     """Why this run cannot tie (None: it can). Only the asynchronous schedules (and
     ``auto-async``, which may pick one) fall back to untied; every synchronous configuration
     ties, post-validated or not, whatever the layout, the data-parallel options or the size."""
-    cls = schedule_class(args.pipeline_schedule)
+    name = config.schedule.pipeline_schedule
+    cls = schedule_class(name)
     if cls.traits.asynchronous or cls.traits.may_become_asynchronous:  # auto-async may switch to one
-        return f"as every asynchronous schedule ({args.pipeline_schedule}): {ASYNCHRONOUS_UNTIED}"
+        return f"as every asynchronous schedule ({name}): {ASYNCHRONOUS_UNTIED}"
     return None
 
 
-def tied_parameter_count(model) -> int:
+def embeddings_of(config: JobConfig) -> Embeddings:
+    """Tied unless ``--untie-embeddings-and-output-weights`` or an asynchronous schedule."""
+    if config.model.untie_embeddings_and_output_weights:
+        return Embeddings(False, UNTIED_BY_FLAG_LINE)
+    reason = _untied_because(config)
+    return Embeddings(True, TIED_LINE) if reason is None else Embeddings(False, f"embeddings: untied, {reason}")
+
+
+def tied_parameter_count(plan: RunPlan) -> int:
     """Elements of the tied weight (the vocabulary matrix, whole: TP shards it): counted once in
     the banner's totals, however many stages hold a copy; 0 when untied."""
-    return model.padded_vocab_size * model.hidden_size if model.tie_embeddings else 0
+    return plan.vocab.size * plan.model.hidden_size if plan.embeddings.tied else 0
 
 
-def embeddings_record(model) -> dict:
+def embeddings_record(plan: RunPlan) -> dict:
     """What ``--log-json`` records say of the embeddings (with the banner's words)."""
-    record = {"tied": bool(model.tie_embeddings), "tied_parameters": tied_parameter_count(model)}
-    if model.embeddings_line is not None:
-        record["line"] = model.embeddings_line
-    return record
+    return {"tied": plan.embeddings.tied, "tied_parameters": tied_parameter_count(plan), "line": plan.embeddings.line}
 
 
-UNTIED_BY_FLAG_LINE = f"embeddings: untied ({UNTIE})"
-
-
-def asks_for_tied(model) -> bool:
+def asks_for_tied(model: ModelConfig) -> bool:
     """Whether the user's flags ask for the tied model (no ``--untie-embeddings-and-output-weights``),
-    whatever the chosen schedule runs (an asynchronous one unties by default). Before
-    :func:`resolve_tied_embeddings` (the planner's flags) the flag is still the user's own."""
-    if model.embeddings_line is None:
-        return not model.untie_embeddings_and_output_weights
-    return model.embeddings_line != UNTIED_BY_FLAG_LINE
-
-
-def resolve_tied_embeddings(args: argparse.Namespace) -> None:
-    """Set ``args.tie_embeddings`` and ``args.embeddings_line`` (the banner's words)."""
-    if args.untie_embeddings_and_output_weights:
-        args.tie_embeddings, args.embeddings_line = False, UNTIED_BY_FLAG_LINE
-        return
-    reason = _untied_because(args)
-    if reason is None:
-        args.tie_embeddings, args.embeddings_line = True, "embeddings: tied to the output layer (Megatron-LM's default)"
-    else:
-        args.tie_embeddings = False
-        args.untie_embeddings_and_output_weights = True  # what runs, and what a checkpoint records
-        args.embeddings_line = f"embeddings: untied, {reason}"
+    whatever the chosen schedule runs (an asynchronous one unties by default)."""
+    return not model.untie_embeddings_and_output_weights

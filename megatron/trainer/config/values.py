@@ -7,9 +7,17 @@ and read back.
 """
 from __future__ import annotations
 
+import argparse
 from typing import Union
 
 #: a JSON value (recursive)
 JsonValue = Union[None, bool, int, float, str, list["JsonValue"], dict[str, "JsonValue"]]
 #: a flag's parsed value (``argparse`` gives lists for ``nargs``)
 FlagValue = JsonValue
+
+
+def with_values(args: argparse.Namespace, **values: FlagValue | object) -> argparse.Namespace:
+    """A copy of the flags ``args`` with ``values`` set: how a default that depends on other
+    flags is filled in (Megatron-LM's ``validate_args`` writes them into its namespace; here the
+    parsed flags stay as the user gave them, and each resolution step returns a new namespace)."""
+    return argparse.Namespace(**{**vars(args), **values})

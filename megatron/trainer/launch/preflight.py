@@ -20,8 +20,7 @@ from megatron.trainer.config.plan_file import handed_plan
 from megatron.trainer.environment import is_worker_process
 from megatron.trainer.launch.host import runs_on_cpu
 from megatron.trainer.launch.memory_check import check_memory
-from megatron.trainer.plan.build import build_run_plan
-from megatron.trainer.plan.parse import checked_args
+from megatron.trainer.plan.parse import checked_plan
 from megatron.trainer.tasks.task import PretrainTask
 
 
@@ -48,7 +47,7 @@ def check_launch(task: PretrainTask, argv: list[str]) -> tuple[RunPlan, argparse
         task.add_arguments(parser)
         command = parse_command_line(parser, argv)  # argv over --config-file's flags
         flags = copy.deepcopy(command.args)  # the user's flags as given (auto derives its other layouts from them)
-        plan = build_run_plan(checked_args(parser, command))
+        plan = checked_plan(parser, command)
     if not is_worker_process():  # a bad checkpoint fails here, before any rank starts
         check_resume_or_exit(task, plan)
     with refused_in_one_line():  # a run that cannot fit memory: refused here, not inside a rank

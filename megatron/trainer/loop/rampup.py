@@ -17,13 +17,13 @@ from megatron.trainer.config.run_plan import RunPlan
 
 def segment_boundaries(config: RunPlan) -> list[int]:
     """Iterations where the batch changes (a segment must end there)."""
-    return config.training.batch_plan.changes(config.training.train_iters)
+    return config.batch.changes(config.training.train_iters)
 
 
 def microbatches_before(config: RunPlan, iteration: int) -> int:
     """Micro-batches per data-parallel replica consumed by iterations ``[0, iteration)``."""
     training = config.training
-    return training.batch_plan.consumed_before(iteration) // (training.micro_batch_size * config.parallel.data_parallel_size)
+    return config.batch.consumed_before(iteration) // (training.micro_batch_size * config.parallel.data_parallel_size)
 
 
 def segment_schedules(config: RunPlan, base: Schedule,
@@ -43,7 +43,7 @@ def segment_schedules(config: RunPlan, base: Schedule,
     per_microbatch = config.training.micro_batch_size * config.parallel.data_parallel_size
 
     def schedule_for(first: int, count: int) -> Schedule:
-        a = config.training.batch_plan.global_batch(first) // per_microbatch
+        a = config.batch.global_batch(first) // per_microbatch
         if a not in built:
             segment_config = dataclasses.replace(base.config, num_microbatches=a)
             built[a] = (base if a == base.config.num_microbatches

@@ -64,7 +64,7 @@ def rank_transport(task: PretrainTask, plan: RunPlan,
     # a point-to-point receive does: a hung peer must not stall the others for 10 minutes.
     p2p_timeout = timedelta(seconds=plan.launch.pipeline_timeout_seconds)
     stage_layout = plan.run.layout  # P2P groups per link direction; AMDP's replica groups
-    groups = StageGroups.create(layout, p2p_timeout, stage_layout, tied_embeddings=plan.model.tie_embeddings)
+    groups = StageGroups.create(layout, p2p_timeout, stage_layout, tied_embeddings=plan.embeddings.tied)
     if task.uses_megatron_core:  # the synthetic-cost benchmark task does not
         # megatron's TP groups (T consecutive ranks, its pipeline size 1) are this layout's.
         initialize_tensor_parallel(parallel.tensor_model_parallel_size)

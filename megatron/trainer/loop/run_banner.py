@@ -44,8 +44,8 @@ def data_source_line(config: RunPlan) -> str:
     """Where training samples come from; mock data as a loud warning."""
     if config.data.data_path is None:
         return MOCK_DATA_WARNING
-    vocab = config.model.tokenizer_vocab_size
-    padded = config.model.padded_vocab_size
+    vocab = config.vocab.tokenizer_size
+    padded = config.vocab.size
     return (f"data: --data-path {' '.join(config.data.data_path)} | --split {config.data.split} | tokenizer "
             f"{config.data.tokenizer_type} (vocabulary {vocab}, padded to {padded})")
 
@@ -64,10 +64,9 @@ def banner_lines(config: RunPlan, params_per_stage: Sequence[int], executor: str
     memory = memory_banner_line(config)
     if memory:
         lines.append(memory)
-    if config.model.embeddings_line:
-        tied = tied_parameter_count(config.model)
-        count = f" | tied parameters: {tied:,} (counted once)" if tied else ""
-        lines.append(config.model.embeddings_line + count)
+    tied = tied_parameter_count(config)
+    count = f" | tied parameters: {tied:,} (counted once)" if tied else ""
+    lines.append(config.embeddings.line + count)
     lines.append(data_source_line(config))
     optional = optional_packages_line()
     if optional:

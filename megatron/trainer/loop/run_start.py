@@ -16,6 +16,7 @@ from megatron.pipeline.runtime.worker import StageWorker
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import ResumePoint, load_stage_state, restore_schedule_state
+from megatron.trainer.config.exit_args import exit_check_every
 from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.config.tied_args import embeddings_record
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
@@ -68,7 +69,7 @@ def make_logger(config: RunPlan, start_iteration: int = 0, task: PretrainTask | 
         json_path=config.logging.log_json,
         start_iteration=start_iteration,
         tensorboard_dir=config.logging.tensorboard_dir,
-        samples_before=config.training.batch_plan.consumed_before,
+        samples_before=config.batch.consumed_before,
         flops_per_sample=flops_per_iteration(config, 1) if config.logging.log_throughput else 0.0,
         num_gpus=config.parallel.world_size,
         log_params_norm=config.logging.log_params_norm,
@@ -76,7 +77,7 @@ def make_logger(config: RunPlan, start_iteration: int = 0, task: PretrainTask | 
         wandb=wandb_run(config),
         per_stage_optimizer=config.run.asynchronous,
         aux_loss_name=task.aux_loss_name,
-        embeddings=embeddings_record(config.model),
+        embeddings=embeddings_record(config),
     )
 
 
@@ -117,7 +118,7 @@ def run_plan(config: RunPlan, start: int, boundaries: tuple[int, ...] = ()) -> l
     """The run's segments from ``start``; ``boundaries``: iterations a segment must also end at."""
     training, checkpoint, stops = config.training, config.checkpoint, config.exit
     return plan_segments(start, training.train_iters, training.eval_interval, checkpoint.save_interval, stops.exit_interval,
-                         saving=checkpoint.save is not None, check_interval=stops.exit_check_every,
+                         saving=checkpoint.save is not None, check_interval=exit_check_every(config),
                          boundaries={*segment_boundaries(config), *boundaries})
 
 

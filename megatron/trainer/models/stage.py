@@ -338,7 +338,7 @@ def build_stage(
     if layers.step != 1 or layers.start < 0 or layers.stop > args.num_layers:
         raise ValueError(f"layers {layers} outside a {args.num_layers}-layer model")
     if parallel_state.model_parallel_is_initialized():  # megatron's layers shard over its TP group
-        check_tensor_parallel_args(args, parallel_state.get_tensor_model_parallel_world_size())
+        check_tensor_parallel_args(args, parallel_state.get_tensor_model_parallel_world_size(), args.vocab_size)
     use_te = resolve_use_transformer_engine(args.use_transformer_engine)
     config = transformer_config(args, len(layers))
     if use_te:  # --attention-backend picks TE's kernel; the local spec's SDPA is the unfused maths

@@ -181,7 +181,7 @@ def build_tensor_parallel_stage(
     from megatron.core import parallel_state
 
     tp_size = int(config.parallel.tensor_model_parallel_size)
-    check_tensor_parallel_args(config.model, tp_size)
+    check_tensor_parallel_args(config.model, tp_size, config.vocab.size)
     if tp_size > 1 and parallel_state.get_tensor_model_parallel_world_size() != tp_size:
         raise RuntimeError(f"megatron's TP group has size "
                            f"{parallel_state.get_tensor_model_parallel_world_size()}, expected {tp_size}: "

@@ -1,32 +1,29 @@
 """The run plan, built once from the checked flags (:class:`~megatron.trainer.config.run_plan.RunPlan`).
 
 The flags are parsed and checked first (:mod:`megatron.trainer.plan.parse`); this derives what
-the run reads besides them: the schedule's config and the stage layout, with zb-v's per-chunk
-placeholder costs where the layer split gives its V chunks different sizes
-(:mod:`megatron.trainer.tasks.chunk_order_costs`). The launch's checks then add the memory
-estimate (:mod:`megatron.trainer.launch.memory_check`) and ``auto`` its layouts
+the run reads besides them: the layer split (:mod:`.partition`), the schedule's config and the
+stage layout (with zb-v's per-chunk placeholder costs where the split gives its V chunks
+different sizes), the batch of every iteration, the model's vocabulary and whether it ties its
+embeddings. The launch's checks then add the memory estimate
+(:mod:`megatron.trainer.launch.memory_check`) and ``auto`` its layouts
 (:mod:`megatron.trainer.loop.auto`), each as a new plan.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from megatron.trainer.config.job_config import build_job_config
-from megatron.trainer.config.run_config import RunConfig
-from megatron.trainer.config.run_plan import RunPlan
-from megatron.trainer.tasks.chunk_order_costs import with_chunk_costs
+from megatron.trainer.config.rampup_args import batch_plan
+from megatron.trainer.config.run_plan import LayerSplit, RunPlan
+from megatron.trainer.config.tied_args import embeddings_of
+from megatron.trainer.plan.partition import planned_run, resolve_partition
+from megatron.trainer.tokenizer.vocabulary import vocabulary
 
 
-def planned_run(args: argparse.Namespace) -> RunConfig:
-    """The schedule's config and layout of the flags ``args``, with per-chunk costs where the
-    split calls for them; raises :class:`~megatron.pipeline.schedules.ScheduleConfigError`."""
-    run = RunConfig.from_args(args)
-    schedule = with_chunk_costs(args, run.schedule)
-    return run if schedule is run.schedule else dataclasses.replace(run, schedule=schedule)
-
-
-def build_run_plan(args: argparse.Namespace, ignore: tuple[str, ...] = ()) -> RunPlan:
-    """The plan of the checked flags ``args`` (``ignore``: a tool's own flags on top of the
-    trainer's, as :func:`~megatron.trainer.config.job_config.build_job_config` takes them)."""
-    return RunPlan(build_job_config(args, ignore), planned_run(args))
+def build_run_plan(args: argparse.Namespace, layers: LayerSplit | None = None) -> RunPlan:
+    """The plan of the checked flags ``args`` (``layers``: the split the checks decided, else
+    decided again: the same, from the same flags and checkpoint)."""
+    config = build_job_config(args)
+    layers = resolve_partition(args) if layers is None else layers
+    return RunPlan(config, planned_run(args, layers.counts), batch_plan(args), layers, vocabulary(config),
+                   embeddings_of(config))

@@ -13,34 +13,29 @@ from megatron.trainer.config.job_config import build_job_config
 
 
 def check_data(args: argparse.Namespace) -> None:
-    """Data files, tokenizer files and the vocabulary, checked before any rank starts.
-
-    With a tokenizer the model's vocabulary is the tokenizer's padded like Megatron-LM
-    (``args.padded_vocab_size``, also stored in ``args.vocab_size``); NullTokenizer's own
-    size stays in ``args.null_vocab_size``.
-    """
+    """Data files, tokenizer files and the vocabulary, checked before any rank starts (the
+    model's vocabulary itself is the run plan's: :func:`~megatron.trainer.tokenizer.vocabulary.vocabulary`)."""
     if args.data_path is not None and args.mock_data:
         raise ConfigError("--mock-data and --data-path are mutually exclusive")
     if args.data_path is not None and args.tokenizer_type is None:
         raise ConfigError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)")
     if args.make_vocab_size_divisible_by < 1:
         raise ConfigError("--make-vocab-size-divisible-by must be >= 1")
-    args.padded_vocab_size = args.vocab_size
     if args.tokenizer_type is None:
         return
     # Imported here: a run on mock data (the default) never loads a tokenizer or dataset module.
     from megatron.trainer.data.gpt_dataset import (
         DataError, check_data as check_dataset_files, check_token_ids, parse_data_path, parse_split, usable_splits)
-    from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args, vocab_size_with_padding
+    from megatron.trainer.tokenizer import TokenizerError
+    from megatron.trainer.tokenizer.vocabulary import vocabulary
 
-    if args.tokenizer_type == "NullTokenizer" and args.null_vocab_size is None:
-        args.null_vocab_size = args.vocab_size
     try:
         infos = []
         if args.data_path is not None:
             infos = check_dataset_files(parse_data_path(args.data_path)[0], parse_split(args.split), args.seq_length)
-        tokenizer = tokenizer_from_args(build_job_config(args))
-        check_token_ids(infos, tokenizer.vocab_size)
+        tokenizer_size = vocabulary(build_job_config(args)).tokenizer_size
+        assert tokenizer_size is not None  # a tokenizer was given
+        check_token_ids(infos, tokenizer_size)
         if infos and args.eval_interval and not usable_splits(infos, args.seq_length)[1]:
             raise DataError(f"--eval-interval: --split {args.split} leaves no validation sample of "
                             f"{args.seq_length} tokens in --data-path {infos[0].prefix}; give the validation "
@@ -54,7 +49,3 @@ def check_data(args: argparse.Namespace) -> None:
             raise ConfigError(f"--data-cache-path {args.data_cache_path}: {exc.strerror}") from None
         if not os.access(args.data_cache_path, os.W_OK):
             raise ConfigError(f"--data-cache-path {args.data_cache_path}: not writable")
-    args.tokenizer_vocab_size = tokenizer.vocab_size
-    args.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    args.vocab_size = args.padded_vocab_size

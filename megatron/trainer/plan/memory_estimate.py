@@ -68,7 +68,7 @@ def model_shape(config: RunPlan) -> ModelShape:
 
 def part_layer_counts(config: RunPlan, parts: int) -> list[int]:
     """Layers of each consecutive model part (the split the stage builder uses)."""
-    split = config.parallel.pipeline_layer_split
+    split = config.layers.counts
     if split is not None and len(split) == parts:
         return [int(c) for c in split]
     base, extra = divmod(config.model.num_layers, parts)

@@ -19,70 +19,87 @@ from megatron.trainer.config.arguments import build_parser, check_flags, check_m
 from megatron.trainer.config.config_file import CommandLine, parse_command_line
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.flag_checks import check_flag_values
-from megatron.trainer.config.job_config import JobConfig, build_job_config
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.run_plan import RunPlan
+from megatron.trainer.config.values import with_values
 from megatron.trainer.optim.fused_adamw import fused_adamw_available_in_torch
 from megatron.trainer.plan.build import build_run_plan
 from megatron.trainer.plan.data import check_data
 from megatron.trainer.plan.partition import resolve_partition
 
 
-def resolve_adam_kernel(args: argparse.Namespace) -> None:
-    """``--adam-kernel auto`` becomes what runs; ``fused`` where it cannot run is refused."""
+def resolve_adam_kernel(args: argparse.Namespace) -> str:
+    """What ``--adam-kernel auto`` runs here; ``fused`` where it cannot run is refused."""
     plain_adam = args.optimizer in ("adam", "adamw")
     if args.adam_kernel == "auto":
-        args.adam_kernel = "fused" if plain_adam and fused_adamw_available_in_torch() else "single-tensor"
-    elif args.adam_kernel == "fused" and not plain_adam:
+        return "fused" if plain_adam and fused_adamw_available_in_torch() else "single-tensor"
+    if args.adam_kernel == "fused" and not plain_adam:
         raise ConfigError(f"--adam-kernel fused runs plain AdamW; --optimizer {args.optimizer} has its own update")
-    elif args.adam_kernel == "fused" and not fused_adamw_available_in_torch():
+    if args.adam_kernel == "fused" and not fused_adamw_available_in_torch():
         raise ConfigError("--adam-kernel fused: this torch has no torch._fused_adamw_ (use single-tensor)")
+    return args.adam_kernel
 
 
-def check_paths(args: argparse.Namespace) -> None:
+def check_paths(plan: RunPlan) -> None:
     """``--save`` writable with room for a checkpoint, ``--load`` a directory."""
     try:
-        check_checkpoint_paths(build_job_config(args))
+        check_checkpoint_paths(plan)
     except CheckpointPathError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Derive and check a parsed namespace in place (raise :class:`ConfigError`, one line)."""
-    finalize_args(args)
+def checked_flags(args: argparse.Namespace) -> tuple[argparse.Namespace, RunPlan]:
+    """The parsed flags ``args`` with Megatron-LM's defaults filled in (a new namespace: ``args``
+    stays as the user gave it), checked, and the run planned from them (raise
+    :class:`ConfigError`, one line)."""
+    args = finalize_args(args)
     check_model_flags(args)
-    resolve_adam_kernel(args)
-    check_data(args)  # the padded vocabulary, which the combinations' checks read
-    check_flags(args)
-    resolve_partition(args)  # --pipeline-partition: the layer split
-    check_paths(args)
+    args = with_values(args, adam_kernel=resolve_adam_kernel(args))
+    check_data(args)  # data files, tokenizer files
+    args = check_flags(args)
+    layers = resolve_partition(args)  # --pipeline-partition: the layer split
+    plan = build_run_plan(args, layers)
+    check_paths(plan)  # the checkpoint's size: the planned model (tied or not)
+    return args, plan
+
+
+def check_args(args: argparse.Namespace) -> RunPlan:
+    """Check the parsed flags and plan the run (:func:`checked_flags`)."""
+    return checked_flags(args)[1]
 
 
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """Parse, derive and check; exits with status 2 and one line on a bad combination."""
+    """Parse and check; the flags with Megatron-LM's defaults filled in. Exits with status 2
+    and one line on a bad combination."""
     parser = parser or build_parser()
-    return checked_args(parser, parse_command_line(parser, argv))
+    return _checked(parser, parse_command_line(parser, argv))[0]
 
 
-def checked_args(parser: argparse.ArgumentParser, command: CommandLine) -> argparse.Namespace:
-    """Derive and check the parsed ``command.args`` in place, then write them if ``--dump-config``
-    asked (and exit); exits with status 2 and one line on a bad combination. (The user's flags as
-    parsed, before this, are what ``auto`` derives its other layouts from:
+def checked_plan(parser: argparse.ArgumentParser, command: CommandLine) -> RunPlan:
+    """Check the parsed ``command.args`` and plan the run, then write the flags if
+    ``--dump-config`` asked (and exit); exits with status 2 and one line on a bad combination.
+    (The user's flags as parsed are what ``auto`` derives its other layouts from:
     :mod:`megatron.trainer.loop.auto.candidates`.)"""
-    args = command.args
+    return _checked(parser, command)[1]
+
+
+def _checked(parser: argparse.ArgumentParser, command: CommandLine) -> tuple[argparse.Namespace, RunPlan]:
     try:
-        check_flag_values(parser, args)  # every numeric flag in its domain, list flags parsed strictly
-        check_args(args)
+        check_flag_values(parser, command.args)  # every numeric flag in its domain, list flags parsed strictly
+        checked = checked_flags(command.args)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     command.dump_if_asked(parser)  # --dump-config PATH: write the flags as asked, exit 0
-    return args
+    return checked
 
 
 def parse_job_config(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> JobConfig:
     """:func:`parse_args`, then the typed config of what was asked."""
-    return build_job_config(parse_args(argv, parser))
+    return parse_run_plan(argv, parser).config
 
 
 def parse_run_plan(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> RunPlan:
-    """:func:`parse_args`, then the run plan (tools and tests that drive a run)."""
-    return build_run_plan(parse_args(argv, parser))
+    """Parse, check and plan (tools and tests that drive a run); exits with status 2 and one
+    line on a bad combination."""
+    parser = parser or build_parser()
+    return checked_plan(parser, parse_command_line(parser, argv))

@@ -24,6 +24,7 @@ Every rank must use the same split: under torch.distributed rank 0 profiles and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import statistics
 import time
@@ -193,17 +194,18 @@ def choose_split(task: PretrainTask, config: RunPlan, device: torch.device) -> l
 
 
 def apply_auto_partition(task: PretrainTask, config: RunPlan, device: torch.device) -> RunPlan:
-    """With ``--pipeline-partition profiled``, the config with the profiled
-    ``pipeline_layer_split`` (rank 0 decides under torch.distributed and broadcasts, so all
-    ranks build the same stages); else ``config``."""
-    if config.parallel.pipeline_partition != "profiled":
+    """With ``--pipeline-partition profiled``, the plan with the profiled layer split (rank 0
+    decides under torch.distributed and broadcasts, so all ranks build the same stages); else
+    ``config``."""
+    layers = config.layers
+    if layers.partition != "profiled":
         return config
-    if config.parallel.pipeline_layer_split is not None:  # resumed: the checkpoint's split (insight_args)
+    if layers.counts is not None:  # resumed: the checkpoint's split (plan/partition.py)
         import torch.distributed as dist
 
-        if config.parallel.pipeline_partition_resumed and (not dist.is_initialized() or dist.get_rank() == 0):
+        if layers.resumed and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"[megatron-async] pipeline partition profiled: resuming with the checkpoint's layer split "
-                  f"{config.parallel.pipeline_layer_split}", flush=True)
+                  f"{layers.counts}", flush=True)
         return config
     import torch.distributed as dist
 
@@ -213,4 +215,4 @@ def apply_auto_partition(task: PretrainTask, config: RunPlan, device: torch.devi
         split = box[0]
     else:
         split = choose_split(task, config, device)
-    return config.replace_in("parallel", pipeline_layer_split=[int(c) for c in split])  # type: ignore[union-attr]
+    return dataclasses.replace(config, layers=dataclasses.replace(layers, counts=[int(c) for c in split]))  # type: ignore[union-attr]

@@ -25,10 +25,12 @@ from megatron.pipeline.costs.cost_model import ModelShape, layer_costs, layer_un
 from megatron.pipeline.costs.partition import Partition, one_f_one_b_in_flight, partition_layers
 from megatron.pipeline.costs.stages import hosts_replicas
 from megatron.pipeline.ir import PipelineLayout
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.run_plan import RunPlan
+from megatron.trainer.tokenizer.vocabulary import vocabulary
 
 
-def model_shape(config: RunPlan) -> ModelShape | None:
+def model_shape(config: JobConfig) -> ModelShape | None:
     """The cost model's view of the flags; None for a task without transformer layers."""
     if config.task.model_family == "synthetic":  # the synthetic-cost benchmark: sleeps, no layers
         return None
@@ -40,7 +42,7 @@ def model_shape(config: RunPlan) -> ModelShape | None:
         num_layers=config.model.num_layers, hidden=h, ffn=config.model.ffn_hidden_size or 4 * h, heads=heads,
         query_groups=config.model.num_query_groups or heads,
         kv_channels=config.model.kv_channels or h // heads, seq_length=config.model.seq_length,
-        micro_batch=config.training.micro_batch_size, vocab=config.model.vocab_size,
+        micro_batch=config.training.micro_batch_size, vocab=vocabulary(config).size,
         gated_mlp=bool(config.model.swiglu), bert=bert,
         binary_head=bert and bool(config.task.bert_binary_head),  # type: ignore[attr-defined]
         position_table=(config.model.max_position_embeddings or config.model.seq_length) if learned else 0,
@@ -170,22 +172,21 @@ def rank_layers(layout: PipelineLayout, part_counts: list[int]) -> list[int]:
 def layer_split_line(config: RunPlan) -> str:
     """One banner line: how the layers are split over the stages, and why."""
     pp = config.parallel.pipeline_model_parallel_size
-    split = config.parallel.pipeline_layer_split
-    counts = list(split) if split is not None else None
+    layers = config.layers
+    counts = list(layers.counts) if layers.counts is not None else None
     if counts is None and config.parallel.num_model_chunks == 1 and config.model.num_layers % pp == 0:
         counts = even_counts(config.model.num_layers, pp)
-    mode = config.parallel.pipeline_partition
-    how = {"explicit": config.parallel.layer_split_source or "--pipeline-layer-split",
-           "checkpoint": "the --load checkpoint's"}.get(mode, f"--pipeline-partition {mode}")
-    if counts is None and config.parallel.layer_split_source:  # an even virtual layout
-        how = config.parallel.layer_split_source
+    how = {"explicit": layers.source or "--pipeline-layer-split",
+           "checkpoint": "the --load checkpoint's"}.get(layers.partition, f"--pipeline-partition {layers.partition}")
+    if counts is None and layers.source:  # an even virtual layout
+        how = layers.source
     if counts is not None and len(counts) != pp:  # per model chunk: say what every rank holds too
         layout = run_layout(config)
         line = (f"layer split: {counts} per model chunk, {rank_layers(layout, counts)} per rank "
                 f"(rank of each chunk: {[layout.physical(v)[0] for v in range(len(counts))]}) ({how})")
     else:
         line = f"layer split: {counts if counts is not None else 'even over the model chunks'} ({how})"
-    if config.parallel.pipeline_partition_feasible is False:
+    if not layers.feasible:
         line += " WARNING: no split fits --pipeline-partition-memory-gb; least overshoot"
     return line
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from megatron.trainer.config.errors import ConfigError
-from megatron.trainer.config.job_config import TaskOptions
+from megatron.trainer.config.job_config import JobConfig, TaskOptions
 from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.data.bert_dataset import BertDataSource, build_bert_datasets, check_bert_data
 from megatron.trainer.data.gpt_dataset import DataError
@@ -29,6 +29,7 @@ from megatron.trainer.tasks.stage_tasks import (
 )
 from megatron.trainer.tasks.task import Batch, PartBuilder, PretrainTask, pick_split, split_seed
 from megatron.trainer.tokenizer import TokenizerError, tokenizer_from_args
+from megatron.trainer.tokenizer.vocabulary import vocabulary
 
 BERT_SPECIAL_TOKENS = ("cls", "sep", "mask", "pad")
 
@@ -47,7 +48,7 @@ def bert_model_args(config: RunPlan) -> BertModelArgs:
     return BertModelArgs(**transformer_kwargs(config), add_binary_head=config.task.bert_binary_head)
 
 
-def check_bert_args(config: RunPlan) -> None:
+def check_bert_args(config: JobConfig) -> None:
     """BERT's flag checks, run with the common ones before any rank starts: masking
     probabilities, a tokenizer with BERT's special tokens, and data that yields samples."""
     if not 0.0 < config.task.mask_prob < 1.0:
@@ -60,7 +61,7 @@ def check_bert_args(config: RunPlan) -> None:
     if config.model.seq_length < MIN_SEQ_LENGTH:
         raise ConfigError(f"BERT needs --seq-length >= {MIN_SEQ_LENGTH} ([CLS] A [SEP] B [SEP])")
     if config.data.data_path is None:
-        if config.model.vocab_size < FIRST_WORD + 4:
+        if vocabulary(config).size < FIRST_WORD + 4:
             raise ConfigError(f"BERT mock data needs --vocab-size >= {FIRST_WORD + 4}")
         return
     tokenizer = tokenizer_from_args(config)
@@ -114,7 +115,7 @@ class BertTask(PretrainTask):
         model, task = config.model, config.task
         data: MockBertData | BertDataSource
         if config.data.data_path is None:
-            data = MockBertData(model.seq_length, model.vocab_size, split_seed(config.training.seed, split),
+            data = MockBertData(model.seq_length, config.vocab.size, split_seed(config.training.seed, split),
                                 binary_head=task.bert_binary_head, mask_prob=task.mask_prob)
         else:
             dataset = pick_split(build_bert_datasets(config), split, config)

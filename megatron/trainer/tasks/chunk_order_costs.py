@@ -34,10 +34,10 @@ def chunk_flops(args: argparse.Namespace, counts: list[int]) -> list[float] | No
             for j, n in enumerate(counts)]
 
 
-def with_chunk_costs(args: argparse.Namespace, config: ScheduleConfig) -> ScheduleConfig:
+def with_chunk_costs(args: argparse.Namespace, config: ScheduleConfig, split: list[int] | None) -> ScheduleConfig:
     """``config`` with per-chunk placeholder costs where a planned V schedule would plan from its
-    one placeholder and the run's split gives every V chunk its own count; else ``config``."""
-    options, split = config.options, getattr(args, "pipeline_layer_split", None)
+    one placeholder and the run's layer ``split`` gives every V chunk its own count; else ``config``."""
+    options = config.options
     if split is None or not isinstance(options, ZeroBubbleOptions) or options.profile_iters:
         return config
     if not isinstance(options.costs, OpCosts):  # --zb-costs: the user's

@@ -57,7 +57,7 @@ class GPTTask(PretrainTask):
         model = config.model
         data: MockGPTData | GPTDataSource
         if config.data.data_path is None:
-            data = MockGPTData(model.seq_length, model.vocab_size, split_seed(config.training.seed, split))
+            data = MockGPTData(model.seq_length, config.vocab.size, split_seed(config.training.seed, split))
         else:
             dataset = pick_split(build_gpt_datasets(config), split, config)
             data = GPTDataSource(dataset, keep_attention_mask=bool(config.data.reset_attention_mask))

@@ -36,8 +36,7 @@ from megatron.pipeline.simulator import OpCosts, simulate_schedule
 from megatron.pipeline.trace_analysis import load_traces
 from megatron.trainer.tasks.balanced_partition import model_shape
 from megatron.pipeline.schedules.zero_bubble.zb_1p import ZB1P
-from megatron.trainer.config.job_config import flag_values
-from megatron.trainer.config.run_plan import RunPlan
+from megatron.trainer.config.job_config import JobConfig, flag_values
 
 PROFILE_ITERS = 2
 MAX_COLLECTIVE_BYTES = 64 << 20  # the collective measurement's size cap (a larger one only takes longer)
@@ -48,7 +47,7 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "micro_batch_size")
 
 
-def profile_command(config: RunPlan) -> list[str]:
+def profile_command(config: JobConfig) -> list[str]:
     """The one-process emulator run that profiles ``args``' model (module docstring)."""
     training = config.training
     script = Path(__file__).resolve().parents[3] / "pretrain_gpt.py"
@@ -108,7 +107,7 @@ def measured_activations(decision: dict, records: list[dict], layers: int
     return split(per_mb), split(kept)
 
 
-def optimizer_ms_per_param(config: RunPlan, trace_dir: Path) -> float:
+def optimizer_ms_per_param(config: JobConfig, trace_dir: Path) -> float:
     """The optimizer step's time per parameter (ms): each stage's median traced OPT span (the
     emulator runs a stage's step alone: no collective waits inside it) over its parameters, the
     larger of the two stages (the slower one sets a synchronous step's pace)."""
@@ -129,7 +128,7 @@ def rank_threads(ranks: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, ranks))
 
 
-def with_link_costs(config: RunPlan, unit: UnitCosts) -> UnitCosts:
+def with_link_costs(config: JobConfig, unit: UnitCosts) -> UnitCosts:
     """``unit`` with the CPU transport's costs measured on this host (:mod:`.link_profile`): an
     activation-sized message, a collective of one profiled stage's fp32 gradients."""
     from megatron.trainer.tasks.link_profile import measure_link
@@ -144,7 +143,7 @@ def with_link_costs(config: RunPlan, unit: UnitCosts) -> UnitCosts:
                                reduce_ms_per_byte=link.reduce_ms_per_byte)
 
 
-def profile_unit_costs(config: RunPlan, threads: int) -> UnitCosts:
+def profile_unit_costs(config: JobConfig, threads: int) -> UnitCosts:
     """Run the profile and read its costs; ValueError (one line) when the run gives none.
 
     ``threads``: the CPU threads per rank of the runs being planned (:func:`rank_threads` of
@@ -186,7 +185,7 @@ def profile_copies(cores: float | None, threads: int) -> int:
     return 1 if cores is None else max(1, int(cores) // max(1, threads))
 
 
-def read_profile(config: RunPlan, stdout: str, log: Path, trace: Path) -> UnitCosts | None:
+def read_profile(config: JobConfig, stdout: str, log: Path, trace: Path) -> UnitCosts | None:
     """One profiling run's unit costs (None: it logged none)."""
     records = [json.loads(r) for r in log.read_text().splitlines()] if log.exists() else []
     step = optimizer_ms_per_param(config, trace) if trace.is_dir() and any(trace.iterdir()) else 0.0

@@ -33,7 +33,7 @@ def transformer_kwargs(config: RunPlan) -> dict[str, Any]:
         num_attention_heads=config.model.num_attention_heads,
         seq_length=config.model.seq_length,
         max_position_embeddings=config.model.max_position_embeddings,
-        vocab_size=config.model.vocab_size,
+        vocab_size=config.vocab.size,
         ffn_hidden_size=config.model.ffn_hidden_size,
         num_query_groups=config.model.num_query_groups,
         hidden_dropout=config.model.hidden_dropout,
@@ -63,11 +63,11 @@ def build_chunks(
     """
     layout = config.run.layout
     parts = layout.num_model_stages
-    split = layout.part_layer_split(config.parallel.pipeline_layer_split)  # per part (a V halves each stage's)
+    split = layout.part_layer_split(config.layers.counts)  # per part (a V halves each stage's)
     part_layers = split_layers(config.model.num_layers, parts, split)
     model_stages = [layout.model_stage(stage, c) for c in range(layout.num_chunks)]
     chunks = [build(part_layers[j], j == 0, j == parts - 1) for j in model_stages]
-    if config.model.tie_embeddings and parts > 1 and 0 in model_stages and parts - 1 in model_stages:
+    if config.embeddings.tied and parts > 1 and 0 in model_stages and parts - 1 in model_stages:
         # Both ends on this stage (a V's stage 0): one parameter, as at PP = 1.
         first, last = chunks[model_stages.index(0)], chunks[model_stages.index(parts - 1)]
         share_local_ends(last.model.output_layer, first.model.embedding.word_embeddings.weight)

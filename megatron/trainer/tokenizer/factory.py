@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron.trainer.config.job_config import JobConfig
 from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.tokenizer.core_backed import core_tokenizer
 from megatron.trainer.config.choices import TOKENIZER_TYPES
@@ -42,19 +43,15 @@ def build_tokenizer(
     raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
-def tokenizer_from_args(config: Any) -> Tokenizer:
-    """:func:`build_tokenizer` from Megatron's flag names on an ``RunPlan``.
-
-    For ``NullTokenizer`` the id count is ``config.model.null_vocab_size`` when the trainer has
-    already replaced ``--vocab-size`` by the padded model vocabulary, else ``config.model.vocab_size``.
-    """
-    null_size = config.model.null_vocab_size or config.model.vocab_size
+def tokenizer_from_args(config: JobConfig) -> Tokenizer:
+    """:func:`build_tokenizer` from Megatron's flag names on a job config (``NullTokenizer``:
+    ``--vocab-size`` ids)."""
     return build_tokenizer(
         config.data.tokenizer_type,
         vocab_file=config.data.vocab_file,
         merge_file=config.data.merge_file,
         tokenizer_model=config.data.tokenizer_model,
-        vocab_size=null_size,
+        vocab_size=config.model.vocab_size,
     )
 
 
@@ -70,7 +67,7 @@ def tokenizer_record(config: RunPlan) -> dict[str, Any] | None:
     if data.tokenizer_type is None:
         return None
     record = {"tokenizer_type": data.tokenizer_type, "vocab_file": data.vocab_file, "merge_file": data.merge_file,
-              "tokenizer_model": data.tokenizer_model, "null_vocab_size": config.model.null_vocab_size}
+              "tokenizer_model": data.tokenizer_model, "null_vocab_size": config.vocab.null_size}
     for flag in ("vocab_file", "merge_file", "tokenizer_model"):
         if record[flag]:
             record[flag] = os.path.abspath(record[flag])

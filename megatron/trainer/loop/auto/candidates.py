@@ -52,7 +52,6 @@ from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.checkpoint import check_resume
 from megatron.trainer.checkpointing.format import _read_metadata, run_signature
 from megatron.trainer.checkpointing.reshard import LAYOUT_FLAGS
-from megatron.trainer.plan.build import build_run_plan
 from megatron.trainer.plan.parse import check_args
 from megatron.trainer.config.errors import ConfigError
 from megatron.trainer.config.run_plan import RunPlan
@@ -87,15 +86,14 @@ def checked_plan(flags: argparse.Namespace) -> RunPlan | None:
     """The run plan of ``flags`` (derived and checked as the run's own were), or None where a
     check refuses them (that layout is not offered)."""
     try:
-        check_args(flags)
+        return check_args(flags)
     except ConfigError:
         return None
-    return build_run_plan(flags)
 
 
 def _part_layers(config: RunPlan) -> tuple[int, ...]:
     layout = config.run.layout
-    split = layout.part_layer_split(config.parallel.pipeline_layer_split)
+    split = layout.part_layer_split(config.layers.counts)
     return tuple(split) if split is not None else tuple(part_layer_counts(config, layout.num_model_stages))
 
 
