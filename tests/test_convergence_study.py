@@ -73,6 +73,20 @@ def test_every_run_of_a_preset_parses_and_varies_only_what_its_study_varies(pres
     assert {_flag(r.flags, "--num-layers") for r in depth} == {str(preset.depth_layers)}  # one model
 
 
+@pytest.mark.parametrize("preset", [CI, FULL], ids=["ci", "full"])
+def test_every_run_trains_the_same_untied_model_on_an_even_split(preset) -> None:
+    """Flush ties by default and asynchronous schedules cannot: the study unties every run, so
+    all train one model; the depth sweep keeps P equal shares of the layers (the balanced default
+    would move them, and with them each stage's share of the delay)."""
+    from megatron.trainer.plan.parse import parse_run_plan
+
+    for r in study_runs(preset):
+        plan = parse_run_plan([*r.flags, "--mock-data"])
+        assert not plan.embeddings.tied, (r.name, plan.embeddings.line)
+        if r.study == "depth":
+            assert plan.layers.counts is None and plan.layers.partition in ("even", "balanced"), (r.name, plan.layers)
+
+
 def test_full_preset_is_the_documented_study() -> None:
     assert FULL.paci_depth == 8 and FULL.paci_accumulations == (1, 4, 8)
     assert FULL.depths == (1, 2, 4, 8, 16, 32) and FULL.depth_layers >= 32

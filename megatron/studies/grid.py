@@ -15,6 +15,13 @@ MUON = ("--optimizer", "muon", "--muon-use-nesterov", "--muon-scale-mode", "spec
         "--muon-extra-scale-factor", "0.2")
 LOOKAHEAD = ("--optimizer", "delay-nesterov")
 ASYNC_OPTIMIZERS: dict[str, tuple[str, ...]] = {"": (), " + Muon": MUON, " + look-ahead": LOOKAHEAD}
+# The studies' model since the trainer's defaults moved on: untied (asynchronous schedules must
+# untie; 1F1B-flush would tie by default, #42, and train another model) and, on several stages,
+# an even layer split (the balanced default, #43, moves layers off the head stage and with them
+# each stage's share of the delay). Given only where they change something, so the runs they
+# do not change keep their saved results.
+UNTIED = ("--untie-embeddings-and-output-weights",)
+EVEN_SPLIT = ("--pipeline-partition", "even")
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ def paci_study(preset: Preset) -> list[RunSpec]:
                 "--eval-interval", str(preset.eval_interval), "--eval-iters", str(preset.eval_iters)]
         variant = f"lr{lr:g}"
         runs.append(RunSpec("paci", "1F1B-flush", "1f1b", n, (*base, "--pipeline-schedule", "1f1b",
-                            "--micro-batch-size", str(preset.global_batch)), variant))
+                            "--micro-batch-size", str(preset.global_batch), *UNTIED), variant))
         for suffix, optimizer in ASYNC_OPTIMIZERS.items():
             for a in preset.paci_accumulations:
                 schedule, label = ("async-1f1b", "async-1F1B (a=1)") if a == 1 else ("paci", f"PACI a={a}")
@@ -143,7 +150,8 @@ def depth_study(preset: Preset) -> list[RunSpec]:
         for p in preset.depths:
             runs.append(RunSpec("depth", method, schedule, p, (
                 *preset.model_flags(preset.depth_layers), "--pipeline-model-parallel-size", str(p),
-                "--pipeline-schedule", schedule, "--micro-batch-size", str(preset.global_batch), *extra)))
+                "--pipeline-schedule", schedule, "--micro-batch-size", str(preset.global_batch), *extra,
+                *(EVEN_SPLIT if p > 1 else ()))))
     return runs
 
 

@@ -1,17 +1,17 @@
-"""The job's configuration: frozen dataclasses, one per concern, built once from argv.
+"""What the user asked for: frozen dataclasses, one per concern, built once from the flags.
 
-``parse_args`` turns Megatron-LM's flags into a checked namespace (every flag, every refusal
-and every derived value stays where Megatron-LM users expect it); :func:`build_job_config`
-then files each value into the section of its concern and checks that none is left over, so a
-flag added without a home fails the tests, not a run. Everything below ``config/`` reads the
-sections' fields: ``config.model.hidden_size``, ``config.parallel.pipeline_model_parallel_size``.
+``parse_args`` checks Megatron-LM's flags (every flag and every refusal stays where
+Megatron-LM users expect it) and fills Megatron-LM's defaults that depend on other flags into a
+new namespace; :func:`build_job_config` then files each value into the section of its concern
+and checks that none is left over, so a flag added without a home fails the tests, not a run.
+Everything below ``config/`` reads the sections' fields: ``config.model.hidden_size``,
+``config.parallel.pipeline_model_parallel_size``.
 
-The sections are frozen: a later decision (a profiled layer split) makes a new config with
-:func:`replace_in` that its caller passes on, so what a function read is what the run used.
-What the run derives from the config and the host (the schedule's config and layout, the
-memory estimate, the host set-up, ``auto``'s layouts) is not here but in the run plan
-(:mod:`megatron.trainer.config.run_plan`). Field names are the flags' ``dest`` names, so a
-flag's documentation is ``--help``.
+The sections are frozen, and hold no value derived from the data, the cost model, the schedule
+or the host: those (the padded vocabulary, the layer split, the built schedule's config and
+layout, the batch plan, the tie, the memory estimate, the host set-up, ``auto``'s layouts) are
+the run plan's (:mod:`megatron.trainer.config.run_plan`). Field names are the flags' ``dest``
+names, so a flag's documentation is ``--help``.
 """
 from __future__ import annotations
 
