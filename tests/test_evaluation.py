@@ -39,7 +39,7 @@ def _direct_loss(workers, config, split: str) -> float:
         for chunk in w.setup.chunks:
             chunk.eval()
     with torch.no_grad():
-        for mb in range(EVAL_ITERS * config.training.num_microbatches):
+        for mb in range(EVAL_ITERS * config.num_microbatches):
             batch, x = batch_fn(mb), None
             for w in workers:
                 x = w.setup.chunks[0](x, batch)

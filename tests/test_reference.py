@@ -217,8 +217,8 @@ def reference(megatron_world1: None, launched) -> Reference:
 
     config = parse_run_plan(COMMON)
     model_cfg, training, opt = config.model, config.training, config.optimizer
-    assert config.parallel.pipeline_model_parallel_size == 1 and training.num_microbatches == GBS // MBS
-    m = training.num_microbatches
+    assert config.parallel.pipeline_model_parallel_size == 1 and config.num_microbatches == GBS // MBS
+    m = config.num_microbatches
     model = build_gpt_stage(gpt_model_args(config), range(model_cfg.num_layers), True, True, training.seed, "cpu")
     named = list(model.global_named_parameters())
     initial = {n: p.detach().clone() for n, p in named}

@@ -53,7 +53,7 @@ def _workers(num_microbatches: int, measure: bool = True, schedule: str = "1f1b"
         "--attention-dropout", "0", "--pipeline-executor", "emulator", "--device", "cpu",
         *(["--log-activation-memory"] if measure else []),
     ])
-    assert config.training.num_microbatches == num_microbatches
+    assert config.num_microbatches == num_microbatches
     return [build_worker(GPTTask(), config, s, 0, torch.device("cpu"), isolate_rng=True) for s in range(N)]
 
 

@@ -130,7 +130,7 @@ def train_torch_runtime(argv: Sequence[str], csv_path: str, rank: int, world: in
     parts = [layout.virtual(rank, c) for c in range(layout.num_chunks)]
     num_parts = layout.num_model_stages
     batch_fn = task.batch_fn(config, 0, cpu)
-    m = config.training.num_microbatches
+    m = config.num_microbatches
     model = config.model
     mbs = config.training.micro_batch_size
     current: dict[int, Any] = {}

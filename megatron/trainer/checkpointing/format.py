@@ -39,12 +39,14 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
 
 def run_signature(task: NamedModel, config: RunPlan) -> dict[str, Any]:
     """What identifies a run's model and pipeline layout (checked on load)."""
-    flags = flag_values(config)
+    # the flags, and what the run made of them: Megatron-LM's derived sizes, the padded
+    # vocabulary, the run's layer split (None: even) and what runs of the tie (async: untied)
+    flags = {**flag_values(config), "num_model_chunks": config.num_model_chunks,
+             "num_microbatches": config.num_microbatches, "vocab_size": config.vocab.size,
+             "pipeline_layer_split": config.layers.counts,
+             "untie_embeddings_and_output_weights": not config.embeddings.tied}
     signature = {flag: flags.get(flag) for flag in SIGNATURE_FLAGS}
     signature["tensor_model_parallel_size"] = signature["tensor_model_parallel_size"] or 1
-    signature["untie_embeddings_and_output_weights"] = not config.embeddings.tied  # what runs (async: untied)
-    signature["vocab_size"] = config.vocab.size  # the embedding's rows (padded)
-    signature["pipeline_layer_split"] = config.layers.counts  # the run's (None: even)
     signature["tokenizer_vocab_size"] = config.vocab.tokenizer_size  # which vocab rows are padding
     signature["task"] = task.name
     signature["tokenizer"] = tokenizer_record(config)  # for tools/export_hf.py and tools/generate.py

@@ -22,7 +22,7 @@ from megatron.trainer.config.values import FlagValue, with_values
 from megatron.trainer.environment import world_size_from_env
 from megatron.trainer.config.choices import (
     BIND_CORES_CHOICES, DECAY_STYLES, HOST_MALLOC_CHOICES, OPTIMIZER_NAMES, TOKENIZER_TYPES)
-from megatron.trainer.config.job_config import build_job_config
+from megatron.trainer.config.job_config import build_job_config, microbatches, model_chunks
 from megatron.trainer.config.run_config import RunConfig
 from megatron.trainer.config.flag_checks import OneLineParser
 from megatron.trainer.config.exit_args import add_exit_args, check_exit_flags
@@ -216,9 +216,8 @@ def finalize_args(args: argparse.Namespace) -> argparse.Namespace:
     args = with_values(args, **resolve_megatron_split(args))  # Megatron-LM's split flags -> a split or chunk size
     # Model chunks per stage (Megatron's virtual pipeline size); checked in check_flags.
     pp, dp, per_chunk = args.pipeline_model_parallel_size, args.data_parallel_size, args.num_layers_per_virtual_pipeline_stage
-    args = with_values(
-        args, num_model_chunks=max(1, args.num_layers // (pp * per_chunk)) if per_chunk and per_chunk > 0 else 1,
-        num_microbatches=args.global_batch_size // max(1, args.micro_batch_size * dp))
+    args = with_values(args, num_model_chunks=model_chunks(args.num_layers, pp, per_chunk),
+                       num_microbatches=microbatches(args.global_batch_size, args.micro_batch_size, dp))
     return with_values(args, **finalize_megatron_compat_args(args))  # --train-samples, --*-samples, rampup
 
 

@@ -65,11 +65,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int
     tensor_model_parallel_size: int
     data_parallel_size: int
-    world_size: int
     sequence_parallel: bool
     num_layers_per_virtual_pipeline_stage: int | None
-    #: model chunks per stage (Megatron's virtual pipeline size)
-    num_model_chunks: int
     #: the user's split (the run's, decided from it, is the run plan's ``layers``)
     pipeline_layer_split: list[int] | None
     decoder_first_pipeline_num_layers: int | None
@@ -85,6 +82,11 @@ class ParallelConfig:
     ddp_bucket_size: int | None
     use_distributed_optimizer: bool
     overlap_param_gather: bool
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run: pipeline x tensor x data-parallel size."""
+        return self.pipeline_model_parallel_size * self.tensor_model_parallel_size * self.data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,6 @@ class TrainingConfig:
     train_samples: int | None
     seed: int
     rampup_batch_size: list[int] | None
-    num_microbatches: int
     eval_interval: int | None
     eval_iters: int
 
@@ -296,6 +297,28 @@ class JobConfig:
     launch: LaunchConfig
     task: TaskOptions = field(default_factory=TaskOptions)
 
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per iteration and data-parallel replica (at the final global batch)."""
+        return microbatches(self.training.global_batch_size, self.training.micro_batch_size,
+                            self.parallel.data_parallel_size)
+
+    @property
+    def num_model_chunks(self) -> int:
+        """Model chunks per stage (Megatron's virtual pipeline size)."""
+        return model_chunks(self.model.num_layers, self.parallel.pipeline_model_parallel_size,
+                            self.parallel.num_layers_per_virtual_pipeline_stage)
+
+
+def microbatches(global_batch: int, micro_batch: int, data_parallel: int) -> int:
+    """Megatron-LM's micro-batches per iteration and data-parallel replica."""
+    return global_batch // max(1, micro_batch * data_parallel)
+
+
+def model_chunks(num_layers: int, pipeline: int, layers_per_chunk: int | None) -> int:
+    """Megatron-LM's virtual pipeline size: chunks of ``layers_per_chunk`` layers per stage."""
+    return max(1, num_layers // (pipeline * layers_per_chunk)) if layers_per_chunk and layers_per_chunk > 0 else 1
+
 
 S = TypeVar("S")
 
@@ -315,9 +338,11 @@ SECTION_TYPES: dict[str, type] = {
 RENAMED: dict[str, str] = {}
 # Fields that are no flag's value: the schedule's flag dict itself.
 NOT_FLAGS = frozenset({"flags"})
-# Namespace attributes that are not configuration: the task's flag checks, and the Megatron-LM
-# split flags a split was translated from (the run plan's ``layers.source``).
-NOT_CONFIG = frozenset({"task_checks", "task_options", "layer_split_source"})
+# Namespace attributes that are not configuration: the task's flag checks, the Megatron-LM
+# split flags a split was translated from (the run plan's ``layers.source``), and the sizes the
+# flag checks read that the config computes from its fields (``world_size``, ...).
+NOT_CONFIG = frozenset({"task_checks", "task_options", "layer_split_source", "world_size", "num_microbatches",
+                        "num_model_chunks"})
 
 
 def job_schedule_config(config: JobConfig) -> ScheduleConfig:
@@ -326,8 +351,8 @@ def job_schedule_config(config: JobConfig) -> ScheduleConfig:
     schedule_cls = schedule_class(schedule.pipeline_schedule)
     flags = {flag.dest: schedule.flags[flag.dest] for group in schedule_cls.traits.flag_groups for flag in group.flags}
     return schedule_config_of(schedule_cls, parallel.pipeline_model_parallel_size,
-                            training.num_microbatches, training.train_iters,
-                            parallel.num_model_chunks, parallel.data_parallel_size, flags)
+                            config.num_microbatches, training.train_iters,
+                            config.num_model_chunks, parallel.data_parallel_size, flags)
 
 
 def flag_values(config: JobConfig) -> dict[str, object]:

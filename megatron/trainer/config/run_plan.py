@@ -170,6 +170,14 @@ class RunPlan:
     def task(self) -> TaskOptions:
         return self.config.task
 
+    @property
+    def num_microbatches(self) -> int:
+        return self.config.num_microbatches
+
+    @property
+    def num_model_chunks(self) -> int:
+        return self.config.num_model_chunks
+
     def replace_in(self, section: str, **values: Any) -> RunPlan:
         """A plan whose config has fields of one section replaced
         (``plan.replace_in("checkpoint", load=path)``, a profiled layer split); the derived parts

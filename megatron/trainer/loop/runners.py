@@ -74,7 +74,7 @@ class EvaluationData:
     def __init__(self, task: PretrainTask, config: RunPlan, dp_rank: int, device: torch.device):
         self._build = lambda split: task.batch_fn(config, dp_rank, device, split=split)
         self._fns: dict[str, Callable[[int], Batch] | None] = {}
-        self.num_microbatches = config.training.eval_iters * config.training.num_microbatches  # per data-parallel replica
+        self.num_microbatches = config.training.eval_iters * config.num_microbatches  # per data-parallel replica
 
     def batch_fn(self, split: str) -> Callable[[int], Batch] | None:
         if split not in self._fns:

@@ -84,7 +84,7 @@ def schedule_in_flight(config: RunPlan) -> list[float]:
     from megatron.pipeline.simulator import simulate_schedule
     from megatron.trainer.config.job_config import job_schedule_config
 
-    pp, m = config.parallel.pipeline_model_parallel_size, config.training.num_microbatches
+    pp, m = config.parallel.pipeline_model_parallel_size, config.num_microbatches
     try:
         iterations = min(config.training.train_iters, 3)
         first = dataclasses.replace(job_schedule_config(config), first_iteration=0, num_iterations=iterations)
@@ -174,7 +174,7 @@ def layer_split_line(config: RunPlan) -> str:
     pp = config.parallel.pipeline_model_parallel_size
     layers = config.layers
     counts = list(layers.counts) if layers.counts is not None else None
-    if counts is None and config.parallel.num_model_chunks == 1 and config.model.num_layers % pp == 0:
+    if counts is None and config.num_model_chunks == 1 and config.model.num_layers % pp == 0:
         counts = even_counts(config.model.num_layers, pp)
     how = {"explicit": layers.source or "--pipeline-layer-split",
            "checkpoint": "the --load checkpoint's"}.get(layers.partition, f"--pipeline-partition {layers.partition}")
