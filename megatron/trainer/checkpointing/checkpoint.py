@@ -37,7 +37,8 @@ name (and TP shard offset) through the
 
 A schedule that decides something during the run saves it too (``schedule_state`` in
 ``metadata.json``): zb-1p / zb-2p save their profiled costs and the iteration profiling
-ended at, so the resumed run keeps the same order instead of profiling again.
+ended at, so the resumed run keeps the same order instead of profiling again (the run plan
+says what to keep: :meth:`~megatron.trainer.config.run_plan.RunPlan.schedule_state`).
 """
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ import torch
 from megatron.pipeline.runtime.replicas import whole_optimizer_states
 from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
-from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.fault_injection import kill_here_if_asked
 from megatron.trainer.checkpointing.paths import rank_file_name
 from megatron.trainer.checkpointing.reshard import file_index, tp_size
@@ -65,7 +65,7 @@ from megatron.trainer.checkpointing.format import (  # noqa: F401 - the checkpoi
     FORMAT_VERSION, METADATA, POINTER, SIGNATURE_FLAGS, CheckpointError, _read_metadata, file_checksum,
     iteration_dir, run_signature, tensor_parallel_rank)
 from megatron.trainer.checkpointing.load import (  # noqa: F401
-    ResumePoint, check_resume, find_resume_point, load_stage_state, restore_schedule_state, _read_rank_file)
+    ResumePoint, check_resume, find_resume_point, load_stage_state, _read_rank_file)
 
 
 # ----------------------------------------------------------------------------- saving
@@ -198,18 +198,6 @@ def write_rank_file(root: str | Path, iteration: int, stage: int, dp_rank: int, 
     _durable_replace(partial, path)
     write_durable_text(path.with_name(path.name + INDEX_SUFFIX), json.dumps(file_index(state)))
     write_durable_text(path.with_name(path.name + CHECKSUM_SUFFIX), writer.hash.hexdigest())
-
-
-def schedule_state(schedule: Schedule | None, chosen_by: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """What ``schedule`` decided during the run and must keep on resume (zb-1p/zb-2p's profiled
-    costs), or None (also without a schedule: a save before any training segment). In a run
-    ``auto`` rebuilt in another layout (``chosen_by``: its decision), the decision with the
-    schedule's own state as ``inner``, so a resumed ``auto`` run keeps the layout
-    (:func:`~megatron.trainer.checkpointing.load.restore_schedule_state` unwraps it)."""
-    own = None if schedule is None else schedule.policy.checkpoint.save()
-    if chosen_by is None:
-        return own
-    return {**chosen_by, "inner": own}
 
 
 def publish(root: str | Path, iteration: int, signature: dict[str, Any], num_stages: int, dp_size: int,

@@ -14,8 +14,6 @@ import torch
 
 from megatron.pipeline.runtime.replicas import owned_optimizer_state
 from megatron.pipeline.runtime.worker import StageWorker
-from megatron.pipeline.schedules import SELECTORS
-from megatron.pipeline.schedules.base import Schedule
 from megatron.trainer.checkpointing.format import (
     METADATA, POINTER, CheckpointError, _read_metadata, file_checksum, iteration_dir, run_signature,
     tensor_parallel_rank)
@@ -27,21 +25,6 @@ from megatron.trainer.checkpointing.shards import Region, ShardError
 from megatron.trainer.config.run_plan import RunPlan
 from megatron.trainer.models.tensor_parallel import shard_layout
 from megatron.trainer.checkpointing.model_names import NamedModel
-
-
-def restore_schedule_state(schedule: Schedule, point: "ResumePoint | None") -> None:
-    """Hand a checkpoint's :func:`schedule_state` back to the resumed run's schedule. A schedule
-    that decides nothing at run time ignores it (e.g. zb-2p resumed with ``--zb-costs``: the
-    user fixed the order on purpose)."""
-    if point is None or point.schedule_state is None:
-        return
-    state = point.schedule_state
-    if state.get("relayout") and schedule.name not in SELECTORS:  # auto's decision to rebuild the stages
-        inner = state.get("inner")  # the rebuilt schedule's own state
-        if inner is not None:
-            schedule.policy.checkpoint.restore(inner)
-        return
-    schedule.policy.checkpoint.restore(state)
 
 
 @dataclass(frozen=True)

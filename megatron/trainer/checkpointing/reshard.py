@@ -54,7 +54,7 @@ from megatron.pipeline.schedules import SchedulePolicy, schedule_class
 from megatron.pipeline.schedules.base import ScheduleConfig
 from megatron.trainer.checkpointing.paths import rank_file_coordinates, rank_file_name
 from megatron.trainer.checkpointing.shards import Region, ShardError, plan_region, shard_entry
-from megatron.trainer.config.run_plan import RunPlan
+from megatron.trainer.config.run_plan import RunPlan, is_rebuild_decision
 from megatron.trainer.models.tensor_parallel import ShardLayout
 
 # Flags that describe the layout, not the model: they may differ between save and load.
@@ -306,7 +306,7 @@ def _notices(saved: dict[str, Any], ours: dict[str, Any], same_ranks: bool, same
         notices.append(f"weight-version state of {'/'.join(sorted(policies))} reset (2BW's stash, "
                        f"PipeMare's delta start fresh)")
     state = metadata.get("schedule_state")
-    if state is not None and not state.get("relayout") and not (same_ranks and same_schedule):
+    if state is not None and not is_rebuild_decision(state) and not (same_ranks and same_schedule):
         notices.append("the schedule's profiled order is not carried over (profiled again)")
     return notices
 

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatron.pipeline.schedules import SELECTORS
 from megatron.trainer.config.batch_plan import BatchPlan
 from megatron.trainer.config.job_config import (
     CheckpointConfig, DataConfig, ExitConfig, JobConfig, LaunchConfig, LoggingConfig, ModelConfig, OptimizerConfig,
@@ -31,6 +32,7 @@ from megatron.trainer.config.values import JsonValue
 
 if TYPE_CHECKING:
     from megatron.pipeline.costs.memory import MemoryEstimate
+    from megatron.pipeline.schedules.base import Schedule
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,15 @@ class RunPlan:
     def num_model_chunks(self) -> int:
         return self.config.num_model_chunks
 
+    def schedule_state(self, schedule: Schedule | None) -> dict[str, JsonValue] | None:
+        """What this run's checkpoints keep of ``schedule``: what it decided during the run and
+        must keep on resume (zb-1p/zb-2p's profiled costs), or None (also without a schedule: a
+        save before any training segment). In a run ``auto`` rebuilt in another layout, its
+        decision (``chosen_by``) with the schedule's own state as ``inner``, so a resumed
+        ``auto`` run keeps the layout (:func:`restore_schedule_state` unwraps it)."""
+        own = None if schedule is None else schedule.policy.checkpoint.save()
+        return own if self.chosen_by is None else {**self.chosen_by, "inner": own}
+
     def replace_in(self, section: str, **values: Any) -> RunPlan:
         """A plan whose config has fields of one section replaced
         (``plan.replace_in("checkpoint", load=path)``, a profiled layer split); the derived parts
@@ -190,3 +201,24 @@ class RunPlan:
         schedule = self.run.schedule
         schedule = dataclasses.replace(schedule, options=dataclasses.replace(schedule.options, **options))
         return dataclasses.replace(self, run=dataclasses.replace(self.run, schedule=schedule))
+
+
+def restore_schedule_state(schedule: Schedule, state: dict[str, JsonValue] | None) -> None:
+    """Hand a checkpoint's :meth:`RunPlan.schedule_state` back to the resumed run's schedule. A
+    schedule that decides nothing at run time ignores it (e.g. zb-2p resumed with
+    ``--zb-costs``: the user fixed the order on purpose); a schedule rebuilt by ``auto``'s
+    decision takes the decision's ``inner`` state (none: the run had not trained in it yet)."""
+    if state is None:
+        return
+    if is_rebuild_decision(state) and schedule.name not in SELECTORS:
+        inner = state.get("inner")  # the rebuilt schedule's own state
+        if isinstance(inner, dict):
+            schedule.policy.checkpoint.restore(inner)
+        return
+    schedule.policy.checkpoint.restore(state)
+
+
+def is_rebuild_decision(state: dict[str, JsonValue]) -> bool:
+    """Whether a checkpoint's schedule state is ``auto``'s decision to rebuild the stages in
+    another layout (the rebuilt schedule's own state, if any, inside as ``inner``)."""
+    return bool(state.get("relayout"))

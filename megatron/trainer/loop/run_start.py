@@ -15,9 +15,9 @@ from megatron.pipeline.runtime.transport import Transport
 from megatron.pipeline.runtime.worker import StageWorker
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.schedules.base import Schedule
-from megatron.trainer.checkpointing.checkpoint import ResumePoint, load_stage_state, restore_schedule_state
+from megatron.trainer.checkpointing.checkpoint import ResumePoint, load_stage_state
 from megatron.trainer.config.exit_args import exit_check_every
-from megatron.trainer.config.run_plan import RunPlan
+from megatron.trainer.config.run_plan import RunPlan, restore_schedule_state
 from megatron.trainer.config.tied_args import embeddings_record
 from megatron.trainer.config.megatron_compat_args import flops_per_iteration, wandb_run
 from megatron.trainer.launch.python_gc import CollectorPolicy
@@ -110,7 +110,7 @@ def run_schedule(config: RunPlan, start: int, resume: ResumePoint | None = None)
     else:
         resumed = dataclasses.replace(run.schedule, first_iteration=start, num_iterations=training.train_iters - start)
         schedule = build_schedule(config.schedule.pipeline_schedule, resumed)
-    restore_schedule_state(schedule, resume)
+    restore_schedule_state(schedule, resume.schedule_state if resume is not None else None)
     return schedule
 
 

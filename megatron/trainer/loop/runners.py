@@ -155,5 +155,5 @@ class PipelineRunner:
         if transport.is_coordinator:
             ckpt.publish(root, iteration, ckpt.run_signature(self.task, self.config),
                          transport.pipeline_size, transport.data_parallel_size,
-                         ckpt.schedule_state(self.schedule, self.config.chosen_by))
+                         self.config.schedule_state(self.schedule))
         transport.barrier()
