@@ -1,6 +1,6 @@
 """Convergence studies on the emulator: schedules x depths x optimizers on real text.
 
-    python tools/convergence_study.py --output-dir runs/convergence                 # full (~40 min, 2 cores)
+    python tools/convergence_study.py --output-dir runs/convergence                 # full (~95 min, 2 cores)
     python tools/convergence_study.py --output-dir /tmp/conv-ci --preset ci          # reduced (CI)
     python tools/convergence_study.py --output-dir runs/convergence --study depth    # one study
 
