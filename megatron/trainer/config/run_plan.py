@@ -2,9 +2,11 @@
 
 :class:`~megatron.trainer.config.job_config.JobConfig` is what the user asked for. Everything
 that follows from it and from the machine is here: the schedule's config and the stage layout
-(:class:`~megatron.trainer.config.run_config.RunConfig`), the per-rank memory estimate and the
-room it leaves, what this process's host set-up did, and, for ``auto``, the layouts it may
-rebuild the run in and the decision a rebuilt run was made by. The plan is frozen: a later
+(:class:`~megatron.trainer.config.run_config.RunConfig`), the global batch of every iteration,
+the layer split and how it was decided, the padded vocabulary, whether the embeddings tie, the
+per-rank memory estimate and the room it leaves, what this process's host set-up did, and, for
+``auto``, the layouts it may rebuild the run in and the decision a rebuilt run was made by
+(with the one codec that keeps that decision in checkpoints). The plan is frozen: a later
 decision (``auto``'s memory limit, this rank's core binding) makes a new plan that its caller
 passes on, so what a function read is what the run used.
 
